@@ -1,0 +1,240 @@
+"""The command line of run_hetseq.py: options, checks, and the hand-off to the
+launcher (distributed.py) or the trainer (trainer.py).
+
+Heavy libraries are imported only after the arguments are known to be good,
+so ``--help`` and every bad-input error answer at once.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import config as C
+from .errors import UserError, closest
+
+
+def float_list(text):
+    """--lr: one LR, or HetSeq's per-epoch list 'a,b,c'."""
+    try:
+        if isinstance(text, (int, float)):
+            return [float(text)]
+        if isinstance(text, (list, tuple)):
+            return [float(v) for v in text]
+        return [float(v) for v in str(text).strip("[] ").split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number (or numbers 'a,b,c'), got {text!r}") from None
+
+
+def _typed(fn, what):
+    def convert(text):
+        try:
+            return fn(text)
+        except (ValueError, TypeError, SyntaxError) as exc:
+            raise argparse.ArgumentTypeError(f"expects {what}, got {text!r} ({exc})") from None
+    convert.__name__ = fn.__name__
+    return convert
+
+
+POSITIVE = _typed(C.positive_int, "a positive integer")
+NONNEG = _typed(C.nonneg_int, "an integer >= 0")
+INT_LIST = _typed(C.int_list, "positive integers like 4 or 4,2,1")
+STR_LIST = _typed(C.str_list, "a comma-separated list")
+LITERAL_DICT = _typed(lambda t: t if isinstance(t, dict) else __import__("ast").literal_eval(str(t)) or {},
+                      "a Python dict literal like \"{'lr': 0.5}\"")
+BOOL = _typed(C.str2bool, "true or false")
+
+
+def build_options():
+    from .lr_scheduler import SCHEDULERS
+    from .lr_scheduler import add_args as add_scheduler_args
+    from .optim import OPTIMIZERS
+    from .optim import add_args as add_optimizer_args
+    from .tasks import TASKS
+
+    o = C.Options("run_hetseq.py", "Train a task on one process, one node or several unlike nodes.")
+    o.group("meta", "configuration files")
+    o.add("--config", action="append", default=[], metavar="FILE",
+          help="YAML file of option: value (repeatable; later files win; the command line wins over all)")
+    o.add("--print_config", action="store_true", help="print the resolved configuration as YAML and exit")
+
+    o.group("common", "task and data")
+    o.add("--task", default="mnist", help=f"one of: {', '.join(TASKS.names())}")
+    o.add("--data", default=None, help="data directory or file (MNIST: the idx files; fetched when left out)")
+    o.add("--train-subset", default="train", help="split to train on")
+    o.add("--valid-subset", type=STR_LIST, default="valid", help="comma-separated splits to validate on")
+    o.add("--max-sentences", type=POSITIVE, default=None, help="batch size per process")
+    o.add_alias("--batch-size", "max_sentences")
+    o.add("--max-sentences-valid", type=POSITIVE, default=None, help="validation batch size per process")
+    o.add("--max-tokens", type=POSITIVE, default=None, help="limit of real tokens per batch and process")
+    o.add("--required-batch-size-multiple", type=POSITIVE, default=1, help="batch sizes are rounded to this")
+    o.add("--num-workers", type=NONNEG, default=0, help="batches read ahead in the background (0: inline)")
+    o.add("--no-shuffle", action="store_true", help="train in data order")
+    o.add("--num_iters_per_epoch", type=NONNEG, default=0, help="cap on updates per epoch (0: whole epoch)")
+    o.add("--fast-stat-sync", action="store_true",
+          help="HetSeq compatibility: statistics are always summed over ranks once per log interval")
+    o.add("--model_conf", action=C.MergeDict, default={},
+          help="model options, key=value or '{key: value}' (repeatable)")
+
+    o.group("optimization", "optimization")
+    o.add("--optimizer", default="adam", help=f"one of: {', '.join(OPTIMIZERS.choices())}")
+    o.add("--lr", type=float_list, default="0.001", help="learning rate (HetSeq: 'a,b,c' per epoch)")
+    o.add("--weight-decay", "--wd", type=float, default=0.0, help="weight decay")
+    o.add("--optim_conf", action=C.MergeDict, default={},
+          help="optimizer constructor overrides, key=value or '{key: value}' (repeatable)")
+    o.add("--lr-scheduler", default="PolynomialDecayScheduler", help=f"one of: {', '.join(SCHEDULERS.choices())}")
+    o.add("--warmup-updates", type=NONNEG, default=0, help="linear LR warm-up over this many updates")
+    o.add("--total-num-update", type=NONNEG, default=0, help="updates of the LR decay (0: --max-update)")
+    o.add("--scheduler_conf", action=C.MergeDict, default={},
+          help="LR scheduler overrides, key=value or '{key: value}' (repeatable)")
+    o.add("--max-epoch", type=NONNEG, default=0, help="stop after this many epochs (0: no limit)")
+    o.add("--max-update", type=NONNEG, default=0, help="stop after this many updates (0: no limit)")
+    o.add("--update-freq", type=INT_LIST, default="1", help="accumulate gradients over N batches "
+          "(HetSeq: 'a,b,c' per epoch)")
+    o.add_alias("--accum_grad", "update_freq")
+    o.add("--clip-norm", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
+    o.add("--fp16", action="store_true", help="float16 mixed precision (CUDA; bfloat16 on CPU)")
+    o.add("--bf16", action="store_true", help="bfloat16 mixed precision")
+    o.add("--train_dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+          help="training precision")
+    o.add("--seed", type=int, default=1, help="seed of python, numpy, torch and the batch order")
+    o.add("--cudnn_deterministic", action="store_true", help="deterministic cuDNN kernels")
+    o.add("--cpu", action="store_true", help="train on CPU even when CUDA is present")
+    o.add("--threads", type=NONNEG, default=0, help="torch intra-op threads per process (0: torch's default)")
+
+    o.group("validation", "validation")
+    o.add("--validate-interval", type=POSITIVE, default=1, help="validate every N epochs")
+    o.add("--validate-interval-updates", type=NONNEG, default=0, help="validate every N updates (0: off)")
+    o.add("--disable-validation", action="store_true", help="never validate")
+    o.add("--best-checkpoint-metric", default=None, help="metric for checkpoint_best.pt (task default if unset)")
+    o.add("--maximize-best-checkpoint-metric", type=BOOL, nargs="?", const=True, default=None,
+          help="higher is better for --best-checkpoint-metric (task default if unset)")
+
+    o.group("checkpoint", "checkpoints and resuming")
+    o.add("--save-dir", default="checkpoints", help="where checkpoints, config.yaml and metrics go")
+    o.add("--save-interval", type=POSITIVE, default=1, help="save every N epochs")
+    o.add("--save-interval-updates", type=NONNEG, default=0, help="save every N updates (0: off)")
+    o.add("--keep-interval-updates", type=NONNEG, default=0, help="keep the newest N update checkpoints (0: all)")
+    o.add("--keep-last-epochs", type=NONNEG, default=0, help="keep the newest N epoch checkpoints (0: all)")
+    o.add("--no-epoch-checkpoints", action="store_true", help="no checkpoint{epoch}.pt")
+    o.add("--no-last-checkpoints", action="store_true", help="no checkpoint_last.pt")
+    o.add("--no-save-optimizer-state", action="store_true", help="leave the optimizer state out")
+    o.add("--no-save", action="store_true", help="write no checkpoints and no files")
+    o.add("--resume", action="store_true", help="continue from checkpoint_last.pt in --save-dir, if any")
+    o.add("--restore-file", default=None, help="start from this checkpoint")
+    o.add("--reset-optimizer", action="store_true", help="do not restore the optimizer state")
+    o.add("--reset-lr-scheduler", action="store_true", help="do not restore the LR schedule")
+    o.add("--reset-meters", action="store_true", help="do not restore meters and the best metric")
+    o.add("--reset-dataloader", action="store_true", help="do not restore the position in the data")
+    o.add("--optimizer-overrides", type=LITERAL_DICT, default="{}",
+          help="dict literal of optimizer values to override on restore, e.g. \"{'lr': 0.5}\"")
+
+    o.group("logging", "logging")
+    o.add("--log-format", choices=["none", "simple", "json", "tqdm"], default=None,
+          help="tqdm on a terminal, simple otherwise")
+    o.add("--log-interval", type=NONNEG, default=100, help="log every N updates")
+
+    o.group("distributed", "distributed training")
+    o.add("--distributed-world-size", type=POSITIVE, default=1, help="processes over all nodes")
+    o.add("--distributed-init-method", default=None, help="tcp://HOST:PORT or file:///shared/path")
+    o.add("--distributed-gpus", type=NONNEG, default=0, help="processes to start on this node")
+    o.add("--distributed-rank", type=NONNEG, default=0, help="global rank of this node's first process")
+    o.add("--distributed-backend", choices=["gloo", "nccl"], default=None, help="nccl with CUDA, else gloo")
+    o.add("--distributed-no-spawn", action="store_true", help="this process is one rank; start no others")
+    o.add("--distributed-port", type=int, default=-1, help="HetSeq compatibility: port for tcp rendezvous")
+    o.add("--device-id", "--local_rank", type=int, default=None, help="GPU of this process")
+    o.add("--ddp-backend", choices=["c10d"], default="c10d", help="DDP implementation (PyTorch's c10d)")
+    o.add("--bucket-cap-mb", type=POSITIVE, default=25, help="DDP gradient bucket size")
+    o.add("--find-unused-parameters", action="store_true", help="DDP: allow parameters without gradient")
+    o.add("--distributed-timeout", type=POSITIVE, default=300,
+          help="seconds to wait for a missing rank before failing")
+
+    for name, cls in TASKS.items():
+        o.group(f"task:{name}", f"task {name}")
+        cls.add_args(o)
+    add_optimizer_args(o)
+    add_scheduler_args(o)
+    return o
+
+
+def groups_for(ns):
+    from .lr_scheduler import SCHEDULERS
+    from .optim import OPTIMIZERS
+    from .tasks import TASKS
+    ns.task = TASKS.canonical(ns.task)
+    ns.optimizer = OPTIMIZERS.canonical(ns.optimizer)
+    ns.lr_scheduler = SCHEDULERS.canonical(ns.lr_scheduler)
+    return ["common", "optimization", "validation", "checkpoint", "logging", "distributed",
+            f"task:{ns.task}", f"optimizer:{ns.optimizer}", f"lr_scheduler:{ns.lr_scheduler}"]
+
+
+def check(options, ns):
+    """Combinations argparse cannot see, checked before anything heavy starts."""
+    from .optim import OPTIMIZERS
+    from .tasks import TASKS
+
+    if ns.max_sentences is None and ns.max_tokens is None:
+        raise UserError("give a batch size: --max-sentences N (or --max-tokens N)")
+    if not ns.max_epoch and not ns.max_update:
+        raise UserError("training would never stop: set --max-epoch or --max-update")
+    if ns.fp16 and ns.bf16:
+        raise UserError("--fp16 and --bf16 exclude each other; choose one")
+    optim_keys = OPTIMIZERS.get(ns.optimizer).kwargs(ns)
+    for key in ns.optim_conf:
+        if key not in optim_keys:
+            raise UserError(f"unknown key {key!r} in --optim_conf for optimizer {ns.optimizer}"
+                            f"{closest(key, optim_keys)}; valid keys: {', '.join(sorted(optim_keys))}")
+    scheduler_keys = set(options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])) | \
+        {"lr", "warmup_updates", "total_num_update"}
+    for key in ns.scheduler_conf:
+        if key not in scheduler_keys:
+            raise UserError(f"unknown key {key!r} in --scheduler_conf for {ns.lr_scheduler}"
+                            f"{closest(key, scheduler_keys)}; valid keys: {', '.join(sorted(scheduler_keys))}")
+    if ns.restore_file and ns.resume:
+        raise UserError("--resume and --restore-file exclude each other: --resume reads checkpoint_last.pt "
+                        "from --save-dir, --restore-file the file you name")
+    if not isinstance(ns.optimizer_overrides, dict):
+        raise UserError("--optimizer-overrides expects a dict literal like \"{'lr': 0.5}\"")
+    TASKS.get(ns.task).check_config(ns)
+
+
+def parse(argv):
+    from .tasks import TASKS
+    options = build_options()
+    ns, keys = C.resolve(options, argv, TASKS, groups_for)
+    return options, ns, keys
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        options, ns, keys = parse(argv)
+        if ns.print_config:
+            sys.stdout.write(C.to_yaml(ns, keys))
+            return 0
+        check(options, ns)
+        return run(ns, keys)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def run(ns, keys):
+    from . import distributed
+    if ns.scheduler_conf:
+        for key, value in ns.scheduler_conf.items():
+            setattr(ns, key, float_list(value) if key == "lr" else value)
+    if distributed.placement_from_env(ns) is None:
+        if ns.distributed_no_spawn and ns.distributed_init_method:
+            placement = distributed.Placement(
+                rank=ns.distributed_rank, world_size=ns.distributed_world_size,
+                local_rank=ns.device_id or 0, local_world_size=1, init_method=ns.distributed_init_method)
+            distributed.export(placement)
+        else:
+            placements = distributed.local_plan(ns)
+            if placements is not None:
+                return distributed.spawn(placements, ns.distributed_timeout)
+    from .trainer import train
+    return train(ns, keys)

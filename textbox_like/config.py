@@ -1,0 +1,335 @@
+"""Configuration: defaults < properties/overall.yaml < properties/task/<task>.yaml
+< ``--config FILE`` (repeatable) < command line.
+
+Every option has one name in the resolved config (``max_update``) and answers
+to both spellings on the command line (``--max-update``, ``--max_update``), as
+HetSeq's and ESPnet2's users each expect theirs.
+
+Options are registered on one argparse parser in named groups; the resolved
+configuration printed by ``--print_config`` and saved as ``config.yaml`` holds
+the groups that apply to this run (common, the task's, the chosen
+optimizer's and LR scheduler's), so feeding it back with ``--config``
+reproduces it exactly.
+
+This module imports no heavy library: ``--help`` must answer at once.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from .errors import UserError, closest
+
+PROPERTIES = Path(__file__).resolve().parent.parent / "properties"
+
+
+# ---------------------------------------------------------------- value types
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {text}")
+    return value
+
+
+def nonneg_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {text}")
+    return value
+
+
+def int_list(text):
+    """'4,2,1' or [4, 2, 1] -> [4, 2, 1] (HetSeq's per-epoch --update-freq)."""
+    if isinstance(text, (list, tuple)):
+        values = [int(v) for v in text]
+    elif isinstance(text, int):
+        values = [text]
+    else:
+        values = [int(v) for v in str(text).strip("[]() ").split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"expects positive integers like 4 or 4,2,1, got {text!r}")
+    return values
+
+
+def str_list(text):
+    if isinstance(text, (list, tuple)):
+        return [str(v) for v in text]
+    return [v.strip() for v in str(text).split(",") if v.strip()]
+
+
+def float_tuple(text):
+    """'(0.9, 0.999)' -> [0.9, 0.999], read with ast.literal_eval, never eval."""
+    if isinstance(text, (list, tuple)):
+        value = text
+    else:
+        value = ast.literal_eval(str(text))
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
+        raise ValueError(f"expects a tuple of numbers like '(0.9, 0.999)', got {text!r}")
+    return [float(v) for v in value]
+
+
+def str2bool(text):
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).lower()
+    if lowered in ("true", "yes", "1", "on"):
+        return True
+    if lowered in ("false", "no", "0", "off", "none"):
+        return False
+    raise ValueError(f"expects true or false, got {text!r}")
+
+
+def parse_dict(text):
+    """'{lr: 0.1, rho: 0.8}' or 'lr=0.1' -> dict. YAML safe_load for values."""
+    if isinstance(text, dict):
+        return dict(text)
+    text = str(text).strip()
+    if text.startswith("{"):
+        value = yaml.safe_load(text)
+        if not isinstance(value, dict):
+            raise ValueError(f"expects a mapping like '{{lr: 0.1}}', got {text!r}")
+        return value
+    out = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise ValueError(f"expects key=value or '{{key: value}}', got {text!r}")
+        key, raw = part.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw)
+    return out
+
+
+class MergeDict(argparse.Action):
+    """Repeatable dict option: each occurrence updates the dict."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = dict(getattr(namespace, self.dest) or {})
+        try:
+            current.update(parse_dict(values))
+        except (ValueError, yaml.YAMLError) as exc:
+            raise UserError(f"{option_string}: {exc}") from None
+        setattr(namespace, self.dest, current)
+
+
+# ---------------------------------------------------------------- registration
+class Options:
+    """The parser plus the record of which option belongs to which group."""
+
+    def __init__(self, prog, description):
+        self.parser = argparse.ArgumentParser(
+            prog=prog, description=description, allow_abbrev=False,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        self.groups = {}          # group name -> list of dests
+        self.actions = {}         # dest -> argparse action
+        self._group = None
+        self._argparse_group = self.parser
+
+    def group(self, name, title=None):
+        self._group = name
+        self.groups.setdefault(name, [])
+        self._argparse_group = self.parser.add_argument_group(title or name)
+        return self
+
+    def add(self, *flags, **kwargs):
+        """Like add_argument; every '--a-b' also answers to '--a_b' and back."""
+        names = []
+        for flag in flags:
+            names.append(flag)
+            if flag.startswith("--"):
+                body = flag[2:]
+                for alt in (body.replace("-", "_"), body.replace("_", "-")):
+                    if "--" + alt not in names:
+                        names.append("--" + alt)
+        if "dest" not in kwargs:
+            kwargs["dest"] = flags[0].lstrip("-").replace("-", "_")
+        if kwargs["dest"] in self.actions:
+            # the same option shared by several components (adam, adamw)
+            if kwargs["dest"] not in self.groups[self._group]:
+                self.groups[self._group].append(kwargs["dest"])
+            return self.actions[kwargs["dest"]]
+        action = self._argparse_group.add_argument(*names, **kwargs)
+        if kwargs["dest"] not in self.actions:
+            self.groups[self._group].append(kwargs["dest"])
+            self.actions[kwargs["dest"]] = action
+        return action
+
+    def add_alias(self, flag, dest):
+        """A second flag for an existing option, e.g. --accum_grad for update_freq."""
+        action = self.actions[dest]
+        kwargs = {"dest": dest, "help": f"alias of --{dest.replace('_', '-')}",
+                  "default": argparse.SUPPRESS}
+        for key in ("type", "nargs", "const", "choices"):
+            value = getattr(action, key, None)
+            if value is not None:
+                kwargs[key] = value
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            kwargs = {"dest": dest, "action": type(action).__name__ == "_StoreTrueAction" and "store_true" or "store_false",
+                      "help": kwargs["help"], "default": argparse.SUPPRESS}
+        body = flag[2:]
+        names = [flag] + [f"--{b}" for b in {body.replace("-", "_"), body.replace("_", "-")} if f"--{b}" != flag]
+        self._argparse_group.add_argument(*names, **kwargs)
+
+
+# ---------------------------------------------------------------- YAML layers
+def load_yaml(path, what="config file"):
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {str(path)!r} does not exist; check the path")
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{what} {str(path)!r} is not valid YAML{where}: "
+                        f"{getattr(exc, 'problem', None) or exc}; fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {str(path)!r} must hold a mapping of option: value, not {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _check_keys(layer, options, source):
+    for key in layer:
+        if key not in options.actions:
+            raise UserError(f"unknown key {key!r} in {source}{closest(key, options.actions)}; "
+                            f"run with --help for the valid options")
+
+
+def _prescan(argv, names):
+    """Values of a few options from argv before the full parse (last wins)."""
+    found = {name: [] for name in names}
+    flags = {}
+    for name in names:
+        for spelling in {name, name.replace("_", "-")}:
+            flags["--" + spelling] = name
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if key in flags:
+            if not eq:
+                if i + 1 >= len(argv):
+                    break
+                value = argv[i + 1]
+                i += 1
+            found[flags[key]].append(value)
+        i += 1
+    return found
+
+
+class Parser(argparse.ArgumentParser):
+    pass
+
+
+def _error_to_user(parser):
+    """argparse prints usage and exits 2 on error; we want one line."""
+
+    def error(message):
+        if message.startswith("unrecognized arguments"):
+            bad = message.split(":", 1)[1].split()[0]
+            flag = bad.split("=")[0]
+            known = [s for a in parser._actions for s in a.option_strings]
+            raise UserError(f"unknown option {flag}{closest(flag, known)}; run with --help for the valid options")
+        raise UserError(message)
+
+    parser.error = error
+
+
+def resolve(options: Options, argv, task_registry, component_groups):
+    """Parse ``argv`` with the layered defaults. Returns (namespace, keys) where
+    ``keys`` lists the options that apply to this run, in group order.
+
+    ``component_groups(ns)`` names the groups that apply given the chosen task,
+    optimizer and scheduler.
+    """
+    parser = options.parser
+    _error_to_user(parser)
+    pre = _prescan(argv, ["config", "task"])
+
+    layers = []
+    overall = PROPERTIES / "overall.yaml"
+    if overall.is_file():
+        layers.append((load_yaml(overall, "properties file"), str(overall)))
+    config_layers = [(load_yaml(p), p) for p in pre["config"]]
+
+    task = pre["task"][-1] if pre["task"] else None
+    if task is None:
+        for layer, _ in reversed(config_layers):
+            if "task" in layer:
+                task = layer["task"]
+                break
+    if task is None:
+        for layer, _ in reversed(layers):
+            if "task" in layer:
+                task = layer["task"]
+                break
+    if task is not None:
+        task = task_registry.canonical(task)
+        task_yaml = PROPERTIES / "task" / f"{task}.yaml"
+        if task_yaml.is_file():
+            layers.append((load_yaml(task_yaml, "properties file"), str(task_yaml)))
+    layers.extend(config_layers)
+
+    merged = {}
+    for layer, source in layers:
+        _check_keys(layer, options, source)
+        for key, value in layer.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+    if task is not None:
+        merged["task"] = task
+    # argparse runs string defaults through the option's type, so a YAML
+    # 'lr: abc' fails exactly like '--lr abc'.
+    parser.set_defaults(**merged)
+    ns = parser.parse_args(argv)
+    for dest, action in options.actions.items():
+        value = getattr(ns, dest, None)
+        if value is not None and action.type is not None and not isinstance(value, str) \
+                and action.type not in (str,):
+            try:
+                setattr(ns, dest, action.type(value))
+            except (TypeError, ValueError) as exc:
+                raise UserError(f"option {dest}: {exc}") from None
+    keys = []
+    for group in component_groups(ns):
+        keys.extend(options.groups.get(group, []))
+    return ns, keys
+
+
+def to_yaml(ns, keys) -> str:
+    data = {key: _plain(getattr(ns, key)) for key in keys}
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+
+
+def _plain(value):
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_config(ns, keys, directory):
+    os.makedirs(directory, exist_ok=True)
+    target = Path(directory) / "config.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(ns, keys))
+    os.replace(tmp, target)
+    return target
+
+
+def die(message, code=2):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)

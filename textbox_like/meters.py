@@ -1,0 +1,146 @@
+"""Meters and log output.
+
+Statistics are sums (loss sums, correct counts, sample counts), kept as
+tensors on the device between log events so the training step never waits
+for a host sync; at a log event they are summed over ranks once and turned
+into metrics by the task. Only rank 0 prints and writes files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+class StatSums:
+    """Running sums of a task's stats; a state_dict of floats."""
+
+    def __init__(self):
+        self.sums = {}
+
+    def add(self, stats: dict):
+        for key, value in stats.items():
+            current = self.sums.get(key)
+            value = value.detach() if hasattr(value, "detach") else value
+            self.sums[key] = value if current is None else current + value
+
+    def reduce(self, accelerator) -> dict:
+        """Floats summed over all ranks (one collective)."""
+        import torch
+        keys = sorted(self.sums)
+        if not keys:
+            return {}
+        values = torch.stack([torch.as_tensor(self.sums[k], dtype=torch.float64, device=accelerator.device)
+                              for k in keys])
+        if accelerator.num_processes > 1:
+            values = accelerator.reduce(values, reduction="sum")
+        return dict(zip(keys, values.tolist()))
+
+    def reset(self):
+        self.sums = {}
+
+    def state_dict(self):
+        return {k: float(v) for k, v in self.sums.items()}
+
+    def load_state_dict(self, state):
+        self.sums = dict(state)
+
+
+class TrainClock:
+    """Wall time and throughput, carried across restarts."""
+
+    def __init__(self):
+        self.elapsed_before = 0.0
+        self.start = time.perf_counter()
+        self.mark_time = self.start
+        self.mark_samples = 0
+        self.mark_updates = 0
+
+    def elapsed(self):
+        return self.elapsed_before + time.perf_counter() - self.start
+
+    def rates(self, samples, updates):
+        now = time.perf_counter()
+        dt = max(now - self.mark_time, 1e-9)
+        out = (samples - self.mark_samples) / dt, (updates - self.mark_updates) / dt
+        self.mark_time, self.mark_samples, self.mark_updates = now, samples, updates
+        return out
+
+    def state_dict(self):
+        return {"elapsed": self.elapsed()}
+
+    def load_state_dict(self, state):
+        self.elapsed_before = float(state["elapsed"])
+        self.start = time.perf_counter()
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}" if not math.isinf(value) else str(value)
+    return str(value)
+
+
+class Logger:
+    """Progress bar or log lines for people, metrics.jsonl for programs."""
+
+    def __init__(self, cfg, is_main: bool):
+        self.is_main = is_main
+        fmt = cfg.log_format
+        if fmt is None:
+            fmt = "tqdm" if sys.stderr.isatty() else "simple"
+        self.format = fmt
+        self.bar = None
+        self.jsonl = None
+        if is_main and not cfg.no_save and cfg.save_dir:
+            Path(cfg.save_dir).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(Path(cfg.save_dir) / "metrics.jsonl", "a", buffering=1)
+
+    def info(self, message):
+        if self.is_main and self.format != "none":
+            if self.bar is not None:
+                self.bar.write(message, file=sys.stderr)
+            else:
+                print(message, file=sys.stderr, flush=True)
+
+    def start_epoch(self, epoch, total_steps, done_steps):
+        if self.is_main and self.format == "tqdm":
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total_steps, initial=done_steps, desc=f"epoch {epoch:03d}",
+                            dynamic_ncols=True, leave=False, file=sys.stderr)
+
+    def advance(self, steps=1):
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def end_epoch(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def log(self, kind, record: dict):
+        """kind: 'train' or 'valid' (or 'valid_<subset>')."""
+        if not self.is_main:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self.format == "none":
+            return
+        if self.format == "json":
+            print(json.dumps({"kind": kind, **record}), file=sys.stderr, flush=True)
+            return
+        if self.format == "tqdm" and self.bar is not None and kind == "train":
+            self.bar.set_postfix({k: _fmt(v) for k, v in record.items()
+                                  if k in ("loss", "accuracy", "lr", "gnorm", "samples_per_s")}, refresh=False)
+            return
+        text = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items())
+        self.info(f"{kind} | {text}")
+
+    def close(self):
+        self.end_epoch()
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None

@@ -1,0 +1,1 @@
+"""Models built by tasks (imported lazily by the tasks that use them)."""

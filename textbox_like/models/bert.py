@@ -1,0 +1,268 @@
+"""BERT for pre-training, with the MLM head computed only at masked positions.
+
+The module is a ``transformers.BertForPreTraining`` (same sub-modules, same
+state_dict keys, ``save_pretrained``/``from_pretrained`` compatible); only its
+``forward`` learns one more argument, ``masked_lm_positions`` (B, P). Given it,
+the encoder output is gathered at those positions before the prediction head,
+as NVIDIA's BERT does: the vocabulary-sized decoder then runs on B*P rows
+instead of B*L, which for small BERTs is most of the step's FLOPs. Without it
+the forward is ``BertForPreTraining``'s own.
+
+Import this module only where torch and transformers are wanted (tasks import
+it inside methods).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import BertConfig, BertForPreTraining
+
+from ..config import PROPERTIES, load_yaml
+from ..errors import UserError
+
+PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
+IGNORE_INDEX = -100
+
+
+# ------------------------------------------------------------------ config
+def read_vocab_size(path) -> int:
+    """Number of tokens in a WordPiece vocab.txt (one token a line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"vocabulary file {str(path)!r} does not exist; check --dict")
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    while lines and lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise UserError(f"vocabulary file {str(path)!r} is empty; give a vocab.txt with one token a line")
+    return len(lines)
+
+
+def load_preset(name) -> dict:
+    if name not in PRESETS:
+        raise UserError(f"unknown model preset {name!r}; choose from: {', '.join(PRESETS)}")
+    return load_yaml(PROPERTIES / "model" / f"{name}.yaml", "model preset")
+
+
+def _config_from_json(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"BERT config file {str(path)!r} does not exist; check --config_file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"BERT config file {str(path)!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"BERT config file {str(path)!r} must hold a JSON object")
+    return data
+
+
+def build_bert_config(config_file=None, preset=None, vocab_file=None, dimension=None,
+                      num_heads=None, dim_feedforward=None, num_layers=None,
+                      activation=None, dropout=None, max_position_embeddings=None,
+                      base=None) -> BertConfig:
+    """The model's ``BertConfig``.
+
+    Source, first that applies: ``config_file`` (Google/NVIDIA bert_config.json),
+    ``preset``, ``base`` (a dict, e.g. a transformers save's config), else the
+    ``base`` preset. Then the overrides: ``dimension`` (hidden size; the
+    feed-forward follows at 4x unless ``dim_feedforward`` is given),
+    ``num_heads``, ``num_layers``, ``activation``, ``dropout`` (hidden and
+    attention dropout). The vocabulary size comes from ``vocab_file`` when
+    given; a config_file whose vocab_size differs is an error, except NVIDIA's
+    padding of the vocabulary to a multiple of 8.
+    """
+    if config_file:
+        values = _config_from_json(config_file)
+        source = f"config file {str(config_file)!r}"
+    elif preset:
+        values = dict(load_preset(preset))
+        source = f"preset {preset!r}"
+    elif base is not None:
+        values = dict(base)
+        source = "the initial checkpoint's config"
+    else:
+        values = dict(load_preset("base"))
+        source = "preset 'base'"
+    values = {k: v for k, v in values.items() if not k.startswith("_")}
+    if vocab_file:
+        vocab_size = read_vocab_size(vocab_file)
+        declared = values.get("vocab_size") if (config_file or base is not None) else None
+        if declared is not None:
+            padded = vocab_size + (-vocab_size) % 8
+            if declared not in (vocab_size, padded):
+                raise UserError(
+                    f"vocabulary {str(vocab_file)!r} has {vocab_size} tokens but {source} says "
+                    f"vocab_size {declared}; give the vocab.txt the model was configured for")
+            vocab_size = declared
+        values["vocab_size"] = vocab_size
+    values.setdefault("vocab_size", 30522)
+    if dimension is not None:
+        values["hidden_size"] = int(dimension)
+        if dim_feedforward is None:
+            values["intermediate_size"] = 4 * int(dimension)
+    if dim_feedforward is not None:
+        values["intermediate_size"] = int(dim_feedforward)
+    if num_heads is not None:
+        values["num_attention_heads"] = int(num_heads)
+    if num_layers is not None:
+        values["num_hidden_layers"] = int(num_layers)
+    if activation is not None:
+        values["hidden_act"] = activation
+    if dropout is not None:
+        values["hidden_dropout_prob"] = float(dropout)
+        values["attention_probs_dropout_prob"] = float(dropout)
+    if max_position_embeddings is not None:
+        values["max_position_embeddings"] = int(max_position_embeddings)
+    try:
+        config = BertConfig(**values)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"invalid BERT configuration from {source}: {exc}") from None
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        value = getattr(config, key, None)
+        if not isinstance(value, int) or value <= 0:
+            raise UserError(f"BERT {key} must be a positive integer, got {value!r} (from {source} and the overrides)")
+    if config.hidden_size % config.num_attention_heads:
+        raise UserError(f"hidden size {config.hidden_size} is not a multiple of the number of heads "
+                        f"{config.num_attention_heads}; change --dimension or --num-heads")
+    return config
+
+
+# ------------------------------------------------------------------ model
+class BertForPreTrainingMasked(BertForPreTraining):
+    """``BertForPreTraining`` whose forward can evaluate the MLM head only at
+    ``masked_lm_positions``.
+
+    ``forward(input_ids, attention_mask, token_type_ids, masked_lm_positions)``
+    returns ``(mlm_logits (B*P, V), nsp_logits (B, 2))``; the MLM logits of
+    row ``b*P + j`` belong to position ``masked_lm_positions[b, j]``. Without
+    ``masked_lm_positions`` it is ``BertForPreTraining.forward``.
+    """
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None,
+                masked_lm_positions=None, **kwargs):
+        if masked_lm_positions is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                                   token_type_ids=token_type_ids, **kwargs)
+        batch, length = input_ids.shape
+        vocab = self.config.vocab_size
+        if batch == 0:
+            # An empty batch (e.g. a rank with nothing left): outputs of the
+            # right shapes that still touch every trainable parameter, so that
+            # backward and gradient all-reduce behave as for a real batch.
+            anchor = sum(p.reshape(-1)[:1].sum() for p in self.parameters() if p.requires_grad) * 0.0
+            mlm = input_ids.new_zeros((0, vocab), dtype=torch.float32) + anchor
+            nsp = input_ids.new_zeros((0, 2), dtype=torch.float32) + anchor
+            return mlm, nsp
+        out = self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                        token_type_ids=token_type_ids, return_dict=True)
+        sequence, pooled = out.last_hidden_state, out.pooler_output
+        hidden = sequence.shape[-1]
+        index = masked_lm_positions.clamp(0, length - 1).unsqueeze(-1).expand(-1, -1, hidden)
+        picked = sequence.gather(1, index).reshape(-1, hidden)
+        mlm = self.cls.predictions(picked)
+        nsp = self.cls.seq_relationship(pooled)
+        return mlm, nsp
+
+
+def pretraining_sums(mlm_logits, nsp_logits, masked_lm_ids, next_sentence_labels):
+    """Summed losses and counts for one batch (all scalar tensors).
+
+    ``masked_lm_ids`` (B, P) holds ``IGNORE_INDEX`` where nothing is masked.
+    """
+    labels = masked_lm_ids.reshape(-1)
+    mlm_sum = F.cross_entropy(mlm_logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    nsp_sum = F.cross_entropy(nsp_logits.float(), next_sentence_labels.reshape(-1), reduction="sum")
+    valid = labels != IGNORE_INDEX
+    n_masked = valid.sum()
+    with torch.no_grad():
+        mlm_correct = ((mlm_logits.argmax(-1) == labels) & valid).sum()
+        nsp_correct = (nsp_logits.argmax(-1) == next_sentence_labels.reshape(-1)).sum()
+    return {"mlm_loss_sum": mlm_sum, "nsp_loss_sum": nsp_sum, "n_masked": n_masked,
+            "mlm_correct": mlm_correct, "nsp_correct": nsp_correct}
+
+
+def full_labels(input_ids, masked_lm_positions, masked_lm_ids):
+    """(B, L) MLM labels in HF's convention: the token at masked positions,
+    ``IGNORE_INDEX`` everywhere else."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    valid = masked_lm_ids != IGNORE_INDEX
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1).expand_as(masked_lm_positions)
+    labels[rows[valid], masked_lm_positions[valid]] = masked_lm_ids[valid]
+    return labels
+
+
+# ------------------------------------------------------------------ init / freeze
+def _strip_prefix(state):
+    for prefix in ("module.", "_orig_mod."):
+        if state and all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def read_init_state(path):
+    """State dict of ``--init-checkpoint``: one of our checkpoints (a
+    torch.save'd dict with key "model") or a transformers save directory."""
+    path = Path(path)
+    if path.is_dir():
+        try:
+            model = BertForPreTraining.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--init-checkpoint {str(path)!r} is not a transformers BERT save directory: "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        return model.state_dict()
+    if not path.is_file():
+        raise UserError(f"--init-checkpoint {str(path)!r} does not exist; check the path")
+    try:
+        data = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"--init-checkpoint {str(path)!r} is not a readable checkpoint ({first})") from None
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+        state = data["model"]
+    elif isinstance(data, dict) and data and all(torch.is_tensor(v) for v in data.values()):
+        state = data
+    else:
+        raise UserError(f"--init-checkpoint {str(path)!r} holds no model state (expected a dict with key 'model')")
+    return _strip_prefix(state)
+
+
+def load_init_checkpoint(model, path):
+    state = read_init_state(path)
+    own = model.state_dict()
+    bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+           if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        raise UserError(f"--init-checkpoint {str(path)!r} does not fit this model: {bad[0]}"
+                        f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; use the same model configuration")
+    matched = [k for k in state if k in own]
+    if not matched:
+        raise UserError(f"--init-checkpoint {str(path)!r} shares no parameter with the BERT model")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # position_ids buffers and the tied decoder are allowed to be absent
+    missing = [k for k in missing if not k.endswith("position_ids") and k != "cls.predictions.decoder.weight"]
+    return missing, list(unexpected)
+
+
+def freeze_encoder(model):
+    """Freeze the embeddings and transformer layers; the pooler and the
+    pre-training heads stay trainable (the MLM decoder weight is tied to the
+    word embeddings and so is frozen with them)."""
+    for module in (model.bert.embeddings, model.bert.encoder):
+        for p in module.parameters():
+            p.requires_grad_(False)
+
+
+def no_decay(name: str) -> bool:
+    """Biases and LayerNorm weights get no weight decay."""
+    return name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name
+
+
+def is_transformers_dir(path) -> bool:
+    return bool(path) and os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))

@@ -1,0 +1,69 @@
+"""The optimizers HetSeq offers, on torch.optim."""
+from ..config import float_tuple
+from . import OptimizerSpec, register_optimizer
+
+
+def _add_adam_args(options, prefix="adam"):
+    options.add(f"--{prefix}-betas", type=float_tuple, default="(0.9, 0.999)",
+                help="betas, as a Python tuple literal")
+    options.add(f"--{prefix}-eps", type=float, default=1e-8, help="epsilon")
+
+
+@register_optimizer("adam")
+class Adam(OptimizerSpec):
+    """Adam with decoupled weight decay, as HetSeq's (fairseq's) adam."""
+
+    @staticmethod
+    def add_args(options):
+        _add_adam_args(options)
+
+    @staticmethod
+    def kwargs(cfg):
+        return {"lr": cfg.lr[0], "betas": list(cfg.adam_betas), "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay}
+
+    @staticmethod
+    def build(param_groups, **kwargs):
+        import torch
+        return torch.optim.AdamW(param_groups, **kwargs)
+
+
+@register_optimizer("adamw")
+class AdamW(Adam):
+    """torch.optim.AdamW (same update as adam; kept under its usual name)."""
+
+
+@register_optimizer("adadelta")
+class Adadelta(OptimizerSpec):
+    @staticmethod
+    def add_args(options):
+        options.add("--adadelta_rho", type=float, default=0.9, help="rho")
+        options.add("--adadelta_eps", type=float, default=1e-6, help="epsilon")
+
+    @staticmethod
+    def kwargs(cfg):
+        return {"lr": cfg.lr[0], "rho": cfg.adadelta_rho, "eps": cfg.adadelta_eps,
+                "weight_decay": cfg.weight_decay}
+
+    @staticmethod
+    def build(param_groups, **kwargs):
+        import torch
+        return torch.optim.Adadelta(param_groups, **kwargs)
+
+
+@register_optimizer("sgd")
+class SGD(OptimizerSpec):
+    @staticmethod
+    def add_args(options):
+        options.add("--momentum", type=float, default=0.0, help="momentum")
+        options.add("--nesterov", action="store_true", help="Nesterov momentum")
+
+    @staticmethod
+    def kwargs(cfg):
+        return {"lr": cfg.lr[0], "momentum": cfg.momentum, "nesterov": cfg.nesterov,
+                "weight_decay": cfg.weight_decay}
+
+    @staticmethod
+    def build(param_groups, **kwargs):
+        import torch
+        return torch.optim.SGD(param_groups, **kwargs)

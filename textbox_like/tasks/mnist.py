@@ -1,0 +1,54 @@
+"""MNIST digit classification with HetSeq's CNN."""
+from ..errors import UserError, closest
+from . import register_task
+from .base import Task
+
+
+MODEL_OPTIONS = {"hidden": 128, "dropout1": 0.25, "dropout2": 0.5}
+
+
+@register_task("mnist")
+class MNISTTask(Task):
+    default_best_metric = "accuracy"
+    default_maximize_best_metric = True
+
+    @classmethod
+    def check_config(cls, cfg):
+        from pathlib import Path
+        if cfg.data and not Path(cfg.data).is_dir():
+            raise UserError(f"--data {cfg.data}: no such directory; give the directory holding the MNIST "
+                            f"idx files, or leave --data out to fetch MNIST")
+        unknown = set(cfg.model_conf) - set(MODEL_OPTIONS)
+        if unknown:
+            key = sorted(unknown)[0]
+            raise UserError(f"unknown key {key!r} in --model_conf for mnist{closest(key, MODEL_OPTIONS)}; "
+                            f"valid keys: {', '.join(MODEL_OPTIONS)}")
+
+    def prepare_data(self):
+        from ..data.mnist import ensure_mnist
+        self.data_dir = ensure_mnist(self.cfg.data)
+
+    def build_dataset(self, split):
+        from ..data.mnist import FILES, MNISTDataset, ensure_mnist, load_split
+        if split not in FILES:
+            raise UserError(f"MNIST has no split {split!r}; use one of: {', '.join(FILES)}")
+        if not hasattr(self, "data_dir"):
+            self.data_dir = ensure_mnist(self.cfg.data)
+        return MNISTDataset(*load_split(self.data_dir, split))
+
+    def build_model(self):
+        from ..models.mnist_cnn import MNISTNet
+        return MNISTNet(**{**MODEL_OPTIONS, **self.cfg.model_conf})
+
+    def loss(self, model, batch):
+        import torch.nn.functional as F
+        log_probs = model(batch["image"])
+        target = batch["target"]
+        loss_sum = F.nll_loss(log_probs.float(), target, reduction="sum")
+        correct = (log_probs.argmax(dim=1) == target).sum()
+        n = target.new_tensor(target.numel())
+        return loss_sum, {"loss_sum": loss_sum.detach(), "correct": correct, "nsamples": n, "sample_size": n}
+
+    def metrics(self, sums):
+        n = max(sums.get("nsamples", 0.0), 1.0)
+        return {"loss": sums.get("loss_sum", 0.0) / n, "accuracy": sums.get("correct", 0.0) / n}
