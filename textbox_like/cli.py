@@ -237,4 +237,28 @@ def run(ns, keys):
             if placements is not None:
                 return distributed.spawn(placements, ns.distributed_timeout)
     from .trainer import train
-    return train(ns, keys)
+    try:
+        return train(ns, keys)
+    except Exception as exc:
+        if not _lost_peer(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        print(f"error: rank {distributed.os.environ.get('RANK', '?')}: another process of this run died or is "
+              f"unreachable ({first}); stopping", file=sys.stderr)
+        return 1
+
+
+def _lost_peer(exc):
+    """A collective failed because a peer is gone: one line, not a traceback."""
+    if "WORLD_SIZE" not in distributed.os.environ or distributed.os.environ["WORLD_SIZE"] == "1":
+        return False
+    try:
+        from torch.distributed import DistError
+        if isinstance(exc, DistError):
+            return True
+    except ImportError:
+        pass
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out",
+                            "Gloo", "gloo", "NCCL", "connectFullMesh"))

@@ -140,6 +140,16 @@ def local_plan(cfg):
                       init_method=init, master_addr=host, master_port=port) for i in range(gpus)]
 
 
+def _die_with_parent():
+    """In a child: get SIGTERM (save and stop) if the launcher is killed,
+    instead of training on as an orphan."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def spawn(placements, timeout):
     """Start one child per placement (re-running this command with rank
     variables), forward signals, and fail fast: when one child fails, the
@@ -153,7 +163,7 @@ def spawn(placements, timeout):
                     "MASTER_ADDR": p.master_addr, "TEXTBOX_LIKE_INIT_METHOD": p.init_method})
         if p.master_port:
             env["MASTER_PORT"] = p.master_port
-        children.append(subprocess.Popen(argv, env=env))
+        children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
 
     def forward(signum, _frame):
         for child in children:
@@ -218,12 +228,9 @@ def init_process_group(p: Placement, cfg):
     import torch
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(p.rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(p.local_rank),
-                       "LOCAL_WORLD_SIZE": str(p.local_world_size), "MASTER_ADDR": p.master_addr or "127.0.0.1"})
-    if p.master_port:
-        os.environ["MASTER_PORT"] = str(p.master_port)
     if p.world_size <= 1 or dist.is_initialized():
-        return
+        return  # one process: no group, and no rank variables that would make Accelerate open one
+    export(p)
     cuda = torch.cuda.is_available() and not cfg.cpu
     backend = cfg.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:

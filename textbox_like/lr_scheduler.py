@@ -19,6 +19,7 @@ class Scheduler:
         self.lrs = list(cfg.lr)
         self.epoch = 1
         self.num_updates = 0
+        self.updates_per_epoch = 0  # set by the trainer once the batch plan is known
 
     @staticmethod
     def add_args(options):
@@ -57,10 +58,11 @@ class Scheduler:
         self.step_update(int(state["num_updates"]))
 
 
-def _total_updates(cfg):
-    total = cfg.total_num_update
-    if not total:
-        total = cfg.max_update
+def _total_updates(cfg, updates_per_epoch=0):
+    """--total-num-update, else --max-update, else --max-epoch whole epochs."""
+    total = cfg.total_num_update or cfg.max_update
+    if not total and cfg.max_epoch and updates_per_epoch:
+        total = cfg.max_epoch * updates_per_epoch
     return total or 0
 
 
@@ -78,7 +80,7 @@ class PolynomialDecay(Scheduler):
 
     def lr_at(self, n):
         lr, warmup, end = self.base_lr(), self.cfg.warmup_updates, self.cfg.end_learning_rate
-        total = _total_updates(self.cfg)
+        total = _total_updates(self.cfg, self.updates_per_epoch)
         if warmup > 0 and n <= warmup:
             return lr * max(n, 1) / warmup  # fairseq: the first update already gets lr/warmup
         if total <= 0 or n >= total:
@@ -121,7 +123,7 @@ class Cosine(Scheduler):
 
     def lr_at(self, n):
         lr, warmup, low = self.base_lr(), self.cfg.warmup_updates, self.cfg.min_lr
-        total = _total_updates(self.cfg)
+        total = _total_updates(self.cfg, self.updates_per_epoch)
         if warmup > 0 and n < warmup:
             return lr * max(n, 1) / warmup
         if total <= warmup:

@@ -83,6 +83,27 @@ def gather_per_rank(accelerator, value):
     return gather_object([value])
 
 
+def evaluate(task, model, data, batch_size, accelerator):
+    """Metrics over every sample of ``data``, each rank taking its share."""
+    import numpy as np
+    import torch
+    from .data.iterators import plan_fixed
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    sums = StatSums()
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for row in plan_fixed(len(data), [batch_size] * world):
+            batch = task.collate_to_device(data.get_batch(np.arange(row[rank], row[rank + 1])),
+                                           accelerator.device)
+            with accelerator.autocast():
+                _, stats = task.loss(model, batch)
+            sums.add(stats)
+    model.train(was_training)
+    return task.metrics(sums.reduce(accelerator))
+
+
 def train(cfg, keys):
     placement = distributed.placement_from_env(cfg) or distributed.Placement()
     # processes sharing a node share its cores; Accelerate would otherwise
@@ -133,6 +154,9 @@ def train(cfg, keys):
                                   shuffle=not cfg.no_shuffle, multiple=cfg.required_batch_size_multiple,
                                   num_workers=cfg.num_workers)
 
+    k0 = cfg.update_freq[0]
+    steps = iterator.steps_in_epoch()
+    scheduler.updates_per_epoch = min(math.ceil(steps / k0), cfg.num_iters_per_epoch or steps)
     checkpointer = Checkpointer(cfg, is_main)
     train_sums, log_sums, clock = StatSums(), StatSums(), TrainClock()
     epoch, num_updates, updates_in_epoch = 1, 0, 0
@@ -204,25 +228,12 @@ def train(cfg, keys):
 
     # ---- validation -----------------------------------------------------------
     def validate():
-        from .data.iterators import plan_fixed
         results = {}
-        model.eval()
         for subset, data in valid_data.items():
-            sums = StatSums()
-            size = cfg.max_sentences_valid or cfg.max_sentences or 64
-            bounds = plan_fixed(len(data), [size] * world)
-            with torch.no_grad():
-                for row in bounds:
-                    batch = data.get_batch(np.arange(row[rank], row[rank + 1]))
-                    batch = task.collate_to_device(batch, accelerator.device)
-                    with accelerator.autocast():
-                        _, stats = task.loss(model, batch)
-                    sums.add(stats)
-            metrics = task.metrics(sums.reduce(accelerator))
+            metrics = evaluate(task, model, data, cfg.max_sentences_valid or cfg.max_sentences or 64, accelerator)
             results[subset] = metrics
             log.log(f"valid_{subset}" if len(valid_data) > 1 else "valid",
                     {"epoch": epoch, "update": num_updates, **metrics})
-        model.train()
         return results
 
     # ---- checkpointing --------------------------------------------------------
@@ -278,6 +289,7 @@ def train(cfg, keys):
     stop_reason = None
     samples_seen = int(train_sums.sums.get("nsamples", 0))
     epochs_done = epoch - 1
+    clock.mark_samples, clock.mark_updates = samples_seen, num_updates
     model.train()
     while not done_training():
         k = update_freq_for(epoch)

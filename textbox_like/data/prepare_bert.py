@@ -211,13 +211,18 @@ def _mask(tokens, rng, p):
     cls_id, sep_id, mask_id = p["cls"], p["sep"], p["mask"]
     continuation = p["continuation"]
     cand = []
+    after_special = True
     for i, tok in enumerate(tokens):
         if tok == cls_id or tok == sep_id:
+            after_special = True
             continue
-        if p["whole_word"] and cand and continuation[tok]:
+        # unlike Google's code, a word piece right after [SEP] (its word cut
+        # off by truncation) does not join the word before the [SEP]
+        if p["whole_word"] and not after_special and continuation[tok]:
             cand[-1].append(i)
         else:
             cand.append([i])
+        after_special = False
     rng.shuffle(cand)
     output = list(tokens)
     num_to_predict = min(p["max_pred"], max(1, int(round(len(tokens) * p["masked_lm_prob"]))))

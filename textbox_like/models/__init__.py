@@ -1,1 +1,51 @@
-"""Models built by tasks (imported lazily by the tasks that use them)."""
+"""Models built by tasks. This package module stays import-light (no torch):
+the helpers here run while the command line is checked."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def read_vocab_size(path) -> int:
+    """Number of tokens in a WordPiece vocab.txt (one token a line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"vocabulary file {str(path)!r} does not exist; check --dict")
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    while lines and lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise UserError(f"vocabulary file {str(path)!r} is empty; give a vocab.txt with one token a line")
+    return len(lines)
+
+
+def read_bert_json(path) -> dict:
+    """A Google/NVIDIA bert_config.json as a dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"BERT config file {str(path)!r} does not exist; check --config_file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"BERT config file {str(path)!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"BERT config file {str(path)!r} must hold a JSON object")
+    return data
+
+
+def checked_vocab_size(vocab_file, declared=None, source="the model configuration") -> int:
+    """The model's vocabulary size given ``--dict`` and a declared
+    ``vocab_size``: they must agree, except NVIDIA's padding of the
+    vocabulary to a multiple of 8 (then the declared, padded size)."""
+    size = read_vocab_size(vocab_file)
+    if declared is None:
+        return size
+    padded = size + (-size) % 8
+    if declared not in (size, padded):
+        raise UserError(f"vocabulary {str(vocab_file)!r} has {size} tokens but {source} says "
+                        f"vocab_size {declared}; give the vocab.txt the model was configured for")
+    return int(declared)

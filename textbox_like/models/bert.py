@@ -13,7 +13,6 @@ it inside methods).
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -23,44 +22,17 @@ from transformers import BertConfig, BertForPreTraining
 
 from ..config import PROPERTIES, load_yaml
 from ..errors import UserError
+from . import checked_vocab_size, read_bert_json, read_vocab_size  # noqa: F401
 
 PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
 IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------ config
-def read_vocab_size(path) -> int:
-    """Number of tokens in a WordPiece vocab.txt (one token a line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"vocabulary file {str(path)!r} does not exist; check --dict")
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    while lines and lines[-1] == "":
-        lines.pop()
-    if not lines:
-        raise UserError(f"vocabulary file {str(path)!r} is empty; give a vocab.txt with one token a line")
-    return len(lines)
-
-
 def load_preset(name) -> dict:
     if name not in PRESETS:
         raise UserError(f"unknown model preset {name!r}; choose from: {', '.join(PRESETS)}")
     return load_yaml(PROPERTIES / "model" / f"{name}.yaml", "model preset")
-
-
-def _config_from_json(path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"BERT config file {str(path)!r} does not exist; check --config_file")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"BERT config file {str(path)!r} is not valid JSON ({exc}); fix the file") from None
-    if not isinstance(data, dict):
-        raise UserError(f"BERT config file {str(path)!r} must hold a JSON object")
-    return data
 
 
 def build_bert_config(config_file=None, preset=None, vocab_file=None, dimension=None,
@@ -79,7 +51,7 @@ def build_bert_config(config_file=None, preset=None, vocab_file=None, dimension=
     padding of the vocabulary to a multiple of 8.
     """
     if config_file:
-        values = _config_from_json(config_file)
+        values = read_bert_json(config_file)
         source = f"config file {str(config_file)!r}"
     elif preset:
         values = dict(load_preset(preset))
@@ -92,16 +64,8 @@ def build_bert_config(config_file=None, preset=None, vocab_file=None, dimension=
         source = "preset 'base'"
     values = {k: v for k, v in values.items() if not k.startswith("_")}
     if vocab_file:
-        vocab_size = read_vocab_size(vocab_file)
         declared = values.get("vocab_size") if (config_file or base is not None) else None
-        if declared is not None:
-            padded = vocab_size + (-vocab_size) % 8
-            if declared not in (vocab_size, padded):
-                raise UserError(
-                    f"vocabulary {str(vocab_file)!r} has {vocab_size} tokens but {source} says "
-                    f"vocab_size {declared}; give the vocab.txt the model was configured for")
-            vocab_size = declared
-        values["vocab_size"] = vocab_size
+        values["vocab_size"] = checked_vocab_size(vocab_file, declared, source)
     values.setdefault("vocab_size", 30522)
     if dimension is not None:
         values["hidden_size"] = int(dimension)

@@ -1,0 +1,182 @@
+"""Shared fixtures: tiny learnable MNIST idx files, a private cache, helpers to
+run the trainer in-process and as a subprocess.
+
+The suite needs neither the internet nor /work/shared.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+N_TRAIN, N_TEST = 512, 200
+
+# keep the whole session away from ~/.cache (set before any test imports the package)
+_CACHE = None
+
+
+def pytest_configure(config):
+    global _CACHE
+    import tempfile
+    _CACHE = tempfile.mkdtemp(prefix="textbox_like_cache_")
+    os.environ["TEXTBOX_LIKE_CACHE"] = _CACHE
+
+
+def pytest_unconfigure(config):
+    import shutil
+    if _CACHE:
+        shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- data
+def write_idx(path: Path, array: np.ndarray, gz: bool = True):
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    magic = 0x00000800 | array.ndim  # 0x803 images (N,28,28), 0x801 labels (N,)
+    header = struct.pack(">i", magic) + struct.pack(">" + "i" * array.ndim, *array.shape)
+    opener = gzip.open if gz else open
+    with opener(path, "wb") as handle:
+        handle.write(header + array.tobytes())
+
+
+# 10 blob positions on a 28x28 canvas, one per class
+_POSITIONS = [(r, c) for r in (2, 11, 20) for c in (2, 11, 20)] + [(11, 6)]
+
+
+def make_images(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Class-dependent bright 6x6 blob on weak noise: easy to learn."""
+    n = len(labels)
+    images = rng.integers(0, 40, size=(n, 28, 28)).astype(np.uint8)
+    for i, label in enumerate(labels):
+        r, c = _POSITIONS[int(label)]
+        r += int(rng.integers(-1, 2))
+        c += int(rng.integers(-1, 2))
+        images[i, r:r + 6, c:c + 6] = rng.integers(200, 256, size=(6, 6))
+    return images
+
+
+def make_split(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    labels = (np.arange(n) % 10).astype(np.uint8)
+    rng.shuffle(labels)
+    return make_images(labels, rng), labels
+
+
+NAMES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def write_mnist(directory: Path, n_train=N_TRAIN, n_test=N_TEST, gz=True, seed=0):
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {"train": make_split(n_train, seed), "test": make_split(n_test, seed + 1)}
+    suffix = ".gz" if gz else ""
+    for split, (images, labels) in arrays.items():
+        write_idx(directory / (NAMES[split][0] + suffix), images, gz)
+        write_idx(directory / (NAMES[split][1] + suffix), labels, gz)
+    return arrays
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory):
+    """512 train / 200 test samples, gzip idx files, flat."""
+    directory = tmp_path_factory.mktemp("mnist")
+    write_mnist(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def mnist_arrays(mnist_dir):
+    """The same arrays the mnist_dir fixture wrote (regenerated: deterministic)."""
+    return {"train": make_split(N_TRAIN, 0), "test": make_split(N_TEST, 1)}
+
+
+# ---------------------------------------------------------------- running
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "TEXTBOX_LIKE_INIT_METHOD", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """The trainer publishes RANK/WORLD_SIZE etc. in os.environ; undo that per test."""
+    before = dict(os.environ)
+    # A single-process run should need no TCP port, but see test_trainer.py::
+    # test_single_process_needs_no_port: keep the other tests independent of
+    # whatever else listens on 29500 on this machine.
+    os.environ["MASTER_PORT"] = str(free_port())
+    yield
+    for key in list(os.environ):
+        if key not in before:
+            del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _reset_accelerate():
+    try:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    except Exception:
+        pass
+
+
+def base_args(data, save_dir, *extra, max_update=4):
+    args = ["--task", "mnist", "--data", str(data), "--max-sentences", "32",
+            "--log-format", "none", "--max-update", str(max_update), "--save-dir", str(save_dir)]
+    return args + [str(a) for a in extra]
+
+
+def run_main(args):
+    """Run the CLI in-process; returns the exit code."""
+    from textbox_like.cli import main
+    _reset_accelerate()
+    try:
+        return main([str(a) for a in args])
+    finally:
+        _reset_accelerate()
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env["MASTER_PORT"] = str(free_port())
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_cli(args, timeout=110, module=None, cwd=None):
+    """Run run_hetseq.py (or ``python -m module``) in a subprocess from the repo root."""
+    cmd = [sys.executable] + (["-m", module] if module else ["run_hetseq.py"]) + [str(a) for a in args]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def run():
+    return run_main
+
+
+@pytest.fixture
+def cli():
+    return run_cli

@@ -1,0 +1,266 @@
+"""Configuration: spellings, aliases, dict options, layering, --print_config."""
+from __future__ import annotations
+
+import yaml
+import pytest
+
+from conftest import base_args, run_main
+
+from textbox_like import config as C
+from textbox_like.cli import main, parse
+
+
+def cfg_of(*args):
+    _, ns, _ = parse([str(a) for a in args])
+    return ns
+
+
+def printed(capsys, *args):
+    capsys.readouterr()
+    rc = main([str(a) for a in args] + ["--print_config"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return out.out
+
+
+# ---------------------------------------------------------------- spellings
+@pytest.mark.parametrize("flag", ["--max-update", "--max_update"])
+def test_max_update_both_spellings(flag):
+    assert cfg_of(flag, "7").max_update == 7
+
+
+@pytest.mark.parametrize("flag", ["--max-sentences", "--max_sentences", "--batch-size", "--batch_size"])
+def test_batch_size_spellings(flag):
+    assert cfg_of(flag, "48").max_sentences == 48
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--update-freq", "3"], [3]),
+    (["--update_freq", "3"], [3]),
+    (["--accum_grad", "3"], [3]),
+    (["--accum-grad", "5"], [5]),
+    (["--update-freq", "4,2,1"], [4, 2, 1]),
+])
+def test_update_freq_forms(args, expected):
+    assert cfg_of(*args).update_freq == expected
+
+
+def test_mixed_precision_options():
+    assert cfg_of("--fp16").fp16 is True
+    assert cfg_of("--bf16").bf16 is True
+    assert cfg_of("--train_dtype", "bfloat16").train_dtype == "bfloat16"
+    assert cfg_of("--train-dtype", "float16").train_dtype == "float16"
+
+
+def test_adam_betas_tuple_literal():
+    ns = cfg_of("--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-6")
+    assert list(ns.adam_betas) == [0.9, 0.98]
+    assert ns.adam_eps == 1e-6
+
+
+def test_valid_subset_comma_list():
+    assert cfg_of("--valid-subset", "train,test").valid_subset == ["train", "test"]
+
+
+# ---------------------------------------------------------------- dict options
+@pytest.mark.parametrize("option", ["--optim_conf", "--scheduler_conf", "--model_conf"])
+def test_dict_option_repeated_key_value(option):
+    ns = cfg_of(option, "lr=0.1", option, "rho=0.8")
+    assert getattr(ns, option[2:]) == {"lr": 0.1, "rho": 0.8}
+
+
+@pytest.mark.parametrize("option", ["--optim_conf", "--scheduler_conf", "--model_conf"])
+def test_dict_option_flow_mapping(option):
+    ns = cfg_of(option, "{lr: 0.1, rho: 0.8}")
+    assert getattr(ns, option[2:]) == {"lr": 0.1, "rho": 0.8}
+
+
+def test_dict_option_later_occurrence_wins():
+    ns = cfg_of("--optim_conf", "{lr: 0.1, rho: 0.8}", "--optim_conf", "rho=0.7")
+    assert ns.optim_conf == {"lr": 0.1, "rho": 0.7}
+
+
+def test_optim_conf_reaches_the_optimizer():
+    import torch
+    from textbox_like.optim import build_optimizer
+    ns = cfg_of("--optimizer", "adadelta", "--optim_conf", "lr=0.1", "--optim_conf", "rho=0.8")
+    opt = build_optimizer(ns, [{"params": [torch.nn.Parameter(torch.zeros(3))]}])
+    assert opt.param_groups[0]["rho"] == 0.8
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_optim_conf_lr_is_the_lr_trained_with(mnist_dir, tmp_path):
+    """--optim_conf lr=0.1 must be the learning rate of the run, not silently
+    replaced by --lr through the LR scheduler."""
+    out = tmp_path / "o"
+    rc = run_main(base_args(mnist_dir, out, "--optimizer", "adadelta", "--lr-scheduler", "constant",
+                            "--optim_conf", "lr=0.1", "--optim_conf", "rho=0.8", "--log-interval", "1",
+                            "--disable-validation", max_update=2))
+    assert rc == 0
+    from conftest import read_jsonl
+    lrs = [r["lr"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert lrs and all(lr == pytest.approx(0.1) for lr in lrs), lrs
+
+
+def test_model_conf_reaches_the_model():
+    from textbox_like.tasks import TASKS
+    ns = cfg_of("--model_conf", "dropout1=0", "--model_conf", "{dropout2: 0.1, hidden: 64}")
+    model = TASKS.get("mnist")(ns).build_model()
+    assert model.dropout1.p == 0 and model.dropout2.p == 0.1
+    assert model.fc1.out_features == 64
+
+
+def test_scheduler_conf_reaches_the_scheduler():
+    import argparse
+
+    import torch
+    from textbox_like.cli import check, build_options
+    from textbox_like.lr_scheduler import build_scheduler
+    options, ns, _ = parse(["--lr-scheduler", "constant", "--scheduler_conf", "warmup_updates=4",
+                            "--lr", "0.5", "--max-update", "10"])
+    check(options, ns)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(argparse.Namespace(**vars(ns)), opt)
+    assert sched.step_update(2) == pytest.approx(0.5 * 2 / 4)
+    assert sched.step_update(4) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- layering
+def test_properties_beat_builtin_defaults():
+    # built-in defaults: adam, lr 0.001; properties/overall.yaml: adadelta 1.01
+    ns = cfg_of()
+    assert ns.optimizer == "adadelta"
+    assert ns.lr == [1.01]
+    assert ns.lr_scheduler == "PolynomialDecayScheduler"
+
+
+def test_layering_full_chain(tmp_path, monkeypatch):
+    props = tmp_path / "properties"
+    (props / "task").mkdir(parents=True)
+    (props / "overall.yaml").write_text("task: mnist\nlr: 0.2\nseed: 5\nclip_norm: 3.0\nlog_interval: 7\n")
+    (props / "task" / "mnist.yaml").write_text("lr: 0.3\nclip_norm: 4.0\nlog_interval: 8\n")
+    monkeypatch.setattr(C, "PROPERTIES", props)
+    ns = cfg_of()
+    assert (ns.seed, ns.lr, ns.clip_norm, ns.log_interval) == (5, [0.3], 4.0, 8)  # task yaml > overall
+    first = tmp_path / "a.yaml"
+    first.write_text("lr: 0.4\nclip_norm: 9.0\nmax-update: 11\n")
+    second = tmp_path / "b.yaml"
+    second.write_text("lr: 0.6\n")
+    ns = cfg_of("--config", first)
+    assert (ns.seed, ns.lr, ns.clip_norm, ns.max_update) == (5, [0.4], 9.0, 11)  # config file > properties
+    ns = cfg_of("--config", first, "--config", second)
+    assert (ns.lr, ns.clip_norm) == ([0.6], 9.0)  # later --config > earlier
+    ns = cfg_of("--config", second, "--config", first)
+    assert ns.lr == [0.4]
+    ns = cfg_of("--config", first, "--config", second, "--lr", "0.9", "--clip-norm", "1")
+    assert (ns.lr, ns.clip_norm, ns.max_update) == ([0.9], 1.0, 11)  # command line > all
+    ns = cfg_of("--lr", "0.9", "--config", second)  # position on the command line does not matter
+    assert ns.lr == [0.9]
+
+
+def test_config_file_beats_real_properties(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: sgd\nlr: 0.05\nmomentum: 0.5\n")
+    ns = cfg_of("--config", path)
+    assert (ns.optimizer, ns.lr, ns.momentum) == ("sgd", [0.05], 0.5)
+    ns = cfg_of("--config", path, "--lr", "0.07", "--momentum", "0.9")
+    assert (ns.lr, ns.momentum) == ([0.07], 0.9)
+
+
+# ---------------------------------------------------------------- print_config
+@pytest.mark.parametrize("optimizer,own", [
+    ("adadelta", ["adadelta_rho", "adadelta_eps"]),
+    ("sgd", ["momentum"]),
+    ("adam", ["adam_betas", "adam_eps"]),
+    ("adamw", ["adam_betas", "adam_eps"]),
+])
+def test_print_config_has_optimizer_options(capsys, optimizer, own):
+    data = yaml.safe_load(printed(capsys, "--optimizer", optimizer))
+    assert data["optimizer"] == optimizer
+    for key in own:
+        assert key in data, f"{key} missing from --print_config for {optimizer}"
+
+
+@pytest.mark.parametrize("scheduler,own", [
+    ("PolynomialDecayScheduler", ["end_learning_rate", "power", "force_anneal"]),
+    ("inverse_sqrt", ["warmup_init_lr"]),
+    ("cosine", ["min_lr"]),
+])
+def test_print_config_has_scheduler_options(capsys, scheduler, own):
+    data = yaml.safe_load(printed(capsys, "--lr-scheduler", scheduler))
+    for key in own + ["warmup_updates", "total_num_update"]:
+        assert key in data, f"{key} missing from --print_config for {scheduler}"
+
+
+def test_print_config_leaves_out_other_components(capsys):
+    data = yaml.safe_load(printed(capsys, "--optimizer", "sgd", "--lr-scheduler", "constant"))
+    assert "adadelta_rho" not in data and "adam_betas" not in data
+    assert "end_learning_rate" not in data and "min_lr" not in data
+
+
+def test_print_config_exits_zero_without_training(capsys, tmp_path):
+    # no data, nothing run, nothing written
+    rc = main(["--print_config", "--save-dir", str(tmp_path / "never")])
+    assert rc == 0
+    assert not (tmp_path / "never").exists()
+    assert yaml.safe_load(capsys.readouterr().out)["task"] == "mnist"
+
+
+ROUND_TRIPS = [
+    [],
+    ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.1,0.05", "--lr-scheduler", "cosine",
+     "--min-lr", "0.001", "--update-freq", "4,2,1", "--valid-subset", "train,test"],
+    ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
+     "--optim_conf", "eps=1e-7", "--model_conf", "{dropout1: 0, dropout2: 0}",
+     "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", "--scheduler_conf", "warmup_init_lr=1e-5",
+     "--bf16", "--max-update", "33", "--clip-norm", "0"],
+    ["--optimizer", "adadelta", "--adadelta_rho", "0.8", "--lr-scheduler", "polynomial_decay",
+     "--power", "2", "--force-anneal", "3", "--end-learning-rate", "0.01", "--accum_grad", "2",
+     "--train_dtype", "float16", "--maximize-best-checkpoint-metric", "false",
+     "--best-checkpoint-metric", "loss", "--optimizer-overrides", "{'lr': 0.5}"],
+]
+
+
+@pytest.mark.parametrize("args", ROUND_TRIPS, ids=range(len(ROUND_TRIPS)))
+def test_print_config_round_trip(capsys, tmp_path, args):
+    first = printed(capsys, *args)
+    path = tmp_path / "config.yaml"
+    path.write_text(first)
+    second = printed(capsys, "--config", path)
+    assert second == first
+    # and once more through the file the second run printed
+    path2 = tmp_path / "config2.yaml"
+    path2.write_text(second)
+    assert printed(capsys, "--config", path2) == first
+
+
+def test_print_config_round_trip_keeps_values(capsys, tmp_path):
+    text = printed(capsys, *ROUND_TRIPS[2])
+    data = yaml.safe_load(text)
+    assert data["optimizer"] == "adam"
+    assert list(data["adam_betas"]) == [0.9, 0.98]
+    assert data["optim_conf"] == {"eps": 1e-7}
+    assert data["model_conf"] == {"dropout1": 0, "dropout2": 0}
+    assert data["scheduler_conf"] == {"warmup_init_lr": 1e-5}
+    assert data["max_update"] == 33
+    assert data["bf16"] is True
+
+
+def test_training_config_yaml_equals_print_config(capsys, mnist_dir, tmp_path):
+    out = tmp_path / "run"
+    args = base_args(mnist_dir, out, "--optimizer", "sgd", "--momentum", "0.5", "--lr", "0.05",
+                     "--lr-scheduler", "cosine", "--model_conf", "dropout1=0", "--disable-validation",
+                     max_update=2)
+    expected = printed(capsys, *args)
+    assert run_main(args) == 0
+    assert (out / "config.yaml").read_text() == expected
+    # and the saved config.yaml reproduces the run's configuration
+    assert printed(capsys, "--config", out / "config.yaml") == expected
+
+
+def test_unknown_key_in_config_file_names_closest(tmp_path):
+    from textbox_like.errors import UserError
+    path = tmp_path / "bad.yaml"
+    path.write_text("max_updat: 3\n")
+    with pytest.raises(UserError, match="max_update"):
+        parse(["--config", str(path)])

@@ -1,0 +1,223 @@
+"""Exact, crash-safe checkpoints and resume (issue 3).
+
+A run killed at a random update and resumed with --resume must end with model
+and optimizer state bitwise identical to an uninterrupted run.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_mnist
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_resume")
+    write_mnist(directory, n_train=384, n_test=64)
+    return directory
+
+
+def command(data, save_dir, *extra):
+    return [sys.executable, str(REPO / "run_hetseq.py"), "--task", "mnist", "--data", str(data),
+            "--save-dir", str(save_dir), "--max-sentences", "16", "--optimizer", "adam", "--lr", "0.001",
+            "--max-update", "60", "--max-epoch", "0", "--save-interval-updates", "5",
+            "--log-format", "none", "--threads", "1", *extra]
+
+
+def run(cmd, timeout=240):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def kill_after_checkpoint(cmd, save_dir, sig, min_checkpoint="checkpoint_1_5.pt", seed=0):
+    """Start ``cmd``, wait for a first checkpoint, then send ``sig`` at a random moment."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (save_dir / min_checkpoint).exists():
+        assert proc.poll() is None, f"run ended before its first checkpoint: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(random.Random(seed).uniform(0.0, 1.0))
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """Uninterrupted runs, by --update-freq."""
+    refs = {}
+
+    def get(update_freq, *extra):
+        key = (update_freq, extra)
+        if key not in refs:
+            out = tmp_path_factory.mktemp(f"ref{update_freq}")
+            run(command(data, out, "--update-freq", str(update_freq), *extra))
+            refs[key] = load(out / "checkpoint_last.pt")
+        return refs[key]
+    return get
+
+
+def compare_final(final, ref):
+    assert final["train"]["num_updates"] == ref["train"]["num_updates"] == 60
+    assert_bitwise_equal(final["model"], ref["model"], "model")
+    assert_bitwise_equal(final["optimizer"], ref["optimizer"], "optimizer")
+    assert final["scheduler"] == ref["scheduler"]
+    assert final["iterator"] == ref["iterator"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("update_freq", [1, 3])
+def test_sigkill_then_resume_is_bitwise_identical(data, tmp_path, reference, update_freq):
+    # dropout stays on (the MNIST CNN's defaults): the RNG state must be restored too
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir, "--update-freq", str(update_freq))
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=update_freq)
+    assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
+    killed_at = load(save_dir / "checkpoint_last.pt")["train"]["num_updates"]
+    assert 5 <= killed_at < 60
+    out = subprocess.run(cmd + ["--log-format", "simple", "--resume"], capture_output=True, text=True, cwd=REPO,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"update {killed_at}" in out.stderr and "resumed from" in out.stderr
+    compare_final(load(save_dir / "checkpoint_last.pt"), reference(update_freq))
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, reference):
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir)
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGTERM, seed=7)
+    assert code == 75, err[-2000:]
+    assert "--resume" in err
+    state = load(save_dir / "checkpoint_last.pt")
+    assert 5 <= state["train"]["num_updates"] < 60
+    run(cmd + ["--resume"])
+    compare_final(load(save_dir / "checkpoint_last.pt"), reference(1))
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, reference):
+    save_dir = tmp_path / "run"
+    ref_dir = tmp_path / "ref"
+    cmd = command(data, save_dir, "--distributed-world-size", "2", "--max-sentences", "8")
+    run(command(data, ref_dir, "--distributed-world-size", "2", "--max-sentences", "8"))
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=3)
+    assert code == -signal.SIGKILL, err[-1000:]
+    time.sleep(1.0)  # the orphaned ranks get SIGTERM from the kernel and stop
+    run(cmd + ["--resume"])
+    final, ref = load(save_dir / "checkpoint_last.pt"), load(ref_dir / "checkpoint_last.pt")
+    assert len(final["rng"]) == 2
+    compare_final(final, ref)
+
+
+@pytest.mark.timeout(300)
+def test_kill_while_saving_never_leaves_last_checkpoint_unloadable(data, tmp_path):
+    save_dir = tmp_path / "run"
+    # a checkpoint at every update: most of the run is spent writing them
+    cmd = command(data, save_dir, "--save-interval-updates", "1")
+    for attempt in range(4):
+        code, _ = kill_after_checkpoint(cmd + (["--resume"] if attempt else []), save_dir, signal.SIGKILL,
+                                        min_checkpoint="checkpoint_last.pt", seed=attempt)
+        state = load(save_dir / "checkpoint_last.pt")  # must always load
+        assert state["format"].startswith("textbox_like")
+    leftovers = [p for p in save_dir.iterdir() if p.name.startswith(".")]
+    # temporary files of a killed writer may remain, but never under a checkpoint name
+    assert all(p.name.endswith((".tmp", ".lnk")) for p in leftovers)
+
+
+def test_atomic_save_keeps_previous_file_when_write_fails(tmp_path, monkeypatch):
+    from textbox_like import checkpoint as ck
+    target = tmp_path / "checkpoint_last.pt"
+    ck.atomic_save({"format": ck.FORMAT, "x": torch.ones(3)}, target)
+
+    def broken_save(obj, handle):
+        handle.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        ck.atomic_save({"format": ck.FORMAT, "x": torch.zeros(3)}, target)
+    monkeypatch.undo()
+    assert torch.equal(ck.load_checkpoint(target)["x"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]
+
+
+def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path):
+    from textbox_like import checkpoint as ck
+    from textbox_like.errors import UserError
+    good = tmp_path / "good.pt"
+    ck.atomic_save({"format": ck.FORMAT, "x": torch.ones(1000)}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:500])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    for path in (truncated, foreign):
+        with pytest.raises(UserError, match=path.name):
+            ck.load_checkpoint(path)
+    # and from the command line: one line, exit 2
+    out = subprocess.run(command(data, tmp_path / "out", "--restore-file", str(truncated)),
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "truncated.pt" in lines[0], out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_keep_interval_updates_keeps_the_two_newest(data, tmp_path):
+    save_dir = tmp_path / "run"
+    run(command(data, save_dir, "--max-update", "30", "--keep-interval-updates", "2"))
+    names = [p.name for p in save_dir.glob("checkpoint_*_*.pt")]
+    updates = sorted(int(n.split("_")[2][:-3]) for n in names)
+    assert updates == [25, 30]
+
+
+@pytest.mark.timeout(300)
+def test_resume_after_raising_max_update_continues(data, tmp_path):
+    save_dir = tmp_path / "run"
+    schedule = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4"]
+    run(command(data, save_dir, "--max-update", "10", *schedule))
+    first = load(save_dir / "checkpoint_last.pt")
+    assert first["train"]["num_updates"] == 10
+    run(command(data, save_dir, "--max-update", "20", "--resume", *schedule))
+    second = load(save_dir / "checkpoint_last.pt")
+    assert second["train"]["num_updates"] == 20
+    assert second["scheduler"]["num_updates"] == 20
+    # the LR at update 20 of a 100-update linear decay after 4 warm-up updates
+    assert second["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.001 * (1 - 16 / 96))
+    # and it equals the uninterrupted 20-update run
+    ref_dir = tmp_path / "ref"
+    run(command(data, ref_dir, "--max-update", "20", *schedule))
+    assert_bitwise_equal(second["model"], load(ref_dir / "checkpoint_last.pt")["model"], "model")

@@ -1,0 +1,214 @@
+"""BERT pre-training (masked LM + next sentence prediction) on HDF5 shards.
+
+Data: ``--data`` holds NVIDIA-layout shards (make them with
+``python -m textbox_like.data.prepare_bert``); a split is the shards whose
+names contain it. Model: ``transformers.BertForPreTraining`` from
+``--config_file`` (Google/NVIDIA bert_config.json) or ``--model-preset``,
+with the MLM head evaluated only at the masked positions.
+
+Loss and its denominator. ``sample_size`` is the number of masked tokens
+(``sample_size_is_num_samples = False``) and ::
+
+    loss_sum = mlm_sum + nsp_sum * n_masked / n_samples
+
+so that on a single batch ``loss_sum / sample_size`` is NVIDIA's per-batch
+loss ``mean MLM CE + mean NSP CE``. Over an update of several batches or ranks
+the trainer divides the summed ``loss_sum`` by the summed ``n_masked``: the
+MLM term is then the exact mean over all masked tokens of the update, and
+the NSP term the per-batch NSP means weighted by each batch's masked count
+(equal to the plain NSP mean when batches mask alike).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..errors import UserError
+from . import register_task
+from .base import Task
+
+PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _nonneg_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text):
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"must be within [0, 1), got {text}")
+    return value
+
+
+@register_task("bert")
+class BertTask(Task):
+    sample_size_is_num_samples = False
+    default_best_metric = "loss"
+    default_maximize_best_metric = False
+
+    @staticmethod
+    def add_args(options):
+        add = options.add
+        add("--dict", default=None, metavar="VOCAB",
+            help="WordPiece vocab.txt; sets the vocabulary size (must match --config_file's vocab_size)")
+        add("--config_file", default=None, metavar="JSON",
+            help="BERT model configuration (Google/NVIDIA bert_config.json); wins over --model-preset")
+        add("--model-preset", default=None, choices=PRESETS,
+            help="model size when no --config_file is given (default base): layers/hidden/heads "
+                 "tiny 2/128/2, mini 4/256/4, small 4/512/8, medium 8/512/8, base 12/768/12, large 24/1024/16")
+        add("--dimension", type=_positive_int, default=None, help="override: hidden size (feed-forward follows at 4x)")
+        add("--num-heads", type=_positive_int, default=None, help="override: attention heads")
+        add("--dim-feedforward", type=_positive_int, default=None, help="override: feed-forward size")
+        add("--num-layers", type=_positive_int, default=None, help="override: transformer layers")
+        add("--activation-function", choices=["relu", "gelu"], default=None, help="override: activation")
+        add("--dropout", type=_probability, default=None, help="override: hidden and attention dropout")
+        add("--max_pred_length", type=_positive_int, default=512,
+            help="use at most this many masked positions of each instance")
+        add("--num_file", type=_nonneg_int, default=0, help="use the first N shards of a split (0: all)")
+        add("--init-checkpoint", default=None,
+            help="start from these weights: one of our checkpoints (.pt) or a transformers save directory")
+        add("--freeze-encoder", action="store_true",
+            help="train only the pooler and the pre-training heads (embeddings and layers frozen)")
+        add("--shuffle-block", type=_positive_int, default=8192,
+            help="rows per shuffled block of the epoch order (the unit read from disk)")
+
+    # -- checks before anything heavy ---------------------------------------
+    @classmethod
+    def check_config(cls, cfg):
+        data = getattr(cfg, "data", None)
+        if not data:
+            raise UserError("BERT needs --data DIR_OR_FILE with HDF5 shards; "
+                            "create them with python -m textbox_like.data.prepare_bert")
+        if not Path(data).exists():
+            raise UserError(f"--data {data!r} does not exist; check the path")
+        for flag in ("dict", "config_file"):
+            value = getattr(cfg, flag, None)
+            if value and not Path(value).is_file():
+                raise UserError(f"--{flag} {value!r} does not exist; check the path")
+        init = getattr(cfg, "init_checkpoint", None)
+        if init and not Path(init).exists():
+            raise UserError(f"--init-checkpoint {init!r} does not exist; check the path")
+        if cfg.dict and cfg.config_file:
+            _check_vocab(cfg.dict, cfg.config_file)
+        unknown = set(getattr(cfg, "model_conf", None) or {}) - _BERT_CONF_KEYS
+        if unknown:
+            from ..errors import closest
+            key = sorted(unknown)[0]
+            raise UserError(f"unknown key {key!r} in --model_conf for bert{closest(key, _BERT_CONF_KEYS)}; "
+                            f"valid keys: {', '.join(sorted(_BERT_CONF_KEYS))}")
+
+    # -- data ---------------------------------------------------------------
+    def build_dataset(self, split):
+        from ..data.bert_hdf5 import BertHDF5Dataset, find_shards
+
+        files = find_shards(self.cfg.data, split, getattr(self.cfg, "num_file", 0))
+        return BertHDF5Dataset(files, max_pred_length=self.cfg.max_pred_length,
+                               block=getattr(self.cfg, "shuffle_block", 8192),
+                               vocab_size=self.model_config().vocab_size)
+
+    # -- model --------------------------------------------------------------
+    def model_config(self):
+        if getattr(self, "_config", None) is None:
+            from ..models.bert import build_bert_config, is_transformers_dir
+
+            cfg = self.cfg
+            base = None
+            init = getattr(cfg, "init_checkpoint", None)
+            if not cfg.config_file and not cfg.model_preset and is_transformers_dir(init):
+                import json
+                base = json.loads((Path(init) / "config.json").read_text())
+            config = build_bert_config(
+                config_file=cfg.config_file, preset=cfg.model_preset, vocab_file=cfg.dict,
+                dimension=cfg.dimension, num_heads=cfg.num_heads, dim_feedforward=cfg.dim_feedforward,
+                num_layers=cfg.num_layers, activation=cfg.activation_function, dropout=cfg.dropout,
+                base=base)
+            for key, value in (getattr(cfg, "model_conf", None) or {}).items():
+                setattr(config, key, value)
+            self._config = config
+        return self._config
+
+    def build_model(self):
+        from ..models.bert import BertForPreTrainingMasked, freeze_encoder, load_init_checkpoint
+
+        model = BertForPreTrainingMasked(self.model_config())
+        if getattr(self.cfg, "init_checkpoint", None):
+            missing, unexpected = load_init_checkpoint(model, self.cfg.init_checkpoint)
+            if missing or unexpected:
+                import sys
+                print(f"| init checkpoint: {len(missing)} missing and {len(unexpected)} unexpected "
+                      f"parameters (e.g. {(missing + unexpected)[0]})", file=sys.stderr)
+        if getattr(self.cfg, "freeze_encoder", False):
+            freeze_encoder(model)
+        return model
+
+    def param_groups(self, model, weight_decay):
+        from ..models.bert import no_decay
+
+        decay, plain = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (plain if no_decay(name) else decay).append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
+
+    def loss(self, model, batch):
+        from ..models.bert import pretraining_sums
+
+        mlm_logits, nsp_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                       token_type_ids=batch["token_type_ids"],
+                                       masked_lm_positions=batch["masked_lm_positions"])
+        sums = pretraining_sums(mlm_logits, nsp_logits, batch["masked_lm_ids"], batch["next_sentence_labels"])
+        n_samples = batch["input_ids"].new_tensor(batch["input_ids"].shape[0])
+        n_masked = sums["n_masked"]
+        scale = n_masked.float() / n_samples.clamp(min=1).float()
+        loss_sum = sums["mlm_loss_sum"] + sums["nsp_loss_sum"] * scale
+        stats = {
+            "loss_sum": loss_sum.detach(),
+            "mlm_loss_sum": sums["mlm_loss_sum"].detach(),
+            "nsp_loss_sum": sums["nsp_loss_sum"].detach(),
+            "mlm_correct": sums["mlm_correct"],
+            "nsp_correct": sums["nsp_correct"],
+            "nsamples": n_samples,
+            "sample_size": n_masked,
+        }
+        return loss_sum, stats
+
+    def metrics(self, sums):
+        n_masked = max(sums.get("sample_size", 0.0), 1.0)
+        n = max(sums.get("nsamples", 0.0), 1.0)
+        mlm_loss = sums.get("mlm_loss_sum", 0.0) / n_masked
+        return {
+            "loss": sums.get("loss_sum", 0.0) / n_masked,
+            "mlm_loss": mlm_loss,
+            "nsp_loss": sums.get("nsp_loss_sum", 0.0) / n,
+            "mlm_accuracy": sums.get("mlm_correct", 0.0) / n_masked,
+            "nsp_accuracy": sums.get("nsp_correct", 0.0) / n,
+            "ppl": math.exp(min(mlm_loss, 50.0)),
+        }
+
+
+def _check_vocab(vocab_file, config_file):
+    """vocab.txt size against config_file's vocab_size, without heavy imports."""
+    from ..models import checked_vocab_size, read_bert_json
+
+    declared = read_bert_json(config_file).get("vocab_size")
+    checked_vocab_size(vocab_file, declared, f"config file {config_file!r}")
+
+
+# BertConfig fields --model_conf may set (checked without importing transformers)
+_BERT_CONF_KEYS = {
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+    "type_vocab_size", "initializer_range", "layer_norm_eps", "pad_token_id", "classifier_dropout",
+}
