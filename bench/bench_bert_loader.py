@@ -41,6 +41,8 @@ def synthetic(directory, n=40000, length=128, preds=20, vocab=30522, seed=0):
 
 
 def bench_loader(files, batch, max_batches, block):
+    import torch  # noqa: F401  (imported by training anyway; keep it out of the timing)
+
     from textbox_like.data.bert_hdf5 import BertHDF5Dataset
 
     ds = BertHDF5Dataset(files, block=block)

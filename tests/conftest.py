@@ -18,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 N_TRAIN, N_TEST = 512, 200
+N_SMALL_TRAIN, N_SMALL_TEST = 256, 50
 
 # keep the whole session away from ~/.cache (set before any test imports the package)
 _CACHE = None
@@ -94,6 +95,14 @@ def mnist_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_mnist_dir(tmp_path_factory):
+    """256 train / 50 test samples: for tests of the loop, not of learning."""
+    directory = tmp_path_factory.mktemp("mnist_small")
+    write_mnist(directory, n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=10)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def mnist_arrays(mnist_dir):
     """The same arrays the mnist_dir fixture wrote (regenerated: deterministic)."""
     return {"train": make_split(N_TRAIN, 0), "test": make_split(N_TEST, 1)}
@@ -108,10 +117,6 @@ _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 def _restore_environ():
     """The trainer publishes RANK/WORLD_SIZE etc. in os.environ; undo that per test."""
     before = dict(os.environ)
-    # A single-process run should need no TCP port, but see test_trainer.py::
-    # test_single_process_needs_no_port: keep the other tests independent of
-    # whatever else listens on 29500 on this machine.
-    os.environ["MASTER_PORT"] = str(free_port())
     yield
     for key in list(os.environ):
         if key not in before:
@@ -156,7 +161,6 @@ def run_main(args):
 
 def clean_env():
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
-    env["MASTER_PORT"] = str(free_port())
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -249,3 +249,20 @@ def test_data_prepared_with_a_bigger_vocabulary(tmp_path):
     data = task.build_dataset("train")
     with pytest.raises(UserError, match="vocabulary"):
         data.get_batch(np.arange(4))
+
+
+def test_prepared_vocabulary_checked_at_once(tmp_path):
+    vocab = write_vocab(tmp_path / "vocab.txt")
+    write_shard(tmp_path / "d_train_0.hdf5", shard_arrays(20, V))
+    (tmp_path / "prepare_bert.json").write_text(json.dumps({"vocab_size": 30522}))
+    task = BertTask(task_cfg(tmp_path, dict=str(vocab), dimension=32, num_heads=2, num_layers=1))
+    with pytest.raises(UserError, match="prepared with a vocabulary of 30522"):
+        task.build_dataset("train")
+
+
+def test_sequences_longer_than_positions(tmp_path):
+    write_shard(tmp_path / "d_train_0.hdf5", shard_arrays(20, V))
+    task = BertTask(task_cfg(tmp_path, dimension=32, num_heads=2, num_layers=1,
+                             model_conf={"max_position_embeddings": 16}))
+    with pytest.raises(UserError, match="max_position_embeddings"):
+        task.build_dataset("train")

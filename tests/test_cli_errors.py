@@ -28,6 +28,9 @@ def bad_files(tmp_path_factory):
     (root / "malformed.yaml").write_text("lr: [0.1\nmax_update: 3\n")
     (root / "unknown_key.yaml").write_text("max_updat: 3\n")
     (root / "empty_data").mkdir()
+    (root / "lr_abc.yaml").write_text("lr: abc\n")
+    (root / "batch_0.yaml").write_text("max_sentences: 0\n")
+    (root / "list.yaml").write_text("- lr\n- 0.1\n")
     return root
 
 
@@ -55,6 +58,12 @@ def _cases(mnist_dir, bad):
         "bad update-freq": (good + ["--update-freq", "2,0"], []),
         "bad train_dtype": (good + ["--train_dtype", "float8"], ["float8"]),
         "malformed optim_conf": (good + ["--optim_conf", "{lr: [0.1"], []),
+        "lr abc in config file": (good + ["--config", str(bad / "lr_abc.yaml")], ["abc"]),
+        "max_sentences 0 in config file": (good + ["--config", str(bad / "batch_0.yaml")], []),
+        "config file not a mapping": (good + ["--config", str(bad / "list.yaml")], ["list.yaml"]),
+        "malformed adam-betas": (good + ["--optimizer", "adam", "--adam-betas", "(0.9,"], []),
+        "adam-betas not numbers": (good + ["--optimizer", "adam", "--adam-betas", "__import__('os')"], []),
+        "unknown valid subset": (good + ["--valid-subset", "valid"], ["valid"]),
     }
 
 
@@ -62,7 +71,9 @@ CASE_NAMES = ["missing data dir", "data dir without idx files", "unknown task", 
               "unknown lr scheduler", "lr abc", "malformed yaml", "missing config", "max-sentences 0",
               "unknown key in config file", "unknown option", "unknown option 2", "unknown optim_conf key",
               "unknown scheduler_conf key", "unknown model_conf key", "bad update-freq", "bad train_dtype",
-              "malformed optim_conf"]
+              "malformed optim_conf", "lr abc in config file", "max_sentences 0 in config file",
+              "config file not a mapping", "malformed adam-betas", "adam-betas not numbers",
+              "unknown valid subset"]
 
 
 @pytest.mark.timeout(120)

@@ -246,16 +246,41 @@ def test_print_config_round_trip_keeps_values(capsys, tmp_path):
     assert data["bf16"] is True
 
 
-def test_training_config_yaml_equals_print_config(capsys, mnist_dir, tmp_path):
+TRAIN_CONFIGS = [
+    ["--optimizer", "sgd", "--momentum", "0.5", "--lr", "0.05", "--lr-scheduler", "cosine",
+     "--model_conf", "dropout1=0", "--disable-validation"],
+    ["--optimizer", "adadelta", "--optim_conf", "rho=0.8", "--lr-scheduler", "polynomial_decay",
+     "--scheduler_conf", "warmup_updates=2", "--scheduler_conf", "power=2", "--disable-validation"],
+]
+
+
+@pytest.mark.parametrize("extra", TRAIN_CONFIGS, ids=["cosine", "scheduler_conf"])
+def test_training_config_yaml_equals_print_config(capsys, mnist_dir, tmp_path, extra):
     out = tmp_path / "run"
-    args = base_args(mnist_dir, out, "--optimizer", "sgd", "--momentum", "0.5", "--lr", "0.05",
-                     "--lr-scheduler", "cosine", "--model_conf", "dropout1=0", "--disable-validation",
-                     max_update=2)
+    args = base_args(mnist_dir, out, *extra, max_update=2)
     expected = printed(capsys, *args)
     assert run_main(args) == 0
     assert (out / "config.yaml").read_text() == expected
     # and the saved config.yaml reproduces the run's configuration
     assert printed(capsys, "--config", out / "config.yaml") == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("eps=1e-7", {"eps": 1e-7}),
+    ("lr=1e-3,rho=0.8", {"lr": 1e-3, "rho": 0.8}),
+    ("{eps: 1e-8, lr: 2}", {"eps": 1e-8, "lr": 2}),
+    ("nesterov=true", {"nesterov": True}),
+])
+def test_dict_option_numbers_are_numbers(text, expected):
+    ns = cfg_of("--optim_conf", text)
+    assert ns.optim_conf == expected
+    assert all(type(ns.optim_conf[k]) is type(v) for k, v in expected.items()), ns.optim_conf
+
+
+def test_config_equals_sign_form(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 0.05\n")
+    assert cfg_of(f"--config={path}").lr == [0.05]
 
 
 def test_unknown_key_in_config_file_names_closest(tmp_path):

@@ -230,3 +230,6 @@ def test_cli_errors(tmp_path):
     bad_vocab = tmp_path / "bad_vocab.txt"
     bad_vocab.write_text("a\nb\n")
     assert_one_line_error(cli("--input", text, "--vocab", bad_vocab, "--output", tmp_path / "o"), "lacks")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert_one_line_error(cli("--input", text, "--vocab", vocab, "--output", not_a_dir), "cannot write")

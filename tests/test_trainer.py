@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import N_TRAIN, base_args, read_jsonl, run_main
+from conftest import N_SMALL_TRAIN as N_TRAIN, base_args, read_jsonl, run_main
 
 TRAIN_FIELDS = ["epoch", "update", "loss", "accuracy", "lr", "gnorm", "samples_per_s", "updates_per_s", "wall"]
 
 
-def train(mnist_dir, out, *extra, max_update=4, rc=0):
-    got = run_main(base_args(mnist_dir, out, *extra, max_update=max_update))
+def train(data, out, *extra, max_update=4, rc=0):
+    got = run_main(base_args(data, out, *extra, max_update=max_update))
     assert got == rc
     return out
 
@@ -47,8 +47,8 @@ def flat(state):
 
 
 # ---------------------------------------------------------------- logging and outputs
-def test_metrics_jsonl_train_and_valid_records(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--log-interval", "2", "--validate-interval-updates", "2",
+def test_metrics_jsonl_train_and_valid_records(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--log-interval", "2", "--validate-interval-updates", "2",
                 "--clip-norm", "0")
     rows = records(out)
     assert all(r["kind"].startswith(("train", "valid")) for r in rows)
@@ -68,8 +68,8 @@ def test_metrics_jsonl_train_and_valid_records(mnist_dir, tmp_path):
             assert field in r
 
 
-def test_simple_log_lines(mnist_dir, tmp_path, capsys):
-    train(mnist_dir, tmp_path / "o", "--log-format", "simple", "--log-interval", "1", max_update=2)
+def test_simple_log_lines(small_mnist_dir, tmp_path, capsys):
+    train(small_mnist_dir, tmp_path / "o", "--log-format", "simple", "--log-interval", "1", max_update=2)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("train |")]
     assert len(lines) == 2, err
@@ -78,8 +78,8 @@ def test_simple_log_lines(mnist_dir, tmp_path, capsys):
             assert f" {field} " in f" {line} ", (field, line)
 
 
-def test_json_log_lines(mnist_dir, tmp_path, capsys):
-    train(mnist_dir, tmp_path / "o", "--log-format", "json", "--log-interval", "1", max_update=2)
+def test_json_log_lines(small_mnist_dir, tmp_path, capsys):
+    train(small_mnist_dir, tmp_path / "o", "--log-format", "json", "--log-interval", "1", max_update=2)
     err = capsys.readouterr().err
     rows = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     train_rows = [r for r in rows if r.get("kind") == "train"]
@@ -89,8 +89,8 @@ def test_json_log_lines(mnist_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("fmt", ["none", "tqdm"])
-def test_other_log_formats_run(mnist_dir, tmp_path, capsys, fmt):
-    out = train(mnist_dir, tmp_path / "o", "--log-format", fmt, "--log-interval", "1", max_update=2)
+def test_other_log_formats_run(small_mnist_dir, tmp_path, capsys, fmt):
+    out = train(small_mnist_dir, tmp_path / "o", "--log-format", fmt, "--log-interval", "1", max_update=2)
     err = capsys.readouterr().err
     assert "train |" not in err
     if fmt == "none":
@@ -98,13 +98,13 @@ def test_other_log_formats_run(mnist_dir, tmp_path, capsys, fmt):
     assert len(records(out, "train")) == 2  # metrics.jsonl whatever the format
 
 
-def test_log_interval(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--log-interval", "3", "--disable-validation", max_update=7)
+def test_log_interval(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--log-interval", "3", "--disable-validation", max_update=7)
     assert [r["update"] for r in records(out, "train")] == [3, 6]
 
 
-def test_results_json(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--validate-interval-updates", "2", max_update=4)
+def test_results_json(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--validate-interval-updates", "2", max_update=4)
     res = results(out)
     assert res["num_updates"] == 4
     assert res["wall_time"] > 0
@@ -116,8 +116,8 @@ def test_results_json(mnist_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- checkpoints
-def test_checkpoints_load_with_weights_only(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", max_update=2)
+def test_checkpoints_load_with_weights_only(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", max_update=2)
     for name in ("checkpoint_last.pt", "checkpoint_best.pt"):
         state = load(out / name)
         model = initial_model()
@@ -126,18 +126,18 @@ def test_checkpoints_load_with_weights_only(mnist_dir, tmp_path):
     assert last["train"]["num_updates"] == 2
 
 
-def test_no_save_writes_nothing(mnist_dir, tmp_path):
+def test_no_save_writes_nothing(small_mnist_dir, tmp_path):
     out = tmp_path / "o"
-    train(mnist_dir, out, "--no-save", "--validate-interval-updates", "1", max_update=2)
+    train(small_mnist_dir, out, "--no-save", "--validate-interval-updates", "1", max_update=2)
     assert not out.exists() or list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize("metric,maximize", [("accuracy", None), ("loss", "false"), ("loss", "true")])
-def test_best_checkpoint_metric(mnist_dir, tmp_path, metric, maximize):
+def test_best_checkpoint_metric(small_mnist_dir, tmp_path, metric, maximize):
     extra = ["--best-checkpoint-metric", metric, "--validate-interval-updates", "1", "--max-sentences-valid", "100"]
     if maximize is not None:
         extra += ["--maximize-best-checkpoint-metric", maximize]
-    out = train(mnist_dir, tmp_path / "o", *extra, max_update=4)
+    out = train(small_mnist_dir, tmp_path / "o", *extra, max_update=4)
     valid = records(out, "valid")
     assert [r["update"] for r in valid] == [1, 2, 3, 4]
     values = [r[metric] for r in valid]
@@ -149,8 +149,8 @@ def test_best_checkpoint_metric(mnist_dir, tmp_path, metric, maximize):
     assert results(out)["best"][metric] == pytest.approx(best_value)
 
 
-def test_unknown_best_checkpoint_metric_is_a_user_error(mnist_dir, tmp_path, capsys):
-    train(mnist_dir, tmp_path / "o", "--best-checkpoint-metric", "accuracyy", max_update=1, rc=2)
+def test_unknown_best_checkpoint_metric_is_a_user_error(small_mnist_dir, tmp_path, capsys):
+    train(small_mnist_dir, tmp_path / "o", "--best-checkpoint-metric", "accuracyy", max_update=1, rc=2)
     err = capsys.readouterr().err
     assert "error:" in err and "accuracy" in err
 
@@ -161,9 +161,9 @@ def test_unknown_best_checkpoint_metric_is_a_user_error(mnist_dir, tmp_path, cap
     (["--max-epoch", "5", "--max-sentences", "64"], 3, 0),               # update first
     (["--max-epoch", "3", "--num_iters_per_epoch", "2"], 6, 3),          # capped epochs
 ])
-def test_stop_at_max_epoch_or_max_update(mnist_dir, tmp_path, extra, updates, epochs):
+def test_stop_at_max_epoch_or_max_update(small_mnist_dir, tmp_path, extra, updates, epochs):
     max_update = 100 if updates != 3 else 3
-    out = train(mnist_dir, tmp_path / "o", "--disable-validation", "--log-interval", "1", *extra,
+    out = train(small_mnist_dir, tmp_path / "o", "--disable-validation", "--log-interval", "1", *extra,
                 max_update=max_update)
     res = results(out)
     assert res["num_updates"] == updates
@@ -174,9 +174,9 @@ def test_stop_at_max_epoch_or_max_update(mnist_dir, tmp_path, extra, updates, ep
         assert [r["epoch"] for r in rows] == [1, 1, 2, 2, 3, 3]
 
 
-def test_max_epoch_without_max_update(mnist_dir, tmp_path):
+def test_max_epoch_without_max_update(small_mnist_dir, tmp_path):
     out = tmp_path / "o"
-    assert run_main(["--task", "mnist", "--data", str(mnist_dir), "--max-sentences", "128", "--max-epoch", "2",
+    assert run_main(["--task", "mnist", "--data", str(small_mnist_dir), "--max-sentences", "128", "--max-epoch", "2",
                      "--max-update", "0", "--log-format", "none", "--disable-validation",
                      "--save-dir", str(out)]) == 0
     assert results(out)["num_updates"] == 2 * N_TRAIN // 128
@@ -184,14 +184,14 @@ def test_max_epoch_without_max_update(mnist_dir, tmp_path):
 
 # ---------------------------------------------------------------- accumulation
 @pytest.mark.parametrize("flag", ["--update-freq", "--accum_grad"])
-def test_update_freq_counts_updates(mnist_dir, tmp_path, flag):
-    out = train(mnist_dir, tmp_path / "o", flag, "2", "--max-sentences", "64", "--max-epoch", "1",
+def test_update_freq_counts_updates(small_mnist_dir, tmp_path, flag):
+    out = train(small_mnist_dir, tmp_path / "o", flag, "2", "--max-sentences", "64", "--max-epoch", "1",
                 "--disable-validation", max_update=100)
     assert results(out)["num_updates"] == N_TRAIN // 64 // 2
 
 
-def test_update_freq_per_epoch(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--update-freq", "4,2,1", "--max-sentences", "64", "--max-epoch", "3",
+def test_update_freq_per_epoch(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--update-freq", "4,2,1", "--max-sentences", "32", "--max-epoch", "3",
                 "--disable-validation", "--log-interval", "1", max_update=1000)
     per_epoch = [sum(1 for r in records(out, "train") if r["epoch"] == e) for e in (1, 2, 3)]
     assert per_epoch == [2, 4, 8]
@@ -209,13 +209,13 @@ def test_accumulation_plans_cover_the_same_samples():
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_gradient_accumulation_equivalence(mnist_dir, tmp_path, shuffle):
+def test_gradient_accumulation_equivalence(small_mnist_dir, tmp_path, shuffle):
     common = ["--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "constant", "--clip-norm", "0",
               "--model_conf", "dropout1=0", "--model_conf", "dropout2=0", "--disable-validation"]
     if not shuffle:
         common.append("--no-shuffle")
-    a = train(mnist_dir, tmp_path / "a", *common, "--update-freq", "2", "--max-sentences", "16", max_update=3)
-    b = train(mnist_dir, tmp_path / "b", *common, "--update-freq", "1", "--max-sentences", "32", max_update=3)
+    a = train(small_mnist_dir, tmp_path / "a", *common, "--update-freq", "2", "--max-sentences", "16", max_update=3)
+    b = train(small_mnist_dir, tmp_path / "b", *common, "--update-freq", "1", "--max-sentences", "32", max_update=3)
     sa, sb = load(a / "checkpoint_last.pt")["model"], load(b / "checkpoint_last.pt")["model"]
     init = initial_model(hidden=128, dropout1=0, dropout2=0).state_dict()
     moved = (flat(sb) - flat(init)).abs().max().item()
@@ -225,9 +225,9 @@ def test_gradient_accumulation_equivalence(mnist_dir, tmp_path, shuffle):
 
 
 # ---------------------------------------------------------------- clipping
-def test_clip_norm_clips_and_logs_pre_clip_norm(mnist_dir, tmp_path):
+def test_clip_norm_clips_and_logs_pre_clip_norm(small_mnist_dir, tmp_path):
     clip, lr = 1e-3, 1.0
-    out = train(mnist_dir, tmp_path / "o", "--optimizer", "sgd", "--lr", lr, "--lr-scheduler", "constant",
+    out = train(small_mnist_dir, tmp_path / "o", "--optimizer", "sgd", "--lr", lr, "--lr-scheduler", "constant",
                 "--clip-norm", clip, "--log-interval", "1", "--disable-validation", max_update=1)
     gnorm = records(out, "train")[0]["gnorm"]
     assert gnorm > 10 * clip  # the norm before clipping
@@ -235,9 +235,9 @@ def test_clip_norm_clips_and_logs_pre_clip_norm(mnist_dir, tmp_path):
     assert step.norm().item() == pytest.approx(lr * clip, rel=1e-2)
 
 
-def test_clip_norm_zero_disables_clipping(mnist_dir, tmp_path):
+def test_clip_norm_zero_disables_clipping(small_mnist_dir, tmp_path):
     lr = 0.01
-    out = train(mnist_dir, tmp_path / "o", "--optimizer", "sgd", "--lr", lr, "--lr-scheduler", "constant",
+    out = train(small_mnist_dir, tmp_path / "o", "--optimizer", "sgd", "--lr", lr, "--lr-scheduler", "constant",
                 "--clip-norm", "0", "--log-interval", "1", "--disable-validation", max_update=1)
     gnorm = records(out, "train")[0]["gnorm"]
     step = flat(load(out / "checkpoint_last.pt")["model"]) - flat(initial_model().state_dict())
@@ -245,30 +245,30 @@ def test_clip_norm_zero_disables_clipping(mnist_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- validation
-def test_validate_interval_updates(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--validate-interval-updates", "3", max_update=7)
+def test_validate_interval_updates(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--validate-interval-updates", "3", max_update=7)
     updates = [r["update"] for r in records(out, "valid")]
     assert 3 in updates and 6 in updates
     assert set(updates) <= {3, 6, 7}
     assert results(out)["final"]
 
 
-def test_validate_interval_epochs(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--validate-interval", "2", "--num_iters_per_epoch", "2",
+def test_validate_interval_epochs(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--validate-interval", "2", "--num_iters_per_epoch", "2",
                 "--max-epoch", "4", max_update=100)
     updates = [r["update"] for r in records(out, "valid")]
     assert updates == [4, 8]
 
 
-def test_disable_validation(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--disable-validation", "--validate-interval-updates", "1",
+def test_disable_validation(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--disable-validation", "--validate-interval-updates", "1",
                 max_update=3)
     assert records(out, "valid") == []
     assert not any(r["kind"].startswith("valid") for r in records(out))
 
 
-def test_several_valid_subsets(mnist_dir, tmp_path):
-    out = train(mnist_dir, tmp_path / "o", "--valid-subset", "test,train", max_update=2)
+def test_several_valid_subsets(small_mnist_dir, tmp_path):
+    out = train(small_mnist_dir, tmp_path / "o", "--valid-subset", "test,train", max_update=2)
     kinds = {r["kind"] for r in records(out)}
     assert {"valid_test", "valid_train"} <= kinds
     test_row = [r for r in records(out) if r["kind"] == "valid_test"][-1]
@@ -298,8 +298,8 @@ def test_mixed_precision_choice():
     (["--train_dtype", "float16"], "bf16", True),
     (["--train_dtype", "float32"], "no", False),
 ])
-def test_precision_runs_on_cpu(mnist_dir, tmp_path, capsys, extra, precision, warns):
-    out = train(mnist_dir, tmp_path / "o", *extra, "--log-format", "simple", "--log-interval", "1",
+def test_precision_runs_on_cpu(small_mnist_dir, tmp_path, capsys, extra, precision, warns):
+    out = train(small_mnist_dir, tmp_path / "o", *extra, "--log-format", "simple", "--log-interval", "1",
                 "--disable-validation", max_update=2)
     err = capsys.readouterr().err
     assert f"precision {precision}" in err, err
@@ -308,16 +308,16 @@ def test_precision_runs_on_cpu(mnist_dir, tmp_path, capsys, extra, precision, wa
 
 
 # ---------------------------------------------------------------- seeding
-def test_seed_makes_runs_repeatable(mnist_dir, tmp_path):
-    a = train(mnist_dir, tmp_path / "a", "--seed", "3", "--disable-validation", max_update=2)
-    b = train(mnist_dir, tmp_path / "b", "--seed", "3", "--disable-validation", max_update=2)
-    c = train(mnist_dir, tmp_path / "c", "--seed", "4", "--disable-validation", max_update=2)
+def test_seed_makes_runs_repeatable(small_mnist_dir, tmp_path):
+    a = train(small_mnist_dir, tmp_path / "a", "--seed", "3", "--disable-validation", max_update=2)
+    b = train(small_mnist_dir, tmp_path / "b", "--seed", "3", "--disable-validation", max_update=2)
+    c = train(small_mnist_dir, tmp_path / "c", "--seed", "4", "--disable-validation", max_update=2)
     fa, fb, fc = (flat(load(d / "checkpoint_last.pt")["model"]) for d in (a, b, c))
     assert torch.equal(fa, fb)
     assert not torch.allclose(fa, fc)
 
 
-def test_seed_seeds_python_numpy_torch(mnist_dir, tmp_path):
+def test_seed_seeds_python_numpy_torch(small_mnist_dir, tmp_path):
     import random
 
     def draws():
@@ -326,25 +326,25 @@ def test_seed_seeds_python_numpy_torch(mnist_dir, tmp_path):
     random.seed(123)
     np.random.seed(123)
     torch.manual_seed(123)
-    train(mnist_dir, tmp_path / "a", "--seed", "7", "--disable-validation", "--no-save", max_update=1)
+    train(small_mnist_dir, tmp_path / "a", "--seed", "7", "--disable-validation", "--no-save", max_update=1)
     after_a = draws()
     random.seed(999)
     np.random.seed(999)
     torch.manual_seed(999)
-    train(mnist_dir, tmp_path / "b", "--seed", "7", "--disable-validation", "--no-save", max_update=1)
+    train(small_mnist_dir, tmp_path / "b", "--seed", "7", "--disable-validation", "--no-save", max_update=1)
     after_b = draws()
     # the generators' states after the run depend on --seed only
     assert after_a == after_b
 
 
-def test_num_workers_gives_same_training(mnist_dir, tmp_path):
-    a = train(mnist_dir, tmp_path / "a", "--num-workers", "0", "--disable-validation", max_update=3)
-    b = train(mnist_dir, tmp_path / "b", "--num-workers", "2", "--disable-validation", max_update=3)
+def test_num_workers_gives_same_training(small_mnist_dir, tmp_path):
+    a = train(small_mnist_dir, tmp_path / "a", "--num-workers", "0", "--disable-validation", max_update=3)
+    b = train(small_mnist_dir, tmp_path / "b", "--num-workers", "2", "--disable-validation", max_update=3)
     assert torch.equal(flat(load(a / "checkpoint_last.pt")["model"]), flat(load(b / "checkpoint_last.pt")["model"]))
 
 
 # ---------------------------------------------------------------- one process, no network
-def test_single_process_needs_no_port(mnist_dir, tmp_path, monkeypatch):
+def test_single_process_needs_no_port(small_mnist_dir, tmp_path, monkeypatch):
     """One process must not open a rendezvous port: with the default port
     (29500) taken by something else, a plain run still trains."""
     monkeypatch.delenv("MASTER_PORT", raising=False)
@@ -355,6 +355,6 @@ def test_single_process_needs_no_port(mnist_dir, tmp_path, monkeypatch):
             holder.listen(1)
         except OSError:
             pass  # already taken by something else: the same situation
-        train(mnist_dir, tmp_path / "o", "--disable-validation", max_update=1)
+        train(small_mnist_dir, tmp_path / "o", "--disable-validation", max_update=1)
     finally:
         holder.close()

@@ -7,6 +7,7 @@ so ``--help`` and every bad-input error answer at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import config as C
@@ -239,18 +240,20 @@ def run(ns, keys):
     from .trainer import train
     try:
         return train(ns, keys)
+    except UserError:
+        raise
     except Exception as exc:
         if not _lost_peer(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        print(f"error: rank {distributed.os.environ.get('RANK', '?')}: another process of this run died or is "
+        print(f"error: rank {os.environ.get('RANK', '?')}: another process of this run died or is "
               f"unreachable ({first}); stopping", file=sys.stderr)
         return 1
 
 
 def _lost_peer(exc):
     """A collective failed because a peer is gone: one line, not a traceback."""
-    if "WORLD_SIZE" not in distributed.os.environ or distributed.os.environ["WORLD_SIZE"] == "1":
+    if "WORLD_SIZE" not in os.environ or os.environ["WORLD_SIZE"] == "1":
         return False
     try:
         from torch.distributed import DistError

@@ -46,7 +46,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 
 # ---------------------------------------------------------------- options
 def build_parser():
-    from ..config import Options, nonneg_int, positive_int
+    from ..config import Options, positive_int
 
     def probability(text):
         value = float(text)
@@ -401,7 +401,13 @@ def prepare(args):
     files = list_inputs(args.input)
     output = Path(args.output)
     documents = read_documents(files, args.split_sentences)
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".prepare_bert.probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to --output {str(output)!r} ({exc.strerror or exc})") from None
     if args.train_vocab:
         vocab_file = train_vocab(files, args.train_vocab, args.do_lower_case, output)
     else:

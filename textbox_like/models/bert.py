@@ -22,7 +22,7 @@ from transformers import BertConfig, BertForPreTraining
 
 from ..config import PROPERTIES, load_yaml
 from ..errors import UserError
-from . import checked_vocab_size, read_bert_json, read_vocab_size  # noqa: F401
+from . import checked_vocab_size, read_bert_json
 
 PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
 IGNORE_INDEX = -100

@@ -113,9 +113,15 @@ class BertTask(Task):
         from ..data.bert_hdf5 import BertHDF5Dataset, find_shards
 
         files = find_shards(self.cfg.data, split, getattr(self.cfg, "num_file", 0))
-        return BertHDF5Dataset(files, max_pred_length=self.cfg.max_pred_length,
+        config = self.model_config()
+        _check_prepared_vocab(files, config.vocab_size)
+        data = BertHDF5Dataset(files, max_pred_length=self.cfg.max_pred_length,
                                block=getattr(self.cfg, "shuffle_block", 8192),
-                               vocab_size=self.model_config().vocab_size)
+                               vocab_size=config.vocab_size)
+        if data.seq_length > config.max_position_embeddings:
+            raise UserError(f"the {split} shards hold sequences of {data.seq_length} tokens but the model has "
+                            f"{config.max_position_embeddings} positions (max_position_embeddings)")
+        return data
 
     # -- model --------------------------------------------------------------
     def model_config(self):
@@ -204,6 +210,28 @@ def _check_vocab(vocab_file, config_file):
 
     declared = read_bert_json(config_file).get("vocab_size")
     checked_vocab_size(vocab_file, declared, f"config file {config_file!r}")
+
+
+def _check_prepared_vocab(files, vocab_size):
+    """Shards made by prepare_bert sit next to prepare_bert.json, which names
+    their vocabulary size: a smaller model vocabulary is an error at once
+    (other shards are checked block by block as they are read)."""
+    import json
+
+    seen = set()
+    for f in files:
+        info = Path(f).parent / "prepare_bert.json"
+        if info in seen or not info.is_file():
+            continue
+        seen.add(info)
+        try:
+            size = int(json.loads(info.read_text()).get("vocab_size"))
+        except (ValueError, TypeError, AttributeError, OSError):
+            continue
+        if size > vocab_size:
+            raise UserError(f"the shards in {str(info.parent)!r} were prepared with a vocabulary of {size} tokens "
+                            f"but the model's has {vocab_size}; give --dict {str(info.parent / 'vocab.txt')!r} "
+                            f"(or the matching --config_file)")
 
 
 # BertConfig fields --model_conf may set (checked without importing transformers)
