@@ -94,6 +94,7 @@ def test_optim_conf_lr_is_the_lr_trained_with(mnist_dir, tmp_path):
     replaced by --lr through the LR scheduler."""
     out = tmp_path / "o"
     rc = run_main(base_args(mnist_dir, out, "--optimizer", "adadelta", "--lr-scheduler", "constant",
+                            "--warmup-updates", "0",
                             "--optim_conf", "lr=0.1", "--optim_conf", "rho=0.8", "--log-interval", "1",
                             "--disable-validation", max_update=2))
     assert rc == 0
@@ -116,7 +117,8 @@ def test_scheduler_conf_reaches_the_scheduler():
     import torch
     from textbox_like.cli import check, build_options
     from textbox_like.lr_scheduler import build_scheduler
-    options, ns, _ = parse(["--lr-scheduler", "constant", "--scheduler_conf", "warmup_updates=4",
+    options, ns, _ = parse(["--lr-scheduler", "constant", "--warmup-updates", "0",
+                            "--scheduler_conf", "warmup_updates=4",
                             "--lr", "0.5", "--max-update", "10"])
     check(options, ns)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -127,11 +129,28 @@ def test_scheduler_conf_reaches_the_scheduler():
 
 # ---------------------------------------------------------------- layering
 def test_properties_beat_builtin_defaults():
-    # built-in defaults: adam, lr 0.001; properties/overall.yaml: adadelta 1.01
-    ns = cfg_of()
-    assert ns.optimizer == "adadelta"
-    assert ns.lr == [1.01]
-    assert ns.lr_scheduler == "PolynomialDecayScheduler"
+    """Whatever properties/overall.yaml and properties/task/mnist.yaml say wins
+    over the built-in defaults (task file over overall file)."""
+    props = C.PROPERTIES
+    merged = {}
+    for path in (props / "overall.yaml", props / "task" / "mnist.yaml"):
+        if path.is_file():
+            merged.update(C.load_yaml(path))
+    assert merged, "no properties files"
+    from textbox_like.cli import build_options
+    defaults = {dest: action.default for dest, action in build_options().actions.items()}
+    _, ns, _ = parse(["--task", "mnist"])
+    checked = 0
+    for key, value in merged.items():
+        got = getattr(ns, key)
+        if isinstance(got, list) and not isinstance(value, list):
+            got = got[0] if len(got) == 1 else got
+        if isinstance(value, float) or isinstance(got, float):
+            assert float(got) == pytest.approx(float(value)), key
+        else:
+            assert got == value, key
+        checked += defaults.get(key) != value
+    assert checked, "the properties files override no default"
 
 
 def test_layering_full_chain(tmp_path, monkeypatch):

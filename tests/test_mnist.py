@@ -247,7 +247,9 @@ def test_textbox_like_cache_is_isolated():
 # ---------------------------------------------------------------- training
 def test_accuracy_improves(mnist_dir, tmp_path):
     out = tmp_path / "o"
-    assert run_main(base_args(mnist_dir, out, "--log-interval", "1", max_update=12)) == 0
+    hetseq = ["--optimizer", "adadelta", "--lr", "1.01", "--lr-scheduler", "PolynomialDecayScheduler",
+              "--warmup-updates", "0", "--total-num-update", "50000", "--clip-norm", "100"]
+    assert run_main(base_args(mnist_dir, out, *hetseq, "--log-interval", "1", max_update=12)) == 0
     records = read_jsonl(out / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     valid = [r for r in records if r["kind"] == "valid"]

@@ -161,7 +161,8 @@ def test_polynomial_force_anneal_is_an_option():
 
 
 def test_per_epoch_lr_list():
-    s, _ = scheduler("--lr-scheduler", "constant", "--lr", "0.5,0.3,0.1", "--max-update", "100")
+    s, _ = scheduler("--lr-scheduler", "constant", "--lr", "0.5,0.3,0.1", "--max-update", "100",
+                     "--warmup-updates", "0")
     for epoch, expected in [(1, 0.5), (2, 0.3), (3, 0.1), (4, 0.1)]:
         s.step_epoch(epoch)
         assert s.step_update(5) == pytest.approx(expected)

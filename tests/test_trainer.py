@@ -210,7 +210,8 @@ def test_accumulation_plans_cover_the_same_samples():
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_gradient_accumulation_equivalence(small_mnist_dir, tmp_path, shuffle):
-    common = ["--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "constant", "--clip-norm", "0",
+    common = ["--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "constant", "--warmup-updates", "0",
+              "--clip-norm", "0",
               "--model_conf", "dropout1=0", "--model_conf", "dropout2=0", "--disable-validation"]
     if not shuffle:
         common.append("--no-shuffle")
@@ -228,6 +229,7 @@ def test_gradient_accumulation_equivalence(small_mnist_dir, tmp_path, shuffle):
 def test_clip_norm_clips_and_logs_pre_clip_norm(small_mnist_dir, tmp_path):
     clip, lr = 1e-3, 1.0
     out = train(small_mnist_dir, tmp_path / "o", "--optimizer", "sgd", "--lr", lr, "--lr-scheduler", "constant",
+                "--warmup-updates", "0",
                 "--clip-norm", clip, "--log-interval", "1", "--disable-validation", max_update=1)
     gnorm = records(out, "train")[0]["gnorm"]
     assert gnorm > 10 * clip  # the norm before clipping
@@ -238,6 +240,7 @@ def test_clip_norm_clips_and_logs_pre_clip_norm(small_mnist_dir, tmp_path):
 def test_clip_norm_zero_disables_clipping(small_mnist_dir, tmp_path):
     lr = 0.01
     out = train(small_mnist_dir, tmp_path / "o", "--optimizer", "sgd", "--lr", lr, "--lr-scheduler", "constant",
+                "--warmup-updates", "0",
                 "--clip-norm", "0", "--log-interval", "1", "--disable-validation", max_update=1)
     gnorm = records(out, "train")[0]["gnorm"]
     step = flat(load(out / "checkpoint_last.pt")["model"]) - flat(initial_model().state_dict())

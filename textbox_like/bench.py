@@ -36,6 +36,16 @@ def _cfg_for(args_list):
     return cfg
 
 
+def plain_optimizer(cfg, model):
+    """The same torch.optim class and arguments the trainer uses."""
+    from .optim import OPTIMIZERS
+    spec = OPTIMIZERS.get(cfg.optimizer)
+    kwargs = {**spec.kwargs(cfg), **cfg.optim_conf}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return spec.build([{"params": list(model.parameters())}], **kwargs)
+
+
 @plain_loop("mnist")
 def plain_mnist(cfg, warmup, updates):
     """The loop a person would write for HetSeq's MNIST recipe."""
@@ -49,7 +59,7 @@ def plain_mnist(cfg, warmup, updates):
     torch.manual_seed(cfg.seed)
     data = MNISTDataset(*load_split(ensure_mnist(cfg.data), "train"))
     model = MNISTNet()
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr[0], rho=cfg.adadelta_rho, eps=cfg.adadelta_eps)
+    optimizer = plain_optimizer(cfg, model)
     bs = cfg.max_sentences
     order = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(data)))
     model.train()

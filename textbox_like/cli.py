@@ -224,9 +224,6 @@ def main(argv=None):
 
 def run(ns, keys):
     from . import distributed
-    if ns.scheduler_conf:
-        for key, value in ns.scheduler_conf.items():
-            setattr(ns, key, float_list(value) if key == "lr" else value)
     if distributed.placement_from_env(ns) is None:
         if ns.distributed_no_spawn and ns.distributed_init_method:
             placement = distributed.Placement(

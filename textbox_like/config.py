@@ -67,7 +67,10 @@ def float_tuple(text):
     if isinstance(text, (list, tuple)):
         value = text
     else:
-        value = ast.literal_eval(str(text))
+        try:
+            value = ast.literal_eval(str(text))
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            raise ValueError(f"expects a tuple of numbers like '(0.9, 0.999)', got {text!r}") from None
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
         raise ValueError(f"expects a tuple of numbers like '(0.9, 0.999)', got {text!r}")
     return [float(v) for v in value]
@@ -84,23 +87,42 @@ def str2bool(text):
     raise ValueError(f"expects true or false, got {text!r}")
 
 
+def _numbers(value):
+    """YAML 1.1 reads '1e-7' as a string; people mean a number."""
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") or value.lower() in ("inf", "-inf") \
+                else int(value)
+        except ValueError:
+            return value
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
+
+
 def parse_dict(text):
     """'{lr: 0.1, rho: 0.8}' or 'lr=0.1' -> dict. YAML safe_load for values."""
     if isinstance(text, dict):
-        return dict(text)
+        return _numbers(dict(text))
     text = str(text).strip()
-    if text.startswith("{"):
-        value = yaml.safe_load(text)
-        if not isinstance(value, dict):
-            raise ValueError(f"expects a mapping like '{{lr: 0.1}}', got {text!r}")
-        return value
-    out = {}
-    for part in text.split(","):
-        if "=" not in part:
-            raise ValueError(f"expects key=value or '{{key: value}}', got {text!r}")
-        key, raw = part.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw)
-    return out
+    try:
+        if text.startswith("{"):
+            value = yaml.safe_load(text)
+            if not isinstance(value, dict):
+                raise ValueError(f"expects a mapping like '{{lr: 0.1}}', got {text!r}")
+            return _numbers(value)
+        out = {}
+        for part in text.split(","):
+            if "=" not in part:
+                raise ValueError(f"expects key=value or '{{key: value}}', got {text!r}")
+            key, raw = part.split("=", 1)
+            out[key.strip()] = _numbers(yaml.safe_load(raw))
+        return out
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{text!r} is not valid: {problem}") from None
 
 
 class MergeDict(argparse.Action):
@@ -296,7 +318,7 @@ def resolve(options: Options, argv, task_registry, component_groups):
                 and action.type not in (str,):
             try:
                 setattr(ns, dest, action.type(value))
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 raise UserError(f"option {dest}: {exc}") from None
     keys = []
     for group in component_groups(ns):

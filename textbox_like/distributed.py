@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -64,10 +65,13 @@ def _slurm_placement():
                 host = out.stdout.split()[0]
         except (OSError, subprocess.TimeoutExpired):
             pass
+    # SLURM_TASKS_PER_NODE reads like "2(x3),1": this node's count is not
+    # knowable from it alone, so take the first group's (it only sets threads)
+    per_node = re.match(r"\d+", os.environ.get("SLURM_TASKS_PER_NODE", "") or
+                        os.environ.get("SLURM_NTASKS_PER_NODE", ""))
     return Placement(rank=_env_int("SLURM_PROCID"), world_size=_env_int("SLURM_NTASKS"),
                      local_rank=_env_int("SLURM_LOCALID", 0),
-                     local_world_size=_env_int("SLURM_NTASKS_PER_NODE", None) or
-                     _env_int("SLURM_STEP_NUM_TASKS", 1) // max(_env_int("SLURM_STEP_NUM_NODES", 1), 1),
+                     local_world_size=int(per_node.group()) if per_node else 1,
                      init_method="env://", master_addr=host,
                      master_port=os.environ.get("MASTER_PORT") or str(29500 + _env_int("SLURM_JOB_ID", 0) % 1000))
 

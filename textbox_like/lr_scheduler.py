@@ -139,14 +139,14 @@ def add_args(options):
 
 
 def build_scheduler(cfg, optimizer):
-    scheduler = SCHEDULERS.get(cfg.lr_scheduler)(cfg, optimizer)
-    conf = dict(cfg.scheduler_conf or {})
-    if conf:
-        from .errors import UserError, closest
-        valid = set(cfg.__dict__)
-        for key, value in conf.items():
-            if key not in valid:
-                raise UserError(f"unknown key {key!r} in --scheduler_conf{closest(key, valid)}")
-        cfg = type(cfg)(**{**vars(cfg), **conf})
-        scheduler.cfg = cfg
-    return scheduler
+    """The scheduler of --lr-scheduler. --scheduler_conf values (already
+    checked by the CLI) override the config for the schedule only; an lr in
+    --optim_conf is the schedule's base LR, as the user meant."""
+    import argparse
+    values = dict(vars(cfg))
+    if "lr" in (cfg.optim_conf or {}):
+        values["lr"] = cfg.optim_conf["lr"]
+    values.update(cfg.scheduler_conf or {})
+    if not isinstance(values["lr"], (list, tuple)):
+        values["lr"] = [float(values["lr"])]
+    return SCHEDULERS.get(cfg.lr_scheduler)(argparse.Namespace(**values), optimizer)
