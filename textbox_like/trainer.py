@@ -65,6 +65,8 @@ def build_accelerator(cfg, placement):
     from accelerate.utils import DistributedDataParallelKwargs
 
     cuda = torch.cuda.is_available() and not cfg.cpu
+    if cuda and placement.world_size == 1 and cfg.device_id is not None:
+        torch.cuda.set_device(cfg.device_id)  # HetSeq's --device-id picks the GPU of a single process
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters,
                                         bucket_cap_mb=cfg.bucket_cap_mb)
     accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda),
