@@ -61,16 +61,21 @@ def assert_bitwise_equal(a, b, where="state"):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def kill_after_checkpoint(cmd, save_dir, sig, min_checkpoint="checkpoint_1_5.pt", seed=0):
-    """Start ``cmd``, wait for a first checkpoint, then send ``sig`` at a random moment."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def kill_after_checkpoint(cmd, save_dir, sig, min_checkpoint="checkpoint_1_5.pt", seed=0, group=False):
+    """Start ``cmd``, wait for a first checkpoint, then send ``sig`` at a random
+    moment (to the whole process group, every rank at once, with ``group``)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=group)
     deadline = time.monotonic() + 180
     while not (save_dir / min_checkpoint).exists():
         assert proc.poll() is None, f"run ended before its first checkpoint: {proc.stderr.read()[-2000:]}"
         assert time.monotonic() < deadline
         time.sleep(0.02)
     time.sleep(random.Random(seed).uniform(0.0, 1.0))
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     return proc.returncode, err
 
@@ -134,9 +139,11 @@ def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, referenc
     ref_dir = tmp_path / "ref"
     cmd = command(data, save_dir, "--distributed-world-size", "2", "--max-sentences", "8")
     run(command(data, ref_dir, "--distributed-world-size", "2", "--max-sentences", "8"))
-    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=3)
+    # kill -9 every process of the run at once: no rank gets to save
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=3, group=True)
     assert code == -signal.SIGKILL, err[-1000:]
-    time.sleep(1.0)  # the orphaned ranks get SIGTERM from the kernel and stop
+    killed_at = load(save_dir / "checkpoint_last.pt")["train"]["num_updates"]
+    assert killed_at % 5 == 0 and killed_at < 60  # an interval checkpoint, not a save on the way out
     run(cmd + ["--resume"])
     final, ref = load(save_dir / "checkpoint_last.pt"), load(ref_dir / "checkpoint_last.pt")
     assert len(final["rng"]) == 2

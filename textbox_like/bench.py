@@ -37,13 +37,9 @@ def _cfg_for(args_list):
 
 
 def plain_optimizer(cfg, model):
-    """The same torch.optim class and arguments the trainer uses."""
-    from .optim import OPTIMIZERS
-    spec = OPTIMIZERS.get(cfg.optimizer)
-    kwargs = {**spec.kwargs(cfg), **cfg.optim_conf}
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return spec.build([{"params": list(model.parameters())}], **kwargs)
+    """The same torch.optim class and arguments the trainer uses, one group."""
+    from .optim import build_optimizer
+    return build_optimizer(cfg, [{"params": list(model.parameters())}])
 
 
 @plain_loop("mnist")

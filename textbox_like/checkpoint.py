@@ -102,6 +102,7 @@ def _atomic_link(source: Path, target: Path) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+    _fsync_dir(target.parent)
 
 
 def load_checkpoint(path) -> dict:
@@ -130,6 +131,11 @@ class Checkpointer:
         self.dir = Path(cfg.save_dir)
         self.is_main = is_main
         self.enabled = not cfg.no_save
+        if self.enabled and is_main and self.dir.is_dir():
+            # half-written files of a writer that was killed; one writer per save dir
+            for leftover in self.dir.glob(".checkpoint*"):
+                if leftover.suffix in (".tmp", ".lnk"):
+                    leftover.unlink(missing_ok=True)
 
     # when --------------------------------------------------------------
     def names(self, epoch, updates, end_of_epoch, is_best, final=False):

@@ -40,8 +40,12 @@ POSITIVE = _typed(C.positive_int, "a positive integer")
 NONNEG = _typed(C.nonneg_int, "an integer >= 0")
 INT_LIST = _typed(C.int_list, "positive integers like 4 or 4,2,1")
 STR_LIST = _typed(C.str_list, "a comma-separated list")
-LITERAL_DICT = _typed(lambda t: t if isinstance(t, dict) else __import__("ast").literal_eval(str(t)) or {},
-                      "a Python dict literal like \"{'lr': 0.5}\"")
+def _literal_dict(text):
+    import ast
+    return text if isinstance(text, dict) else ast.literal_eval(str(text)) or {}
+
+
+LITERAL_DICT = _typed(_literal_dict, "a Python dict literal like \"{'lr': 0.5}\"")
 BOOL = _typed(C.str2bool, "true or false")
 
 
@@ -100,7 +104,8 @@ def build_options():
     o.add("--seed", type=int, default=1, help="seed of python, numpy, torch and the batch order")
     o.add("--cudnn_deterministic", action="store_true", help="deterministic cuDNN kernels")
     o.add("--cpu", action="store_true", help="train on CPU even when CUDA is present")
-    o.add("--threads", type=NONNEG, default=0, help="torch intra-op threads per process (0: torch's default)")
+    o.add("--threads", type=NONNEG, default=0,
+          help="torch intra-op threads per process (0: the cores divided among this node's processes)")
 
     o.group("validation", "validation")
     o.add("--validate-interval", type=POSITIVE, default=1, help="validate every N epochs")
@@ -179,11 +184,8 @@ def check(options, ns):
         raise UserError("training would never stop: set --max-epoch or --max-update")
     if ns.fp16 and ns.bf16:
         raise UserError("--fp16 and --bf16 exclude each other; choose one")
-    optim_keys = OPTIMIZERS.get(ns.optimizer).kwargs(ns)
-    for key in ns.optim_conf:
-        if key not in optim_keys:
-            raise UserError(f"unknown key {key!r} in --optim_conf for optimizer {ns.optimizer}"
-                            f"{closest(key, optim_keys)}; valid keys: {', '.join(sorted(optim_keys))}")
+    from .optim import optimizer_kwargs
+    optim_keys = optimizer_kwargs(ns)
     scheduler_keys = set(options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])) | \
         {"lr", "warmup_updates", "total_num_update"}
     for key in ns.scheduler_conf:
@@ -195,7 +197,20 @@ def check(options, ns):
                         "from --save-dir, --restore-file the file you name")
     if not isinstance(ns.optimizer_overrides, dict):
         raise UserError("--optimizer-overrides expects a dict literal like \"{'lr': 0.5}\"")
-    TASKS.get(ns.task).check_config(ns)
+    for key, value in ns.optimizer_overrides.items():
+        if key not in optim_keys:
+            raise UserError(f"unknown key {key!r} in --optimizer-overrides for {ns.optimizer}"
+                            f"{closest(key, optim_keys)}; valid keys: {', '.join(sorted(optim_keys))}")
+        if isinstance(optim_keys[key], float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"--optimizer-overrides {key!r}: expects a number, got {value!r}")
+    if ns.distributed_no_spawn and not ns.distributed_init_method and "RANK" not in os.environ:
+        raise UserError("--distributed-no-spawn needs --distributed-init-method (or a launcher that sets RANK)")
+    task = TASKS.get(ns.task)
+    task.check_config(ns)
+    if ns.best_checkpoint_metric and task.metric_names and ns.best_checkpoint_metric not in task.metric_names:
+        raise UserError(f"--best-checkpoint-metric {ns.best_checkpoint_metric!r} is not a metric of task "
+                        f"{ns.task}{closest(ns.best_checkpoint_metric, task.metric_names)}; "
+                        f"choose from: {', '.join(task.metric_names)}")
 
 
 def parse(argv):

@@ -245,10 +245,6 @@ def _prescan(argv, names):
     return found
 
 
-class Parser(argparse.ArgumentParser):
-    pass
-
-
 def _error_to_user(parser):
     """argparse prints usage and exits 2 on error; we want one line."""
 
@@ -310,6 +306,7 @@ def resolve(options: Options, argv, task_registry, component_groups):
         merged["task"] = task
     # argparse runs string defaults through the option's type, so a YAML
     # 'lr: abc' fails exactly like '--lr abc'.
+    builtin = {dest: action.default for dest, action in options.actions.items()}
     parser.set_defaults(**merged)
     ns = parser.parse_args(argv)
     for dest, action in options.actions.items():
@@ -320,6 +317,12 @@ def resolve(options: Options, argv, task_registry, component_groups):
                 setattr(ns, dest, action.type(value))
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 raise UserError(f"option {dest}: {exc}") from None
+    for dest, action in options.actions.items():
+        value = getattr(ns, dest, None)
+        if action.choices is not None and value is not None and value not in action.choices:
+            raise UserError(f"option {dest}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+        if value is None and builtin[dest] is not None:
+            raise UserError(f"option {dest} needs a value (got null); its default is {builtin[dest]!r}")
     keys = []
     for group in component_groups(ns):
         keys.extend(options.groups.get(group, []))
@@ -350,8 +353,3 @@ def write_config(ns, keys, directory):
     tmp.write_text(to_yaml(ns, keys))
     os.replace(tmp, target)
     return target
-
-
-def die(message, code=2):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(code)

@@ -52,8 +52,13 @@ def _env_int(name, default=None):
     return int(value) if value not in (None, "") else default
 
 
-def _slurm_placement():
-    if "SLURM_PROCID" not in os.environ or _env_int("SLURM_NTASKS", 1) <= 1:
+def _slurm_placement(cfg):
+    # only inside an srun step: a batch script's own shell also carries
+    # SLURM_PROCID and the job's task count, but it is not a rank
+    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return None
+    world = _env_int("SLURM_STEP_NUM_TASKS", None) or _env_int("SLURM_NTASKS", 1)
+    if world <= 1:
         return None
     host = os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
@@ -67,13 +72,15 @@ def _slurm_placement():
             pass
     # SLURM_TASKS_PER_NODE reads like "2(x3),1": this node's count is not
     # knowable from it alone, so take the first group's (it only sets threads)
-    per_node = re.match(r"\d+", os.environ.get("SLURM_TASKS_PER_NODE", "") or
-                        os.environ.get("SLURM_NTASKS_PER_NODE", ""))
-    return Placement(rank=_env_int("SLURM_PROCID"), world_size=_env_int("SLURM_NTASKS"),
+    per_node = re.match(r"\d+", os.environ.get("SLURM_STEP_TASKS_PER_NODE", "") or
+                        os.environ.get("SLURM_TASKS_PER_NODE", ""))
+    port = cfg.distributed_port if cfg.distributed_port > 0 else \
+        os.environ.get("MASTER_PORT") or 29500 + _env_int("SLURM_JOB_ID", 0) % 1000
+    return Placement(rank=_env_int("SLURM_PROCID"), world_size=world,
                      local_rank=_env_int("SLURM_LOCALID", 0),
                      local_world_size=int(per_node.group()) if per_node else 1,
                      init_method="env://", master_addr=host,
-                     master_port=os.environ.get("MASTER_PORT") or str(29500 + _env_int("SLURM_JOB_ID", 0) % 1000))
+                     master_port=str(port))
 
 
 def placement_from_env(cfg):
@@ -85,7 +92,7 @@ def placement_from_env(cfg):
                          local_world_size=_env_int("LOCAL_WORLD_SIZE", None) or _env_int("WORLD_SIZE"),
                          init_method=init, master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                          master_port=os.environ.get("MASTER_PORT"))
-    return _slurm_placement()
+    return _slurm_placement(cfg)
 
 
 def export(p: Placement):
@@ -120,10 +127,13 @@ def local_plan(cfg):
     if init is None:
         if world <= 1:
             return None
-        fd, path = tempfile.mkstemp(prefix="textbox_like_rdzv_")
-        os.close(fd)
-        os.unlink(path)  # a fresh name that does not exist yet
-        init = "file://" + path
+        if cfg.distributed_port > 0:
+            init = f"tcp://127.0.0.1:{cfg.distributed_port}"
+        else:
+            fd, path = tempfile.mkstemp(prefix="textbox_like_rdzv_")
+            os.close(fd)
+            os.unlink(path)  # a fresh name that does not exist yet
+            init = "file://" + path
         gpus, first = world, 0
     else:
         parsed = urlparse(init)
@@ -240,8 +250,11 @@ def init_process_group(p: Placement, cfg):
     if backend == "nccl" and not cuda:
         raise UserError("--distributed-backend nccl needs CUDA; leave it out to use gloo on CPU")
     if cuda:
-        torch.cuda.set_device(cfg.device_id if cfg.device_id is not None and p.local_world_size == 1
-                              else p.local_rank)
+        # under `srun --gpus-per-task 1` each task sees one GPU, whatever its local rank
+        device = cfg.device_id if cfg.device_id is not None and p.local_world_size == 1 \
+            else p.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(device)
+        os.environ["LOCAL_RANK"] = str(device)  # Accelerate places the model on cuda:LOCAL_RANK
     if p.init_method.startswith("env://") and "MASTER_PORT" not in os.environ:
         raise UserError("WORLD_SIZE is set but MASTER_PORT is not; start with torchrun/accelerate launch, "
                         "or pass --distributed-init-method tcp://HOST:PORT")

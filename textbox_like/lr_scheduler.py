@@ -19,7 +19,7 @@ class Scheduler:
         self.lrs = list(cfg.lr)
         self.epoch = 1
         self.num_updates = 0
-        self.updates_per_epoch = 0  # set by the trainer once the batch plan is known
+        self.planned_updates = 0  # updates of --max-epoch epochs, set by the trainer from the batch plan
 
     @staticmethod
     def add_args(options):
@@ -58,12 +58,13 @@ class Scheduler:
         self.step_update(int(state["num_updates"]))
 
 
-def _total_updates(cfg, updates_per_epoch=0):
-    """--total-num-update, else --max-update, else --max-epoch whole epochs."""
-    total = cfg.total_num_update or cfg.max_update
-    if not total and cfg.max_epoch and updates_per_epoch:
-        total = cfg.max_epoch * updates_per_epoch
-    return total or 0
+def _total_updates(cfg, planned_updates=0):
+    """--total-num-update, else the run's length: --max-update or the updates
+    of --max-epoch epochs, whichever ends it first."""
+    if cfg.total_num_update:
+        return cfg.total_num_update
+    ends = [n for n in (cfg.max_update, planned_updates) if n]
+    return min(ends) if ends else 0
 
 
 @register_scheduler("PolynomialDecayScheduler", "polynomial_decay", "polynomial")
@@ -80,7 +81,7 @@ class PolynomialDecay(Scheduler):
 
     def lr_at(self, n):
         lr, warmup, end = self.base_lr(), self.cfg.warmup_updates, self.cfg.end_learning_rate
-        total = _total_updates(self.cfg, self.updates_per_epoch)
+        total = _total_updates(self.cfg, self.planned_updates)
         if warmup > 0 and n <= warmup:
             return lr * max(n, 1) / warmup  # fairseq: the first update already gets lr/warmup
         if total <= 0 or n >= total:
@@ -123,7 +124,7 @@ class Cosine(Scheduler):
 
     def lr_at(self, n):
         lr, warmup, low = self.base_lr(), self.cfg.warmup_updates, self.cfg.min_lr
-        total = _total_updates(self.cfg, self.updates_per_epoch)
+        total = _total_updates(self.cfg, self.planned_updates)
         if warmup > 0 and n < warmup:
             return lr * max(n, 1) / warmup
         if total <= warmup:

@@ -23,8 +23,12 @@ class StatSums:
     def add(self, stats: dict):
         for key, value in stats.items():
             current = self.sums.get(key)
-            value = value.detach() if hasattr(value, "detach") else value
-            self.sums[key] = value if current is None else current + value
+            if current is None:
+                self.sums[key] = value.detach().clone() if hasattr(value, "detach") else value
+            elif hasattr(current, "add_"):
+                current.add_(value)  # in place: no allocation per step
+            else:
+                self.sums[key] = current + value
 
     def reduce(self, accelerator) -> dict:
         """Floats summed over all ranks (one collective)."""

@@ -85,8 +85,9 @@ def gather_per_rank(accelerator, value):
     return gather_object([value])
 
 
-def evaluate(task, model, data, batch_size, accelerator):
-    """Metrics over every sample of ``data``, each rank taking its share."""
+def evaluate(task, model, data, batch_sizes, accelerator):
+    """Metrics over every sample of ``data``, each rank taking its share
+    (``batch_sizes``: one per rank, or one for all)."""
     import numpy as np
     import torch
     from .data.iterators import plan_fixed
@@ -96,7 +97,8 @@ def evaluate(task, model, data, batch_size, accelerator):
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for row in plan_fixed(len(data), [batch_size] * world):
+        sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else [batch_sizes] * world
+        for row in plan_fixed(len(data), sizes):
             batch = task.collate_to_device(data.get_batch(np.arange(row[rank], row[rank + 1])),
                                            accelerator.device)
             with accelerator.autocast():
@@ -134,6 +136,8 @@ def train(cfg, keys):
     with accelerator.main_process_first():
         task.prepare_data()
     train_data = task.build_dataset(cfg.train_subset)
+    if len(train_data) == 0:
+        raise UserError(f"the {cfg.train_subset!r} split of --data {cfg.data} holds no samples")
     valid_data = {} if cfg.disable_validation else {s: task.build_dataset(s) for s in cfg.valid_subset}
     model = task.build_model()
     n_params = sum(p.numel() for p in model.parameters())
@@ -156,9 +160,14 @@ def train(cfg, keys):
                                   shuffle=not cfg.no_shuffle, multiple=cfg.required_batch_size_multiple,
                                   num_workers=cfg.num_workers)
 
-    k0 = cfg.update_freq[0]
+    def update_freq_for(e):
+        return cfg.update_freq[min(e - 1, len(cfg.update_freq) - 1)]
+
+    # what "decay over the whole run" means when only --max-epoch bounds it
     steps = iterator.steps_in_epoch()
-    scheduler.updates_per_epoch = min(math.ceil(steps / k0), cfg.num_iters_per_epoch or steps)
+    scheduler.planned_updates = sum(min(math.ceil(steps / update_freq_for(e)), cfg.num_iters_per_epoch or steps)
+                                    for e in range(1, (cfg.max_epoch or 0) + 1))
+    valid_batch_sizes = gather_per_rank(accelerator, cfg.max_sentences_valid or cfg.max_sentences or 64)
     checkpointer = Checkpointer(cfg, is_main)
     train_sums, log_sums, clock = StatSums(), StatSums(), TrainClock()
     epoch, num_updates, updates_in_epoch = 1, 0, 0
@@ -174,25 +183,38 @@ def train(cfg, keys):
         log.info(f"no checkpoint_last.pt in {cfg.save_dir}: starting fresh")
     if resume_from is not None:
         state = load_checkpoint(resume_from)
-        accelerator.unwrap_model(model).load_state_dict(state["model"])
+        if state.get("task") != cfg.task:
+            raise UserError(f"{resume_from} is a checkpoint of task {state.get('task')!r}, not {cfg.task!r}")
+        try:
+            accelerator.unwrap_model(model).load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise UserError(f"{resume_from} does not fit this model ({str(exc).splitlines()[0][:150]}...); "
+                            f"use the model options it was trained with") from None
+        saved_optimizer = state["train"].get("optimizer", cfg.optimizer)
         if not cfg.reset_optimizer and state.get("optimizer") is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            if saved_optimizer != cfg.optimizer:
+                raise UserError(f"{resume_from} holds {saved_optimizer} state, this run uses {cfg.optimizer}; "
+                                f"pass --reset-optimizer to start {cfg.optimizer} afresh")
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise UserError(f"the optimizer state in {resume_from} does not fit ({exc}); "
+                                f"pass --reset-optimizer") from None
         overrides = cfg.optimizer_overrides or {}
         for group in optimizer.param_groups:
             group.update(overrides)
         if not cfg.reset_meters:
             train_sums.load_state_dict(state["meters"]["train"])
-            log_sums.load_state_dict(state["meters"]["log"])
             clock.load_state_dict(state["meters"]["clock"])
             best, last_valid, best_valid = state["train"]["best"], state["meters"]["last_valid"], \
                 state["meters"]["best_valid"]
         if accelerator.scaler is not None and state.get("scaler"):
             accelerator.scaler.load_state_dict(state["scaler"])
         train_state = state["train"]
+        num_updates = train_state["num_updates"]
         if not cfg.reset_dataloader:
             iterator.load_state_dict(state["iterator"])
             epoch, updates_in_epoch = iterator.epoch, train_state["updates_in_epoch"]
-            num_updates = train_state["num_updates"]
         if not cfg.reset_lr_scheduler:
             scheduler.load_state_dict(state["scheduler"])
             if "lr" in overrides:  # an override of lr moves the schedule's base
@@ -214,6 +236,11 @@ def train(cfg, keys):
         del state
     else:
         iterator.set_epoch(epoch)
+    # a save dir that is not shared would let ranks start from different states
+    positions = gather_per_rank(accelerator, (num_updates, iterator.epoch, iterator.offset))
+    if len(set(positions)) > 1:
+        raise UserError(f"ranks resumed from different checkpoints {positions}; --save-dir must be on a file "
+                        f"system all nodes share (or give every node the same --restore-file)")
 
     if is_main and not cfg.no_save:
         from .config import write_config
@@ -222,9 +249,6 @@ def train(cfg, keys):
              f"precision {accelerator.mixed_precision} | batch sizes per rank {batch_sizes} | "
              f"train {len(train_data):,} samples")
 
-    def update_freq_for(e):
-        return cfg.update_freq[min(e - 1, len(cfg.update_freq) - 1)]
-
     def done_training():
         return (cfg.max_epoch and epoch > cfg.max_epoch) or (cfg.max_update and num_updates >= cfg.max_update)
 
@@ -232,7 +256,7 @@ def train(cfg, keys):
     def validate():
         results = {}
         for subset, data in valid_data.items():
-            metrics = evaluate(task, model, data, cfg.max_sentences_valid or cfg.max_sentences or 64, accelerator)
+            metrics = evaluate(task, model, data, valid_batch_sizes, accelerator)
             results[subset] = metrics
             log.log(f"valid_{subset}" if len(valid_data) > 1 else "valid",
                     {"epoch": epoch, "update": num_updates, **metrics})
@@ -258,9 +282,10 @@ def train(cfg, keys):
                 "scheduler": scheduler.state_dict(),
                 "iterator": iterator.state_dict(),
                 "train": {"epoch": epoch, "num_updates": num_updates, "updates_in_epoch": updates_in_epoch,
-                          "best": best, "best_metric": best_metric, "maximize": maximize},
-                "meters": {"train": train_sums.state_dict(), "log": log_sums.state_dict(),
-                           "clock": clock.state_dict(), "last_valid": last_valid, "best_valid": best_valid},
+                          "best": best, "best_metric": best_metric, "maximize": maximize,
+                          "optimizer": cfg.optimizer},
+                "meters": {"train": train_sums.state_dict(), "clock": clock.state_dict(),
+                           "last_valid": last_valid, "best_valid": best_valid},
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "rng": rngs,
                 "world_size": world,
@@ -291,6 +316,9 @@ def train(cfg, keys):
     stop_reason = None
     samples_seen = int(train_sums.sums.get("nsamples", 0))
     epochs_done = epoch - 1
+    end_of_epoch = False
+    pending_flag = None
+    import torch.distributed as dist
     clock.mark_samples, clock.mark_updates = samples_seen, num_updates
     model.train()
     while not done_training():
@@ -326,7 +354,7 @@ def train(cfg, keys):
                 total = torch.as_tensor(local_sample_size, dtype=torch.float32, device=accelerator.device)
                 total = accelerator.reduce(total, reduction="sum") if world > 1 else total
                 torch._foreach_mul_([p.grad for p in grad_params if p.grad is not None],
-                                    world / max(total.item(), 1.0))
+                                    world / total.clamp(min=1.0))  # a tensor: no host sync
             log_now = cfg.log_interval > 0 and (num_updates + 1) % cfg.log_interval == 0
             gnorm = None
             if cfg.clip_norm > 0:
@@ -350,13 +378,18 @@ def train(cfg, keys):
                                   "gnorm": float(gnorm) if gnorm is not None else None,
                                   "samples_per_s": sps, "updates_per_s": ups, "wall": clock.elapsed()})
 
-            if preemption.requested or world > 1:
-                # every rank must stop at the same update, whichever got the signal
-                flag = torch.tensor(float(preemption.requested), device=accelerator.device)
-                if world > 1:
-                    flag = accelerator.reduce(flag, reduction="sum")
-                if flag.item() > 0:
-                    stop_reason = "preempted"
+            if world == 1:
+                stop_reason = "preempted" if preemption.requested else None
+            else:
+                # Every rank must stop at the same update, whichever got the
+                # signal: the flags are summed asynchronously and read one
+                # update later, so the step never waits for it.
+                if pending_flag is not None:
+                    pending_flag[0].wait()
+                    if pending_flag[1].item() > 0:
+                        stop_reason = "preempted"
+                flag = torch.tensor([float(preemption.requested)], device=accelerator.device)
+                pending_flag = (dist.all_reduce(flag, async_op=True), flag)
             epoch_capped = cfg.num_iters_per_epoch and updates_in_epoch >= cfg.num_iters_per_epoch
             end_of_epoch = iterator.end_of_epoch or bool(epoch_capped)
             stop_now = stop_reason is not None or (cfg.max_update and num_updates >= cfg.max_update)
@@ -407,11 +440,15 @@ def train(cfg, keys):
         log.info("done | " + " | ".join(f"{k} {v:.4f}" for k, v in last_valid.items())
                  + f" | updates {num_updates} | wall {clock.elapsed():.1f}s")
     log.close()
+    if pending_flag is not None:
+        pending_flag[0].wait()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     distributed.cleanup()
     if stop_reason == "preempted":
-        print(f"stopped by {preemption.signal or 'a signal'} after saving; rerun the same command with --resume",
-              file=sys.stderr)
+        saved = checkpointer.enabled and not cfg.no_last_checkpoints
+        print(f"stopped by {preemption.signal or 'a signal'}"
+              + ("; checkpoint_last.pt saved: rerun the same command with --resume" if saved
+                 else "; nothing was saved (--no-save or --no-last-checkpoints)"), file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     return 0

@@ -67,16 +67,15 @@ def plan_tokens(tokens: np.ndarray, max_tokens, max_sentences, multiple: int = 1
     while pos < n:
         row = [pos]
         for r in range(world):
-            limit_tokens = max_tokens[r] or np.iinfo(np.int64).max
-            limit_sents = max_sentences[r] or n
-            # the largest end with cum[end] - cum[pos] <= limit_tokens
-            end = int(np.searchsorted(cum, cum[pos] + limit_tokens, side="right")) - 1
-            end = min(end, pos + limit_sents, n)
-            if end <= pos and pos < n:
-                if tokens[pos] > limit_tokens:
+            limit_tokens = max_tokens[r]
+            end = min(pos + (max_sentences[r] or n), n)
+            if limit_tokens:
+                # the largest end with cum[end] - cum[pos] <= limit_tokens
+                end = min(end, int(np.searchsorted(cum, cum[pos] + limit_tokens, side="right")) - 1)
+                if end <= pos < n:
                     raise UserError(f"a sample has {int(tokens[pos])} tokens, more than --max-tokens "
                                     f"{limit_tokens}; raise --max-tokens")
-            count = end - pos
+            count = max(end - pos, 0)
             if multiple > 1 and count > multiple:
                 count -= count % multiple
             pos += count
@@ -204,7 +203,7 @@ class EpochBatchIterator:
 
     # -- state --------------------------------------------------------------
     def state_dict(self):
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "shuffle": self.shuffle,
                 "world_size": self.world_size, "batch_sizes": list(self.batch_sizes),
                 "max_tokens": list(self.max_tokens) if self.max_tokens else None,
                 "dataset_size": len(self.dataset)}
@@ -216,6 +215,9 @@ class EpochBatchIterator:
         if int(state["seed"]) != self.seed:
             raise UserError(f"the checkpoint was trained with --seed {state['seed']}, not {self.seed}; "
                             f"use the same seed or pass --reset-dataloader")
+        if bool(state.get("shuffle", True)) != self.shuffle:
+            raise UserError("the checkpoint was trained with" + ("out" if not state.get("shuffle", True) else "")
+                            + " --no-shuffle; use the same setting or pass --reset-dataloader")
         # Another world size or batch size just re-plans the rest of the epoch
         # from the same offset: nothing skipped, nothing repeated.
         self.set_epoch(int(state["epoch"]), int(state["offset"]))

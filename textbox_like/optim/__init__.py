@@ -31,17 +31,44 @@ class OptimizerSpec:
         raise NotImplementedError
 
 
-def build_optimizer(cfg, param_groups):
+def _like(value, default, key, optimizer):
+    """``value`` in the type of ``default`` (float for numbers, list for tuples)."""
+    try:
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if isinstance(default, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError
+            return float(value) if isinstance(default, float) else value
+        if isinstance(default, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(default):
+                raise ValueError
+            return [float(v) for v in value]
+    except (TypeError, ValueError):
+        raise UserError(f"--optim_conf {key}={value!r} for {optimizer}: expects a value like {default!r}") from None
+    return value
+
+
+def optimizer_kwargs(cfg) -> dict:
+    """Constructor arguments of the chosen optimizer: its options, then
+    --optim_conf, each key checked and each value typed like the default."""
     spec = OPTIMIZERS.get(cfg.optimizer)
     kwargs = spec.kwargs(cfg)
     for key, value in (cfg.optim_conf or {}).items():
         if key not in kwargs:
             raise UserError(f"unknown key {key!r} in --optim_conf for optimizer {cfg.optimizer}"
                             f"{closest(key, kwargs)}; valid keys: {', '.join(sorted(kwargs))}")
-        kwargs[key] = value
+        kwargs[key] = _like(value, kwargs[key], key, cfg.optimizer)
+    return kwargs
+
+
+def build_optimizer(cfg, param_groups):
+    kwargs = optimizer_kwargs(cfg)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    # weight decay is set per group by the task (biases and norms exempt)
+    # weight decay is set per group; groups the task exempts (biases, norms) keep 0
     wd = kwargs.pop("weight_decay", None)
     groups = [dict(g) for g in param_groups]
     for g in groups:
@@ -49,7 +76,7 @@ def build_optimizer(cfg, param_groups):
             g["weight_decay"] = wd
         elif wd is None:
             g.pop("weight_decay", None)
-    return spec.build(groups, **kwargs)
+    return OPTIMIZERS.get(cfg.optimizer).build(groups, **kwargs)
 
 
 def add_args(options):

@@ -23,6 +23,10 @@ class Task:
     #: gradients, as fairseq does.
     sample_size_is_num_samples: bool = True
 
+    #: names of the metrics ``metrics()`` returns (checked against
+    #: --best-checkpoint-metric before training starts)
+    metric_names: tuple = ("loss",)
+
     #: metric used by default for ``checkpoint_best.pt``
     default_best_metric: str = "loss"
     default_maximize_best_metric: bool = False

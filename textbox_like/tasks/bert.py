@@ -190,6 +190,8 @@ class BertTask(Task):
         }
         return loss_sum, stats
 
+    metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "ppl")
+
     def metrics(self, sums):
         n_masked = max(sums.get("sample_size", 0.0), 1.0)
         n = max(sums.get("nsamples", 0.0), 1.0)

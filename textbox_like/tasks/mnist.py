@@ -9,6 +9,7 @@ MODEL_OPTIONS = {"hidden": 128, "dropout1": 0.25, "dropout2": 0.5}
 
 @register_task("mnist")
 class MNISTTask(Task):
+    metric_names = ("loss", "accuracy")
     default_best_metric = "accuracy"
     default_maximize_best_metric = True
 
