@@ -31,13 +31,13 @@ def _typed(fn, what):
         try:
             return fn(text)
         except (ValueError, TypeError, SyntaxError) as exc:
-            raise argparse.ArgumentTypeError(f"expects {what}, got {text!r} ({exc})") from None
+            raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}") from None
     convert.__name__ = fn.__name__
     return convert
 
 
-POSITIVE = _typed(C.positive_int, "a positive integer")
-NONNEG = _typed(C.nonneg_int, "an integer >= 0")
+POSITIVE = C.positive_int
+NONNEG = C.nonneg_int
 INT_LIST = _typed(C.int_list, "positive integers like 4 or 4,2,1")
 STR_LIST = _typed(C.str_list, "a comma-separated list")
 def _literal_dict(text):

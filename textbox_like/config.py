@@ -29,18 +29,22 @@ PROPERTIES = Path(__file__).resolve().parent.parent / "properties"
 
 
 # ---------------------------------------------------------------- value types
-def positive_int(text):
-    value = int(text)
-    if value <= 0:
-        raise ValueError(f"must be a positive integer, got {text}")
+def _int(text, low, what):
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < low or isinstance(text, float) and text != value:
+        raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}")
     return value
+
+
+def positive_int(text):
+    return _int(text, 1, "a positive integer")
 
 
 def nonneg_int(text):
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {text}")
-    return value
+    return _int(text, 0, "an integer >= 0")
 
 
 def int_list(text):

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from ..errors import UserError
 
+#: the published BERT sizes; their values live in properties/model/<name>.yaml
+PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
+
 
 def read_vocab_size(path) -> int:
     """Number of tokens in a WordPiece vocab.txt (one token a line)."""

@@ -22,9 +22,7 @@ from transformers import BertConfig, BertForPreTraining
 
 from ..config import PROPERTIES, load_yaml
 from ..errors import UserError
-from . import checked_vocab_size, read_bert_json
-
-PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
+from . import PRESETS, checked_vocab_size, read_bert_json
 IGNORE_INDEX = -100
 
 

@@ -23,25 +23,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..config import nonneg_int, positive_int
 from ..errors import UserError
 from . import register_task
 from .base import Task
 
-PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
-
-
-def _positive_int(text):
-    value = int(text)
-    if value <= 0:
-        raise ValueError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _nonneg_int(text):
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {text}")
-    return value
+from ..models import PRESETS
 
 
 def _probability(text):
@@ -67,20 +54,20 @@ class BertTask(Task):
         add("--model-preset", default=None, choices=PRESETS,
             help="model size when no --config_file is given (default base): layers/hidden/heads "
                  "tiny 2/128/2, mini 4/256/4, small 4/512/8, medium 8/512/8, base 12/768/12, large 24/1024/16")
-        add("--dimension", type=_positive_int, default=None, help="override: hidden size (feed-forward follows at 4x)")
-        add("--num-heads", type=_positive_int, default=None, help="override: attention heads")
-        add("--dim-feedforward", type=_positive_int, default=None, help="override: feed-forward size")
-        add("--num-layers", type=_positive_int, default=None, help="override: transformer layers")
+        add("--dimension", type=positive_int, default=None, help="override: hidden size (feed-forward follows at 4x)")
+        add("--num-heads", type=positive_int, default=None, help="override: attention heads")
+        add("--dim-feedforward", type=positive_int, default=None, help="override: feed-forward size")
+        add("--num-layers", type=positive_int, default=None, help="override: transformer layers")
         add("--activation-function", choices=["relu", "gelu"], default=None, help="override: activation")
         add("--dropout", type=_probability, default=None, help="override: hidden and attention dropout")
-        add("--max_pred_length", type=_positive_int, default=512,
+        add("--max_pred_length", type=positive_int, default=512,
             help="use at most this many masked positions of each instance")
-        add("--num_file", type=_nonneg_int, default=0, help="use the first N shards of a split (0: all)")
+        add("--num_file", type=nonneg_int, default=0, help="use the first N shards of a split (0: all)")
         add("--init-checkpoint", default=None,
             help="start from these weights: one of our checkpoints (.pt) or a transformers save directory")
         add("--freeze-encoder", action="store_true",
             help="train only the pooler and the pre-training heads (embeddings and layers frozen)")
-        add("--shuffle-block", type=_positive_int, default=8192,
+        add("--shuffle-block", type=positive_int, default=8192,
             help="rows per shuffled block of the epoch order (the unit read from disk)")
 
     # -- checks before anything heavy ---------------------------------------
