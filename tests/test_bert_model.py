@@ -122,10 +122,12 @@ def test_masked_head_loss_equals_full_head_loss(seed):
     n = batch["input_ids"].shape[0]
     masked_loss = sums["mlm_loss_sum"] / sums["n_masked"] + sums["nsp_loss_sum"] / n
     assert torch.allclose(masked_loss, full.loss, atol=1e-5)
-    # and through the task: loss_sum / sample_size is the same per-batch loss
-    loss_sum, stats = BertTask(argparse.Namespace()).loss(model, batch)
-    assert torch.allclose(loss_sum / stats["sample_size"], full.loss, atol=1e-5)
-    assert int(stats["nsamples"]) == n
+    # and through the task: each term over its own count is the same per-batch loss
+    task = BertTask(argparse.Namespace())
+    terms, stats = task.loss(model, batch)
+    counts = {"nsamples": n, **task.count(batch)}
+    assert torch.allclose(sum(t / counts[k] for k, t in terms.items()), full.loss, atol=1e-5)
+    assert int(stats["nsamples"]) == n and int(stats["masked_tokens"]) == int(sums["n_masked"])
     # the logits themselves are the full head's at the masked positions
     valid = batch["masked_lm_ids"].reshape(-1) != -100
     rows = torch.arange(n).unsqueeze(1).expand_as(batch["masked_lm_positions"]).reshape(-1)
@@ -138,8 +140,10 @@ def test_masked_head_gradients_equal_full_head():
     model = BertForPreTrainingMasked(build_bert_config(preset="tiny", dimension=32, num_heads=2, num_layers=1))
     model.eval()
     batch = make_batch(seed=3)
-    loss_sum, stats = BertTask(argparse.Namespace()).loss(model, batch)
-    (loss_sum / stats["sample_size"]).backward()
+    task = BertTask(argparse.Namespace())
+    terms, stats = task.loss(model, batch)
+    counts = {"nsamples": batch["input_ids"].shape[0], **task.count(batch)}
+    sum(t / counts[k] for k, t in terms.items()).backward()
     masked = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     labels = full_labels(batch["input_ids"], batch["masked_lm_positions"], batch["masked_lm_ids"])
@@ -154,17 +158,18 @@ def test_masked_head_gradients_equal_full_head():
 def test_empty_batch():
     model = BertForPreTrainingMasked(build_bert_config(preset="tiny", dimension=32, num_heads=2, num_layers=1))
     batch = {k: v[:0] for k, v in make_batch().items()}
-    loss_sum, stats = BertTask(argparse.Namespace()).loss(model, batch)
+    terms, stats = BertTask(argparse.Namespace()).loss(model, batch)
+    loss_sum = sum(terms.values())
     loss_sum.backward()
-    assert loss_sum.item() == 0.0 and int(stats["sample_size"]) == 0 and int(stats["nsamples"]) == 0
+    assert loss_sum.item() == 0.0 and int(stats["masked_tokens"]) == 0 and int(stats["nsamples"]) == 0
     assert all(p.grad is not None for p in model.parameters())
 
 
 def test_metrics():
     task = BertTask(argparse.Namespace())
-    m = task.metrics({"loss_sum": 30.0, "mlm_loss_sum": 20.0, "nsp_loss_sum": 4.0, "mlm_correct": 5.0,
-                      "nsp_correct": 6.0, "nsamples": 8.0, "sample_size": 10.0})
-    assert m["loss"] == 3.0 and m["mlm_loss"] == 2.0 and m["nsp_loss"] == 0.5
+    m = task.metrics({"mlm_loss_sum": 20.0, "nsp_loss_sum": 4.0, "mlm_correct": 5.0,
+                      "nsp_correct": 6.0, "nsamples": 8.0, "masked_tokens": 10.0})
+    assert m["loss"] == 2.5 and m["mlm_loss"] == 2.0 and m["nsp_loss"] == 0.5
     assert m["mlm_accuracy"] == 0.5 and m["nsp_accuracy"] == 0.75
     assert abs(m["ppl"] - np.exp(2.0)) < 1e-9
 
@@ -233,9 +238,10 @@ def test_task_end_to_end(tmp_path):
     assert model.config.vocab_size == V
     batch = task.collate_to_device(train.get_batch(train.epoch_order(1, 1)[:8]), "cpu")
     assert batch["masked_lm_ids"].shape == (8, 2)
-    loss_sum, stats = task.loss(model, batch)
-    assert int(stats["sample_size"]) == 16 and int(stats["nsamples"]) == 8
-    loss_sum.backward()
+    terms, stats = task.loss(model, batch)
+    assert int(stats["masked_tokens"]) == 16 and int(stats["nsamples"]) == 8
+    assert int(task.count(batch)["masked_tokens"]) == 16
+    sum(terms.values()).backward()
     metrics = task.metrics({k: float(v) for k, v in stats.items()})
     assert set(metrics) == {"loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "ppl"}
     with pytest.raises(UserError, match="no shard of split 'valid'"):

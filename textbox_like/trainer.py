@@ -312,7 +312,6 @@ def train(cfg, keys):
 
     # ---- the loop -------------------------------------------------------------
     grad_params = [p for p in model.parameters() if p.requires_grad]
-    known_denominator = task.sample_size_is_num_samples
     stop_reason = None
     samples_seen = int(train_sums.sums.get("nsamples", 0))
     epochs_done = epoch - 1
@@ -331,30 +330,27 @@ def train(cfg, keys):
             micro = list(itertools.islice(batches, k))
             if not micro:
                 break
-            update_samples = sum(count for _, count in micro)
-            local_sample_size = 0
-            for i, (batch, _) in enumerate(micro):
-                batch = task.collate_to_device(batch, accelerator.device)
+            # the update's denominators over all its micro-batches and ranks,
+            # so that each loss term is its exact mean over the union
+            totals = {"nsamples": sum(count for _, count in micro)}
+            micro = [task.collate_to_device(batch, accelerator.device) for batch, _ in micro]
+            if task.denominators:
+                local = torch.stack([sum(task.count(b)[name] for b in micro).float()
+                                     for name in task.denominators])
+                if world > 1:
+                    local = accelerator.reduce(local, reduction="sum")
+                totals.update(zip(task.denominators, local.clamp(min=1.0)))
+            for i, batch in enumerate(micro):
                 # gradients are all-reduced once per update, on its last micro-batch
                 sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(model)
                 with sync:
-                    loss_sum, stats = task.loss(model, batch)
-                    if known_denominator:
-                        loss = loss_sum * (world / update_samples)
-                    elif world == 1 and len(micro) == 1:
-                        loss = loss_sum / stats["sample_size"].clamp(min=1)
-                    else:
-                        loss = loss_sum
-                        local_sample_size += stats["sample_size"]
+                    terms, stats = task.loss(model, batch)
+                    if not isinstance(terms, dict):
+                        terms = {"nsamples": terms}
+                    # DDP averages gradients over ranks: scale by world size
+                    loss = sum(term * (world / totals[name]) for name, term in terms.items())
                     accelerator.backward(loss)
                 log_sums.add(stats)
-            if not known_denominator and not (world == 1 and len(micro) == 1):
-                # the denominator depends on the data (e.g. masked tokens): sum it
-                # over ranks now and rescale the summed gradients, as fairseq does
-                total = torch.as_tensor(local_sample_size, dtype=torch.float32, device=accelerator.device)
-                total = accelerator.reduce(total, reduction="sum") if world > 1 else total
-                torch._foreach_mul_([p.grad for p in grad_params if p.grad is not None],
-                                    world / total.clamp(min=1.0))  # a tensor: no host sync
             log_now = cfg.log_interval > 0 and (num_updates + 1) % cfg.log_interval == 0
             gnorm = None
             if cfg.clip_norm > 0:

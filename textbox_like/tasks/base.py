@@ -15,13 +15,13 @@ class Task:
     #: registry name, set by ``register_task``
     name: str = ""
 
-    #: True when the loss is normalised by the number of samples in an update.
-    #: The trainer then knows every update's denominator from the batch plan
-    #: and scales the loss before backward, with no communication. When False
-    #: (e.g. BERT normalises MLM by masked tokens) the trainer sums
-    #: ``stats["sample_size"]`` over all ranks after backward and rescales the
-    #: gradients, as fairseq does.
-    sample_size_is_num_samples: bool = True
+    #: Names of the counts, besides ``nsamples``, that normalise loss terms
+    #: (e.g. ``("masked_tokens",)`` for BERT's MLM). The trainer sums each
+    #: over the whole update, over all micro-batches and ranks, before
+    #: backward, so an update equals the one-process update over the union of
+    #: its samples, whatever the ranks' batch sizes. ``nsamples`` needs no
+    #: communication: every rank knows it from the batch plan.
+    denominators: tuple = ()
 
     #: names of the metrics ``metrics()`` returns (checked against
     #: --best-checkpoint-metric before training starts)
@@ -61,21 +61,26 @@ class Task:
     def build_model(self):
         raise NotImplementedError
 
+    def count(self, batch) -> dict:
+        """This batch's count for each name in ``denominators``, read from the
+        batch alone (no forward), as scalar tensors."""
+        return {}
+
     def loss(self, model, batch):
         """Forward one batch.
 
-        Returns ``(loss_sum, stats)``: ``loss_sum`` is a scalar tensor that is
-        the SUM of the per-unit losses over the batch (the trainer divides by
-        the update's denominator), ``stats`` a dict of scalar tensors that are
-        sums too, so that they add up across batches and ranks. ``stats`` must
-        contain ``nsamples`` and ``sample_size`` (the denominator of
-        ``loss_sum``).
+        Returns ``(loss_terms, stats)``. ``loss_terms`` is a scalar tensor, the
+        SUM over the batch's samples of the per-sample loss, or a dict mapping
+        a denominator name (``"nsamples"`` or one of ``denominators``) to the
+        SUM of a loss term; the trainer divides each by its total over the
+        update. ``stats`` is a dict of scalar tensors that are sums too, so they
+        add up across batches and ranks, and holds ``nsamples``.
         """
         raise NotImplementedError
 
     def metrics(self, sums: dict) -> dict:
         """Turn summed ``stats`` (floats) into the metrics people read."""
-        n = max(sums.get("sample_size", 0.0), 1.0)
+        n = max(sums.get("nsamples", 0.0), 1.0)
         return {"loss": sums.get("loss_sum", 0.0) / n}
 
     def param_groups(self, model, weight_decay: float):

@@ -6,17 +6,11 @@ names contain it. Model: ``transformers.BertForPreTraining`` from
 ``--config_file`` (Google/NVIDIA bert_config.json) or ``--model-preset``,
 with the MLM head evaluated only at the masked positions.
 
-Loss and its denominator. ``sample_size`` is the number of masked tokens
-(``sample_size_is_num_samples = False``) and ::
-
-    loss_sum = mlm_sum + nsp_sum * n_masked / n_samples
-
-so that on a single batch ``loss_sum / sample_size`` is NVIDIA's per-batch
-loss ``mean MLM CE + mean NSP CE``. Over an update of several batches or ranks
-the trainer divides the summed ``loss_sum`` by the summed ``n_masked``: the
-MLM term is then the exact mean over all masked tokens of the update, and
-the NSP term the per-batch NSP means weighted by each batch's masked count
-(equal to the plain NSP mean when batches mask alike).
+Loss: NVIDIA's ``mean MLM cross-entropy over masked tokens + mean NSP
+cross-entropy over samples``, each mean taken over the whole update (all
+micro-batches, all ranks): the task returns the two sums with their
+denominators (``masked_tokens``, ``nsamples``) and the trainer divides each by
+its update total, so an update is the same whatever the ranks' batch sizes.
 """
 from __future__ import annotations
 
@@ -40,7 +34,7 @@ def _probability(text):
 
 @register_task("bert")
 class BertTask(Task):
-    sample_size_is_num_samples = False
+    denominators = ("masked_tokens",)
     default_best_metric = "loss"
     default_maximize_best_metric = False
 
@@ -163,28 +157,28 @@ class BertTask(Task):
                                        masked_lm_positions=batch["masked_lm_positions"])
         sums = pretraining_sums(mlm_logits, nsp_logits, batch["masked_lm_ids"], batch["next_sentence_labels"])
         n_samples = batch["input_ids"].new_tensor(batch["input_ids"].shape[0])
-        n_masked = sums["n_masked"]
-        scale = n_masked.float() / n_samples.clamp(min=1).float()
-        loss_sum = sums["mlm_loss_sum"] + sums["nsp_loss_sum"] * scale
         stats = {
-            "loss_sum": loss_sum.detach(),
             "mlm_loss_sum": sums["mlm_loss_sum"].detach(),
             "nsp_loss_sum": sums["nsp_loss_sum"].detach(),
             "mlm_correct": sums["mlm_correct"],
             "nsp_correct": sums["nsp_correct"],
             "nsamples": n_samples,
-            "sample_size": n_masked,
+            "masked_tokens": sums["n_masked"],
         }
-        return loss_sum, stats
+        return {"masked_tokens": sums["mlm_loss_sum"], "nsamples": sums["nsp_loss_sum"]}, stats
+
+    def count(self, batch):
+        from ..models.bert import IGNORE_INDEX
+        return {"masked_tokens": (batch["masked_lm_ids"] != IGNORE_INDEX).sum()}
 
     metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "ppl")
 
     def metrics(self, sums):
-        n_masked = max(sums.get("sample_size", 0.0), 1.0)
+        n_masked = max(sums.get("masked_tokens", 0.0), 1.0)
         n = max(sums.get("nsamples", 0.0), 1.0)
         mlm_loss = sums.get("mlm_loss_sum", 0.0) / n_masked
         return {
-            "loss": sums.get("loss_sum", 0.0) / n_masked,
+            "loss": mlm_loss + sums.get("nsp_loss_sum", 0.0) / n,
             "mlm_loss": mlm_loss,
             "nsp_loss": sums.get("nsp_loss_sum", 0.0) / n,
             "mlm_accuracy": sums.get("mlm_correct", 0.0) / n_masked,

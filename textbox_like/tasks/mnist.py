@@ -48,7 +48,7 @@ class MNISTTask(Task):
         loss_sum = F.nll_loss(log_probs.float(), target, reduction="sum")
         correct = (log_probs.argmax(dim=1) == target).sum()
         n = target.new_tensor(target.numel())
-        return loss_sum, {"loss_sum": loss_sum.detach(), "correct": correct, "nsamples": n, "sample_size": n}
+        return loss_sum, {"loss_sum": loss_sum.detach(), "correct": correct, "nsamples": n}
 
     def metrics(self, sums):
         n = max(sums.get("nsamples", 0.0), 1.0)
