@@ -1,14 +1,16 @@
 """Trainer vs. a plain PyTorch loop of the same work, in one process run.
 
-    python -m textbox_like.bench mnist [--data DIR] [--updates 300] [--rounds 3]
-    python -m textbox_like.bench bert --model-preset tiny --data DIR --dict vocab.txt
+    python -m textbox_like.bench mnist [--data DIR] [--updates 300] [--rounds 5] [--threads 1]
+    python -m textbox_like.bench bert --model-preset tiny --data DIR --dict vocab.txt --max-sentences 32
 
 Both sides use the same model, batch size, optimizer, clipping, threads and
-in-memory data; the trainer is run through its real command line (in this
-process) and its steady-state samples/s read from its own log, after its first
-log window (start-up and warm-up excluded). The plain loop is timed over the
-same number of updates after the same warm-up. Rounds alternate the two so
-that drift in machine load hits both alike; the report gives the median.
+data; the trainer is run through its real command line, in this process. The
+plain loop is timed over N updates after a warm-up. The trainer's steady state
+is the difference of two runs (warm-up + N updates, and warm-up alone), so its
+start-up, data loading and warm-up cancel. Rounds alternate the two so that
+drift in machine load hits both alike; the report gives the median ratio of
+wall time and of CPU time (the process's own CPU seconds: with one thread,
+the figure least disturbed by other load on a shared machine).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def plain_mnist(cfg, warmup, updates):
     start = None
     for step in range(warmup + updates):
         if step == warmup:
-            start = time.perf_counter()
+            start = (time.perf_counter(), time.process_time())
         i = (step * bs) % (len(data) - bs)
         idx = order[i:i + bs]
         x, y = data.images.index_select(0, idx), data.labels.index_select(0, idx)
@@ -72,7 +74,7 @@ def plain_mnist(cfg, warmup, updates):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return updates * bs / (time.perf_counter() - start)
+    return time.perf_counter() - start[0], time.process_time() - start[1]
 
 
 @plain_loop("bert")
@@ -98,7 +100,7 @@ def plain_bert(cfg, warmup, updates):
     start = None
     for step in range(warmup + updates):
         if step == warmup:
-            start = time.perf_counter()
+            start = (time.perf_counter(), time.process_time())
         i = (step * bs) % max(n - bs, 1)
         b = {k: v[i:i + bs] for k, v in batch_all.items()}
         labels = full_labels(b["input_ids"], b["masked_lm_positions"], b["masked_lm_ids"])
@@ -110,26 +112,27 @@ def plain_bert(cfg, warmup, updates):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return updates * bs / (time.perf_counter() - start)
+    return time.perf_counter() - start[0], time.process_time() - start[1]
 
 
-def trainer_samples_per_s(argv, warmup, updates):
-    """Run the trainer; samples/s over the updates after the first log window."""
+def trainer_seconds(argv, updates):
+    """(wall, cpu) seconds of a whole trainer run of ``updates`` updates."""
     from .cli import main
     with tempfile.TemporaryDirectory() as out:
-        code = main(argv + ["--max-update", str(warmup + updates), "--log-interval", str(warmup),
-                            "--disable-validation", "--log-format", "none", "--save-dir", out,
-                            "--no-epoch-checkpoints", "--no-last-checkpoints", "--max-epoch", "0"])
+        start = (time.perf_counter(), time.process_time())
+        code = main(argv + ["--max-update", str(updates), "--log-interval", "0", "--disable-validation",
+                            "--log-format", "none", "--save-dir", out, "--no-save", "--max-epoch", "0"])
         if code != 0:
             raise SystemExit(f"trainer exited with {code}")
-        records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    train = [r for r in records if r["kind"] == "train"]
-    # first window: start-up; the rest: steady state
-    steady = train[1:]
-    wall = sum(updates_window / r["updates_per_s"] for r, updates_window in
-               zip(steady, [warmup] * len(steady)))
-    samples = sum(warmup / r["updates_per_s"] * r["samples_per_s"] for r in steady)
-    return samples / wall
+        return time.perf_counter() - start[0], time.process_time() - start[1]
+
+
+def trainer_steady_seconds(argv, warmup, updates):
+    """Seconds of ``updates`` steady-state updates: a run of warmup + updates
+    minus a run of warmup, so start-up, data loading and warm-up cancel."""
+    long_wall, long_cpu = trainer_seconds(argv, warmup + updates)
+    short_wall, short_cpu = trainer_seconds(argv, warmup)
+    return long_wall - short_wall, long_cpu - short_cpu
 
 
 def main(argv=None):
@@ -140,25 +143,29 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=30, help="untimed updates first (also the log window)")
     parser.add_argument("--rounds", type=int, default=3)
     args, rest = parser.parse_known_args(argv)
-    if args.updates % args.warmup:
-        args.updates += args.warmup - args.updates % args.warmup
     task_args = ["--task", args.task] + rest
     cfg = _cfg_for(task_args)
     import torch
     threads = cfg.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     trainer_argv = task_args + ["--threads", str(threads)]
+    batch = cfg.max_sentences
     plain, ours = [], []
     for r in range(args.rounds):
         plain.append(PLAIN_LOOPS[args.task](cfg, args.warmup, args.updates))
-        ours.append(trainer_samples_per_s(trainer_argv, args.warmup, args.updates))
-        print(f"round {r + 1}: plain {plain[-1]:.1f} samples/s, trainer {ours[-1]:.1f} samples/s, "
-              f"ratio {ours[-1] / plain[-1]:.3f}", file=sys.stderr)
-    p, t = statistics.median(plain), statistics.median(ours)
-    print(json.dumps({"task": args.task, "threads": threads, "batch": cfg.max_sentences, "updates": args.updates,
-                      "plain_samples_per_s": round(p, 1), "trainer_samples_per_s": round(t, 1),
-                      "ratio": round(t / p, 3),
-                      "ratios": [round(o / q, 3) for o, q in zip(ours, plain)]}))
+        ours.append(trainer_steady_seconds(trainer_argv, args.warmup, args.updates))
+        print(f"round {r + 1}: samples/s plain {args.updates * batch / plain[-1][0]:.1f}, "
+              f"trainer {args.updates * batch / ours[-1][0]:.1f}; ratio wall {plain[-1][0] / ours[-1][0]:.3f}, "
+              f"cpu {plain[-1][1] / ours[-1][1]:.3f}", file=sys.stderr)
+    wall = [p[0] / o[0] for p, o in zip(plain, ours)]
+    cpu = [p[1] / o[1] for p, o in zip(plain, ours)]
+    print(json.dumps({
+        "task": args.task, "threads": threads, "batch": batch, "updates": args.updates, "rounds": args.rounds,
+        "plain_samples_per_s": round(args.updates * batch / statistics.median(p[0] for p in plain), 1),
+        "trainer_samples_per_s": round(args.updates * batch / statistics.median(o[0] for o in ours), 1),
+        "ratio_wall_median": round(statistics.median(wall), 3),
+        "ratio_cpu_median": round(statistics.median(cpu), 3),
+        "ratios_wall": [round(x, 3) for x in wall], "ratios_cpu": [round(x, 3) for x in cpu]}))
     return 0
 
 
