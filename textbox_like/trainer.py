@@ -263,16 +263,20 @@ def train(cfg, keys):
         return results
 
     # ---- checkpointing --------------------------------------------------------
-    def save(end_of_epoch, is_best, final=False):
+    def fold_log_window():
+        """Sum the open log window over ranks (one collective) into the epoch's meters."""
         nonlocal samples_seen
-        names = checkpointer.names(epoch, num_updates, end_of_epoch, is_best, final)
-        if not (checkpointer.enabled and names):
-            return
-        # fold the open log window in, so the saved meters are summed over ranks
         sums = log_sums.reduce(accelerator)
         train_sums.add(sums)
         log_sums.reset()
         samples_seen += int(sums.get("nsamples", 0))
+        return sums
+
+    def save(end_of_epoch, is_best, final=False):
+        names = checkpointer.names(epoch, num_updates, end_of_epoch, is_best, final)
+        if not (checkpointer.enabled and names):
+            return
+        fold_log_window()  # so the saved meters are already summed over ranks
         rngs = gather_per_rank(accelerator, rng_state())
         if is_main:
             state = {
@@ -365,10 +369,7 @@ def train(cfg, keys):
             log.advance()
 
             if log_now:
-                sums = log_sums.reduce(accelerator)
-                train_sums.add(sums)
-                log_sums.reset()
-                samples_seen += int(sums.get("nsamples", 0))
+                sums = fold_log_window()
                 sps, ups = clock.rates(samples_seen, num_updates)
                 log.log("train", {"epoch": epoch, "update": num_updates, **task.metrics(sums), "lr": lr,
                                   "gnorm": float(gnorm) if gnorm is not None else None,
@@ -402,10 +403,7 @@ def train(cfg, keys):
 
         log.end_epoch()
         if end_of_epoch:
-            sums = log_sums.reduce(accelerator)
-            train_sums.add(sums)
-            log_sums.reset()
-            samples_seen += int(sums.get("nsamples", 0))
+            fold_log_window()
             epoch_metrics = task.metrics(train_sums.state_dict())
             log.log("train_epoch", {"epoch": epoch, "update": num_updates, **epoch_metrics,
                                     "wall": clock.elapsed()})

@@ -130,16 +130,8 @@ def read_documents(files, split_sentences=True):
 
 
 def load_vocab(path):
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"vocabulary {str(path)!r} does not exist; check --vocab")
-    with open(path, encoding="utf-8") as handle:
-        tokens = handle.read().split("\n")
-    while tokens and tokens[-1] == "":
-        tokens.pop()
-    tokens = [t.strip() for t in tokens]
-    if not tokens:
-        raise UserError(f"vocabulary {str(path)!r} is empty")
+    from ..models import read_vocab
+    tokens = [t.strip() for t in read_vocab(path, "--vocab")]
     missing = [s for s in SPECIALS[1:] if s not in tokens]
     if missing:
         raise UserError(f"vocabulary {str(path)!r} lacks {', '.join(missing)}; give a BERT WordPiece vocab.txt")

@@ -11,18 +11,22 @@ from ..errors import UserError
 PRESETS = ("tiny", "mini", "small", "medium", "base", "large")
 
 
-def read_vocab_size(path) -> int:
-    """Number of tokens in a WordPiece vocab.txt (one token a line)."""
+def read_vocab(path, flag="--dict") -> list:
+    """The tokens of a WordPiece vocab.txt (one token a line)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"vocabulary file {str(path)!r} does not exist; check --dict")
+        raise UserError(f"vocabulary file {str(path)!r} does not exist; check {flag}")
     with open(path, encoding="utf-8") as handle:
         lines = handle.read().split("\n")
     while lines and lines[-1] == "":
         lines.pop()
     if not lines:
         raise UserError(f"vocabulary file {str(path)!r} is empty; give a vocab.txt with one token a line")
-    return len(lines)
+    return lines
+
+
+def read_vocab_size(path) -> int:
+    return len(read_vocab(path))
 
 
 def read_bert_json(path) -> dict:
