@@ -78,8 +78,9 @@ def bench_train(ds, order, batch, steps, full_head, threads):
                          token_type_ids=b["token_type_ids"], labels=labels,
                          next_sentence_label=b["next_sentence_labels"]).loss
         else:
-            loss_sum, stats = task.loss(model, b)
-            loss = loss_sum / stats["sample_size"]
+            terms, _ = task.loss(model, b)
+            counts = {"nsamples": b["input_ids"].shape[0], **task.count(b)}
+            loss = sum(term / counts[name] for name, term in terms.items())
         loss.backward()
         opt.step()
 

@@ -288,3 +288,17 @@ def test_hetseq_command_full_epoch(mnist_dir, tmp_path):
     assert results["num_updates"] == N_TRAIN // 64
     assert results["epochs_completed"] == 1
     assert (out / "checkpoint1.pt").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_runs_for_mnist(small_mnist_dir):
+    """The benchmark is not timed here; it must run and report a ratio."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "textbox_like.bench", "mnist", "--data", str(small_mnist_dir),
+                          "--updates", "4", "--warmup", "2", "--rounds", "1", "--threads", "1"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["task"] == "mnist" and report["ratio_wall_median"] > 0
