@@ -328,7 +328,13 @@ def train(cfg, keys):
         k = update_freq_for(epoch)
         scheduler.step_epoch(epoch)
         total_steps = iterator.steps_in_epoch()
-        log.start_epoch(epoch, math.ceil(total_steps / k), math.ceil((total_steps - len(iterator)) / k))
+        done = math.ceil((total_steps - len(iterator)) / k)
+        bar_total = math.ceil(total_steps / k)
+        if cfg.num_iters_per_epoch:
+            bar_total = min(bar_total, cfg.num_iters_per_epoch)
+        if cfg.max_update:
+            bar_total = min(bar_total, done + cfg.max_update - num_updates)
+        log.start_epoch(epoch, bar_total, done)
         batches = iter(iterator)
         while True:
             micro = list(itertools.islice(batches, k))
