@@ -192,11 +192,9 @@ class Options:
             value = getattr(action, key, None)
             if value is not None:
                 kwargs[key] = value
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            kwargs = {"dest": dest, "action": type(action).__name__ == "_StoreTrueAction" and "store_true" or "store_false",
-                      "help": kwargs["help"], "default": argparse.SUPPRESS}
         body = flag[2:]
-        names = [flag] + [f"--{b}" for b in {body.replace("-", "_"), body.replace("_", "-")} if f"--{b}" != flag]
+        names = [flag] + [f"--{b}" for b in sorted({body.replace("-", "_"), body.replace("_", "-")})
+                          if f"--{b}" != flag]
         self._argparse_group.add_argument(*names, **kwargs)
 
 
