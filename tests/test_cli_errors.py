@@ -31,6 +31,10 @@ def bad_files(tmp_path_factory):
     (root / "lr_abc.yaml").write_text("lr: abc\n")
     (root / "batch_0.yaml").write_text("max_sentences: 0\n")
     (root / "list.yaml").write_text("- lr\n- 0.1\n")
+    (root / "null.yaml").write_text("log_interval: null\n")
+    (root / "inf.yaml").write_text("max_epoch: .inf\n")
+    (root / "task_list.yaml").write_text("task: [mnist]\n")
+    (root / "a_file").write_text("x")
     return root
 
 
@@ -64,6 +68,20 @@ def _cases(mnist_dir, bad):
         "malformed adam-betas": (good + ["--optimizer", "adam", "--adam-betas", "(0.9,"], []),
         "adam-betas not numbers": (good + ["--optimizer", "adam", "--adam-betas", "__import__('os')"], []),
         "unknown valid subset": (good + ["--valid-subset", "valid"], ["valid"]),
+        "negative seed": (good + ["--seed", "-1"], ["--seed"]),
+        "negative lr": (good + ["--lr", "-1"], ["learning rate"]),
+        "adadelta rho 2": (good + ["--optimizer", "adadelta", "--adadelta_rho", "2"], ["rho"]),
+        "short adam-betas": (good + ["--optimizer", "adam", "--adam-betas", "(0.9,)"], ["betas"]),
+        "bad optim_conf value": (good + ["--optim_conf", "lr=abc"], ["lr"]),
+        "bad optimizer-overrides value": (good + ["--optimizer-overrides", "{'betas': 'x'}"], ["betas"]),
+        "bad model_conf value": (good + ["--model_conf", "dropout1=2"], ["dropout1"]),
+        "null in config file": (good + ["--config", str(bad / "null.yaml")], ["log_interval"]),
+        "infinity in config file": (good + ["--config", str(bad / "inf.yaml")], ["max_epoch"]),
+        "task as a list": (good + ["--config", str(bad / "task_list.yaml")], ["task"]),
+        "save-dir is a file": (good[:-1] + ["--save-dir", str(bad / "a_file")], ["a_file"]),
+        "tcp port not a number": (good + ["--distributed-init-method", "tcp://localhost:abc",
+                                          "--distributed-world-size", "2"], ["port"]),
+        "unknown best metric": (good + ["--best-checkpoint-metric", "acc"], ["acc", "accuracy"]),
     }
 
 
@@ -73,7 +91,10 @@ CASE_NAMES = ["missing data dir", "data dir without idx files", "unknown task", 
               "unknown scheduler_conf key", "unknown model_conf key", "bad update-freq", "bad train_dtype",
               "malformed optim_conf", "lr abc in config file", "max_sentences 0 in config file",
               "config file not a mapping", "malformed adam-betas", "adam-betas not numbers",
-              "unknown valid subset"]
+              "unknown valid subset", "negative seed", "negative lr", "adadelta rho 2", "short adam-betas",
+              "bad optim_conf value", "bad optimizer-overrides value", "bad model_conf value",
+              "null in config file", "infinity in config file", "task as a list", "save-dir is a file",
+              "tcp port not a number", "unknown best metric"]
 
 
 @pytest.mark.timeout(120)

@@ -190,3 +190,18 @@ def test_stale_rendezvous_file_is_handled(data, tmp_path):
                                           "--distributed-world-size", "2", "--distributed-gpus", "2")],
               timeout=180)
     assert "stale rendezvous file" in out.stderr
+
+
+@pytest.mark.timeout(200)
+def test_nodes_with_different_seeds_are_refused(data, tmp_path):
+    """Each node has its own command line; a different --seed would give the
+    ranks different sample orders (samples skipped and repeated)."""
+    rdzv = tmp_path / "rdzv"
+    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+              "--distributed-gpus", "1", "--max-sentences", "16", "--max-update", "4"]
+    procs = [subprocess.Popen([PY, "run_hetseq.py", *base(data, tmp_path / "out", *common, "--distributed-rank",
+                                                          str(r), "--seed", str(1 + r))],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errs = [p.communicate(timeout=150)[1] for p in procs]
+    assert all(p.returncode == 2 for p in procs), errs
+    assert "disagree on --seed" in errs[0] and "Traceback" not in errs[0]

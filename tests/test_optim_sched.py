@@ -228,3 +228,15 @@ def test_logged_lr_follows_polynomial_schedule(mnist_dir, tmp_path):
     assert [r["update"] for r in records] == [1, 2, 3, 4, 5, 6]
     for r in records:
         assert r["lr"] == pytest.approx(poly(r["update"], lr, warmup, total, 0.001, 2.0)), r
+
+
+def test_optim_conf_weight_decay_applies_with_default_weight_decay():
+    """--optim_conf weight_decay=X reaches every group but those the task exempts."""
+    import torch
+    from textbox_like.cli import parse
+    from textbox_like.optim import build_optimizer
+    _, cfg, _ = parse(["--task", "mnist", "--optimizer", "adamw", "--optim_conf", "weight_decay=0.01"])
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer(cfg, [{"params": [a], "weight_decay": cfg.weight_decay},
+                                {"params": [b], "weight_decay": 0.0, "no_decay": True}])
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]

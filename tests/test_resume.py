@@ -5,6 +5,7 @@ and optimizer state bitwise identical to an uninterrupted run.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -228,3 +229,28 @@ def test_resume_after_raising_max_update_continues(data, tmp_path):
     ref_dir = tmp_path / "ref"
     run(command(data, ref_dir, "--max-update", "20", *schedule))
     assert_bitwise_equal(second["model"], load(ref_dir / "checkpoint_last.pt")["model"], "model")
+
+
+@pytest.mark.timeout(300)
+def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp_path):
+    schedule = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4",
+                "--log-format", "json", "--log-interval", "1"]
+    run(command(data, tmp_path / "a", "--max-update", "10", *schedule))
+    out = subprocess.run(command(data, tmp_path / "b", "--max-update", "12", "--restore-file",
+                                 str(tmp_path / "a" / "checkpoint_last.pt"), "--reset-lr-scheduler", *schedule),
+                         capture_output=True, text=True, cwd=REPO, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lrs = [json.loads(x)["lr"] for x in out.stderr.splitlines() if x.startswith("{") and '"train"' in x]
+    # update 11 trained with the LR of update 10 -> logged after the step as lr_at(11)
+    assert lrs[0] == pytest.approx(0.001 * (1 - (11 - 4) / 96))
+
+
+@pytest.mark.timeout(300)
+def test_metrics_jsonl_has_no_repeated_updates_after_kill_and_resume(data, tmp_path):
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir, "--log-interval", "1")
+    code, _ = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=11)
+    assert code == -signal.SIGKILL
+    run(cmd + ["--resume"])
+    updates = [json.loads(x)["update"] for x in open(save_dir / "metrics.jsonl") if '"kind": "train"' in x]
+    assert updates == list(range(1, 61))

@@ -144,7 +144,14 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     args, rest = parser.parse_known_args(argv)
     task_args = ["--task", args.task] + rest
-    cfg = _cfg_for(task_args)
+    from .errors import UserError
+    try:
+        cfg = _cfg_for(task_args)
+        if not cfg.max_sentences:
+            raise UserError("the benchmark compares fixed batches: give --max-sentences N")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     import torch
     threads = cfg.threads or torch.get_num_threads()
     torch.set_num_threads(threads)

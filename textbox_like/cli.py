@@ -49,6 +49,13 @@ LITERAL_DICT = _typed(_literal_dict, "a Python dict literal like \"{'lr': 0.5}\"
 BOOL = _typed(C.str2bool, "true or false")
 
 
+def SEED(text):
+    value = C.nonneg_int(text)
+    if value >= 2 ** 32:
+        raise argparse.ArgumentTypeError(f"expects an integer from 0 to 2**32 - 1, got {text!r}")
+    return value
+
+
 def build_options():
     from .lr_scheduler import SCHEDULERS
     from .lr_scheduler import add_args as add_scheduler_args
@@ -101,7 +108,7 @@ def build_options():
     o.add("--bf16", action="store_true", help="bfloat16 mixed precision")
     o.add("--train_dtype", choices=["float32", "float16", "bfloat16"], default="float32",
           help="training precision")
-    o.add("--seed", type=int, default=1, help="seed of python, numpy, torch and the batch order")
+    o.add("--seed", type=SEED, default=1, help="seed of python, numpy, torch and the batch order")
     o.add("--cudnn_deterministic", action="store_true", help="deterministic cuDNN kernels")
     o.add("--cpu", action="store_true", help="train on CPU even when CUDA is present")
     o.add("--threads", type=NONNEG, default=0,
@@ -184,7 +191,7 @@ def check(options, ns):
         raise UserError("training would never stop: set --max-epoch or --max-update")
     if ns.fp16 and ns.bf16:
         raise UserError("--fp16 and --bf16 exclude each other; choose one")
-    from .optim import optimizer_kwargs
+    from .optim import _like, optimizer_kwargs
     optim_keys = optimizer_kwargs(ns)
     scheduler_keys = set(options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])) | \
         {"lr", "warmup_updates", "total_num_update"}
@@ -201,16 +208,32 @@ def check(options, ns):
         if key not in optim_keys:
             raise UserError(f"unknown key {key!r} in --optimizer-overrides for {ns.optimizer}"
                             f"{closest(key, optim_keys)}; valid keys: {', '.join(sorted(optim_keys))}")
-        if isinstance(optim_keys[key], float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise UserError(f"--optimizer-overrides {key!r}: expects a number, got {value!r}")
+        _like(value, optim_keys[key], key, ns.optimizer, "--optimizer-overrides")
     if ns.distributed_no_spawn and not ns.distributed_init_method and "RANK" not in os.environ:
         raise UserError("--distributed-no-spawn needs --distributed-init-method (or a launcher that sets RANK)")
+    if os.path.exists(ns.save_dir) and not os.path.isdir(ns.save_dir):
+        raise UserError(f"--save-dir {ns.save_dir} is a file, not a directory; choose another path")
+    _check_optimizer_values(ns)
     task = TASKS.get(ns.task)
     task.check_config(ns)
     if ns.best_checkpoint_metric and task.metric_names and ns.best_checkpoint_metric not in task.metric_names:
         raise UserError(f"--best-checkpoint-metric {ns.best_checkpoint_metric!r} is not a metric of task "
                         f"{ns.task}{closest(ns.best_checkpoint_metric, task.metric_names)}; "
                         f"choose from: {', '.join(task.metric_names)}")
+
+
+def _check_optimizer_values(ns):
+    """Let torch judge the values (lr < 0, rho > 1, betas of the wrong length)
+    on one dummy parameter, before any data is read."""
+    import torch
+    from .optim import build_optimizer
+    try:
+        build_optimizer(ns, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    except IndexError:
+        raise UserError(f"optimizer {ns.optimizer}: betas must be two numbers, like '(0.9, 0.999)'") from None
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"optimizer {ns.optimizer}: {exc}; check --lr, --weight-decay and its own options") \
+            from None
 
 
 def parse(argv):

@@ -32,7 +32,7 @@ PROPERTIES = Path(__file__).resolve().parent.parent / "properties"
 def _int(text, low, what):
     try:
         value = int(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         value = None
     if value is None or value < low or isinstance(text, float) and text != value:
         raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}")
@@ -317,7 +317,7 @@ def resolve(options: Options, argv, task_registry, component_groups):
                 and action.type not in (str,):
             try:
                 setattr(ns, dest, action.type(value))
-            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            except (TypeError, ValueError, OverflowError, argparse.ArgumentTypeError) as exc:
                 raise UserError(f"option {dest}: {exc}") from None
     for dest, action in options.actions.items():
         value = getattr(ns, dest, None)

@@ -137,6 +137,11 @@ def local_plan(cfg):
         gpus, first = world, 0
     else:
         parsed = urlparse(init)
+        try:
+            parsed.port
+        except ValueError:
+            raise UserError(f"--distributed-init-method {init}: the port must be a number from 1 to 65535") \
+                from None
         if parsed.scheme not in ("tcp", "file", "env"):
             raise UserError(f"--distributed-init-method {init}: use tcp://HOST:PORT or file:///shared/path")
         if parsed.scheme == "tcp" and (not parsed.hostname or not parsed.port):

@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 
+from .config import positive_int
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m textbox_like.eval", allow_abbrev=False,
@@ -16,7 +18,7 @@ def main(argv=None):
     parser.add_argument("--model_ckpt", "--model-ckpt", required=True, help="checkpoint file (any kind we save)")
     parser.add_argument("--data", default=None, help="data directory (default: the one the run trained on)")
     parser.add_argument("--subset", default=None, help="split to evaluate (default: the run's first valid subset)")
-    parser.add_argument("--batch-size", "--batch_size", type=int, default=None, help="batch size")
+    parser.add_argument("--batch-size", "--batch_size", type=positive_int, default=None, help="batch size")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--cpu", action="store_true", help="evaluate on CPU even when CUDA is present")
     args = parser.parse_args(argv)
@@ -33,6 +35,8 @@ def main(argv=None):
             setattr(cfg, key, value)
         if args.data:
             cfg.data = args.data
+        if hasattr(cfg, "init_checkpoint"):
+            cfg.init_checkpoint = None  # the checkpoint's own weights replace it anyway
         subset = args.subset or cfg.valid_subset[0]
 
         import torch

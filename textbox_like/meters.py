@@ -103,6 +103,20 @@ class Logger:
             Path(cfg.save_dir).mkdir(parents=True, exist_ok=True)
             self.jsonl = open(Path(cfg.save_dir) / "metrics.jsonl", "a", buffering=1)
 
+    def forget_after(self, update):
+        """On resume: drop the records of updates after the checkpoint, which
+        the resumed run is about to log again."""
+        if self.jsonl is None:
+            return
+        path = Path(self.jsonl.name)
+        self.jsonl.close()
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("update", 0) <= update]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+        self.jsonl = open(path, "a", buffering=1)
+
     def info(self, message):
         if self.is_main and self.format != "none":
             if self.bar is not None:

@@ -18,6 +18,8 @@ class Registry:
         return deco
 
     def canonical(self, name):
+        if not isinstance(name, str):
+            raise unknown(self.kind, name, list(self._entries) + list(self._aliases))
         name = self._aliases.get(name, name)
         if name not in self._entries:
             raise unknown(self.kind, name, list(self._entries) + list(self._aliases))

@@ -133,7 +133,8 @@ def train(cfg, keys):
     from accelerate.utils import set_seed
     set_seed(cfg.seed)
     task = TASKS.get(cfg.task)(cfg)
-    with accelerator.main_process_first():
+    # once per run, then once per node (nodes may not share a file system)
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
         task.prepare_data()
     train_data = task.build_dataset(cfg.train_subset)
     if len(train_data) == 0:
@@ -202,12 +203,14 @@ def train(cfg, keys):
                                 f"pass --reset-optimizer") from None
         overrides = cfg.optimizer_overrides or {}
         for group in optimizer.param_groups:
-            group.update(overrides)
+            group.update({k: v for k, v in overrides.items()
+                          if not (k == "weight_decay" and group.get("no_decay"))})
         if not cfg.reset_meters:
             train_sums.load_state_dict(state["meters"]["train"])
             clock.load_state_dict(state["meters"]["clock"])
-            best, last_valid, best_valid = state["train"]["best"], state["meters"]["last_valid"], \
-                state["meters"]["best_valid"]
+            last_valid = state["meters"]["last_valid"]
+            if (state["train"]["best_metric"], state["train"]["maximize"]) == (best_metric, maximize):
+                best, best_valid = state["train"]["best"], state["meters"]["best_valid"]
         if accelerator.scaler is not None and state.get("scaler"):
             accelerator.scaler.load_state_dict(state["scaler"])
         train_state = state["train"]
@@ -219,8 +222,10 @@ def train(cfg, keys):
             scheduler.load_state_dict(state["scheduler"])
             if "lr" in overrides:  # an override of lr moves the schedule's base
                 scheduler.lrs = [float(overrides["lr"])]
-        elif overrides.get("lr") is not None:
-            scheduler.lrs = [float(overrides["lr"])]
+        else:
+            if overrides.get("lr") is not None:
+                scheduler.lrs = [float(overrides["lr"])]
+            scheduler.step_update(num_updates)  # the schedule at the restored update, not at 0
         rngs = state.get("rng") or []
         if len(rngs) == world and not cfg.reset_dataloader:
             set_rng_state(rngs[rank])
@@ -232,15 +237,27 @@ def train(cfg, keys):
         if epoch_done:
             epoch, updates_in_epoch = epoch + 1, 0
             iterator.set_epoch(epoch)
+        log.forget_after(num_updates)
         log.info(f"resumed from {resume_from}: epoch {epoch}, update {num_updates}")
         del state
     else:
         iterator.set_epoch(epoch)
-    # a save dir that is not shared would let ranks start from different states
-    positions = gather_per_rank(accelerator, (num_updates, iterator.epoch, iterator.offset))
-    if len(set(positions)) > 1:
-        raise UserError(f"ranks resumed from different checkpoints {positions}; --save-dir must be on a file "
-                        f"system all nodes share (or give every node the same --restore-file)")
+    # Every node has its own command line: the settings that fix the data
+    # plan and the order of collectives must agree, or samples are skipped
+    # or the ranks hang. A save dir that is not shared would also let ranks
+    # start from different states.
+    agreed = {"position (update, epoch, offset)": (num_updates, iterator.epoch, iterator.offset),
+              "--seed": cfg.seed, "training samples": len(train_data), "--no-shuffle": cfg.no_shuffle,
+              "--update-freq": tuple(cfg.update_freq), "--max-update": cfg.max_update,
+              "--max-epoch": cfg.max_epoch, "--num_iters_per_epoch": cfg.num_iters_per_epoch,
+              "--log-interval": cfg.log_interval, "--save-interval": cfg.save_interval,
+              "--save-interval-updates": cfg.save_interval_updates, "--validate-interval": cfg.validate_interval,
+              "--validate-interval-updates": cfg.validate_interval_updates,
+              "--disable-validation": cfg.disable_validation}
+    for name, values in zip(agreed, zip(*gather_per_rank(accelerator, tuple(agreed.values())))):
+        if len(set(values)) > 1:
+            raise UserError(f"the ranks disagree on {name}: {list(values)}; start every node with the same "
+                            f"value" + (" and a --save-dir all nodes share" if name.startswith("position") else ""))
 
     if is_main and not cfg.no_save:
         from .config import write_config

@@ -95,8 +95,9 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 def _write_idx(path: Path, array: np.ndarray):
     header = struct.pack(">i", 0x0800 | array.ndim) + struct.pack(">" + "i" * array.ndim, *array.shape)
-    tmp = path.with_suffix(".tmp")
-    with gzip.open(tmp, "wb", compresslevel=1) as handle:
+    import tempfile
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wb", compresslevel=1) as handle:
         handle.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
     os.replace(tmp, path)
 

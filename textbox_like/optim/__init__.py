@@ -31,7 +31,7 @@ class OptimizerSpec:
         raise NotImplementedError
 
 
-def _like(value, default, key, optimizer):
+def _like(value, default, key, optimizer, flag="--optim_conf"):
     """``value`` in the type of ``default`` (float for numbers, list for tuples)."""
     try:
         if isinstance(default, bool):
@@ -47,7 +47,7 @@ def _like(value, default, key, optimizer):
                 raise ValueError
             return [float(v) for v in value]
     except (TypeError, ValueError):
-        raise UserError(f"--optim_conf {key}={value!r} for {optimizer}: expects a value like {default!r}") from None
+        raise UserError(f"{flag} {key}={value!r} for {optimizer}: expects a value like {default!r}") from None
     return value
 
 
@@ -68,15 +68,19 @@ def build_optimizer(cfg, param_groups):
     kwargs = optimizer_kwargs(cfg)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    # weight decay is set per group; groups the task exempts (biases, norms) keep 0
+    # weight decay per group: groups the task marks no_decay (biases, norms) keep 0
     wd = kwargs.pop("weight_decay", None)
     groups = [dict(g) for g in param_groups]
     for g in groups:
-        if wd is not None and g.get("weight_decay", None) != 0.0:
-            g["weight_decay"] = wd
-        elif wd is None:
+        exempt = g.pop("no_decay", False)
+        if wd is None:
             g.pop("weight_decay", None)
-    return OPTIMIZERS.get(cfg.optimizer).build(groups, **kwargs)
+        else:
+            g["weight_decay"] = 0.0 if exempt else wd
+    optimizer = OPTIMIZERS.get(cfg.optimizer).build(groups, **kwargs)
+    for group, source in zip(optimizer.param_groups, param_groups):
+        group["no_decay"] = bool(source.get("no_decay", False))  # kept for --optimizer-overrides
+    return optimizer
 
 
 def add_args(options):

@@ -85,6 +85,6 @@ class Task:
 
     def param_groups(self, model, weight_decay: float):
         """Parameter groups for the optimizer; override to exempt parameters
-        from weight decay."""
+        from weight decay by marking their group ``"no_decay": True``."""
         return [{"params": [p for p in model.parameters() if p.requires_grad],
                  "weight_decay": weight_decay}]

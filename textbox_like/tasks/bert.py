@@ -88,6 +88,14 @@ class BertTask(Task):
             key = sorted(unknown)[0]
             raise UserError(f"unknown key {key!r} in --model_conf for bert{closest(key, _BERT_CONF_KEYS)}; "
                             f"valid keys: {', '.join(sorted(_BERT_CONF_KEYS))}")
+        for key, value in (getattr(cfg, "model_conf", None) or {}).items():
+            if key == "hidden_act":
+                ok = isinstance(value, str)
+            else:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+            if not ok:
+                raise UserError(f"--model_conf {key}={value!r}: expects " +
+                                ("an activation name like gelu" if key == "hidden_act" else "a number >= 0"))
 
     # -- data ---------------------------------------------------------------
     def build_dataset(self, split):
@@ -146,7 +154,8 @@ class BertTask(Task):
         for name, p in model.named_parameters():
             if p.requires_grad:
                 (plain if no_decay(name) else decay).append(p)
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": plain, "weight_decay": 0.0, "no_decay": True}]
         return [g for g in groups if g["params"]]
 
     def loss(self, model, batch):

@@ -19,11 +19,15 @@ class MNISTTask(Task):
         if cfg.data and not Path(cfg.data).is_dir():
             raise UserError(f"--data {cfg.data}: no such directory; give the directory holding the MNIST "
                             f"idx files, or leave --data out to fetch MNIST")
-        unknown = set(cfg.model_conf) - set(MODEL_OPTIONS)
-        if unknown:
-            key = sorted(unknown)[0]
-            raise UserError(f"unknown key {key!r} in --model_conf for mnist{closest(key, MODEL_OPTIONS)}; "
-                            f"valid keys: {', '.join(MODEL_OPTIONS)}")
+        for key, value in cfg.model_conf.items():
+            if key not in MODEL_OPTIONS:
+                raise UserError(f"unknown key {key!r} in --model_conf for mnist{closest(key, MODEL_OPTIONS)}; "
+                                f"valid keys: {', '.join(MODEL_OPTIONS)}")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                value >= 1 and value == int(value) if key == "hidden" else 0 <= value < 1)
+            if not ok:
+                want = "a positive integer" if key == "hidden" else "a probability in [0, 1)"
+                raise UserError(f"--model_conf {key}={value!r}: expects {want}")
 
     def prepare_data(self):
         from ..data.mnist import ensure_mnist
