@@ -254,3 +254,20 @@ def test_metrics_jsonl_has_no_repeated_updates_after_kill_and_resume(data, tmp_p
     run(cmd + ["--resume"])
     updates = [json.loads(x)["update"] for x in open(save_dir / "metrics.jsonl") if '"kind": "train"' in x]
     assert updates == list(range(1, 61))
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_another_world_size_and_batch_continues_the_epoch(data, tmp_path):
+    """1 process x 16 for 10 updates, then 2 processes x 8: the rest of the
+    epoch is re-planned from the same offset, nothing skipped or repeated."""
+    save_dir = tmp_path / "run"
+    run(command(data, save_dir, "--max-update", "10"))
+    first = load(save_dir / "checkpoint_last.pt")
+    assert (first["iterator"]["epoch"], first["iterator"]["offset"]) == (1, 160)
+    run(command(data, save_dir, "--max-update", "20", "--resume", "--distributed-world-size", "2",
+                "--max-sentences", "8"))
+    second = load(save_dir / "checkpoint_last.pt")
+    assert second["train"]["num_updates"] == 20 and second["world_size"] == 2
+    # 10 more updates of 2 x 8 samples: 160 + 160 samples into the 384-sample epoch
+    assert (second["iterator"]["epoch"], second["iterator"]["offset"]) == (1, 320)
+    assert len(second["rng"]) == 2
