@@ -31,6 +31,25 @@ class OptimizerSpec:
         raise NotImplementedError
 
 
+class BetasEpsSpec(OptimizerSpec):
+    """The Adam family: betas and epsilon under the optimizer's own prefix
+    (``--adam-betas``, ``--lamb-eps``, ...)."""
+    prefix = "adam"
+    eps = 1e-8
+
+    @classmethod
+    def add_args(cls, options):
+        from ..config import float_tuple
+        options.add(f"--{cls.prefix}-betas", type=float_tuple, default="(0.9, 0.999)",
+                    help=f"{cls.prefix} betas, as a Python tuple literal")
+        options.add(f"--{cls.prefix}-eps", type=float, default=cls.eps, help=f"{cls.prefix} epsilon")
+
+    @classmethod
+    def kwargs(cls, cfg):
+        return {"lr": cfg.lr[0], "betas": list(getattr(cfg, f"{cls.prefix}_betas")),
+                "eps": getattr(cfg, f"{cls.prefix}_eps"), "weight_decay": cfg.weight_decay}
+
+
 def _like(value, default, key, optimizer, flag="--optim_conf"):
     """``value`` in the type of ``default`` (float for numbers, list for tuples)."""
     try:

@@ -14,8 +14,7 @@ every tensor, also those without weight decay (as in the paper; NVIDIA's
 apex FusedLAMB skips it there unless use_nvlamb). Gradient clipping is the
 trainer's --clip-norm.
 """
-from ..config import float_tuple
-from . import OptimizerSpec, register_optimizer
+from . import BetasEpsSpec, register_optimizer
 
 
 def make_lamb():
@@ -92,17 +91,8 @@ def __getattr__(name):
 
 
 @register_optimizer("lamb")
-class LambSpec(OptimizerSpec):
-    @staticmethod
-    def add_args(options):
-        options.add("--lamb-betas", type=float_tuple, default="(0.9, 0.999)",
-                    help="LAMB betas, as a Python tuple literal")
-        options.add("--lamb-eps", type=float, default=1e-6, help="LAMB epsilon")
-
-    @staticmethod
-    def kwargs(cfg):
-        return {"lr": cfg.lr[0], "betas": list(cfg.lamb_betas), "eps": cfg.lamb_eps,
-                "weight_decay": cfg.weight_decay}
+class LambSpec(BetasEpsSpec):
+    prefix, eps = "lamb", 1e-6
 
     @staticmethod
     def build(param_groups, **kwargs):

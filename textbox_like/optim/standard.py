@@ -1,26 +1,11 @@
 """The optimizers HetSeq offers, on torch.optim."""
-from ..config import float_tuple
-from . import OptimizerSpec, register_optimizer
-
-
-def _add_adam_args(options, prefix="adam"):
-    options.add(f"--{prefix}-betas", type=float_tuple, default="(0.9, 0.999)",
-                help="betas, as a Python tuple literal")
-    options.add(f"--{prefix}-eps", type=float, default=1e-8, help="epsilon")
+from . import BetasEpsSpec, OptimizerSpec, register_optimizer
 
 
 @register_optimizer("adam")
-class Adam(OptimizerSpec):
+class Adam(BetasEpsSpec):
     """Adam with decoupled weight decay, as HetSeq's (fairseq's) adam."""
-
-    @staticmethod
-    def add_args(options):
-        _add_adam_args(options)
-
-    @staticmethod
-    def kwargs(cfg):
-        return {"lr": cfg.lr[0], "betas": list(cfg.adam_betas), "eps": cfg.adam_eps,
-                "weight_decay": cfg.weight_decay}
+    prefix, eps = "adam", 1e-8
 
     @staticmethod
     def build(param_groups, **kwargs):
