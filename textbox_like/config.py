@@ -25,7 +25,10 @@ import yaml
 
 from .errors import UserError, closest
 
-PROPERTIES = Path(__file__).resolve().parent.parent / "properties"
+# properties/: inside the package when installed from a wheel, else beside it (source tree, pip install -e)
+PROPERTIES = next((d for d in (Path(__file__).resolve().parent / "properties",
+                               Path(__file__).resolve().parent.parent / "properties") if d.is_dir()),
+                  Path(__file__).resolve().parent.parent / "properties")
 
 
 # ---------------------------------------------------------------- value types

@@ -1,0 +1,124 @@
+"""The package as a user installs it: a non-editable ``pip install .`` into a
+fresh venv, used from another directory, keeps properties/ (task defaults,
+model presets) and has the ``textbox-like`` command.
+
+The fresh venv sees the project venv's site-packages through a .pth file (the
+dependencies: torch, setuptools, pip) and gets textbox_like itself from the
+wheel, so the test needs no internet and takes seconds. The project venv's own
+editable textbox_like is not visible there: .pth files in a directory added
+by a .pth file are not processed.
+"""
+import os
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ["train", "hyper", "multi-seed", "prepare-bert", "eval", "plot", "bench"]
+
+
+def run(argv, cwd, timeout=120, check=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{argv}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(bin dir, a working directory outside the source tree) of a fresh venv with the wheel installed."""
+    tmp = tmp_path_factory.mktemp("package")
+    src = tmp / "src"                     # a copy: the build's build/ and egg-info stay out of the work tree
+    src.mkdir()
+    for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "textbox_like", src / "textbox_like", ignore=ignore)
+    shutil.copytree(ROOT / "properties", src / "properties", ignore=ignore)
+    venv = tmp / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp)
+    python = venv / "bin" / "python"
+    purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp)
+    Path(purelib.stdout.strip(), "_project_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(src)],
+        cwd=tmp, timeout=300)
+    work = tmp / "elsewhere"
+    work.mkdir()
+    return venv / "bin", work
+
+
+def test_the_wheel_is_what_runs(installed):
+    bin_dir, work = installed
+    proc = run([str(bin_dir / "python"), "-c",
+                "import textbox_like, textbox_like.config as c; print(textbox_like.__file__); print(c.PROPERTIES)"],
+               cwd=work)
+    module, properties = proc.stdout.split()
+    venv = bin_dir.parent
+    assert Path(module).is_relative_to(venv) and not Path(module).is_relative_to(ROOT)
+    assert Path(properties) == Path(module).parent / "properties"
+    shipped = sorted(p.relative_to(properties).as_posix() for p in Path(properties).rglob("*.yaml"))
+    assert shipped == sorted(p.relative_to(ROOT / "properties").as_posix()
+                             for p in (ROOT / "properties").rglob("*.yaml"))
+    assert "task/mnist.yaml" in shipped and "model/tiny.yaml" in shipped
+
+
+def test_train_print_config_has_the_mnist_defaults(installed):
+    bin_dir, work = installed
+    printed = run([str(bin_dir / "textbox-like"), "train", "--task", "mnist", "--print_config"], cwd=work).stdout
+    # the same resolved configuration as the source tree's run_hetseq.py
+    assert printed == run([sys.executable, str(ROOT / "run_hetseq.py"), "--task", "mnist", "--print_config"],
+                          cwd=ROOT).stdout
+    config = yaml.safe_load(printed)
+    defaults = yaml.safe_load((ROOT / "properties" / "task" / "mnist.yaml").read_text())
+    for key in ("max_sentences", "optimizer", "warmup_updates", "lr_scheduler"):
+        assert config[key] == defaults[key], key
+    assert config["lr"] in (defaults["lr"], [defaults["lr"]])
+
+
+def test_train_print_config_with_a_model_preset(installed):
+    bin_dir, work = installed
+    argv = ["train", "--task", "bert", "--model-preset", "tiny", "--print_config"]
+    printed = run([str(bin_dir / "textbox-like"), *argv], cwd=work).stdout
+    assert printed == run([sys.executable, "-m", "textbox_like", *argv], cwd=ROOT).stdout
+    assert yaml.safe_load(printed)["model_preset"] == "tiny"
+    # the preset's sizes, read from inside the wheel
+    preset = yaml.safe_load((ROOT / "properties" / "model" / "tiny.yaml").read_text())
+    proc = run([str(bin_dir / "python"), "-c",
+                "import json; from textbox_like.config import PROPERTIES, load_yaml;"
+                "print(json.dumps(load_yaml(PROPERTIES / 'model' / 'tiny.yaml', 'model preset')))"], cwd=work)
+    loaded = yaml.safe_load(proc.stdout)
+    assert loaded["hidden_size"] == preset["hidden_size"] == 128
+    assert loaded["num_hidden_layers"] == preset["num_hidden_layers"]
+
+
+def test_every_subcommand_answers_help(installed):
+    bin_dir, work = installed
+    proc = run([str(bin_dir / "textbox-like"), "--help"], cwd=work)
+    for name in COMMANDS:
+        assert f"\n  {name} " in proc.stdout, name
+    for name in COMMANDS:
+        proc = run([str(bin_dir / "textbox-like"), name, "--help"], cwd=work)
+        assert "usage:" in proc.stdout, name
+    proc = run([str(bin_dir / "textbox-like"), "trian"], cwd=work, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "'train'" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_source_tree_reads_top_level_properties():
+    """Running from the repository (and the editable install of scripts/bootstrap.sh)."""
+    from textbox_like.config import PROPERTIES
+    assert PROPERTIES == ROOT / "properties"
+    assert not (ROOT / "textbox_like" / "properties").exists()
+    assert not list(ROOT.glob("*.whl"))
+
+
+def test_top_level_scripts_stay():
+    for name in ("run_hetseq.py", "run_hyper.py", "run_multi_seed.py"):
+        assert (ROOT / name).is_file()
