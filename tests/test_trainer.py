@@ -280,7 +280,7 @@ def test_several_valid_subsets(small_mnist_dir, tmp_path):
 
 # ---------------------------------------------------------------- precision
 def test_mixed_precision_choice():
-    from textbox_like.trainer import mixed_precision
+    from textbox_like.accelerator import mixed_precision
 
     def cfg(**kw):
         base = {"train_dtype": "float32", "fp16": False, "bf16": False}

@@ -1,28 +1,34 @@
-"""One checkpointer for everything a restart needs, written atomically.
+"""Checkpoints: one manager saves and restores a dict of stateful parts.
 
-A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so
-``torch.load(weights_only=True)`` reads it. It is written to a temporary file
-in the target's directory, fsynced, and renamed over the target: a crash at
-any moment leaves either the old or the new file, never a torn one. Several
-names for the same state (``checkpoint_last.pt``, ``checkpoint3.pt``, ...)
-are hard links of one write, falling back to copies.
+Every resumable piece of a run (model, optimizer, LR schedule, data position,
+training progress, loss scaler, RNG streams) is a *part*: an object with
+``state_dict()`` and ``load_state_dict(state)``. The manager gathers them into
+one plain dict of tensors, numbers, strings, lists and dicts, so
+``torch.load(weights_only=True)`` reads it back, writes it atomically
+(:mod:`textbox_like.fileio`) and links the other names of the same state to it
+(``checkpoint_last.pt``, ``checkpoint3.pt``, ...). On restore it applies the
+``--reset-*`` policy in one place: a reset part keeps its fresh state.
 """
 from __future__ import annotations
 
-import os
 import random
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from .errors import UserError
+from .fileio import atomic_link, atomic_write
 
-FORMAT = "textbox_like-checkpoint-1"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+FORMAT = "textbox_like-checkpoint-2"
+
+# What --reset-X leaves out of a restore, and the hint when a part does not fit.
+RESET_FLAGS = {"optimizer": "reset_optimizer", "scheduler": "reset_lr_scheduler",
+               "iterator": "reset_dataloader", "rng": "reset_dataloader"}
+MISFIT_HINTS = {"model": "use the model options it was trained with",
+                "optimizer": "pass --reset-optimizer to start the optimizer afresh",
+                "scheduler": "pass --reset-lr-scheduler",
+                "iterator": "pass --reset-dataloader"}
 
 
 # --------------------------------------------------------------------- RNG
@@ -51,58 +57,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-# ------------------------------------------------------------------ writing
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
+# ------------------------------------------------------------- read / write
 def atomic_save(obj, path) -> None:
     import torch
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def _atomic_link(source: Path, target: Path) -> None:
-    """``target`` becomes the same content as ``source``, atomically."""
-    tmp = target.parent / f".{target.name}.{os.getpid()}.lnk"
-    try:
-        if tmp.exists():
-            tmp.unlink()
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(target.parent)
+    atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
 def load_checkpoint(path) -> dict:
@@ -122,12 +80,20 @@ def load_checkpoint(path) -> dict:
     return state
 
 
-# -------------------------------------------------------------- checkpointer
-class Checkpointer:
-    """Decides when to save, which names to write and which old ones to drop."""
+# ------------------------------------------------------------------ manager
+class CheckpointManager:
+    """Decides which names a save writes, writes them, prunes old ones, and
+    restores the parts under the reset policy.
 
-    def __init__(self, cfg, is_main: bool):
+    ``parts``: name -> stateful object; ``metadata``: plain values stored
+    beside them (task, config) and checked on restore. ``save`` is called on
+    every rank (parts may gather over ranks); only the main process writes.
+    """
+
+    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool):
         self.cfg = cfg
+        self.parts = parts
+        self.metadata = metadata
         self.dir = Path(cfg.save_dir)
         self.is_main = is_main
         self.enabled = not cfg.no_save
@@ -140,6 +106,8 @@ class Checkpointer:
     # when --------------------------------------------------------------
     def names(self, epoch, updates, end_of_epoch, is_best, final=False):
         cfg = self.cfg
+        if not self.enabled:
+            return []
         names = []
         if end_of_epoch and not cfg.no_epoch_checkpoints and epoch % cfg.save_interval == 0:
             names.append(f"checkpoint{epoch}.pt")
@@ -147,18 +115,23 @@ class Checkpointer:
             names.append(f"checkpoint_{epoch}_{updates}.pt")
         if is_best:
             names.append("checkpoint_best.pt")
-        if names or final or end_of_epoch:
-            if not cfg.no_last_checkpoints:
-                names.append("checkpoint_last.pt")
+        if (names or final or end_of_epoch) and not cfg.no_last_checkpoints:
+            names.append("checkpoint_last.pt")
         return names
 
-    def save(self, state: dict, names) -> list:
-        if not (self.enabled and self.is_main and names):
+    # save ----------------------------------------------------------------
+    def save(self, names) -> list:
+        """Write the parts' state under ``names`` (on every rank; the main one writes)."""
+        if not names:
+            return []
+        state = {"format": FORMAT, **self.metadata,
+                 **{name: part.state_dict() for name, part in self.parts.items()}}
+        if not self.is_main:
             return []
         first = self.dir / names[0]
         atomic_save(state, first)
         for name in names[1:]:
-            _atomic_link(first, self.dir / name)
+            atomic_link(first, self.dir / name)
         self._prune()
         return [self.dir / n for n in names]
 
@@ -182,7 +155,7 @@ class Checkpointer:
                 out.append((tuple(int(g) for g in match.groups()), path))
         return out
 
-    # which to load --------------------------------------------------------
+    # restore -------------------------------------------------------------
     def resume_path(self):
         cfg = self.cfg
         if cfg.restore_file:
@@ -196,3 +169,26 @@ class Checkpointer:
             path = self.dir / "checkpoint_last.pt"
             return path if path.is_file() else None
         return None
+
+    def restore(self, path) -> list:
+        """Load every part that the reset policy keeps; returns the names of
+        the parts left fresh."""
+        state = load_checkpoint(path)
+        task = self.metadata.get("task")
+        if state.get("task") != task:
+            raise UserError(f"{path} is a checkpoint of task {state.get('task')!r}, not {task!r}")
+        fresh = []
+        for name, part in self.parts.items():
+            flag = RESET_FLAGS.get(name)
+            if (flag and getattr(self.cfg, flag)) or state.get(name) is None:
+                fresh.append(name)
+                continue
+            try:
+                part.load_state_dict(state[name])
+            except UserError:
+                raise
+            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:150]
+                raise UserError(f"the {name} state in {path} does not fit this run ({reason}); "
+                                f"{MISFIT_HINTS.get(name, 'start without --resume')}") from None
+        return fresh

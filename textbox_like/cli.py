@@ -145,6 +145,8 @@ def build_options():
     o.add("--log-format", choices=["none", "simple", "json", "tqdm"], default=None,
           help="tqdm on a terminal, simple otherwise")
     o.add("--log-interval", type=NONNEG, default=100, help="log every N updates")
+    from .trackers import add_args as add_tracker_args
+    add_tracker_args(o, BOOL)
 
     o.group("distributed", "distributed training")
     o.add("--distributed-world-size", type=POSITIVE, default=1, help="processes over all nodes")

@@ -283,3 +283,54 @@ def cleanup():
             dist.destroy_process_group()
     except Exception:
         pass
+
+
+# ------------------------------------------------------------ across ranks
+# Settings each node may set for itself: they change neither the numbers of
+# an update nor the order of collectives (batch sizes are per rank by design;
+# the trainer weights every update by the global sample count).
+PER_NODE_SETTINGS = frozenset({
+    "data", "dict", "config_file", "init_checkpoint", "training_data", "validation_data",
+    "max_sentences", "max_tokens", "max_sentences_valid", "num_workers", "threads",
+    "distributed_gpus", "distributed_rank", "distributed_no_spawn", "distributed_port", "distributed_timeout",
+    "distributed_init_method", "device_id", "device", "gpu_id", "ngpu", "cpu",
+    "save_dir", "output_prefix", "experiment_name", "restore_file", "resume", "config", "print_config",
+    "log_format", "report_to", "use_tensorboard", "use_wandb",
+})
+
+
+def gather_per_rank(accelerator, value) -> list:
+    """``value`` of every rank, in rank order (one collective when world > 1)."""
+    if accelerator.num_processes == 1:
+        return [value]
+    from accelerate.utils import gather_object
+    return gather_object([value])
+
+
+def check_ranks_agree(accelerator, settings: dict) -> None:
+    """Refuse to train when the ranks were started with different values of
+    settings that must agree: one line naming the setting and each rank's value.
+    Every rank raises, so every rank exits."""
+    if accelerator.num_processes == 1:
+        return
+    names = list(settings)
+    per_rank = gather_per_rank(accelerator, [repr(settings[n]) for n in names])
+    for i, name in enumerate(names):
+        values = [row[i] for row in per_rank]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            hint = " and a --save-dir all nodes share" if name.startswith("position") else ""
+            raise UserError(f"the ranks disagree on {name} ({shown}); start every node with the same "
+                            f"value{hint}")
+
+
+def host_group():
+    """A process group for small host-side values (flags, counts): the default
+    group when it is gloo, else a gloo group of its own, so reading them never
+    waits on CUDA work."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from .fileio import atomic_write_text
+
 
 class StatSums:
     """Running sums of a task's stats; a state_dict of floats."""
@@ -53,7 +55,8 @@ class StatSums:
 
 
 class TrainClock:
-    """Wall time and throughput, carried across restarts."""
+    """Wall time and throughput, carried across restarts; per log window, the
+    time spent waiting for data against the rest of the update (compute)."""
 
     def __init__(self):
         self.elapsed_before = 0.0
@@ -61,15 +64,24 @@ class TrainClock:
         self.mark_time = self.start
         self.mark_samples = 0
         self.mark_updates = 0
+        self.data_wait = 0.0     # seconds blocked on the next batch in this window
+        self.paused = 0.0        # seconds of validation and saving in this window
 
     def elapsed(self):
         return self.elapsed_before + time.perf_counter() - self.start
 
-    def rates(self, samples, updates):
+    def window(self, samples, updates) -> dict:
+        """Throughput since the last call: samples/s, updates/s, and seconds per
+        update split into data wait and compute."""
         now = time.perf_counter()
-        dt = max(now - self.mark_time, 1e-9)
-        out = (samples - self.mark_samples) / dt, (updates - self.mark_updates) / dt
+        dt = max(now - self.mark_time - self.paused, 1e-9)
+        n = max(updates - self.mark_updates, 1)
+        out = {"samples_per_s": (samples - self.mark_samples) / dt,
+               "updates_per_s": (updates - self.mark_updates) / dt,
+               "data_s_per_update": self.data_wait / n,
+               "compute_s_per_update": max(dt - self.data_wait, 0.0) / n}
         self.mark_time, self.mark_samples, self.mark_updates = now, samples, updates
+        self.data_wait = self.paused = 0.0
         return out
 
     def state_dict(self):
@@ -91,8 +103,9 @@ def _fmt(value):
 class Logger:
     """Progress bar or log lines for people, metrics.jsonl for programs."""
 
-    def __init__(self, cfg, is_main: bool):
+    def __init__(self, cfg, is_main: bool, accelerator=None):
         self.is_main = is_main
+        self.accelerator = accelerator  # its trackers get every record as scalars
         fmt = cfg.log_format
         if fmt is None:
             fmt = "tqdm" if sys.stderr.isatty() else "simple"
@@ -112,9 +125,7 @@ class Logger:
         self.jsonl.close()
         kept = [line for line in path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("update", 0) <= update]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
         self.jsonl = open(path, "a", buffering=1)
 
     def info(self, message):
@@ -145,6 +156,9 @@ class Logger:
             return
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self.accelerator is not None and self.accelerator.trackers:
+            from .trackers import scalars
+            self.accelerator.log(scalars(kind, record), step=record.get("update"))
         if self.format == "none":
             return
         if self.format == "json":

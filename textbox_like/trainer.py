@@ -1,11 +1,18 @@
-"""The training loop, top to bottom.
+"""The training loop, top to bottom: read :meth:`Trainer.train` first.
 
-Accelerate places the model, wraps it in DDP and runs mixed precision; this
-file decides what is trained on, when to validate, log and save, and how an
-update over unequal ranks is weighted: every rank knows from the batch plan
-how many samples the whole update holds, and scales its summed loss so that
-DDP's average of gradients equals the gradient of the mean over the union of
-the samples.
+Accelerate places the model, wraps it in DDP and runs mixed precision; the
+trainer decides what is trained on, when to validate, log and save, and how an
+update over unequal ranks is weighted (:meth:`Trainer.train_step`). The other
+jobs are components with one job each:
+
+- :class:`TrainState`: where the run is (epoch, updates, best, meters);
+- :class:`~textbox_like.validate.Validator`: metrics and best-metric judgement;
+- :class:`~textbox_like.checkpoint.CheckpointManager`: saving and restoring a
+  dict of stateful parts under the ``--reset-*`` policy;
+- :class:`~textbox_like.preemption.Preemption`: stopping on SIGTERM/SIGUSR1;
+- :mod:`~textbox_like.distributed`: process groups and the ranks' agreement;
+- :mod:`~textbox_like.accelerator`, :mod:`~textbox_like.trackers`,
+  :class:`~textbox_like.meters.Logger`: Accelerate, trackers and logs.
 """
 from __future__ import annotations
 
@@ -14,458 +21,520 @@ import itertools
 import json
 import math
 import os
-import signal
 import sys
+import time
 from pathlib import Path
 
 from . import distributed
-from .checkpoint import FORMAT, Checkpointer, load_checkpoint, rng_state, set_rng_state
+from .checkpoint import CheckpointManager, rng_state, set_rng_state
 from .config import to_yaml
 from .errors import UserError
+from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
+from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .tasks import TASKS
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", i.e. rerun with --resume
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 (what Slurm and SGE send before a kill) set a flag;
-    the loop finishes the current update, saves and exits."""
-
-    def __init__(self):
-        self.requested = False
-        self.signal = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread
-                pass
-
-    def _handler(self, signum, _frame):
-        self.requested = True
-        self.signal = signal.Signals(signum).name
+from .validate import Validator, evaluate  # noqa: F401  (evaluate: the eval command's entry)
 
 
-def mixed_precision(cfg, cuda):
-    dtype = cfg.train_dtype
-    if cfg.fp16:
-        dtype = "float16"
-    if cfg.bf16:
-        dtype = "bfloat16"
-    if dtype == "float16" and not cuda:
-        print("warning: float16 mixed precision needs CUDA (Accelerate has none on CPU); "
-              "running bfloat16 mixed precision instead", file=sys.stderr)
-        dtype = "bfloat16"
-    return {"float32": "no", "float16": "fp16", "bfloat16": "bf16"}[dtype]
+class TrainState:
+    """Where the run is; a checkpoint part like any other."""
+
+    def __init__(self, best_metric: str, maximize: bool):
+        self.epoch = 1
+        self.num_updates = 0
+        self.updates_in_epoch = 0
+        self.samples_seen = 0
+        self.best_metric, self.maximize = best_metric, maximize
+        self.best = None            # best value of best_metric so far
+        self.last_valid, self.best_valid = {}, {}
+        self.epoch_sums = StatSums()  # this epoch's training stats, summed over ranks
+        self.clock = TrainClock()
+
+    def reset_meters(self):
+        self.best, self.last_valid, self.best_valid = None, {}, {}
+        self.epoch_sums.reset()
+        self.clock = TrainClock()
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "num_updates": self.num_updates, "updates_in_epoch": self.updates_in_epoch,
+                "samples_seen": self.samples_seen, "best": self.best, "best_metric": self.best_metric,
+                "maximize": self.maximize, "last_valid": self.last_valid, "best_valid": self.best_valid,
+                "epoch_sums": self.epoch_sums.state_dict(), "clock": self.clock.state_dict()}
+
+    def load_state_dict(self, state):
+        self.epoch, self.num_updates = int(state["epoch"]), int(state["num_updates"])
+        self.updates_in_epoch, self.samples_seen = int(state["updates_in_epoch"]), int(state["samples_seen"])
+        self.last_valid = dict(state["last_valid"])
+        self.epoch_sums.load_state_dict(state["epoch_sums"])
+        self.clock.load_state_dict(state["clock"])
+        # the best so far only means something for the same metric and direction
+        if (state["best_metric"], state["maximize"]) == (self.best_metric, self.maximize):
+            self.best, self.best_valid = state["best"], dict(state["best_valid"])
 
 
-def build_accelerator(cfg, placement):
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+class _Model:
+    """The model as a checkpoint part: its unwrapped weights."""
 
-    cuda = torch.cuda.is_available() and not cfg.cpu
-    if cuda and placement.world_size == 1 and cfg.device_id is not None:
-        torch.cuda.set_device(cfg.device_id)  # HetSeq's --device-id picks the GPU of a single process
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters,
-                                        bucket_cap_mb=cfg.bucket_cap_mb)
-    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda),
-                              kwargs_handlers=[ddp], step_scheduler_with_optimizer=False)
-    if accelerator.num_processes != placement.world_size:
-        raise UserError(f"Accelerate sees {accelerator.num_processes} process(es) but this run has "
-                        f"{placement.world_size}; on a machine without CUDA start with "
-                        f"'accelerate launch --multi_gpu --num_processes N' or '--distributed-world-size N'")
-    return accelerator
+    def __init__(self, accelerator, model):
+        self.accelerator, self.model = accelerator, model
+
+    def state_dict(self):
+        return self.accelerator.unwrap_model(self.model).state_dict()
+
+    def load_state_dict(self, state):
+        self.accelerator.unwrap_model(self.model).load_state_dict(state)
 
 
-def gather_per_rank(accelerator, value):
-    if accelerator.num_processes == 1:
-        return [value]
-    from accelerate.utils import gather_object
-    return gather_object([value])
+class _Optimizer:
+    """The optimizer as a checkpoint part, named so that another optimizer's
+    state is refused rather than misread."""
+
+    def __init__(self, optimizer, name: str, saved: bool):
+        self.optimizer, self.name, self.saved = optimizer, name, saved
+
+    def state_dict(self):
+        return {**self.optimizer.state_dict(), "name": self.name} if self.saved else None
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        name = state.pop("name")
+        if name != self.name:
+            raise UserError(f"the checkpoint holds {name} state, this run uses {self.name}; "
+                            f"pass --reset-optimizer to start {self.name} afresh")
+        self.optimizer.load_state_dict(state)
 
 
-def evaluate(task, model, data, batch_sizes, accelerator):
-    """Metrics over every sample of ``data``, each rank taking its share
-    (``batch_sizes``: one per rank, or one for all)."""
-    import numpy as np
-    import torch
-    from .data.iterators import plan_fixed
+class _Scaler:
+    def __init__(self, accelerator):
+        self.scaler = accelerator.scaler
 
-    rank, world = accelerator.process_index, accelerator.num_processes
-    sums = StatSums()
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else [batch_sizes] * world
-        for row in plan_fixed(len(data), sizes):
-            batch = task.collate_to_device(data.get_batch(np.arange(row[rank], row[rank + 1])),
-                                           accelerator.device)
-            with accelerator.autocast():
-                _, stats = task.loss(model, batch)
-            sums.add(stats)
-    model.train(was_training)
-    return task.metrics(sums.reduce(accelerator))
+    def state_dict(self):
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state):
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state)
 
 
-def train(cfg, keys):
-    placement = distributed.placement_from_env(cfg) or distributed.Placement()
-    # processes sharing a node share its cores; Accelerate would otherwise
-    # set 2 threads each, whatever the machine
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(placement.local_world_size, 1))
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("MKL_NUM_THREADS", str(threads))
-    import numpy as np
-    import torch
+class _RNG:
+    """Every rank's RNG streams (python, numpy, torch, CUDA); gathers over ranks."""
 
-    distributed.init_process_group(placement, cfg)
-    accelerator = build_accelerator(cfg, placement)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    is_main = accelerator.is_main_process
-    preemption = Preemption()
-    log = Logger(cfg, is_main)
-    if cfg.cudnn_deterministic:
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-    torch.set_num_threads(threads)
+    def __init__(self, accelerator, reseed):
+        self.accelerator, self.reseed = accelerator, reseed
 
-    # ---- task, data, model, optimizer --------------------------------------
-    from accelerate.utils import set_seed
-    set_seed(cfg.seed)
-    task = TASKS.get(cfg.task)(cfg)
-    # once per run, then once per node (nodes may not share a file system)
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
-        task.prepare_data()
-    train_data = task.build_dataset(cfg.train_subset)
-    if len(train_data) == 0:
-        raise UserError(f"the {cfg.train_subset!r} split of --data {cfg.data} holds no samples")
-    valid_data = {} if cfg.disable_validation else {s: task.build_dataset(s) for s in cfg.valid_subset}
-    model = task.build_model()
-    n_params = sum(p.numel() for p in model.parameters())
+    def state_dict(self):
+        return distributed.gather_per_rank(self.accelerator, rng_state())
 
-    from .lr_scheduler import build_scheduler
-    from .optim import build_optimizer
-    optimizer = build_optimizer(cfg, task.param_groups(model, cfg.weight_decay))
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = build_scheduler(cfg, optimizer)
-    # each rank its own dropout stream; rank 0 keeps the seed's own stream
-    if rank:
-        torch.manual_seed(cfg.seed + rank)
-
-    from .data.iterators import EpochBatchIterator
-    batch_sizes = gather_per_rank(accelerator, cfg.max_sentences or 0)
-    max_tokens = gather_per_rank(accelerator, cfg.max_tokens or 0)
-    if not any(max_tokens) and not all(batch_sizes):
-        raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
-    iterator = EpochBatchIterator(train_data, cfg.seed, rank, world, batch_sizes, max_tokens,
-                                  shuffle=not cfg.no_shuffle, multiple=cfg.required_batch_size_multiple,
-                                  num_workers=cfg.num_workers)
-
-    def update_freq_for(e):
-        return cfg.update_freq[min(e - 1, len(cfg.update_freq) - 1)]
-
-    # what "decay over the whole run" means when only --max-epoch bounds it
-    steps = iterator.steps_in_epoch()
-    scheduler.planned_updates = sum(min(math.ceil(steps / update_freq_for(e)), cfg.num_iters_per_epoch or steps)
-                                    for e in range(1, (cfg.max_epoch or 0) + 1))
-    valid_batch_sizes = gather_per_rank(accelerator, cfg.max_sentences_valid or cfg.max_sentences or 64)
-    checkpointer = Checkpointer(cfg, is_main)
-    train_sums, log_sums, clock = StatSums(), StatSums(), TrainClock()
-    epoch, num_updates, updates_in_epoch = 1, 0, 0
-    best = None  # best value of the best-checkpoint metric so far
-    best_metric = cfg.best_checkpoint_metric or task.default_best_metric
-    maximize = cfg.maximize_best_checkpoint_metric if cfg.maximize_best_checkpoint_metric is not None \
-        else task.default_maximize_best_metric
-    last_valid, best_valid = {}, {}
-
-    # ---- resume -------------------------------------------------------------
-    resume_from = checkpointer.resume_path()
-    if cfg.resume and resume_from is None:
-        log.info(f"no checkpoint_last.pt in {cfg.save_dir}: starting fresh")
-    if resume_from is not None:
-        state = load_checkpoint(resume_from)
-        if state.get("task") != cfg.task:
-            raise UserError(f"{resume_from} is a checkpoint of task {state.get('task')!r}, not {cfg.task!r}")
-        try:
-            accelerator.unwrap_model(model).load_state_dict(state["model"])
-        except RuntimeError as exc:
-            raise UserError(f"{resume_from} does not fit this model ({str(exc).splitlines()[0][:150]}...); "
-                            f"use the model options it was trained with") from None
-        saved_optimizer = state["train"].get("optimizer", cfg.optimizer)
-        if not cfg.reset_optimizer and state.get("optimizer") is not None:
-            if saved_optimizer != cfg.optimizer:
-                raise UserError(f"{resume_from} holds {saved_optimizer} state, this run uses {cfg.optimizer}; "
-                                f"pass --reset-optimizer to start {cfg.optimizer} afresh")
-            try:
-                optimizer.load_state_dict(state["optimizer"])
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise UserError(f"the optimizer state in {resume_from} does not fit ({exc}); "
-                                f"pass --reset-optimizer") from None
-        overrides = cfg.optimizer_overrides or {}
-        for group in optimizer.param_groups:
-            group.update({k: v for k, v in overrides.items()
-                          if not (k == "weight_decay" and group.get("no_decay"))})
-        if not cfg.reset_meters:
-            train_sums.load_state_dict(state["meters"]["train"])
-            clock.load_state_dict(state["meters"]["clock"])
-            last_valid = state["meters"]["last_valid"]
-            if (state["train"]["best_metric"], state["train"]["maximize"]) == (best_metric, maximize):
-                best, best_valid = state["train"]["best"], state["meters"]["best_valid"]
-        if accelerator.scaler is not None and state.get("scaler"):
-            accelerator.scaler.load_state_dict(state["scaler"])
-        train_state = state["train"]
-        num_updates = train_state["num_updates"]
-        if not cfg.reset_dataloader:
-            iterator.load_state_dict(state["iterator"])
-            epoch, updates_in_epoch = iterator.epoch, train_state["updates_in_epoch"]
-        if not cfg.reset_lr_scheduler:
-            scheduler.load_state_dict(state["scheduler"])
-            if "lr" in overrides:  # an override of lr moves the schedule's base
-                scheduler.lrs = [float(overrides["lr"])]
+    def load_state_dict(self, states):
+        if len(states) == self.accelerator.num_processes:
+            set_rng_state(states[self.accelerator.process_index])
         else:
-            if overrides.get("lr") is not None:
-                scheduler.lrs = [float(overrides["lr"])]
-            scheduler.step_update(num_updates)  # the schedule at the restored update, not at 0
-        rngs = state.get("rng") or []
-        if len(rngs) == world and not cfg.reset_dataloader:
-            set_rng_state(rngs[rank])
-        else:
-            torch.manual_seed(cfg.seed + 7919 * num_updates + rank)
-            log.info(f"checkpoint has RNG states for {len(rngs)} rank(s), this run has {world}: reseeding")
-        epoch_done = iterator.end_of_epoch or (cfg.num_iters_per_epoch and
-                                               updates_in_epoch >= cfg.num_iters_per_epoch)
-        if epoch_done:
-            epoch, updates_in_epoch = epoch + 1, 0
-            iterator.set_epoch(epoch)
-        log.forget_after(num_updates)
-        log.info(f"resumed from {resume_from}: epoch {epoch}, update {num_updates}")
-        del state
-    else:
-        iterator.set_epoch(epoch)
-    # Every node has its own command line: the settings that fix the data
-    # plan and the order of collectives must agree, or samples are skipped
-    # or the ranks hang. A save dir that is not shared would also let ranks
-    # start from different states.
-    agreed = {"position (update, epoch, offset)": (num_updates, iterator.epoch, iterator.offset),
-              "--seed": cfg.seed, "training samples": len(train_data), "--no-shuffle": cfg.no_shuffle,
-              "--update-freq": tuple(cfg.update_freq), "--max-update": cfg.max_update,
-              "--max-epoch": cfg.max_epoch, "--num_iters_per_epoch": cfg.num_iters_per_epoch,
-              "--log-interval": cfg.log_interval, "--save-interval": cfg.save_interval,
-              "--save-interval-updates": cfg.save_interval_updates, "--validate-interval": cfg.validate_interval,
-              "--validate-interval-updates": cfg.validate_interval_updates,
-              "--disable-validation": cfg.disable_validation}
-    for name, values in zip(agreed, zip(*gather_per_rank(accelerator, tuple(agreed.values())))):
-        if len(set(values)) > 1:
-            raise UserError(f"the ranks disagree on {name}: {list(values)}; start every node with the same "
-                            f"value" + (" and a --save-dir all nodes share" if name.startswith("position") else ""))
+            self.reseed(f"the checkpoint has RNG states for {len(states)} rank(s), this run has "
+                        f"{self.accelerator.num_processes}")
 
-    if is_main and not cfg.no_save:
-        from .config import write_config
-        write_config(cfg, keys, cfg.save_dir)
-    log.info(f"task {cfg.task} | {n_params:,} parameters | world size {world} | device {accelerator.device} | "
-             f"precision {accelerator.mixed_precision} | batch sizes per rank {batch_sizes} | "
-             f"train {len(train_data):,} samples")
 
-    def done_training():
-        return (cfg.max_epoch and epoch > cfg.max_epoch) or (cfg.max_update and num_updates >= cfg.max_update)
+class Trainer:
+    def __init__(self, cfg, keys):
+        from .trackers import log_with, requested
+        self.cfg, self.keys = cfg, keys
+        trackers = requested(cfg)  # before any process group: a missing package is one line
+        placement = distributed.placement_from_env(cfg) or distributed.Placement()
+        # processes sharing a node share its cores; Accelerate would otherwise
+        # set 2 threads each, whatever the machine
+        threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(placement.local_world_size, 1))
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+        import torch
+        from accelerate.utils import set_seed
 
-    # ---- validation -----------------------------------------------------------
-    def validate():
-        results = {}
-        for subset, data in valid_data.items():
-            metrics = evaluate(task, model, data, valid_batch_sizes, accelerator)
-            results[subset] = metrics
-            log.log(f"valid_{subset}" if len(valid_data) > 1 else "valid",
-                    {"epoch": epoch, "update": num_updates, **metrics})
-        return results
+        from .accelerator import build_accelerator
+        from .data.iterators import EpochBatchIterator
+        from .lr_scheduler import build_scheduler
+        from .optim import build_optimizer
 
-    # ---- checkpointing --------------------------------------------------------
-    def fold_log_window():
+        distributed.init_process_group(placement, cfg)
+        self.accelerator, self.sources = build_accelerator(
+            cfg, placement, log_with(trackers, cfg.save_dir) if trackers and not cfg.no_save else None)
+        acc = self.accelerator
+        self.rank, self.world, self.is_main = acc.process_index, acc.num_processes, acc.is_main_process
+        self.host_group = distributed.host_group()
+        self.preemption = Preemption(self.host_group, self.world)
+        self.log = Logger(cfg, self.is_main, acc)
+        if cfg.cudnn_deterministic:
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        torch.set_num_threads(threads)
+
+        # task, data, model, optimizer
+        set_seed(cfg.seed)
+        self.task = task = TASKS.get(cfg.task)(cfg)
+        # once per run, then once per node (nodes may not share a file system)
+        with acc.main_process_first(), acc.local_main_process_first():
+            task.prepare_data()
+        self.train_data = task.build_dataset(cfg.train_subset)
+        if len(self.train_data) == 0:
+            raise UserError(f"the {cfg.train_subset!r} split of --data {cfg.data} holds no samples")
+        valid_data = {} if cfg.disable_validation else {s: task.build_dataset(s) for s in cfg.valid_subset}
+        if cfg.train_dtype == "float64":
+            torch.set_default_dtype(torch.float64)
+        model = task.build_model()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        optimizer = build_optimizer(cfg, task.param_groups(model, cfg.weight_decay))
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
+        # each rank its own dropout stream; rank 0 keeps the seed's own stream
+        if self.rank:
+            torch.manual_seed(cfg.seed + self.rank)
+
+        self.batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences or 0)
+        max_tokens = distributed.gather_per_rank(acc, cfg.max_tokens or 0)
+        if not any(max_tokens) and not all(self.batch_sizes):
+            raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
+        self.iterator = EpochBatchIterator(self.train_data, cfg.seed, self.rank, self.world, self.batch_sizes,
+                                           max_tokens, shuffle=not cfg.no_shuffle,
+                                           multiple=cfg.required_batch_size_multiple, num_workers=cfg.num_workers)
+        self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.max_epoch or 0)
+
+        best_metric = cfg.best_checkpoint_metric or task.default_best_metric
+        maximize = cfg.maximize_best_checkpoint_metric if cfg.maximize_best_checkpoint_metric is not None \
+            else task.default_maximize_best_metric
+        self.state = TrainState(best_metric, maximize)
+        valid_batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences_valid or cfg.max_sentences or 64)
+        self.validator = Validator(task, valid_data, valid_batch_sizes, acc, best_metric, maximize)
+        self.checkpoints = CheckpointManager(
+            cfg, metadata={"task": cfg.task, "world_size": self.world, "config": to_yaml(cfg, keys)},
+            parts={"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optimizer,
+                                                                            not cfg.no_save_optimizer_state),
+                   "scheduler": self.scheduler, "iterator": self.iterator, "train": self.state,
+                   "scaler": _Scaler(acc), "rng": _RNG(acc, self.reseed)},
+            is_main=self.is_main)
+        self.window = StatSums()  # the open log window's stats, this rank only
+        self.lr = self.scheduler.get_lr()
+        self.gnorm = None
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> int:
+        cfg, state = self.cfg, self.state
+        self.restore()
+        self.start()
+        while self.stop_reason() is None:
+            self.begin_epoch()
+            for micro_batches in self.updates_of_this_epoch():
+                self.train_step(micro_batches)
+                self.log_train()
+                self.preemption.poll(state.num_updates)
+                if self.end_of_epoch():
+                    break  # the epoch's own validation and save follow
+                stopping = self.stop_reason() is not None
+                saving = self.every(cfg.save_interval_updates)
+                # HetSeq validates at every interval save; a run that ends
+                # validates its final weights (unless preempted: leave fast)
+                improved = self.validate() if (self.every(cfg.validate_interval_updates) or saving or (
+                    stopping and not self.preemption.agreed)) else False
+                if saving or improved or stopping:
+                    self.save(end_of_epoch=False, is_best=improved, final=stopping)
+                if stopping:
+                    break
+            self.log.end_epoch()
+            if self.end_of_epoch():
+                self.log_epoch()
+                improved = self.validate() if state.epoch % cfg.validate_interval == 0 else False
+                self.save(end_of_epoch=True, is_best=improved, final=self.stop_reason(next_epoch=True) is not None)
+                if not self.preemption.agreed:
+                    self.next_epoch()
+        return self.finish()
+
+    def stop_reason(self, next_epoch=False):
+        """Why the run stops now, or None: the one place that knows."""
+        cfg, state = self.cfg, self.state
+        if self.preemption.agreed:
+            return "preempted"
+        if cfg.max_update and state.num_updates >= cfg.max_update:
+            return "max_update"
+        if cfg.max_epoch and state.epoch + int(next_epoch) > cfg.max_epoch:
+            return "max_epoch"
+        return None
+
+    def train_step(self, micro_batches):
+        """One update: forward and backward over the micro-batches, then one
+        optimizer step. Every rank knows from the batch plan how many samples
+        the whole update holds; tasks with other denominators (BERT's masked
+        tokens) sum theirs over micro-batches and ranks first. Each rank scales
+        its summed loss so that DDP's average of gradients equals the gradient
+        of the mean over the union of the update's samples."""
+        acc, task, state = self.accelerator, self.task, self.state
+        totals = {"nsamples": sum(count for _, count in micro_batches)}
+        if task.denominators:
+            counts = [sum(task.count(batch)[name] for batch, _ in micro_batches) for name in task.denominators]
+            if self.world > 1:  # host numbers over the host group: no device sync
+                counts = self.sum_over_ranks(counts)
+            totals.update((name, max(count, 1)) for name, count in zip(task.denominators, counts))
+        batches = [self.to_device(batch) for batch, _ in micro_batches]
+        for i, batch in enumerate(batches):
+            # gradients are all-reduced once per update, on its last micro-batch
+            with contextlib.nullcontext() if i == len(batches) - 1 else acc.no_sync(self.model):
+                terms, stats = task.loss(self.model, batch)
+                if not isinstance(terms, dict):
+                    terms = {"nsamples": terms}
+                loss = sum(term * (self.world / totals[name]) for name, term in terms.items())
+                acc.backward(loss)
+            self.window.add(stats)
+        logging_now = self.every(self.cfg.log_interval, ahead=1)
+        if self.cfg.clip_norm > 0 or logging_now:  # the norm costs a pass: only when clipped or logged
+            self.gnorm = acc.clip_grad_norm_(self.grad_params, self.cfg.clip_norm or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.num_updates += 1
+        state.updates_in_epoch += 1
+        self.lr = self.scheduler.step_update(state.num_updates)
+        self.log.advance()
+
+    # --------------------------------------------------------------- epochs
+    def update_freq(self, epoch=None):
+        freqs = self.cfg.update_freq
+        return freqs[min((epoch or self.state.epoch) - 1, len(freqs) - 1)]
+
+    def updates_of_epochs(self, epochs):
+        """Updates in the first ``epochs`` epochs (what 'decay over the run' means under --max-epoch)."""
+        steps = self.iterator.steps_in_epoch()
+        cap = self.cfg.num_iters_per_epoch or steps
+        return sum(min(math.ceil(steps / self.update_freq(e)), cap) for e in range(1, epochs + 1))
+
+    def begin_epoch(self):
+        cfg, state = self.cfg, self.state
+        k = self.update_freq()
+        self.scheduler.step_epoch(state.epoch)
+        total = self.iterator.steps_in_epoch()
+        done = math.ceil((total - len(self.iterator)) / k)
+        bar = math.ceil(total / k)
+        if cfg.num_iters_per_epoch:
+            bar = min(bar, cfg.num_iters_per_epoch)
+        if cfg.max_update:
+            bar = min(bar, done + cfg.max_update - state.num_updates)
+        self.log.start_epoch(state.epoch, bar, done)
+
+    def updates_of_this_epoch(self):
+        """The rest of this epoch as lists of ``update_freq`` micro-batches,
+        timing the wait for data."""
+        k, clock = self.update_freq(), self.state.clock
+        batches = iter(self.iterator)
+        while True:
+            started = time.perf_counter()
+            micro_batches = list(itertools.islice(batches, k))
+            clock.data_wait += time.perf_counter() - started
+            if not micro_batches:
+                return
+            yield micro_batches
+
+    def end_of_epoch(self) -> bool:
+        cap = self.cfg.num_iters_per_epoch
+        return self.iterator.end_of_epoch or bool(cap and self.state.updates_in_epoch >= cap)
+
+    def next_epoch(self):
+        self.state.epoch, self.state.updates_in_epoch = self.state.epoch + 1, 0
+        self.iterator.set_epoch(self.state.epoch)
+
+    def every(self, interval, ahead=0) -> bool:
+        """True on every ``interval``-th update (``ahead``: for the update about to happen)."""
+        return interval > 0 and (self.state.num_updates + ahead) % interval == 0
+
+    # ---------------------------------------------------- validate and save
+    def validate(self) -> bool:
+        """Validate every subset; True if the first one's metric improved."""
+        if not self.validator:
+            return False
+        state = self.state
+        started = time.perf_counter()
+        results = self.validator.validate(self.model)
+        for subset, metrics in results.items():
+            self.log.log(f"valid_{subset}" if len(results) > 1 else "valid",
+                         {"epoch": state.epoch, "update": state.num_updates, **metrics})
+        state.clock.paused += time.perf_counter() - started  # not training time
+        first = results[self.cfg.valid_subset[0]]
+        value = self.validator.value(first)
+        state.last_valid = first
+        if hasattr(self.scheduler, "step_valid"):
+            self.scheduler.step_valid(value)  # ReduceLROnPlateau and kin
+        if self.validator.is_better(value, state.best):
+            state.best, state.best_valid = value, dict(first)
+            return True
+        return False
+
+    def save(self, end_of_epoch, is_best, final=False):
+        names = self.checkpoints.names(self.state.epoch, self.state.num_updates, end_of_epoch, is_best, final)
+        if not names:
+            return
+        started = time.perf_counter()
+        self.fold_log_window()  # so the saved meters are already summed over ranks
+        self.checkpoints.save(names)
+        self.accelerator.wait_for_everyone()
+        self.state.clock.paused += time.perf_counter() - started
+
+    # -------------------------------------------------------------- logging
+    def fold_log_window(self) -> dict:
         """Sum the open log window over ranks (one collective) into the epoch's meters."""
-        nonlocal samples_seen
-        sums = log_sums.reduce(accelerator)
-        train_sums.add(sums)
-        log_sums.reset()
-        samples_seen += int(sums.get("nsamples", 0))
+        sums = self.window.reduce(self.accelerator)
+        self.window.reset()
+        self.state.epoch_sums.add(sums)
+        self.state.samples_seen += int(sums.get("nsamples", 0))
         return sums
 
-    def save(end_of_epoch, is_best, final=False):
-        names = checkpointer.names(epoch, num_updates, end_of_epoch, is_best, final)
-        if not (checkpointer.enabled and names):
+    def log_train(self):
+        if not self.every(self.cfg.log_interval):
             return
-        fold_log_window()  # so the saved meters are already summed over ranks
-        rngs = gather_per_rank(accelerator, rng_state())
-        if is_main:
-            state = {
-                "format": FORMAT,
-                "model": accelerator.unwrap_model(model).state_dict(),
-                "optimizer": None if cfg.no_save_optimizer_state else optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "iterator": iterator.state_dict(),
-                "train": {"epoch": epoch, "num_updates": num_updates, "updates_in_epoch": updates_in_epoch,
-                          "best": best, "best_metric": best_metric, "maximize": maximize,
-                          "optimizer": cfg.optimizer},
-                "meters": {"train": train_sums.state_dict(), "clock": clock.state_dict(),
-                           "last_valid": last_valid, "best_valid": best_valid},
-                "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
-                "rng": rngs,
-                "world_size": world,
-                "task": cfg.task,
-                "config": to_yaml(cfg, keys),
-            }
-            checkpointer.save(state, names)
-        accelerator.wait_for_everyone()
+        state = self.state
+        sums = self.fold_log_window()
+        rates = state.clock.window(state.samples_seen, state.num_updates)
+        record = {"epoch": state.epoch, "update": state.num_updates, **self.task.metrics(sums), "lr": self.lr,
+                  "gnorm": float(self.gnorm) if self.gnorm is not None else None, **rates}
+        if "ntokens" in sums:
+            record["tokens_per_s"] = rates["samples_per_s"] * sums["ntokens"] / max(sums.get("nsamples", 0), 1)
+        target = min(n for n in (self.cfg.max_update, self.planned_updates) if n) \
+            if (self.cfg.max_update or self.planned_updates) else 0
+        if target and rates["updates_per_s"] > 0:
+            record["eta_s"] = max(target - state.num_updates, 0) / rates["updates_per_s"]
+        if self.accelerator.device.type == "cuda":
+            record["peak_mem_gib"] = self.peak_memory_per_rank()
+        record["wall"] = state.clock.elapsed()
+        self.log.log("train", record)
 
-    def after_validation(results):
-        nonlocal best, last_valid, best_valid
-        if not results:
-            return False
-        first = results[cfg.valid_subset[0]]
-        last_valid = first
-        if best_metric not in first:
-            raise UserError(f"--best-checkpoint-metric {best_metric!r} is not a metric of task {cfg.task}; "
-                            f"choose from: {', '.join(first)}")
-        value = first[best_metric]
-        improved = best is None or (value > best if maximize else value < best)
-        if improved:
-            best, best_valid = value, dict(first)
-        return improved
+    def log_epoch(self):
+        state = self.state
+        self.fold_log_window()
+        self.log.log("train_epoch", {"epoch": state.epoch, "update": state.num_updates,
+                                     **self.task.metrics(state.epoch_sums.state_dict()),
+                                     "wall": state.clock.elapsed()})
+        state.epoch_sums.reset()
 
-    # ---- the loop -------------------------------------------------------------
-    grad_params = [p for p in model.parameters() if p.requires_grad]
-    stop_reason = None
-    samples_seen = int(train_sums.sums.get("nsamples", 0))
-    epochs_done = epoch - 1
-    end_of_epoch = False
-    pending_flag = None
-    import torch.distributed as dist
-    clock.mark_samples, clock.mark_updates = samples_seen, num_updates
-    model.train()
-    while not done_training():
-        k = update_freq_for(epoch)
-        scheduler.step_epoch(epoch)
-        total_steps = iterator.steps_in_epoch()
-        done = math.ceil((total_steps - len(iterator)) / k)
-        bar_total = math.ceil(total_steps / k)
-        if cfg.num_iters_per_epoch:
-            bar_total = min(bar_total, cfg.num_iters_per_epoch)
-        if cfg.max_update:
-            bar_total = min(bar_total, done + cfg.max_update - num_updates)
-        log.start_epoch(epoch, bar_total, done)
-        batches = iter(iterator)
-        while True:
-            micro = list(itertools.islice(batches, k))
-            if not micro:
-                break
-            # the update's denominators over all its micro-batches and ranks,
-            # so that each loss term is its exact mean over the union
-            totals = {"nsamples": sum(count for _, count in micro)}
-            micro = [task.collate_to_device(batch, accelerator.device) for batch, _ in micro]
-            if task.denominators:
-                local = torch.stack([sum(task.count(b)[name] for b in micro).float()
-                                     for name in task.denominators])
-                if world > 1:
-                    local = accelerator.reduce(local, reduction="sum")
-                totals.update(zip(task.denominators, local.clamp(min=1.0)))
-            for i, batch in enumerate(micro):
-                # gradients are all-reduced once per update, on its last micro-batch
-                sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(model)
-                with sync:
-                    terms, stats = task.loss(model, batch)
-                    if not isinstance(terms, dict):
-                        terms = {"nsamples": terms}
-                    # DDP averages gradients over ranks: scale by world size
-                    loss = sum(term * (world / totals[name]) for name, term in terms.items())
-                    accelerator.backward(loss)
-                log_sums.add(stats)
-            log_now = cfg.log_interval > 0 and (num_updates + 1) % cfg.log_interval == 0
-            gnorm = None
-            if cfg.clip_norm > 0:
-                gnorm = accelerator.clip_grad_norm_(grad_params, cfg.clip_norm)
-            elif log_now:
-                gnorm = accelerator.clip_grad_norm_(grad_params, float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            num_updates += 1
-            updates_in_epoch += 1
-            lr = scheduler.step_update(num_updates)
-            log.advance()
+    def peak_memory_per_rank(self) -> list:
+        import torch
+        peak = torch.zeros(self.world, device=self.accelerator.device)
+        peak[self.rank] = torch.cuda.max_memory_allocated() / 2 ** 30
+        if self.world > 1:
+            peak = self.accelerator.reduce(peak, reduction="sum")
+        return [round(v, 3) for v in peak.tolist()]
 
-            if log_now:
-                sums = fold_log_window()
-                sps, ups = clock.rates(samples_seen, num_updates)
-                log.log("train", {"epoch": epoch, "update": num_updates, **task.metrics(sums), "lr": lr,
-                                  "gnorm": float(gnorm) if gnorm is not None else None,
-                                  "samples_per_s": sps, "updates_per_s": ups, "wall": clock.elapsed()})
+    # ------------------------------------------------------------- helpers
+    def to_device(self, batch):
+        batch = self.task.collate_to_device(batch, self.accelerator.device)
+        if self.cfg.train_dtype == "float64":
+            import torch
+            batch = {k: v.double() if torch.is_floating_point(v) else v for k, v in batch.items()}
+        return batch
 
-            if world == 1:
-                stop_reason = "preempted" if preemption.requested else None
-            else:
-                # Every rank must stop at the same update, whichever got the
-                # signal: the flags are summed asynchronously and read one
-                # update later, so the step never waits for it.
-                if pending_flag is not None:
-                    pending_flag[0].wait()
-                    if pending_flag[1].item() > 0:
-                        stop_reason = "preempted"
-                flag = torch.tensor([float(preemption.requested)], device=accelerator.device)
-                pending_flag = (dist.all_reduce(flag, async_op=True), flag)
-            epoch_capped = cfg.num_iters_per_epoch and updates_in_epoch >= cfg.num_iters_per_epoch
-            end_of_epoch = iterator.end_of_epoch or bool(epoch_capped)
-            stop_now = stop_reason is not None or (cfg.max_update and num_updates >= cfg.max_update)
-            if not end_of_epoch:
-                mid_valid = (cfg.validate_interval_updates > 0 and
-                             num_updates % cfg.validate_interval_updates == 0) or \
-                    (stop_now and stop_reason is None)
-                improved = after_validation(validate()) if mid_valid and valid_data else False
-                interval_save = cfg.save_interval_updates > 0 and num_updates % cfg.save_interval_updates == 0
-                if interval_save or improved or stop_now:
-                    save(False, improved, final=stop_now)
-            if stop_now or end_of_epoch:
-                break
+    def sum_over_ranks(self, numbers):
+        import torch
+        import torch.distributed as dist
+        values = torch.tensor(numbers, dtype=torch.float64)  # host memory, on purpose
+        dist.all_reduce(values, group=self.host_group)
+        return values.tolist()
 
-        log.end_epoch()
-        if end_of_epoch:
-            fold_log_window()
-            epoch_metrics = task.metrics(train_sums.state_dict())
-            log.log("train_epoch", {"epoch": epoch, "update": num_updates, **epoch_metrics,
-                                    "wall": clock.elapsed()})
-            train_sums.reset()
-            improved = False
-            if valid_data and epoch % cfg.validate_interval == 0:
-                improved = after_validation(validate())
-            final = stop_reason is not None or bool(cfg.max_update and num_updates >= cfg.max_update) or \
-                bool(cfg.max_epoch and epoch >= cfg.max_epoch)
-            save(True, improved, final=final)
-            if stop_reason is not None:
-                break
-            epochs_done = epoch
-            epoch, updates_in_epoch = epoch + 1, 0
-            iterator.set_epoch(epoch)
-        elif stop_reason is not None or (cfg.max_update and num_updates >= cfg.max_update):
-            break
+    def reseed(self, why):
+        import torch
+        torch.manual_seed(self.cfg.seed + 7919 * self.state.num_updates + self.rank)
+        self.log.info(f"{why}: reseeding")
 
-    results = {"task": cfg.task, "num_updates": num_updates, "epochs_completed": epochs_done,
-               "wall_time": clock.elapsed(), "best_metric": best_metric, "best": best_valid,
-               "final": last_valid, "stopped": stop_reason or "completed", "world_size": world}
-    if is_main and not cfg.no_save:
-        target = Path(cfg.save_dir) / "results.json"
-        tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(results, indent=2))
-        tmp.replace(target)
-    if last_valid:
-        log.info("done | " + " | ".join(f"{k} {v:.4f}" for k, v in last_valid.items())
-                 + f" | updates {num_updates} | wall {clock.elapsed():.1f}s")
-    log.close()
-    if pending_flag is not None:
-        pending_flag[0].wait()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    distributed.cleanup()
-    if stop_reason == "preempted":
-        saved = checkpointer.enabled and not cfg.no_last_checkpoints
-        print(f"stopped by {preemption.signal or 'a signal'}"
-              + ("; checkpoint_last.pt saved: rerun the same command with --resume" if saved
-                 else "; nothing was saved (--no-save or --no-last-checkpoints)"), file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
-    return 0
+    # ------------------------------------------------------- start and end
+    def restore(self):
+        """Continue from --restore-file, or checkpoint_last.pt under --resume."""
+        cfg, state = self.cfg, self.state
+        path = self.checkpoints.resume_path()
+        if path is None:
+            if cfg.resume:
+                self.log.info(f"no checkpoint_last.pt in {cfg.save_dir}: starting fresh")
+            self.iterator.set_epoch(state.epoch)
+            return
+        fresh = self.checkpoints.restore(path)
+        if cfg.reset_meters:
+            state.reset_meters()
+        if "iterator" in fresh:  # --reset-dataloader: a new pass from the start, same update count
+            state.epoch, state.updates_in_epoch = 1, 0
+            self.iterator.set_epoch(1)
+            if "rng" in fresh:
+                self.reseed("--reset-dataloader")
+        else:
+            state.epoch = self.iterator.epoch
+        overrides = cfg.optimizer_overrides or {}
+        for group in self.optimizer.param_groups:
+            group.update({k: v for k, v in overrides.items() if not (k == "weight_decay" and group.get("no_decay"))})
+        if overrides.get("lr") is not None:  # an override of lr moves the schedule's base
+            self.scheduler.lrs = [float(overrides["lr"])]
+        if "scheduler" in fresh:
+            self.scheduler.step_update(state.num_updates)  # the schedule at the restored update, not at 0
+        if self.end_of_epoch():
+            self.next_epoch()
+        self.log.forget_after(state.num_updates)
+        self.log.info(f"resumed from {path}: epoch {state.epoch}, update {state.num_updates}")
+
+    def agreed_settings(self) -> dict:
+        """What every rank must have alike: the position, the data, the
+        precision actually chosen, and every setting that is not per node."""
+        import yaml
+        state, cfg = self.state, self.cfg
+        settings = {"position (update, epoch, offset)": (state.num_updates, self.iterator.epoch,
+                                                         self.iterator.offset),
+                    "training samples": len(self.train_data),
+                    "precision": self.accelerator.mixed_precision}
+        for key, value in yaml.safe_load(to_yaml(cfg, self.keys)).items():
+            if key not in distributed.PER_NODE_SETTINGS:
+                settings[f"--{key.replace('_', '-')}"] = value
+        return settings
+
+    def start(self):
+        cfg, acc = self.cfg, self.accelerator
+        # every node has its own command line: settings that change the
+        # numbers or the order of collectives must agree, or the replicas
+        # drift apart or hang
+        distributed.check_ranks_agree(acc, self.agreed_settings())
+        if self.is_main and not cfg.no_save:
+            from .config import write_config
+            write_config(cfg, self.keys, cfg.save_dir)
+        if acc.log_with:
+            import yaml
+
+            from .trackers import hyperparameters
+            acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg, self.keys))))
+        sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
+        self.log.info(f"task {cfg.task} | {self.n_params:,} parameters | world size {self.world} | "
+                      f"device {acc.device} | precision {acc.mixed_precision}"
+                      + (f" ({sources})" if sources else "")
+                      + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples")
+        state = self.state
+        state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
+        self.model.train()
+
+    def finish(self) -> int:
+        cfg, state, acc = self.cfg, self.state, self.accelerator
+        reason = self.stop_reason() or "completed"
+        results = {"task": cfg.task, "num_updates": state.num_updates, "epochs_completed": state.epoch - 1,
+                   "wall_time": state.clock.elapsed(),
+                   "best_metric": state.best_metric, "best": state.best_valid, "final": state.last_valid,
+                   "stopped": "preempted" if reason == "preempted" else "completed", "world_size": self.world}
+        if self.is_main and not cfg.no_save:
+            atomic_write_text(Path(cfg.save_dir) / "results.json", json.dumps(results, indent=2))
+        if state.last_valid:
+            self.log.info("done | " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
+                          + f" | updates {state.num_updates} | wall {state.clock.elapsed():.1f}s")
+        self.log.close()
+        self.preemption.close()
+        acc.wait_for_everyone()
+        acc.end_training()
+        if self.is_main and not cfg.no_save:
+            self.plot_curves()
+        distributed.cleanup()
+        if reason == "preempted":
+            print(self.preemption.message(self.checkpoints.enabled and not cfg.no_last_checkpoints), file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+        return 0
+
+    def plot_curves(self):
+        try:
+            from .plot import plot_runs
+        except ImportError:  # matplotlib missing: curves are a convenience
+            return
+        plot_runs([self.cfg.save_dir], Path(self.cfg.save_dir) / "curves.png")
+
+
+def train(cfg, keys) -> int:
+    return Trainer(cfg, keys).train()

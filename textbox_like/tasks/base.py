@@ -63,7 +63,8 @@ class Task:
 
     def count(self, batch) -> dict:
         """This batch's count for each name in ``denominators``, read from the
-        batch alone (no forward), as scalar tensors."""
+        host batch before it moves to the device (no forward), as Python ints:
+        summing them over ranks then never waits on the device."""
         return {}
 
     def loss(self, model, batch):
@@ -74,8 +75,9 @@ class Task:
         a denominator name (``"nsamples"`` or one of ``denominators``) to the
         SUM of a loss term; the trainer divides each by its total over the
         update. ``stats`` is a dict of scalar tensors that are sums too, so they
-        add up across batches and ranks, and holds ``nsamples``.
-        """
+        add up across batches and ranks, and holds ``nsamples`` (a Python int:
+        the batch's size is known on the host; ``ntokens``, where the task has
+        tokens, gives tokens/s in the log)."""
         raise NotImplementedError
 
     def metrics(self, sums: dict) -> dict:

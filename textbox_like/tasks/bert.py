@@ -165,7 +165,7 @@ class BertTask(Task):
                                        token_type_ids=batch["token_type_ids"],
                                        masked_lm_positions=batch["masked_lm_positions"])
         sums = pretraining_sums(mlm_logits, nsp_logits, batch["masked_lm_ids"], batch["next_sentence_labels"])
-        n_samples = batch["input_ids"].new_tensor(batch["input_ids"].shape[0])
+        n_samples = batch["input_ids"].shape[0]  # a host number: no tensor from a Python value per step
         stats = {
             "mlm_loss_sum": sums["mlm_loss_sum"].detach(),
             "nsp_loss_sum": sums["nsp_loss_sum"].detach(),
@@ -173,12 +173,13 @@ class BertTask(Task):
             "nsp_correct": sums["nsp_correct"],
             "nsamples": n_samples,
             "masked_tokens": sums["n_masked"],
+            "ntokens": batch["attention_mask"].sum(),
         }
         return {"masked_tokens": sums["mlm_loss_sum"], "nsamples": sums["nsp_loss_sum"]}, stats
 
     def count(self, batch):
         from ..models.bert import IGNORE_INDEX
-        return {"masked_tokens": (batch["masked_lm_ids"] != IGNORE_INDEX).sum()}
+        return {"masked_tokens": int((batch["masked_lm_ids"] != IGNORE_INDEX).sum())}
 
     metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "ppl")
 

@@ -1,0 +1,93 @@
+"""Building the Accelerator: device, precision, DDP settings and trackers.
+
+Accelerate owns device placement, DDP and mixed precision. Settings can come
+from three places; the first that says something wins, and the log says which:
+
+1. our options (``--fp16``, ``--bf16``, ``--train_dtype``, ``--update-freq``),
+   when they differ from their defaults;
+2. ``accelerate launch`` flags and the ``accelerate config`` file, which the
+   launcher hands to the process as ``ACCELERATE_*`` variables;
+3. the defaults (float32, no accumulation).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .errors import UserError
+
+PRECISIONS = {"float32": "no", "float64": "no", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def precision(cfg, cuda: bool):
+    """(Accelerate's mixed_precision, where the choice came from)."""
+    if cfg.fp16:
+        chosen, source = "fp16", "--fp16"
+    elif cfg.bf16:
+        chosen, source = "bf16", "--bf16"
+    elif cfg.train_dtype != "float32":
+        chosen, source = PRECISIONS[cfg.train_dtype], f"--train_dtype {cfg.train_dtype}"
+    elif os.environ.get("ACCELERATE_MIXED_PRECISION", "no") not in ("", "no"):
+        chosen, source = os.environ["ACCELERATE_MIXED_PRECISION"], "accelerate launch / accelerate config"
+    else:
+        chosen, source = "no", "default"
+    if chosen not in ("no", "fp16", "bf16"):
+        raise UserError(f"mixed precision {chosen!r} (from {source}) is not supported here; use no, fp16 or bf16")
+    if chosen == "fp16" and not cuda:
+        warn("float16 mixed precision needs CUDA (Accelerate has none on CPU); running bfloat16 instead")
+        chosen = "bf16"
+    if chosen == "bf16" and cuda:
+        import torch
+        major, _ = torch.cuda.get_device_capability()
+        if major < 8:
+            warn(f"bfloat16 on {torch.cuda.get_device_name()} (compute capability {major}.x < 8.0) is emulated "
+                 f"and slower than float32; use --fp16 on this GPU")
+    return chosen, source
+
+
+def mixed_precision(cfg, cuda: bool) -> str:
+    return precision(cfg, cuda)[0]
+
+
+def update_freq_source(cfg):
+    """--update-freq from us, else accelerate launch --gradient_accumulation_steps."""
+    given = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if list(cfg.update_freq) == [1] and given and given.isdigit() and int(given) > 1:
+        cfg.update_freq = [int(given)]
+        return "accelerate launch / accelerate config"
+    return "--update-freq" if list(cfg.update_freq) != [1] else "default"
+
+
+def use_cuda(cfg) -> bool:
+    import torch
+    return torch.cuda.is_available() and not cfg.cpu and not str(getattr(cfg, "device", "") or "").startswith("cpu")
+
+
+def build_accelerator(cfg, placement, log_with=None):
+    """The Accelerator for this process; (accelerator, {setting: source})."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    cuda = use_cuda(cfg)
+    if cuda and placement.world_size == 1 and cfg.device_id is not None:
+        # HetSeq's --device-id picks the GPU of a single process; modulo what
+        # CUDA_VISIBLE_DEVICES lets this process see
+        torch.cuda.set_device(cfg.device_id % torch.cuda.device_count())
+    chosen, precision_source = precision(cfg, cuda)
+    sources = {"precision": precision_source, "update-freq": update_freq_source(cfg)}
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters,
+                                        bucket_cap_mb=cfg.bucket_cap_mb,
+                                        gradient_as_bucket_view=True)
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp],
+                              step_scheduler_with_optimizer=False, log_with=log_with or None,
+                              project_dir=cfg.save_dir if log_with else None)
+    if accelerator.num_processes != placement.world_size:
+        raise UserError(f"Accelerate sees {accelerator.num_processes} process(es) but this run has "
+                        f"{placement.world_size}; on a machine without CUDA start with "
+                        f"'accelerate launch --multi_gpu --num_processes N' or '--distributed-world-size N'")
+    return accelerator, sources

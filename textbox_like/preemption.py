@@ -1,0 +1,64 @@
+"""Stopping cleanly when the batch system asks.
+
+SIGTERM and SIGUSR1 (what Slurm and SGE send before a kill) set a flag; the
+loop finishes the current update, saves and exits with 75 (EX_TEMPFAIL, "try
+again": a requeue script reruns the command with ``--resume``).
+
+Every rank must stop at the same update, whichever got the signal. The flags
+are summed on the host (a CPU tensor over a gloo group, never a CUDA tensor,
+so a CUDA step never waits for it), asynchronously, every ``every`` updates,
+and read at the next update: no collective on most updates, no wait on any.
+"""
+from __future__ import annotations
+
+import signal
+
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preemption:
+    def __init__(self, host_group=None, world_size: int = 1, every: int = 10):
+        self.requested = False   # this process got a signal
+        self.agreed = False      # all ranks know some rank got one
+        self.signal = None
+        self.group = host_group
+        self.world_size = world_size
+        self.every = max(1, every)
+        self._pending = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread
+                pass
+
+    def _handler(self, signum, _frame):
+        self.requested = True
+        self.signal = signal.Signals(signum).name
+
+    def poll(self, num_updates: int) -> bool:
+        """Called once after every update on every rank; True once all ranks agree to stop."""
+        if self.world_size == 1:
+            self.agreed = self.requested
+            return self.agreed
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            self._pending = None
+            if flag[0] > 0:
+                self.agreed = True
+        if not self.agreed and num_updates % self.every == 0:
+            import torch
+            import torch.distributed as dist
+            flag = torch.tensor([1.0 if self.requested else 0.0])  # host memory, on purpose
+            self._pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        return self.agreed
+
+    def close(self):
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def message(self, saved: bool) -> str:
+        return (f"stopped by {self.signal or 'a signal'}"
+                + ("; checkpoint_last.pt saved: rerun the same command with --resume" if saved
+                   else "; nothing was saved (--no-save or --no-last-checkpoints)"))

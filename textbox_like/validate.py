@@ -1,0 +1,60 @@
+"""Validation: metrics over every sample of each validation split, each rank
+taking its share, and the best value of the checkpoint metric so far."""
+from __future__ import annotations
+
+from .errors import UserError
+from .meters import StatSums
+
+
+def evaluate(task, model, data, batch_sizes, accelerator):
+    """Metrics over every sample of ``data``, each rank taking its share
+    (``batch_sizes``: one per rank, or one for all)."""
+    import numpy as np
+    import torch
+
+    from .data.iterators import plan_fixed
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    sums = StatSums()
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else [batch_sizes] * world
+        for row in plan_fixed(len(data), sizes):
+            batch = task.collate_to_device(data.get_batch(np.arange(row[rank], row[rank + 1])),
+                                           accelerator.device)
+            with accelerator.autocast():
+                _, stats = task.loss(model, batch)
+            sums.add(stats)
+    model.train(was_training)
+    return task.metrics(sums.reduce(accelerator))
+
+
+class Validator:
+    """Runs :func:`evaluate` on each ``--valid-subset`` and judges the first
+    subset's ``metric`` against the best so far (kept in the train state)."""
+
+    def __init__(self, task, datasets: dict, batch_sizes, accelerator, metric: str, maximize: bool):
+        self.task = task
+        self.datasets = datasets
+        self.batch_sizes = batch_sizes
+        self.accelerator = accelerator
+        self.metric = metric
+        self.maximize = maximize
+
+    def __bool__(self):
+        return bool(self.datasets)
+
+    def validate(self, model) -> dict:
+        """{subset: metrics} for every validation subset."""
+        return {subset: evaluate(self.task, model, data, self.batch_sizes, self.accelerator)
+                for subset, data in self.datasets.items()}
+
+    def value(self, metrics: dict) -> float:
+        if self.metric not in metrics:
+            raise UserError(f"--best-checkpoint-metric {self.metric!r} is not a metric of task "
+                            f"{self.task.name}; choose from: {', '.join(metrics)}")
+        return metrics[self.metric]
+
+    def is_better(self, value, best) -> bool:
+        return best is None or (value > best if self.maximize else value < best)
