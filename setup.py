@@ -8,13 +8,15 @@ source tree and an editable install.
 """
 import os
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 PROPERTY_PACKAGES = ["textbox_like.properties" + root[len("properties"):].replace(os.sep, ".")
                      for root, _, _ in os.walk("properties")]
 
 setup(
-    packages=find_packages(include=["textbox_like", "textbox_like.*"]) + PROPERTY_PACKAGES,
+    # namespace-aware: textbox_like/data has no __init__.py
+    packages=find_namespace_packages(include=["textbox_like", "textbox_like.*"], exclude=["*__pycache__*"])
+    + PROPERTY_PACKAGES,
     package_dir={"textbox_like.properties": "properties"},
     package_data={name: ["*.yaml"] for name in PROPERTY_PACKAGES},
 )

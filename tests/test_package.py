@@ -67,6 +67,9 @@ def test_the_wheel_is_what_runs(installed):
     assert shipped == sorted(p.relative_to(ROOT / "properties").as_posix()
                              for p in (ROOT / "properties").rglob("*.yaml"))
     assert "task/mnist.yaml" in shipped and "model/tiny.yaml" in shipped
+    modules = sorted(p.relative_to(Path(module).parent).as_posix() for p in Path(module).parent.rglob("*.py"))
+    assert modules == sorted(p.relative_to(ROOT / "textbox_like").as_posix()
+                             for p in (ROOT / "textbox_like").rglob("*.py"))      # data/ has no __init__.py
 
 
 def test_train_print_config_has_the_mnist_defaults(installed):
