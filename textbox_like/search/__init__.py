@@ -1,0 +1,21 @@
+"""Hyperparameter search (``run_hyper.py``) and repeated runs over seeds
+(``run_multi_seed.py``) on top of the ordinary trainer, at TextBox's interface.
+
+Modules: ``space`` (space files, both formats), ``algos`` (hyperopt's
+algorithms, ask/tell), ``trials`` (trainer runs as child processes, a pool),
+``hyper`` (the search), ``multi_seed`` (seeds), ``report`` (statistics,
+tables, CSV, PNG), ``commands`` (the two command lines), ``ray_backend``
+(the same on Ray Tune). See docs/search.md.
+"""
+from .algos import ALGO_NAMES, Sampler, canonical_algo
+from .commands import hyper_main, multi_seed_main
+from .hyper import INTERRUPTED, Search, Setup, resolve_metric, run_search
+from .multi_seed import draw_seeds, run_multi_seed
+from .report import describe, summarize_runs
+from .space import KINDS, Param, detect_format, grid, load_space, parse_space, parse_textbox, parse_yaml
+from .trials import Outcome, SubprocessRunner, to_argv, validate
+
+__all__ = ["ALGO_NAMES", "INTERRUPTED", "KINDS", "Outcome", "Param", "Sampler", "Search", "Setup",
+           "SubprocessRunner", "canonical_algo", "describe", "detect_format", "draw_seeds", "grid",
+           "hyper_main", "load_space", "multi_seed_main", "parse_space", "parse_textbox", "parse_yaml",
+           "resolve_metric", "run_multi_seed", "run_search", "summarize_runs", "to_argv", "validate"]

@@ -1,0 +1,331 @@
+"""The search: trials proposed by the sampler, run by the pool (local backend)
+or by Ray Tune (``ray_backend``), recorded in ``hyper_results.jsonl`` after
+every change, summarized in ``hyper_best.json``, ``hyper_results.csv``,
+``hyper_report.png`` and a table on stdout."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from ..errors import UserError, closest
+from .algos import DEFAULT_EVALS, Sampler, canonical_algo
+from .report import format_params, search_png, search_table, write_search_csv
+from .trials import (Job, SubprocessRunner, given_dests, plan_slots, read_json, read_jsonl, run_pool, to_argv,
+                     validate, write_json, write_jsonl)
+
+INTERRUPTED = 130
+DONE = ("ok", "fail", "stopped")
+STATE_FILE = "hyper_search.json"
+
+
+# ====================================================================== metric
+def resolve_metric(ns, metric=None, maximize=None):
+    """(metric, maximize) from --metric/--maximize/--minimize, the configured
+    --best-checkpoint-metric, or the task's defaults."""
+    from ..tasks import TASKS
+    task = TASKS.get(ns.task)
+    configured = ns.best_checkpoint_metric or task.default_best_metric
+    metric = metric or configured
+    if task.metric_names and metric not in task.metric_names:
+        raise UserError(f"--metric {metric!r} is not a metric of task {ns.task}"
+                        f"{closest(metric, task.metric_names)}; choose from: {', '.join(task.metric_names)}")
+    if maximize is None:
+        if metric == configured and ns.maximize_best_checkpoint_metric is not None:
+            maximize = bool(ns.maximize_best_checkpoint_metric)
+        elif metric == task.default_best_metric:
+            maximize = task.default_maximize_best_metric
+        else:
+            maximize = not any(s in metric for s in ("loss", "ppl", "perplexity", "error", "wer", "cer"))
+    return metric, maximize
+
+
+def objective(results, metric):
+    """best[metric] of a results.json, or None."""
+    value = ((results or {}).get("best") or {}).get(metric)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+# ====================================================================== setup
+class Setup:
+    """Everything checked before the first trial."""
+
+    def __init__(self, space, algo, max_evals, seed, base_argv, output, metric, maximize, parallel=1,
+                 gpus_per_trial=0, resume=False, out=print):
+        from .. import cli
+        self.space, self.algo, self.seed = space, canonical_algo(algo), int(seed)
+        self.base_argv, self.output = list(base_argv), Path(output)
+        self.parallel, self.gpus_per_trial, self.resume, self.out = parallel, gpus_per_trial, resume, out
+        if max_evals is not None and max_evals < 1:
+            raise UserError(f"--max_evals expects a positive integer, got {max_evals}")
+        self.options = options = cli.build_options()
+        self.given = given = given_dests(options, self.base_argv)
+        for name in ("save_dir", "no_save", "print_config", "disable_validation", "resume", "restore_file"):
+            if name in given:
+                hint = {"save_dir": "the search sets it per trial: use --output DIR",
+                        "resume": "give --resume to run_hyper.py itself (it continues the search in --output)",
+                        "restore_file": "trials start fresh or continue their own checkpoint_last.pt"}.get(
+                    name, "the search needs each trial's results.json and validation metrics")
+                raise UserError(f"--{name.replace('_', '-')} cannot be used here: {hint}")
+        both = sorted(given & set(space))
+        if both:
+            raise UserError(f"{', '.join(both)} {'is' if len(both) == 1 else 'are'} both in the space file and on "
+                            f"the command line; keep one (the command line would win in every trial)")
+        self.sampler = Sampler(space, self.algo, self.seed)
+        if self.algo == "exhaustive":
+            size = self.sampler.grid_size
+            if max_evals and max_evals < size:
+                out(f"grid of {size} combinations; running the first {max_evals} (--max_evals)")
+            self.max_evals = min(max_evals, size) if max_evals else size
+        else:
+            self.max_evals = max_evals or DEFAULT_EVALS
+        # the configuration as the trials will see it, with one value of each parameter
+        representative = {n: (p.values()[0] if p.finite else None) for n, p in space.items()}
+        import numpy as np
+        from .space import sample
+        drawn = sample(space, [n for n, p in space.items() if not p.finite], np.random.default_rng(0))
+        representative = {n: drawn.get(n, v) for n, v in representative.items()}
+        _, ns = validate(self.base_argv + to_argv(options, representative))
+        if ns.disable_validation or ns.no_save:
+            raise UserError("the search needs validation metrics and results.json: "
+                            "remove disable_validation / no_save from the configuration")
+        self.metric, self.maximize = resolve_metric(ns, metric, maximize)
+        self.ns = ns
+        # every finite value must be one the trainer accepts
+        for name, p in space.items():
+            if p.finite:
+                for v in p.values()[:50]:
+                    try:
+                        validate(self.base_argv + to_argv(options, {**representative, name: v}))
+                    except UserError as exc:
+                        raise UserError(f"{p.where}: {p.label} = {v!r}: {exc}") from None
+
+    def trial_argv(self, params, save_dir, resume=False):
+        return self.base_argv + to_argv(self.options, params) + [
+            f"--save-dir={save_dir}", f"--best-checkpoint-metric={self.metric}",
+            f"--maximize-best-checkpoint-metric={'true' if self.maximize else 'false'}"] + \
+            (["--resume"] if resume else [])
+
+    def state(self):
+        return {"algo": self.algo, "seed": self.seed, "metric": self.metric, "maximize": self.maximize,
+                "space": {n: p.expression() for n, p in self.space.items()}, "base_argv": self.base_argv}
+
+    def print_space(self):
+        self.out(f"space ({len(self.space)} parameter{'s' if len(self.space) != 1 else ''}, in real units):")
+        for p in self.space.values():
+            self.out("  " + p.describe())
+
+    def check_output(self):
+        """Fresh search: the output must hold none. --resume: the same search."""
+        path = self.output / "hyper_results.jsonl"
+        state_path = self.output / STATE_FILE
+        if not self.resume:
+            if path.exists() or state_path.exists():
+                raise UserError(f"{self.output} already holds a search; continue it with --resume, or choose "
+                                f"another --output")
+            return []
+        saved = read_json(state_path)
+        if saved is None:
+            self.out(f"--resume: no search in {self.output} yet; starting one")
+            return []
+        now = self.state()
+        diff = [k for k in now if json.loads(json.dumps(now[k])) != saved.get(k)]
+        if diff:
+            raise UserError(f"--resume: the search in {self.output} was started with another "
+                            f"{', '.join(diff)}; use the same arguments or another --output")
+        return read_jsonl(path)
+
+
+# ====================================================================== the local search
+class Search:
+    def __init__(self, setup: Setup, runner=None):
+        self.s = setup
+        self.out = setup.out
+        self.runner = runner or SubprocessRunner()
+        self.records = {}            # trial -> record
+        self.queue = []              # trials to continue (resume)
+        self.next_k = 1
+        self.starts = {}
+
+    # ------------------------------------------------------------ records
+    def save(self):
+        self.s.output.mkdir(parents=True, exist_ok=True)
+        write_jsonl(self.s.output / "hyper_results.jsonl", [self.records[k] for k in sorted(self.records)])
+
+    def load(self, previous):
+        """Resume: finished trials teach the sampler; unfinished ones are continued."""
+        for rec in sorted(previous, key=lambda r: r["trial"]):
+            k = rec["trial"]
+            self.records[k] = rec
+            if rec.get("status") in DONE:
+                self.s.sampler.replay(k, rec.get("vals") or {}, rec.get("loss"))
+            else:
+                self.s.sampler.replay(k, rec.get("vals") or {}, None, running=True)
+                self.queue.append(k)
+        self.next_k = max(self.records, default=0) + 1
+        done = sum(r.get("status") in DONE for r in self.records.values())
+        if self.records:
+            self.out(f"--resume: {done} finished trial(s) kept, {len(self.queue)} to continue "
+                     f"({', '.join(map(str, self.queue)) or 'none'}), {max(0, self.s.max_evals - len(self.records))} "
+                     f"new")
+
+    def new_record(self, k, params, vals):
+        save_dir = self.s.output / f"trial_{k}"
+        return {"trial": k, "params": params, "vals": vals, "status": "running", "metric": self.s.metric,
+                "value": None, "loss": None, "returncode": None, "error": "", "save_dir": str(save_dir),
+                "wall_time": None, "attempts": 0}
+
+    # ------------------------------------------------------------ pool callbacks
+    def next_job(self):
+        if self.queue:
+            k = self.queue.pop(0)
+            rec = self.records[k]
+            resume = True
+        elif self.next_k <= self.s.max_evals:
+            k = self.next_k
+            self.next_k += 1
+            params, vals = self.s.sampler.ask(k)
+            rec = self.records[k] = self.new_record(k, params, vals)
+            resume = False
+        else:
+            return None
+        rec["status"] = "running"
+        save_dir = Path(rec["save_dir"])
+        resume = resume and (save_dir / "checkpoint_last.pt").exists()
+        argv = self.s.trial_argv(rec["params"], save_dir, resume=resume)
+        try:
+            validate(argv)
+        except Exception as exc:                     # a sampled value the trainer rejects
+            message = f"error: {exc}" if isinstance(exc, UserError) else f"error: {type(exc).__name__}: {exc}"
+            rec.update(status="fail", returncode=2, error=message, wall_time=0.0)
+            self.s.sampler.tell(k, None)
+            self.save()
+            self._line(rec)
+            return self.next_job()
+        for stale in ["results.json"] + ([] if resume else ["metrics.jsonl"]):
+            if (save_dir / stale).exists():
+                (save_dir / stale).unlink()
+        self.save()
+        return Job(k, argv, save_dir)
+
+    def on_start(self, job, handle):
+        rec = self.records[job.key]
+        rec["attempts"] = rec.get("attempts", 0) + 1
+        self.starts[job.key] = time.time()
+        self.save()
+
+    def on_done(self, job, outcome):
+        rec = self.records[job.key]
+        elapsed = time.time() - self.starts.pop(job.key, time.time())
+        rec["wall_time"] = round((rec.get("wall_time") or 0.0) + elapsed, 3)
+        rec["returncode"] = outcome.returncode
+        if outcome.interrupted:
+            rec.update(status="interrupted", error="interrupted; continue with --resume")
+            self.save()
+            self._line(rec)
+            return
+        results = read_json(Path(job.save_dir) / "results.json") if outcome.returncode == 0 else None
+        if results is not None:
+            rec.update(best=results.get("best") or {}, final=results.get("final") or {},
+                       num_updates=results.get("num_updates"))
+        value = objective(results, self.s.metric)
+        if value is not None:
+            rec.update(status="ok", value=value, loss=-value if self.s.maximize else value, error="")
+        else:
+            rec.update(status="fail", value=None, loss=None,
+                       error=outcome.error or (f"results.json has no finite best[{self.s.metric!r}]"
+                                               if results is not None else "the run wrote no results.json"))
+        self.s.sampler.tell(job.key, rec["loss"])
+        self.save()
+        self._line(rec)
+
+    def _line(self, rec):
+        head = f"trial {rec['trial']}/{self.s.max_evals} | {format_params(rec['params'])} | "
+        if rec["status"] in ("ok", "stopped"):
+            tail = f"{self.s.metric} {rec['value']:.4f}" + (" (stopped early)" if rec["status"] == "stopped" else "")
+            self.out(head + f"{tail} | {rec['wall_time']:.1f}s")
+        elif rec["status"] == "interrupted":
+            self.out(head + "interrupted")
+        else:
+            self.out(head + f"FAILED (exit {rec['returncode']}): {rec['error']}")
+
+    # ------------------------------------------------------------ run
+    def run(self):
+        """Returns True if interrupted."""
+        slots = plan_slots(self.s.parallel, self.s.gpus_per_trial, self.s.given, self.out)
+        try:
+            run_pool(self.next_job, self.on_start, self.on_done, slots, self.runner)
+        except KeyboardInterrupt:
+            return True
+        return False
+
+
+# ====================================================================== summary
+def best_record(records, maximize):
+    ok = [r for r in records if r.get("status") == "ok" and r.get("value") is not None]
+    if not ok:
+        return None
+    return min(ok, key=lambda r: ((-r["value"]) if maximize else r["value"], r["trial"]))
+
+
+def finish(setup, records, interrupted, backend="local"):
+    """Writes hyper_results.jsonl/.csv, hyper_best.json, hyper_report.png; prints the table."""
+    out, output = setup.out, setup.output
+    records = sorted(records, key=lambda r: r["trial"])
+    best = best_record(records, setup.maximize)
+    count = {s: sum(r.get("status") == s for r in records) for s in ("ok", "fail", "stopped", "interrupted")}
+    data = {"metric": setup.metric, "maximize": setup.maximize, "algo": setup.algo, "seed": setup.seed,
+            "backend": backend, "n_trials": len(records), "n_ok": count["ok"], "n_failed": count["fail"],
+            "n_stopped": count["stopped"], "n_interrupted": count["interrupted"], "interrupted": interrupted,
+            "value": best["value"] if best else None, "params": best["params"] if best else None,
+            "trial": best["trial"] if best else None, "save_dir": best["save_dir"] if best else None,
+            "command": None, "best": best.get("best") if best else None,
+            "final": best.get("final") if best else None}
+    if best:
+        try:
+            data["command"] = (Path(best["save_dir"]) / "command.txt").read_text().strip()
+        except OSError:
+            pass
+    output.mkdir(parents=True, exist_ok=True)
+    names = list(setup.space)
+    write_jsonl(output / "hyper_results.jsonl", records)
+    write_json(output / "hyper_best.json", data)
+    write_search_csv(output / "hyper_results.csv", records, names, setup.metric)
+    try:
+        search_png(output / "hyper_report.png", records, setup.space, setup.metric, setup.maximize)
+        png = ", hyper_report.png"
+    except Exception as exc:         # a figure must not cost the results
+        out(f"warning: hyper_report.png not written: {type(exc).__name__}: {exc}")
+        png = ""
+    out("")
+    out(search_table(records, names, setup.metric, data["trial"]))
+    if interrupted:
+        out(f"interrupted: continue with the same command and --resume")
+    if best is None:
+        out(f"no trial succeeded ({count['fail']} failed); see {output}/hyper_results.jsonl")
+    else:
+        out(f"best: trial {best['trial']} | {setup.metric} {best['value']:.4f} | {format_params(best['params'])} "
+            f"| {best['save_dir']}")
+    out(f"wrote {output}/: hyper_results.jsonl, hyper_results.csv, hyper_best.json{png}")
+    code = INTERRUPTED if interrupted else (0 if best is not None else 1)
+    return code, data
+
+
+def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), output="checkpoints/hyper",
+               metric=None, maximize=None, runner=None, out=print, parallel=1, gpus_per_trial=0, resume=False):
+    """Validate, run the search on this machine, write the reports. Returns (exit code, summary)."""
+    setup = Setup(space, algo, max_evals, seed, base_argv, output, metric, maximize, parallel, gpus_per_trial,
+                  resume, out)
+    previous = setup.check_output()
+    setup.print_space()
+    setup.output.mkdir(parents=True, exist_ok=True)
+    write_json(setup.output / STATE_FILE, setup.state())
+    search = Search(setup, runner)
+    search.load(previous)
+    out(f"search: {setup.algo}, {setup.max_evals} trials, {'maximize' if setup.maximize else 'minimize'} "
+        f"{setup.metric}, {parallel} at a time, output {setup.output}")
+    interrupted = search.run()
+    return finish(setup, list(search.records.values()), interrupted)

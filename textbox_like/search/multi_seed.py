@@ -1,0 +1,125 @@
+"""One configuration over several seeds: the runs (in parallel if asked), the
+statistics (scipy.stats) and the reports."""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from ..errors import UserError
+from .hyper import INTERRUPTED, resolve_metric
+from .report import describe, fmt, seed_png, seed_table, summarize_runs, write_seed_csv
+from .trials import Job, SubprocessRunner, given_dests, plan_slots, read_json, run_pool, validate, write_json
+
+SEED_MAX = 2 ** 32 - 1
+
+
+def draw_seeds(n, seed):
+    """N distinct seeds from a generator seeded with ``seed`` (TextBox: random.seed(seed), then randint)."""
+    rng = random.Random(seed)
+    seeds = []
+    while len(seeds) < n:
+        s = rng.randint(0, SEED_MAX)
+        if s not in seeds:
+            seeds.append(s)
+    return seeds
+
+
+def configured_seed(base_argv):
+    """The trainer's --seed as configured (command line, --config files, task defaults)."""
+    _, ns = validate(base_argv)
+    return ns.seed
+
+
+def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,
+                   runner=None, out=print, parallel=1, gpus_per_trial=0):
+    """Runs every seed; returns (exit code, summary dict)."""
+    from .. import cli
+    base_argv = list(base_argv)
+    options = cli.build_options()
+    given = given_dests(options, base_argv)
+    for name, hint in (("seed", "use --seed S with --multi_seed N (seeds drawn from S), or --seeds 3,7,11"),
+                       ("save_dir", "use --output DIR"), ("no_save", "each run's results.json is needed"),
+                       ("print_config", "run run_hetseq.py --print_config instead")):
+        if name in given:
+            raise UserError(f"--{name.replace('_', '-')} cannot be used here: {hint}")
+    _, ns = validate(base_argv)
+    if ns.no_save:
+        raise UserError("each run's results.json is needed: remove no_save from the configuration")
+    metric, maximize = resolve_metric(ns, metric, maximize)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    slots = plan_slots(parallel, gpus_per_trial, given, out)
+    extra = [f"--best-checkpoint-metric={metric}",
+             f"--maximize-best-checkpoint-metric={'true' if maximize else 'false'}"]
+    out(f"multi-seed: {len(seeds)} seeds {', '.join(map(str, seeds))} | {metric} "
+        f"({'max' if maximize else 'min'}) | {parallel} at a time | output {output}")
+    todo = list(seeds)
+    runs, starts = {}, {}
+
+    def next_job():
+        if not todo:
+            return None
+        seed = todo.pop(0)
+        save_dir = output / f"seed_{seed}"
+        for stale in ("results.json", "metrics.jsonl"):
+            if (save_dir / stale).exists():
+                (save_dir / stale).unlink()
+        return Job(seed, base_argv + [f"--save-dir={save_dir}", f"--seed={seed}"] + extra, save_dir)
+
+    def on_start(job, handle):
+        starts[job.key] = time.time()
+
+    def on_done(job, outcome):
+        seed = job.key
+        run = {"seed": seed, "save_dir": str(job.save_dir), "returncode": outcome.returncode,
+               "error": outcome.error, "wall_time": round(time.time() - starts.pop(seed), 3)}
+        results = read_json(Path(job.save_dir) / "results.json") if outcome.returncode == 0 else None
+        i = len(runs) + 1
+        if outcome.interrupted:
+            run.update(status="interrupted", error="interrupted")
+            out(f"seed {seed} | interrupted")
+        elif results is not None:
+            run.update(status="ok", final=results.get("final") or {}, best=results.get("best") or {},
+                       num_updates=results.get("num_updates"))
+            out(f"seed {seed} ({i}/{len(seeds)}) | final {metric} {fmt(run['final'].get(metric))} | best {metric} "
+                f"{fmt(run['best'].get(metric))} | {run['wall_time']:.1f}s")
+        else:
+            run.update(status="fail", error=outcome.error or "the run wrote no results.json")
+            out(f"seed {seed} ({i}/{len(seeds)}) | FAILED (exit {outcome.returncode}): {run['error']}")
+        runs[seed] = run
+
+    interrupted = False
+    try:
+        run_pool(next_job, on_start, on_done, slots, runner or SubprocessRunner())
+    except KeyboardInterrupt:
+        interrupted = True
+    ordered = [runs[s] for s in seeds if s in runs]
+    ok = [r for r in ordered if r["status"] == "ok"]
+    failed = [{"seed": r["seed"], "returncode": r.get("returncode"), "error": r.get("error")}
+              for r in ordered if r["status"] != "ok"]
+    stats = summarize_runs(ok)
+    summary = {"metric": metric, "maximize": maximize, "seeds": list(seeds), "ok_seeds": [r["seed"] for r in ok],
+               "failed": failed, "not_run": [s for s in seeds if s not in runs], "interrupted": interrupted,
+               "final": stats["final"], "best": stats["best"], "runs": ordered}
+    write_json(output / "multi_seed_summary.json", summary)
+    write_seed_csv(output / "multi_seed_summary.csv", stats)
+    png = ""
+    if ok:
+        try:
+            seed_png(output / "multi_seed_curves.png", [r["save_dir"] for r in ok], metric, [r["seed"] for r in ok])
+            png = ", multi_seed_curves.png"
+        except Exception as exc:
+            out(f"warning: multi_seed_curves.png not written: {type(exc).__name__}: {exc}")
+    out("")
+    out(f"{len(ok)} of {len(seeds)} runs succeeded" +
+        (f"; failed seeds: {', '.join(str(f['seed']) for f in failed)}" if failed else ""))
+    if ok:
+        out(seed_table(stats))
+    out(f"wrote {output}/: multi_seed_summary.json, multi_seed_summary.csv{png}")
+    if interrupted:
+        return INTERRUPTED, summary
+    return (1 if failed or not ok else 0), summary
+
+
+__all__ = ["describe", "draw_seeds", "run_multi_seed", "summarize_runs"]

@@ -1,0 +1,317 @@
+"""Running trials: one trainer run per trial in a child process, up to N at
+once, each with its own share of the machine (CPU threads, or K GPUs through
+``CUDA_VISIBLE_DEVICES``).
+
+A child rather than ``cli.main`` in this process because a trial leaves state
+behind that the next must not see (Accelerate's singletons, RANK/WORLD_SIZE in
+``os.environ``, torch's thread count and RNGs, signal handlers) and a trial that
+segfaults or is OOM-killed must fail alone. Children run in their own session
+(Ctrl-C reaches the search, which then asks each running trial to stop with
+SIGTERM: the trainer saves ``checkpoint_last.pt`` and exits 75) and receive
+SIGTERM if the search process dies (Linux ``PR_SET_PDEATHSIG``), so a killed
+search leaves no orphan training on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TRAINER = "import sys; from textbox_like.cli import main; sys.exit(main())"
+PREEMPTED = 75
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    error: str = ""
+    interrupted: bool = False
+
+
+# ====================================================================== argv
+def option_dest(parser, token):
+    if not token.startswith("--"):
+        return None
+    action = parser._option_string_actions.get(token.split("=", 1)[0])
+    return action.dest if action is not None else None
+
+
+def given_dests(options, argv):
+    return {d for d in (option_dest(options.parser, t) for t in argv) if d}
+
+
+def to_argv(options, params):
+    """Sampled values -> trainer flags ('--name=value'; a switch: the flag or nothing)."""
+    out = []
+    for name, value in params.items():
+        action = options.actions[name]
+        flag = "--" + name
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise UserError(f"option {name} is a switch: use choice [True, False], got {value!r}")
+            if value:
+                out.append(flag)
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, dict):
+            text = yaml.safe_dump(value, default_flow_style=True).strip()
+        elif isinstance(value, (list, tuple)):
+            text = ",".join(str(v) for v in value)
+        elif isinstance(value, float):
+            text = repr(value)
+        else:
+            text = str(value)
+        out.append(f"{flag}={text}")
+    return out
+
+
+def validate(argv):
+    """Parse and check as the trainer does before anything heavy; UserError if bad."""
+    from .. import cli
+    options, ns, _ = cli.parse(argv)
+    cli.check(options, ns)
+    return options, ns
+
+
+def quote_command(argv):
+    return " ".join(shlex.quote(str(a)) for a in ["python", "run_hetseq.py", *argv])
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_jsonl(path):
+    out = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass          # a line cut by a crash
+    return out
+
+
+def write_json(path, data):
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def write_jsonl(path, records):
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+
+
+# ====================================================================== resources
+def cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def gpu_ids():
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES honoured)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        count = 0
+    if visible is not None and visible.strip() not in ("", "-1"):
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        return ids[:count] if count else []
+    return [str(i) for i in range(count)]
+
+
+@dataclass
+class Slot:
+    index: int
+    env: dict
+    argv: list
+
+
+def plan_slots(parallel, gpus_per_trial, given, out=print):
+    """One Slot per concurrent trial: its environment and extra trainer flags."""
+    slots = []
+    if gpus_per_trial:
+        ids = gpu_ids()
+        need = parallel * gpus_per_trial
+        if not ids:
+            raise UserError(f"--gpus-per-trial {gpus_per_trial}: this machine has no CUDA GPU; "
+                            f"leave it out to run the trials on CPU")
+        if need > len(ids):
+            raise UserError(f"--parallel {parallel} x --gpus-per-trial {gpus_per_trial} needs {need} GPUs, "
+                            f"this machine has {len(ids)} ({','.join(ids)}); lower one of them")
+        for i in range(parallel):
+            mine = ids[i * gpus_per_trial:(i + 1) * gpus_per_trial]
+            argv = [] if gpus_per_trial == 1 or "distributed_world_size" in given else \
+                [f"--distributed-world-size={gpus_per_trial}"]
+            slots.append(Slot(i, {"CUDA_VISIBLE_DEVICES": ",".join(mine)}, argv))
+        out(f"resources: {parallel} trial(s) at once, GPUs " +
+            "; ".join(s.env["CUDA_VISIBLE_DEVICES"] for s in slots))
+        return slots
+    cores = cpu_count()
+    threads = max(1, cores // parallel)
+    for i in range(parallel):
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        argv = [] if "threads" in given else [f"--threads={threads}"]
+        slots.append(Slot(i, env, argv))
+    out(f"resources: {parallel} trial(s) at once on {cores} CPU core(s), {threads} thread(s) each"
+        + (" (--threads given: kept)" if "threads" in given else ""))
+    return slots
+
+
+# ====================================================================== the child
+def _die_with_parent():
+    """In the child, before exec: SIGTERM when the search process dies."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def trainer_env(extra=None):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+def last_error(save_dir):
+    try:
+        lines = [line for line in (Path(save_dir) / "stderr.log").read_text(errors="replace").splitlines()
+                 if line.strip()]
+    except OSError:
+        return ""
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or [""])[-1][:300]
+
+
+class Handle:
+    def __init__(self, argv, save_dir, env=None):
+        self.save_dir = Path(save_dir)
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        self.stopping = False
+        self._out = open(self.save_dir / "stdout.log", "a")
+        self._err = open(self.save_dir / "stderr.log", "a")
+        self.child = subprocess.Popen([sys.executable, "-c", TRAINER, *map(str, argv)], stdout=self._out,
+                                      stderr=self._err, env=trainer_env(env), cwd=str(ROOT),
+                                      start_new_session=True, preexec_fn=_die_with_parent)
+
+    @property
+    def pid(self):
+        return self.child.pid
+
+    def poll(self):
+        rc = self.child.poll()
+        return None if rc is None else self._finish(rc)
+
+    def wait(self, timeout=None):
+        return self._finish(self.child.wait(timeout))
+
+    def _finish(self, rc):
+        self._out.close()
+        self._err.close()
+        return Outcome(rc, last_error(self.save_dir) if rc else "", interrupted=self.stopping)
+
+    def stop(self):
+        """Ask the trainer to save checkpoint_last.pt and exit (SIGTERM)."""
+        self.stopping = True
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        if self.child.poll() is None:
+            self.child.kill()
+
+
+class SubprocessRunner:
+    def start(self, argv, save_dir, env=None):
+        return Handle(argv, save_dir, env)
+
+
+# ====================================================================== the pool
+@dataclass
+class Job:
+    key: object           # trial number or seed
+    argv: list
+    save_dir: Path
+
+
+def run_pool(next_job, on_start, on_done, slots, runner, poll_interval=0.2, stop_timeout=120):
+    """Keep len(slots) jobs running. next_job() -> Job or None (nothing more);
+    on_start(job, handle); on_done(job, outcome). Ctrl-C: every running job is
+    asked to stop (it saves checkpoint_last.pt), waited for, reported through
+    on_done with outcome.interrupted, then KeyboardInterrupt is raised again."""
+    free = list(slots)
+    running = {}          # slot index -> (job, handle, slot)
+    exhausted = False
+    try:
+        while True:
+            while free and not exhausted:
+                job = next_job()
+                if job is None:
+                    exhausted = True
+                    break
+                slot = free.pop(0)
+                Path(job.save_dir).mkdir(parents=True, exist_ok=True)
+                argv = list(job.argv) + slot.argv
+                (Path(job.save_dir) / "command.txt").write_text(
+                    " ".join(f"{k}={v}" for k, v in slot.env.items() if k == "CUDA_VISIBLE_DEVICES")
+                    + (" " if "CUDA_VISIBLE_DEVICES" in slot.env else "") + quote_command(argv) + "\n")
+                handle = runner.start(argv, job.save_dir, slot.env)
+                running[slot.index] = (job, handle, slot)
+                on_start(job, handle)
+            if not running:
+                return
+            finished = False
+            for index in list(running):
+                job, handle, slot = running[index]
+                outcome = handle.poll()
+                if outcome is not None:
+                    del running[index]
+                    free.append(slot)
+                    free.sort(key=lambda s: s.index)
+                    on_done(job, outcome)
+                    finished = True
+            if not finished:
+                time.sleep(poll_interval)
+    except KeyboardInterrupt:
+        for job, handle, slot in running.values():
+            handle.stop()
+        deadline = time.time() + stop_timeout
+        for job, handle, slot in running.values():
+            try:
+                outcome = handle.wait(timeout=max(1.0, deadline - time.time()))
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                handle.kill()
+                outcome = handle.wait()
+            outcome.interrupted = True
+            on_done(job, outcome)
+        raise
