@@ -63,21 +63,30 @@ def test_valid_subset_comma_list():
 
 
 # ---------------------------------------------------------------- dict options
-@pytest.mark.parametrize("option", ["--optim_conf", "--scheduler_conf", "--model_conf"])
+DICT_CASES = {"--optim_conf": (["--optimizer", "adadelta"], "lr", "rho"),
+              "--scheduler_conf": ([], "power", "end_learning_rate"),
+              "--model_conf": ([], "dropout1", "dropout2")}
+
+
+@pytest.mark.parametrize("option", list(DICT_CASES))
 def test_dict_option_repeated_key_value(option):
-    ns = cfg_of(option, "lr=0.1", option, "rho=0.8")
-    assert getattr(ns, option[2:]) == {"lr": 0.1, "rho": 0.8}
+    extra, a, b = DICT_CASES[option]
+    ns = cfg_of(*extra, option, f"{a}=0.1", option, f"{b}=0.8")
+    conf = getattr(ns, option[2:])
+    assert (conf[a], conf[b]) == (0.1, 0.8)
 
 
-@pytest.mark.parametrize("option", ["--optim_conf", "--scheduler_conf", "--model_conf"])
+@pytest.mark.parametrize("option", list(DICT_CASES))
 def test_dict_option_flow_mapping(option):
-    ns = cfg_of(option, "{lr: 0.1, rho: 0.8}")
-    assert getattr(ns, option[2:]) == {"lr": 0.1, "rho": 0.8}
+    extra, a, b = DICT_CASES[option]
+    ns = cfg_of(*extra, option, f"{{{a}: 0.1, {b}: 0.8}}")
+    conf = getattr(ns, option[2:])
+    assert (conf[a], conf[b]) == (0.1, 0.8)
 
 
 def test_dict_option_later_occurrence_wins():
-    ns = cfg_of("--optim_conf", "{lr: 0.1, rho: 0.8}", "--optim_conf", "rho=0.7")
-    assert ns.optim_conf == {"lr": 0.1, "rho": 0.7}
+    ns = cfg_of("--optimizer", "adadelta", "--optim_conf", "{lr: 0.1, rho: 0.8}", "--optim_conf", "rho=0.7")
+    assert (ns.optim_conf["lr"], ns.optim_conf["rho"]) == (0.1, 0.7)
 
 
 def test_optim_conf_reaches_the_optimizer():
@@ -258,7 +267,8 @@ def test_print_config_round_trip_keeps_values(capsys, tmp_path):
     data = yaml.safe_load(text)
     assert data["optimizer"] == "adam"
     assert list(data["adam_betas"]) == [0.9, 0.98]
-    assert data["optim_conf"] == {"eps": 1e-7}
+    assert data["optim_conf"]["eps"] == 1e-7 and data["adam_eps"] == 1e-7
+    assert data["optim_conf"]["betas"] == [0.9, 0.98]
     assert data["model_conf"] == {"dropout1": 0, "dropout2": 0}
     assert data["scheduler_conf"] == {"warmup_init_lr": 1e-5}
     assert data["max_update"] == 33
@@ -284,15 +294,15 @@ def test_training_config_yaml_equals_print_config(capsys, mnist_dir, tmp_path, e
     assert printed(capsys, "--config", out / "config.yaml") == expected
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("eps=1e-7", {"eps": 1e-7}),
-    ("lr=1e-3,rho=0.8", {"lr": 1e-3, "rho": 0.8}),
-    ("{eps: 1e-8, lr: 2}", {"eps": 1e-8, "lr": 2}),
-    ("nesterov=true", {"nesterov": True}),
+@pytest.mark.parametrize("optimizer,text,expected", [
+    ("adadelta", "eps=1e-7", {"eps": 1e-7}),
+    ("adadelta", "lr=1e-3,rho=0.8", {"lr": 1e-3, "rho": 0.8}),
+    ("adadelta", "{eps: 1e-8, lr: 2}", {"eps": 1e-8, "lr": 2.0}),
+    ("sgd", "nesterov=true", {"nesterov": True}),
 ])
-def test_dict_option_numbers_are_numbers(text, expected):
-    ns = cfg_of("--optim_conf", text)
-    assert ns.optim_conf == expected
+def test_dict_option_numbers_are_numbers(optimizer, text, expected):
+    ns = cfg_of("--optimizer", optimizer, "--optim_conf", text)
+    assert {k: ns.optim_conf[k] for k in expected} == expected
     assert all(type(ns.optim_conf[k]) is type(v) for k, v in expected.items()), ns.optim_conf
 
 

@@ -91,6 +91,7 @@ def test_sgd_momentum():
 
 
 def test_optim_conf_overrides_constructor_arguments():
+    # on the same level (here the command line) --optim_conf wins over the options
     opt = build_optimizer(cfg_of("--optimizer", "sgd", "--momentum", "0.9", "--optim_conf",
                                  "{momentum: 0.5, lr: 0.3}"), [{"params": [one_param()]}])
     assert opt.param_groups[0]["momentum"] == 0.5

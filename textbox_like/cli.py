@@ -49,6 +49,26 @@ LITERAL_DICT = _typed(_literal_dict, "a Python dict literal like \"{'lr': 0.5}\"
 BOOL = _typed(C.str2bool, "true or false")
 
 
+def DEVICE(text):
+    """cpu, cuda, cudaN or cuda:N (kanachan's --device)."""
+    import re
+    text = str(text).strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:?\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expects cpu, cuda or cudaN (e.g. cuda1), got {text!r}")
+    return text
+
+
+def GPU_IDS(text):
+    """TextBox's --gpu_id '0,1': device indices."""
+    parts = [p.strip() for p in str(text).strip("[]() ").split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expects device indices like 0 or 0,1, got {text!r}")
+    return ",".join(parts)
+
+
+AMP_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
+
+
 def SEED(text):
     value = C.nonneg_int(text)
     if value >= 2 ** 32:
@@ -74,43 +94,86 @@ def build_options():
     o.add("--data", default=None, help="data directory or file (MNIST: the idx files; fetched when left out)")
     o.add("--train-subset", default="train", help="split to train on")
     o.add("--valid-subset", type=STR_LIST, default="valid", help="comma-separated splits to validate on")
+    o.add("--training-data", default=None, metavar="PATH",
+          help="kanachan: the training data, a directory or a file in it; sets --data to that directory "
+               "(MNIST: the idx or torchvision .pt files; BERT: the HDF5 shards)")
+    o.add("--validation-data", default=None, metavar="PATH",
+          help="kanachan: the validation data; must be in the --data / --training-data directory, "
+               "its split is chosen with --valid-subset")
     o.add("--max-sentences", type=POSITIVE, default=None, help="batch size per process")
     o.add_alias("--batch-size", "max_sentences")
+    o.add_alias("--training-batch-size", "max_sentences", help="kanachan: alias of --max-sentences")
     o.add("--max-sentences-valid", type=POSITIVE, default=None, help="validation batch size per process")
+    o.add_alias("--valid_batch_size", "max_sentences_valid", help="ESPnet2: alias of --max-sentences-valid")
+    o.add_alias("--validation-batch-size", "max_sentences_valid", help="kanachan: alias of --max-sentences-valid")
     o.add("--max-tokens", type=POSITIVE, default=None, help="limit of real tokens per batch and process")
-    o.add("--required-batch-size-multiple", type=POSITIVE, default=1, help="batch sizes are rounded to this")
+    o.add("--required-batch-size-multiple", type=POSITIVE, default=1,
+          help="batch sizes are rounded down to a multiple of this (a batch smaller than it is kept)")
     o.add("--num-workers", type=NONNEG, default=0, help="batches read ahead in the background (0: inline)")
     o.add("--no-shuffle", action="store_true", help="train in data order")
     o.add("--num_iters_per_epoch", type=NONNEG, default=0, help="cap on updates per epoch (0: whole epoch)")
     o.add("--fast-stat-sync", action="store_true",
-          help="HetSeq compatibility: statistics are always summed over ranks once per log interval")
+          help="HetSeq compatibility, accepted and changes nothing: we always do what it asks for, "
+               "summing the statistics over ranks in one all-reduce per log interval")
     o.add("--model_conf", action=C.MergeDict, default={},
           help="model options, key=value or '{key: value}' (repeatable)")
+    o.add("--dim-final-feedforward", type=POSITIVE, default=None,
+          help="kanachan: size of the feed-forward layer of the final head (no such layer in mnist's CNN "
+               "or BertForPreTraining: a note says so)")
+    o.add("--checkpointing", action="store_true",
+          help="kanachan: activation (gradient) checkpointing: recompute activations in backward, "
+               "less memory, the same loss")
+    o.add("--initial-encoder", default=None, metavar="PATH",
+          help="kanachan: start from these encoder weights (BERT: sets --init-checkpoint)")
 
     o.group("optimization", "optimization")
-    o.add("--optimizer", default="adam", help=f"one of: {', '.join(OPTIMIZERS.choices())}")
-    o.add("--lr", type=float_list, default="0.001", help="learning rate (HetSeq: 'a,b,c' per epoch)")
+    o.add("--optimizer", default="adam",
+          help=f"any case; one of: {', '.join(OPTIMIZERS.choices())} (the others of torch.optim by "
+               f"their class names; adam is Adam with decoupled weight decay, i.e. torch's AdamW)")
+    o.add_alias("--optim", "optimizer", help="ESPnet2: alias of --optimizer")
+    o.add("--lr", type=float_list, default="0.001",
+          help="learning rate (HetSeq: 'a,b,c' per epoch); when neither the command line nor a --config file "
+               "gives one and the optimizer is not the one the properties files chose: 0.1 for sgd, "
+               "0.001 for adam/adamw/radam/lamb, torch's default for the others")
+    o.add_alias("--learning-rate", "lr", help="kanachan: alias of --lr")
     o.add("--weight-decay", "--wd", type=float, default=0.0, help="weight decay")
+    o.add("--epsilon", type=float, default=None,
+          help="kanachan: the optimizer's eps (unset: the optimizer's own, e.g. 1e-6 for lamb)")
     o.add("--optim_conf", action=C.MergeDict, default={},
-          help="optimizer constructor overrides, key=value or '{key: value}' (repeatable)")
-    o.add("--lr-scheduler", default="PolynomialDecayScheduler", help=f"one of: {', '.join(SCHEDULERS.choices())}")
+          help="the optimizer's constructor arguments, key=value or '{key: value}' (repeatable); checked "
+               "against its signature; --print_config lists them all")
+    o.add("--lr-scheduler", default="PolynomialDecayScheduler",
+          help=f"any case; one of: {', '.join(SCHEDULERS.choices())}. Ours step per update; torch's "
+               f"StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR, ConstantLR, PolynomialLR per "
+               f"epoch, CyclicLR, OneCycleLR, CosineAnnealingWarmRestarts per update (as ESPnet2; see "
+               f"--scheduler-interval), ReduceLROnPlateau after each validation on --best-checkpoint-metric")
+    o.add_alias("--scheduler", "lr_scheduler", help="ESPnet2: alias of --lr-scheduler")
     o.add("--warmup-updates", type=NONNEG, default=0, help="linear LR warm-up over this many updates")
     o.add("--total-num-update", type=NONNEG, default=0, help="updates of the LR decay (0: --max-update)")
     o.add("--scheduler_conf", action=C.MergeDict, default={},
-          help="LR scheduler overrides, key=value or '{key: value}' (repeatable)")
+          help="LR scheduler overrides, key=value or '{key: value}' (repeatable); a torch scheduler's "
+               "constructor arguments (checked; --print_config lists them all)")
     o.add("--max-epoch", type=NONNEG, default=0, help="stop after this many epochs (0: no limit)")
+    o.add_alias("--num-epochs", "max_epoch", help="kanachan: alias of --max-epoch")
     o.add("--max-update", type=NONNEG, default=0, help="stop after this many updates (0: no limit)")
     o.add("--update-freq", type=INT_LIST, default="1", help="accumulate gradients over N batches "
           "(HetSeq: 'a,b,c' per epoch)")
     o.add_alias("--accum_grad", "update_freq")
+    o.add_alias("--gradient-accumulation-steps", "update_freq", help="kanachan: alias of --update-freq")
     o.add("--clip-norm", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
+    o.add_alias("--max-gradient-norm", "clip_norm", help="kanachan: alias of --clip-norm")
     o.add("--fp16", action="store_true", help="float16 mixed precision (CUDA; bfloat16 on CPU)")
     o.add("--bf16", action="store_true", help="bfloat16 mixed precision")
-    o.add("--train_dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-          help="training precision")
+    o.add("--train_dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32",
+          help="training precision (float16/bfloat16: mixed precision; float64: the whole model in float64)")
+    o.add("--amp-optimization-level", choices=list(AMP_LEVELS), default=None,
+          help="kanachan/Apex: O0 is float32, O1-O3 float16 mixed precision (Accelerate's; bfloat16 on CPU); "
+               "sets --train_dtype and says so")
     o.add("--seed", type=SEED, default=1, help="seed of python, numpy, torch and the batch order")
     o.add("--cudnn_deterministic", action="store_true", help="deterministic cuDNN kernels")
     o.add("--cpu", action="store_true", help="train on CPU even when CUDA is present")
+    o.add("--device", type=DEVICE, default=None,
+          help="kanachan: cpu, cuda or cudaN (cpu: as --cpu; cudaN: GPU N for a single process)")
     o.add("--threads", type=NONNEG, default=0,
           help="torch intra-op threads per process (0: the cores divided among this node's processes)")
 
@@ -124,6 +187,17 @@ def build_options():
 
     o.group("checkpoint", "checkpoints and resuming")
     o.add("--save-dir", default="checkpoints", help="where checkpoints, config.yaml and metrics go")
+    o.add("--output-prefix", default=None, metavar="DIR",
+          help="kanachan: with --experiment-name, save into DIR/NAME (unset: --save-dir is the prefix)")
+    o.add("--experiment-name", default=None, metavar="NAME",
+          help="kanachan: save into PREFIX/NAME; with --output-prefix alone NAME is the start time "
+               "(YYYY-MM-DD-HH-MM-SS; give a name to --resume it later or to run on several nodes)")
+    o.add("--num-epoch-digits", type=NONNEG, default=0,
+          help="kanachan: epoch numbers in checkpoint names padded to this many digits (0: no padding)")
+    o.add("--snapshot-interval", type=NONNEG, default=0, metavar="NSAMPLES",
+          help="kanachan: save a checkpoint every NSAMPLES training samples (0: off)")
+    o.add("--initial-optimizer", default=None, metavar="PATH",
+          help="kanachan: start from this optimizer state (a checkpoint of ours or a torch state dict)")
     o.add("--save-interval", type=POSITIVE, default=1, help="save every N epochs")
     o.add("--save-interval-updates", type=NONNEG, default=0, help="save every N updates (0: off)")
     o.add("--keep-interval-updates", type=NONNEG, default=0, help="keep the newest N update checkpoints (0: all)")
@@ -152,6 +226,11 @@ def build_options():
     o.add("--distributed-world-size", type=POSITIVE, default=1, help="processes over all nodes")
     o.add("--distributed-init-method", default=None, help="tcp://HOST:PORT or file:///shared/path")
     o.add("--distributed-gpus", type=NONNEG, default=0, help="processes to start on this node")
+    o.add("--ngpu", type=NONNEG, default=None,
+          help="ESPnet2: processes on this node (0: one process on CPU); alone it sets "
+               "--distributed-world-size, with --distributed-init-method --distributed-gpus")
+    o.add("--gpu_id", type=GPU_IDS, default=None, metavar="IDS",
+          help="TextBox: the GPUs to use, e.g. 0,1")
     o.add("--distributed-rank", type=NONNEG, default=0, help="global rank of this node's first process")
     o.add("--distributed-backend", choices=["gloo", "nccl"], default=None, help="nccl with CUDA, else gloo")
     o.add("--distributed-no-spawn", action="store_true", help="this process is one rank; start no others")
@@ -193,14 +272,13 @@ def check(options, ns):
         raise UserError("training would never stop: set --max-epoch or --max-update")
     if ns.fp16 and ns.bf16:
         raise UserError("--fp16 and --bf16 exclude each other; choose one")
+    from .lr_scheduler import check_scheduler
     from .optim import _like, optimizer_kwargs
+    spec = OPTIMIZERS.get(ns.optimizer)
+    if spec.unusable:
+        raise UserError(f"--optimizer {ns.optimizer}: {spec.unusable}; choose another optimizer")
     optim_keys = optimizer_kwargs(ns)
-    scheduler_keys = set(options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])) | \
-        {"lr", "warmup_updates", "total_num_update"}
-    for key in ns.scheduler_conf:
-        if key not in scheduler_keys:
-            raise UserError(f"unknown key {key!r} in --scheduler_conf for {ns.lr_scheduler}"
-                            f"{closest(key, scheduler_keys)}; valid keys: {', '.join(sorted(scheduler_keys))}")
+    check_scheduler(ns)
     if ns.restore_file and ns.resume:
         raise UserError("--resume and --restore-file exclude each other: --resume reads checkpoint_last.pt "
                         "from --save-dir, --restore-file the file you name")
@@ -242,7 +320,129 @@ def parse(argv):
     from .tasks import TASKS
     options = build_options()
     ns, keys = C.resolve(options, argv, TASKS, groups_for)
+    finalize(options, ns)
     return options, ns, keys
+
+
+def note(message):
+    """One line on stderr, from the first process only."""
+    if os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def _user_gave(options, dest):
+    return options.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
+
+
+def finalize(options, ns):
+    """Options of other tools that stand for ours, and the values that
+    depend on several options, resolved once, so that --print_config and
+    config.yaml show what the run uses."""
+    from .lr_scheduler import resolve_scheduler_conf
+    from .optim import resolve_optim_conf
+    from .tasks import TASKS
+
+    # precision: Apex/kanachan levels onto ours
+    if ns.amp_optimization_level is not None:
+        dtype = AMP_LEVELS[ns.amp_optimization_level]
+        if _user_gave(options, "train_dtype") and ns.train_dtype != dtype:
+            raise UserError(f"--amp-optimization-level {ns.amp_optimization_level} means --train_dtype {dtype}, "
+                            f"but --train_dtype {ns.train_dtype} is given too; keep one")
+        if ns.train_dtype != dtype:
+            ns.train_dtype = dtype
+            note(f"--amp-optimization-level {ns.amp_optimization_level}: training with --train_dtype {dtype}"
+                 + (" (float16 mixed precision; O1, O2 and O3 are all Accelerate's autocast)"
+                    if dtype == "float16" else ""))
+    if ns.train_dtype == "float64" and (ns.fp16 or ns.bf16):
+        raise UserError("--train_dtype float64 excludes --fp16 and --bf16; choose one")
+
+    # devices and processes
+    if ns.device is not None:
+        if ns.device == "cpu":
+            ns.cpu = True
+        elif ns.device not in ("cuda",):
+            index = int(ns.device[4:].lstrip(":"))
+            if ns.device_id is not None and ns.device_id != index:
+                raise UserError(f"--device {ns.device} and --device-id {ns.device_id} name different GPUs; keep one")
+            ns.device_id = index
+    if ns.ngpu is not None:
+        if ns.ngpu == 0:
+            ns.cpu = True
+        elif ns.distributed_init_method:
+            if _user_gave(options, "distributed_gpus") and ns.distributed_gpus != ns.ngpu:
+                raise UserError(f"--ngpu {ns.ngpu} and --distributed-gpus {ns.distributed_gpus} differ; keep one")
+            ns.distributed_gpus = ns.ngpu
+        elif not _user_gave(options, "distributed_world_size"):
+            ns.distributed_world_size = ns.ngpu
+        elif ns.distributed_world_size != ns.ngpu:
+            raise UserError(f"--ngpu {ns.ngpu} (processes on this node) and --distributed-world-size "
+                            f"{ns.distributed_world_size} differ on a single node; give "
+                            f"--distributed-init-method for several nodes, or keep one")
+
+    # data paths (kanachan)
+    if ns.training_data is not None:
+        path = os.path.abspath(ns.training_data)
+        if not os.path.exists(path):
+            raise UserError(f"--training-data {ns.training_data}: no such file or directory")
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        if _user_gave(options, "data") and ns.data and os.path.abspath(ns.data) != directory \
+                and options.sources.get("data") >= options.sources.get("training_data"):
+            raise UserError(f"--data {ns.data} and --training-data {ns.training_data} name different "
+                            f"directories; keep one")
+        ns.data = directory
+    if ns.validation_data is not None:
+        path = os.path.abspath(ns.validation_data)
+        if not os.path.exists(path):
+            raise UserError(f"--validation-data {ns.validation_data}: no such file or directory")
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        if ns.data is None:
+            ns.data = directory
+        elif os.path.abspath(ns.data) != directory:
+            raise UserError(f"--validation-data {ns.validation_data} is not in the data directory {ns.data}: "
+                            f"the {ns.task} task reads every split from one directory (choose the split "
+                            f"with --valid-subset)")
+
+    # save directory: PREFIX/NAME (kanachan)
+    named = [d for d in ("output_prefix", "experiment_name") if getattr(ns, d) is not None]
+    if named:
+        rank = max(options.sources.get(d, 0) for d in named)
+        if options.sources.get("save_dir", 0) > rank and _user_gave(options, "save_dir"):
+            ns.output_prefix = ns.experiment_name = None  # a later --save-dir wins
+        else:
+            prefix = ns.output_prefix if ns.output_prefix is not None else ns.save_dir
+            name = ns.experiment_name or os.environ.get("TEXTBOX_LIKE_EXPERIMENT_NAME")
+            if not name:
+                import time
+                name = time.strftime("%Y-%m-%d-%H-%M-%S")
+                os.environ["TEXTBOX_LIKE_EXPERIMENT_NAME"] = name  # the same for spawned ranks
+            ns.output_prefix, ns.experiment_name = prefix, name
+            ns.save_dir = os.path.join(prefix, name)
+
+    # model options that mean nothing for the chosen task
+    task = TASKS.get(ns.task)
+    if ns.dim_final_feedforward is not None:
+        what = "BertForPreTraining (its heads have no feed-forward layer)" if ns.task == "bert" else \
+            f"the {ns.task} model"
+        note(f"--dim-final-feedforward {ns.dim_final_feedforward} has no meaning for {what}; ignored")
+    if ns.initial_encoder is not None:
+        if not os.path.exists(ns.initial_encoder):
+            raise UserError(f"--initial-encoder {ns.initial_encoder}: no such file or directory")
+        if hasattr(ns, "init_checkpoint"):
+            if ns.init_checkpoint and ns.init_checkpoint != ns.initial_encoder:
+                raise UserError("--initial-encoder and --init-checkpoint name different files; keep one")
+            ns.init_checkpoint = ns.initial_encoder
+    if ns.initial_optimizer is not None and not os.path.isfile(ns.initial_optimizer):
+        raise UserError(f"--initial-optimizer {ns.initial_optimizer}: no such file")
+
+    # the optimizer's and the scheduler's own arguments, in full
+    builtin_optimizer = options.actions["optimizer"].default
+    resolve_optim_conf(ns, options.sources, options.dict_sources.get("optim_conf", {}),
+                       options.layer_values, builtin_optimizer)
+    maximize = ns.maximize_best_checkpoint_metric
+    if maximize is None:
+        maximize = task.default_maximize_best_metric if not ns.best_checkpoint_metric or \
+            ns.best_checkpoint_metric == task.default_best_metric else None
+    resolve_scheduler_conf(ns, options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", []), maximize)
 
 
 def main(argv=None):

@@ -86,12 +86,21 @@ def float_tuple(text):
 def str2bool(text):
     if isinstance(text, bool):
         return text
-    lowered = str(text).lower()
-    if lowered in ("true", "yes", "1", "on"):
+    lowered = str(text).strip().lower()
+    if lowered in ("true", "yes", "1", "on", "y", "t"):
         return True
-    if lowered in ("false", "no", "0", "off", "none"):
+    if lowered in ("false", "no", "0", "off", "none", "n", "f"):
         return False
     raise ValueError(f"expects true or false, got {text!r}")
+
+
+def switch(text):
+    """The value of a switch: true/false/yes/no/1/0 in any case."""
+    try:
+        return str2bool(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"is a switch: give it alone or with true/false/yes/no/1/0, got {text!r}") from None
 
 
 def _numbers(value):
@@ -136,7 +145,8 @@ class MergeDict(argparse.Action):
     """Repeatable dict option: each occurrence updates the dict."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        current = dict(getattr(namespace, self.dest) or {})
+        current = getattr(namespace, self.dest, None)
+        current = dict(current) if isinstance(current, dict) else {}
         try:
             current.update(parse_dict(values))
         except (ValueError, yaml.YAMLError) as exc:
@@ -156,6 +166,11 @@ class Options:
         self.actions = {}         # dest -> argparse action
         self._group = None
         self._argparse_group = self.parser
+        self.switches = set()     # dests of boolean options
+        self.aliases = {}         # alias name (underscores) -> dest, for config files too
+        self.sources = {}         # dest -> layer that set it (see LAYERS), after resolve()
+        self.dict_sources = {}    # dict dest -> {key: layer}, after resolve()
+        self.layer_values = {}    # layer -> {dest: value} of the files, after resolve()
 
     def group(self, name, title=None):
         self._group = name
@@ -164,7 +179,16 @@ class Options:
         return self
 
     def add(self, *flags, **kwargs):
-        """Like add_argument; every '--a-b' also answers to '--a_b' and back."""
+        """Like add_argument; every '--a-b' also answers to '--a_b' and back.
+
+        A switch (``action="store_true"``) takes the bare flag or a value
+        true/false/yes/no/1/0 in any case (``--resume true``,
+        ``--find_unused_parameters=True``), as ESPnet2's users write them."""
+        if kwargs.get("action") == "store_true":
+            kwargs.pop("action")
+            kwargs.update(type=switch, nargs="?", const=True, metavar="BOOL",
+                          default=kwargs.get("default", False))
+            self.switches.add(kwargs.get("dest") or flags[0].lstrip("-").replace("-", "_"))
         names = []
         for flag in flags:
             names.append(flag)
@@ -186,12 +210,14 @@ class Options:
             self.actions[kwargs["dest"]] = action
         return action
 
-    def add_alias(self, flag, dest):
-        """A second flag for an existing option, e.g. --accum_grad for update_freq."""
+    def add_alias(self, flag, dest, help=None):
+        """A second flag for an existing option, e.g. --accum_grad for update_freq.
+        Config files may use the alias's name as a key too."""
         action = self.actions[dest]
-        kwargs = {"dest": dest, "help": f"alias of --{dest.replace('_', '-')}",
+        kwargs = {"dest": dest, "help": help or f"alias of --{dest.replace('_', '-')}",
                   "default": argparse.SUPPRESS}
-        for key in ("type", "nargs", "const", "choices"):
+        self.aliases[flag.lstrip("-").replace("-", "_")] = dest
+        for key in ("type", "nargs", "const", "choices", "metavar"):
             value = getattr(action, key, None)
             if value is not None:
                 kwargs[key] = value
@@ -222,10 +248,40 @@ def load_yaml(path, what="config file"):
 
 
 def _check_keys(layer, options, source):
-    for key in layer:
-        if key not in options.actions:
-            raise UserError(f"unknown key {key!r} in {source}{closest(key, options.actions)}; "
+    """Alias keys (``learning_rate``) become their option's name (``lr``);
+    unknown keys are errors."""
+    out = {}
+    for key, value in layer.items():
+        dest = options.aliases.get(key, key)
+        if dest not in options.actions:
+            raise UserError(f"unknown key {key!r} in {source}"
+                            f"{closest(key, list(options.actions) + list(options.aliases))}; "
                             f"run with --help for the valid options")
+        out[dest] = value
+    return out
+
+
+#: where a value came from, lowest first: the user gave it when >= CONFIG_FILE
+BUILTIN, OVERALL, TASK_FILE, CONFIG_FILE, COMMAND_LINE = range(5)
+
+
+class _Unset:
+    def __repr__(self):
+        return "<unset>"
+
+
+_UNSET = _Unset()
+
+
+def _given_on_command_line(parser, argv):
+    """{dest: value} of the options named in ``argv`` (dict options: only
+    the keys given there)."""
+    appends = {a.dest for a in parser._actions if isinstance(a, argparse._AppendAction)}
+    probe = argparse.Namespace(**{a.dest: None if a.dest in appends else _UNSET for a in parser._actions
+                                  if a.dest not in (None, argparse.SUPPRESS, "help")})
+    parser.parse_args(argv, namespace=probe)
+    return {dest: value for dest, value in vars(probe).items()
+            if value is not _UNSET and not (dest in appends and value is None)}
 
 
 def _prescan(argv, names):
@@ -278,17 +334,17 @@ def resolve(options: Options, argv, task_registry, component_groups):
     layers = []
     overall = PROPERTIES / "overall.yaml"
     if overall.is_file():
-        layers.append((load_yaml(overall, "properties file"), str(overall)))
-    config_layers = [(load_yaml(p), p) for p in pre["config"]]
+        layers.append((load_yaml(overall, "properties file"), str(overall), OVERALL))
+    config_layers = [(_check_keys(load_yaml(p), options, p), p, CONFIG_FILE) for p in pre["config"]]
 
     task = pre["task"][-1] if pre["task"] else None
     if task is None:
-        for layer, _ in reversed(config_layers):
+        for layer, _, _ in reversed(config_layers):
             if "task" in layer:
                 task = layer["task"]
                 break
     if task is None:
-        for layer, _ in reversed(layers):
+        for layer, _, _ in reversed(layers):
             if "task" in layer:
                 task = layer["task"]
                 break
@@ -296,13 +352,20 @@ def resolve(options: Options, argv, task_registry, component_groups):
         task = task_registry.canonical(task)
         task_yaml = PROPERTIES / "task" / f"{task}.yaml"
         if task_yaml.is_file():
-            layers.append((load_yaml(task_yaml, "properties file"), str(task_yaml)))
+            layers.append((load_yaml(task_yaml, "properties file"), str(task_yaml), TASK_FILE))
     layers.extend(config_layers)
 
     merged = {}
-    for layer, source in layers:
-        _check_keys(layer, options, source)
+    sources = {dest: BUILTIN for dest in options.actions}
+    dict_sources = {}
+    options.layer_values = {}
+    for layer, source, rank in layers:
+        layer = _check_keys(layer, options, source)
+        options.layer_values.setdefault(rank, {}).update(layer)
         for key, value in layer.items():
+            sources[key] = rank
+            if isinstance(value, dict):
+                dict_sources.setdefault(key, {}).update({k: rank for k in value})
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
                 merged[key] = {**merged[key], **value}
             else:
@@ -314,6 +377,11 @@ def resolve(options: Options, argv, task_registry, component_groups):
     builtin = {dest: action.default for dest, action in options.actions.items()}
     parser.set_defaults(**merged)
     ns = parser.parse_args(argv)
+    for dest, value in _given_on_command_line(parser, argv).items():
+        sources[dest] = COMMAND_LINE
+        if isinstance(value, dict):
+            dict_sources.setdefault(dest, {}).update({k: COMMAND_LINE for k in value})
+    options.sources, options.dict_sources = sources, dict_sources
     for dest, action in options.actions.items():
         value = getattr(ns, dest, None)
         if value is not None and action.type is not None and not isinstance(value, str) \

@@ -3,17 +3,69 @@
 Raised anywhere; caught at the entry points, which print its message as one
 line and exit with code 2 (no traceback).
 """
-import difflib
 
 
 class UserError(Exception):
     """Bad input: the message names the problem and the fix."""
 
 
+def _norm(text):
+    return str(text).lstrip("-").lower().replace("_", "-")
+
+
+def _distance(a, b):
+    """Edit distance with transpositions (optimal string alignment)."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def _budget(word):
+    """How many typing mistakes a near miss of this length may hold."""
+    n = len(word)
+    return 1 if n <= 4 else 2 if n <= 12 else 3
+
+
+def closest_match(word, choices):
+    """The valid choice ``word`` is a near miss of, or None.
+
+    A near miss is a few typing mistakes away (case, ``-``/``_`` ignored), or
+    a unique abbreviation. Choices that merely share a word with it
+    (``--learning-rate`` and ``--end-learning-rate``) are different options,
+    not suggestions."""
+    choices = [str(c) for c in choices]
+    if not choices:
+        return None
+    target = _norm(word)
+    if not target:
+        return None
+    scored = []
+    for choice in choices:
+        norm = _norm(choice)
+        d = _distance(target, norm)
+        if d <= _budget(target) and d < len(norm):
+            # prefer the spelling the user typed (dashes or underscores)
+            scored.append((d, _distance(str(word), choice), choice))
+    if scored:
+        return min(scored)[2]
+    if len(target) >= 3:
+        prefixed = {_norm(c): c for c in choices if _norm(c).startswith(target)}
+        if len(prefixed) == 1:
+            return next(iter(prefixed.values()))
+    return None
+
+
 def closest(word, choices):
     """' (did you mean X?)' for the closest valid choice, or ''."""
-    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    match = closest_match(word, choices)
+    return f" (did you mean {match!r}?)" if match else ""
 
 
 def unknown(kind, word, choices):

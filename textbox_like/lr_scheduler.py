@@ -1,14 +1,32 @@
-"""Learning-rate schedules by name, stepped once per update.
+"""Learning-rate schedules by name.
 
-A schedule is a pure function of (update, epoch) and the configured values, so
-its whole state is the update count it last saw: resuming restores the LR
-exactly, and raising --max-update continues from the saved LR.
+Ours (PolynomialDecayScheduler, constant, inverse_sqrt, cosine) are stepped
+once per update and are pure functions of (update, epoch) and the configured
+values, so their whole state is the update count they last saw: resuming
+restores the LR exactly, and raising --max-update continues from the saved LR.
+
+Every scheduler of torch.optim.lr_scheduler is there too, by its class name in
+any case (ESPnet2's spellings: steplr, ReduceLROnPlateau, ...), its
+constructor arguments in --scheduler_conf. They step as in ESPnet2: StepLR,
+MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR, ConstantLR and
+PolynomialLR once per epoch; CyclicLR, OneCycleLR and
+CosineAnnealingWarmRestarts once per update (--scheduler-interval changes
+it); ReduceLROnPlateau once per validation, on the value of
+--best-checkpoint-metric.
+
+What the trainer calls, on every scheduler: ``step_epoch(epoch)`` at the
+start of each epoch, ``step_update(num_updates) -> lr`` after each update,
+``step_valid(value)`` after each validation with the value of the
+best-checkpoint metric, ``state_dict()``/``load_state_dict()``;
+``planned_updates`` (the updates of --max-epoch epochs) is set by the trainer
+before the first step.
 """
 import math
 
-from .registry import Registry
+from .errors import UserError, closest
+from .optim import _AnyCaseRegistry
 
-SCHEDULERS = Registry("lr scheduler")
+SCHEDULERS = _AnyCaseRegistry("lr scheduler")
 register_scheduler = SCHEDULERS.register
 
 
@@ -46,6 +64,11 @@ class Scheduler:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
+
+    def step_valid(self, value):
+        """After a validation, with the value of the best-checkpoint metric:
+        nothing for schedules of updates and epochs."""
+        return self.get_lr()
 
     def get_lr(self):
         return self.optimizer.param_groups[0]["lr"]
@@ -133,6 +156,223 @@ class Cosine(Scheduler):
         return low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress))
 
 
+# ------------------------------------------------------------ torch.optim.lr_scheduler
+#: every scheduler class of torch.optim.lr_scheduler and when it steps
+#: (a test checks this list against torch); None: needs Python objects
+#: (functions, other schedulers) a configuration cannot hold
+TORCH_SCHEDULERS = {
+    "StepLR": "epoch", "MultiStepLR": "epoch", "ExponentialLR": "epoch", "CosineAnnealingLR": "epoch",
+    "LinearLR": "epoch", "ConstantLR": "epoch", "PolynomialLR": "epoch",
+    "CyclicLR": "update", "OneCycleLR": "update", "CosineAnnealingWarmRestarts": "update",
+    "ReduceLROnPlateau": "valid",
+    "LambdaLR": None, "MultiplicativeLR": None, "SequentialLR": None, "ChainedScheduler": None,
+}
+#: arguments that default to the run's length in the scheduler's steps when null
+RUN_LENGTH_ARGS = {"CosineAnnealingLR": "T_max", "OneCycleLR": "total_steps"}
+
+
+def _quiet():
+    import warnings
+    context = warnings.catch_warnings()
+    context.__enter__()
+    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+    warnings.filterwarnings("ignore", message=".*epoch parameter.*")
+    return context
+
+
+class TorchScheduler(Scheduler):
+    """A torch.optim.lr_scheduler class behind our interface. Built at the
+    first step (the run's length is known then); its state is torch's plus the
+    number of steps taken, which follows the update or epoch count, so a
+    resumed run (or one restarted with --reset-lr-scheduler) reaches the same
+    LR."""
+    torch_name = None
+    interval = "epoch"
+
+    @classmethod
+    def add_args(cls, options):
+        options.add("--scheduler-interval", choices=["auto", "epoch", "update"], default="auto",
+                    help="torch schedulers: step once per epoch or per update (auto: ESPnet2's choice "
+                         "for the class; ReduceLROnPlateau always steps per validation)")
+
+    @classmethod
+    def scheduler_class(cls):
+        import torch.optim.lr_scheduler as module
+        found = getattr(module, cls.torch_name, None)
+        if found is None:
+            import torch
+            raise UserError(f"lr scheduler {cls.name}: this torch ({torch.__version__}) has no "
+                            f"torch.optim.lr_scheduler.{cls.torch_name}; choose another --scheduler")
+        return found
+
+    @classmethod
+    def signature(cls):
+        """{argument: default or REQUIRED}"""
+        import inspect
+        out = {}
+        for name, param in inspect.signature(cls.scheduler_class()).parameters.items():
+            if name in ("self", "optimizer", "last_epoch", "verbose") or \
+                    param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            default = REQUIRED if param.default is param.empty else param.default
+            out[name] = list(default) if isinstance(default, tuple) else default
+        if cls.torch_name in RUN_LENGTH_ARGS:
+            out[RUN_LENGTH_ARGS[cls.torch_name]] = None
+        return out
+
+    def __init__(self, cfg, optimizer):
+        super().__init__(cfg, optimizer)
+        self.conf = dict(getattr(cfg, "scheduler_conf", None) or {})
+        chosen = getattr(cfg, "scheduler_interval", "auto") or "auto"
+        if self.interval != "valid" and chosen != "auto":
+            self.interval = chosen
+        self.steps = 0
+        self.torch = None
+
+    def _run_length(self):
+        total = self.cfg.max_epoch if self.interval == "epoch" else \
+            _total_updates(self.cfg, self.planned_updates)
+        if not total:
+            raise UserError(f"--scheduler {self.name}: give {RUN_LENGTH_ARGS[self.torch_name]} in "
+                            f"--scheduler_conf, or --max-update / --max-epoch")
+        return total
+
+    def _build(self):
+        if self.torch is not None:
+            return
+        conf = dict(self.conf)
+        length_arg = RUN_LENGTH_ARGS.get(self.torch_name)
+        if length_arg and conf.get(length_arg) is None and not (
+                self.torch_name == "OneCycleLR" and conf.get("epochs") and conf.get("steps_per_epoch")):
+            conf[length_arg] = self._run_length()
+        conf = {k: tuple(v) if isinstance(v, list) and k != "milestones" else v for k, v in conf.items()}
+        quiet = _quiet()
+        try:
+            self.torch = self.scheduler_class()(self.optimizer, **conf)
+        finally:
+            quiet.__exit__(None, None, None)
+
+    def _target(self):
+        if self.interval == "update":
+            return self.num_updates
+        if self.interval == "epoch":
+            return self.epoch - 1
+        return self.steps  # per validation: only step_valid steps
+
+    def _advance(self):
+        self._build()
+        quiet = _quiet()
+        try:
+            while self.steps < self._target():
+                self.torch.step()
+                self.steps += 1
+        finally:
+            quiet.__exit__(None, None, None)
+        return self.get_lr()
+
+    def step_epoch(self, epoch):
+        self.epoch = epoch
+        return self._advance()
+
+    def step_update(self, num_updates):
+        self.num_updates = num_updates
+        return self._advance()
+
+    def state_dict(self):
+        self._build()
+        return {"num_updates": self.num_updates, "epoch": self.epoch, "steps": self.steps,
+                "torch": self.torch.state_dict()}
+
+    def load_state_dict(self, state):
+        self._build()
+        self.epoch, self.num_updates = int(state["epoch"]), int(state["num_updates"])
+        if "torch" in state:
+            self.torch.load_state_dict(state["torch"])
+            self.steps = int(state.get("steps", 0))
+            last = getattr(self.torch, "_last_lr", None)
+            if last:
+                for group, lr in zip(self.optimizer.param_groups, last):
+                    group["lr"] = lr
+        self._advance()
+
+
+class ReduceLROnPlateauScheduler(TorchScheduler):
+    """torch's ReduceLROnPlateau, stepped by step_valid on the best-checkpoint
+    metric after each validation (mode follows that metric unless given)."""
+    interval = "valid"
+
+    def step_valid(self, value):
+        self._build()
+        self.torch.step(float(value))
+        self.steps += 1
+        return self.get_lr()
+
+
+REQUIRED = "<required>"
+
+
+def _register_torch_schedulers():
+    for class_name, interval in TORCH_SCHEDULERS.items():
+        base = ReduceLROnPlateauScheduler if interval == "valid" else TorchScheduler
+        cls = type(class_name, (base,), {"torch_name": class_name, "interval": interval or "epoch",
+                                         "unusable": None if interval else
+                                         f"{class_name} takes Python functions or other schedulers, "
+                                         f"which a configuration cannot hold",
+                                         "__doc__": f"torch.optim.lr_scheduler.{class_name}"})
+        SCHEDULERS.register(class_name)(cls)
+
+
+_register_torch_schedulers()
+
+
+def resolve_scheduler_conf(cfg, scheduler_options, maximize=None):
+    """Check --scheduler_conf against the chosen scheduler; for a torch
+    scheduler fill it with every constructor argument (nulls where the run's
+    length is used), so --print_config shows them all."""
+    cls = SCHEDULERS.get(cfg.lr_scheduler)
+    conf = dict(cfg.scheduler_conf or {})
+    if not issubclass(cls, TorchScheduler):
+        valid = set(scheduler_options) | {"lr", "warmup_updates", "total_num_update"}
+        for key in conf:
+            if key not in valid:
+                raise UserError(f"unknown key {key!r} in --scheduler_conf for {cfg.lr_scheduler}"
+                                f"{closest(key, valid)}; valid keys: {', '.join(sorted(valid))}")
+        return conf
+    signature = cls.signature()
+    for key in conf:
+        if key not in signature:
+            raise UserError(f"unknown key {key!r} in --scheduler_conf for {cfg.lr_scheduler}"
+                            f"{closest(key, signature)}; valid keys: {', '.join(signature)}")
+    full = {**signature, **conf}
+    if cls.torch_name == "ReduceLROnPlateau" and "mode" not in conf and maximize is not None:
+        full["mode"] = "max" if maximize else "min"
+    missing = [k for k, v in full.items() if v is REQUIRED or v == REQUIRED]
+    if missing:
+        raise UserError(f"--scheduler {cfg.lr_scheduler} needs {', '.join(missing)} in --scheduler_conf, "
+                        f"e.g. --scheduler_conf {missing[0]}=...; its arguments: {', '.join(signature)}")
+    cfg.scheduler_conf = full
+    return full
+
+
+def check_scheduler(cfg):
+    """Let torch judge the --scheduler_conf values on a dummy optimizer."""
+    cls = SCHEDULERS.get(cfg.lr_scheduler)
+    if getattr(cls, "unusable", None):
+        raise UserError(f"--scheduler {cfg.lr_scheduler}: {cls.unusable}; choose another scheduler")
+    if not issubclass(cls, TorchScheduler):
+        return
+    import torch
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=max(float(cfg.lr[0]), 1e-12),
+                                momentum=0.9)
+    scheduler = build_scheduler(cfg, optimizer)
+    scheduler.planned_updates = max(cfg.max_update or 0, 1)
+    try:
+        scheduler.step_epoch(1)
+    except (ValueError, TypeError, ZeroDivisionError, KeyError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--scheduler {cfg.lr_scheduler}: {first}; check --scheduler_conf") from None
+
+
 def add_args(options):
     for name, cls in SCHEDULERS.items():
         options.group(f"lr_scheduler:{name}", f"lr scheduler {name}")
@@ -140,14 +380,21 @@ def add_args(options):
 
 
 def build_scheduler(cfg, optimizer):
-    """The scheduler of --lr-scheduler. --scheduler_conf values (already
-    checked by the CLI) override the config for the schedule only; an lr in
-    --optim_conf is the schedule's base LR, as the user meant."""
+    """The scheduler of --lr-scheduler. For ours, --scheduler_conf values
+    (already checked by the CLI) override the config for the schedule only;
+    an lr in --optim_conf is the schedule's base LR, as the user meant. A
+    torch scheduler gets --scheduler_conf as its constructor arguments."""
     import argparse
+    cls = SCHEDULERS.get(cfg.lr_scheduler)
+    if issubclass(cls, TorchScheduler):
+        return cls(cfg, optimizer)
     values = dict(vars(cfg))
-    if "lr" in (cfg.optim_conf or {}):
-        values["lr"] = cfg.optim_conf["lr"]
+    lrs = values["lr"] if isinstance(values["lr"], (list, tuple)) else [float(values["lr"])]
+    optim_lr = (cfg.optim_conf or {}).get("lr")
+    if optim_lr is not None and float(optim_lr) != float(lrs[0]):
+        lrs = [float(optim_lr)]
+    values["lr"] = lrs
     values.update(cfg.scheduler_conf or {})
     if not isinstance(values["lr"], (list, tuple)):
         values["lr"] = [float(values["lr"])]
-    return SCHEDULERS.get(cfg.lr_scheduler)(argparse.Namespace(**values), optimizer)
+    return cls(argparse.Namespace(**values), optimizer)

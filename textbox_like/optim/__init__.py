@@ -12,23 +12,96 @@ import pkgutil
 from ..errors import UserError, closest
 from ..registry import Registry
 
-OPTIMIZERS = Registry("optimizer")
+
+class _AnyCaseRegistry(Registry):
+    """Names in any case: ESPnet2 writes adam, sgd, adadelta; torch Adam, SGD."""
+
+    def canonical(self, name):
+        if isinstance(name, str):
+            lowered = {n.lower(): n for n in self.choices()}
+            name = lowered.get(name.lower(), name)
+        return super().canonical(name)
+
+
+OPTIMIZERS = _AnyCaseRegistry("optimizer")
 register_optimizer = OPTIMIZERS.register
+
+#: every optimizer class of torch.optim (a test checks this list against torch)
+TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon",
+                    "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
 
 
 class OptimizerSpec:
+    """An optimizer: its class, its command-line options, and how they map
+    onto the constructor's keyword arguments (``links``: key -> option dests,
+    lowest priority first)."""
+    torch_name = None    # class of torch.optim
+    default_lr = None    # lr when the user gives none (None: the class's own default)
+    overrides = {}       # our constructor defaults where they differ from the class's
+    unusable = None      # why this trainer cannot run it (a reason), or None
+    links = {"lr": ["lr"], "weight_decay": ["weight_decay"]}
+
     @staticmethod
     def add_args(options):
         pass
 
-    @staticmethod
-    def kwargs(cfg) -> dict:
-        """Constructor keyword arguments from the resolved config."""
-        return {"lr": cfg.lr[0], "weight_decay": cfg.weight_decay}
+    @classmethod
+    def optimizer_class(cls):
+        import torch
+        found = getattr(torch.optim, cls.torch_name, None)
+        if found is None:
+            raise UserError(f"optimizer {cls.name}: this torch ({torch.__version__}) has no "
+                            f"torch.optim.{cls.torch_name}; choose another --optimizer")
+        return found
 
-    @staticmethod
-    def build(param_groups, **kwargs):
-        raise NotImplementedError
+    @classmethod
+    def defaults(cls) -> dict:
+        """Every constructor argument with its default (ours where we differ)."""
+        import inspect
+        out = {}
+        for name, param in inspect.signature(cls.optimizer_class()).parameters.items():
+            if name in ("self", "params") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            default = None if param.default is param.empty else param.default
+            if hasattr(default, "item") and getattr(default, "numel", lambda: 2)() == 1:
+                default = default.item()  # lr given as a tensor
+            out[name] = list(default) if isinstance(default, tuple) else default
+        for key in ("lr", "weight_decay", "momentum", "dampening", "lr_decay", "initial_accumulator_value"):
+            if type(out.get(key)) is int:
+                out[key] = float(out[key])
+        out.update(cls.overrides)
+        return out
+
+    @classmethod
+    def option_links(cls, defaults):
+        links = {k: list(v) for k, v in cls.links.items() if k in defaults}
+        if isinstance(defaults.get("eps"), float):
+            links.setdefault("eps", []).append("epsilon")
+        return links
+
+    @classmethod
+    def kwargs(cls, cfg) -> dict:
+        """Constructor keyword arguments from the resolved options (without --optim_conf)."""
+        defaults = cls.defaults()
+        kwargs = dict(defaults)
+        for key, dests in cls.option_links(defaults).items():
+            for dest in dests:
+                value = getattr(cfg, dest, None)
+                if value is not None:
+                    kwargs[key] = _option_value(dest, value)
+        return kwargs
+
+    @classmethod
+    def build(cls, param_groups, **kwargs):
+        return cls.optimizer_class()(param_groups, **kwargs)
+
+
+def _option_value(dest, value):
+    if dest == "lr":
+        return float(value[0]) if isinstance(value, (list, tuple)) else float(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
 class BetasEpsSpec(OptimizerSpec):
@@ -36,6 +109,7 @@ class BetasEpsSpec(OptimizerSpec):
     (``--adam-betas``, ``--lamb-eps``, ...)."""
     prefix = "adam"
     eps = 1e-8
+    default_lr = 0.001
 
     @classmethod
     def add_args(cls, options):
@@ -45,14 +119,18 @@ class BetasEpsSpec(OptimizerSpec):
         options.add(f"--{cls.prefix}-eps", type=float, default=cls.eps, help=f"{cls.prefix} epsilon")
 
     @classmethod
-    def kwargs(cls, cfg):
-        return {"lr": cfg.lr[0], "betas": list(getattr(cfg, f"{cls.prefix}_betas")),
-                "eps": getattr(cfg, f"{cls.prefix}_eps"), "weight_decay": cfg.weight_decay}
+    def option_links(cls, defaults):
+        links = super().option_links(defaults)
+        links["betas"] = [f"{cls.prefix}_betas"]
+        links["eps"] = [f"{cls.prefix}_eps", "epsilon"]
+        return links
 
 
 def _like(value, default, key, optimizer, flag="--optim_conf"):
     """``value`` in the type of ``default`` (float for numbers, list for tuples)."""
     try:
+        if default is None:
+            return value
         if isinstance(default, bool):
             if not isinstance(value, bool):
                 raise ValueError
@@ -64,29 +142,108 @@ def _like(value, default, key, optimizer, flag="--optim_conf"):
         if isinstance(default, (list, tuple)):
             if not isinstance(value, (list, tuple)) or len(value) != len(default):
                 raise ValueError
-            return [float(v) for v in value]
+            return [v if d is None else float(v) for v, d in zip(value, default)]
+        if isinstance(default, str) and not isinstance(value, str):
+            raise ValueError
     except (TypeError, ValueError):
         raise UserError(f"{flag} {key}={value!r} for {optimizer}: expects a value like {default!r}") from None
     return value
+
+
+def _check_conf_keys(conf, valid, optimizer, flag="--optim_conf"):
+    for key in conf:
+        if key not in valid:
+            raise UserError(f"unknown key {key!r} in {flag} for optimizer {optimizer}"
+                            f"{closest(key, valid)}; valid keys: {', '.join(valid)}")
 
 
 def optimizer_kwargs(cfg) -> dict:
     """Constructor arguments of the chosen optimizer: its options, then
     --optim_conf, each key checked and each value typed like the default."""
     spec = OPTIMIZERS.get(cfg.optimizer)
+    defaults = spec.defaults()
     kwargs = spec.kwargs(cfg)
+    _check_conf_keys(cfg.optim_conf or {}, list(defaults), cfg.optimizer)
     for key, value in (cfg.optim_conf or {}).items():
-        if key not in kwargs:
-            raise UserError(f"unknown key {key!r} in --optim_conf for optimizer {cfg.optimizer}"
-                            f"{closest(key, kwargs)}; valid keys: {', '.join(sorted(kwargs))}")
-        kwargs[key] = _like(value, kwargs[key], key, cfg.optimizer)
+        kwargs[key] = _like(value, defaults[key] if defaults[key] is not None else kwargs[key], key, cfg.optimizer)
     return kwargs
 
 
+def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimizer="adam"):
+    """Fill ``cfg.optim_conf`` with every constructor argument of the chosen
+    optimizer and make the options that feed it (--lr, --weight-decay,
+    --adam-eps, --epsilon, ...) agree with it.
+
+    For each argument the value from the highest layer wins (defaults <
+    properties files < --config files < command line), whether it came as an
+    option or as an --optim_conf key; two different values from the same
+    layer of the user's are an error. Where the user gave no learning rate
+    (neither on the command line nor in a --config file) and chose another
+    optimizer than the one the properties files' lr was meant for, the
+    optimizer's own default applies: 0.1 for sgd, 0.001 for the Adam family
+    (adam, adamw, radam, lamb), the class's default for the others."""
+    from ..config import CONFIG_FILE
+    spec = OPTIMIZERS.get(cfg.optimizer)
+    defaults = spec.defaults()
+    user_conf = dict(cfg.optim_conf or {})
+    _check_conf_keys(user_conf, list(defaults), cfg.optimizer)
+    links = spec.option_links(defaults)
+    if getattr(cfg, "epsilon", None) is not None and "eps" not in links:
+        raise UserError(f"--epsilon: optimizer {cfg.optimizer} has no single epsilon; "
+                        f"leave --epsilon out (its arguments: {', '.join(defaults)})")
+    conf = dict(defaults)
+    for key, dests in links.items():
+        candidates = []
+        for order, dest in enumerate(dests):
+            value = getattr(cfg, dest, None)
+            if value is not None:
+                candidates.append((sources.get(dest, 0), order, _option_value(dest, value),
+                                   "--" + dest.replace("_", "-")))
+        if key in user_conf:
+            candidates.append((conf_sources.get(key, 0), len(dests), user_conf[key], f"--optim_conf {key}"))
+        if not candidates:
+            continue
+        top = max(c[0] for c in candidates)
+        at_top = sorted(c for c in candidates if c[0] == top)
+        if top == CONFIG_FILE:
+            # a config file (e.g. an edited config.yaml) saying two things: refuse
+            typed = [(_like(c[2], defaults[key], key, cfg.optimizer, c[3]), c[3]) for c in at_top]
+            if any(t[0] != typed[0][0] for t in typed):
+                raise UserError(f"the --config files set the {cfg.optimizer} argument {key!r} twice, "
+                                f"{typed[0][1].lstrip('-')}: {typed[0][0]!r} and {typed[-1][1].lstrip('-')}: "
+                                f"{typed[-1][0]!r}; make them agree or delete one")
+        conf[key] = at_top[-1][2]  # same layer: --optim_conf, then --epsilon, beat the older options
+    for key, value in user_conf.items():
+        if key not in links:
+            conf[key] = value
+    for key in set(user_conf) | set(links):
+        if key in conf and defaults.get(key) is not None:
+            conf[key] = _like(conf[key], defaults[key], key, cfg.optimizer)
+    if "lr" in conf and sources.get("lr", 0) < CONFIG_FILE and conf_sources.get("lr", 0) < CONFIG_FILE:
+        lr_layer = sources.get("lr", 0)
+        meant_for = builtin_optimizer
+        for layer in sorted(layer_values):
+            if layer <= lr_layer and "optimizer" in layer_values[layer]:
+                meant_for = layer_values[layer]["optimizer"]
+        try:
+            meant_for = OPTIMIZERS.canonical(meant_for)
+        except UserError:
+            pass
+        if meant_for != cfg.optimizer:
+            conf["lr"] = float(spec.default_lr if spec.default_lr is not None else defaults["lr"])
+    cfg.optim_conf = conf
+    for key, dests in links.items():
+        for dest in dests:
+            if dest == "lr":
+                if not cfg.lr or float(cfg.lr[0]) != conf["lr"]:
+                    cfg.lr = [conf["lr"]]
+            elif hasattr(cfg, dest):
+                setattr(cfg, dest, list(conf[key]) if isinstance(conf[key], tuple) else conf[key])
+    return conf
+
+
 def build_optimizer(cfg, param_groups):
-    kwargs = optimizer_kwargs(cfg)
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer_kwargs(cfg).items()}
     # weight decay per group: groups the task marks no_decay (biases, norms) keep 0
     wd = kwargs.pop("weight_decay", None)
     groups = [dict(g) for g in param_groups]

@@ -94,6 +94,6 @@ def __getattr__(name):
 class LambSpec(BetasEpsSpec):
     prefix, eps = "lamb", 1e-6
 
-    @staticmethod
-    def build(param_groups, **kwargs):
-        return __getattr__("Lamb")(param_groups, **kwargs)
+    @classmethod
+    def optimizer_class(cls):
+        return __getattr__("Lamb")

@@ -5,13 +5,5 @@ from . import BetasEpsSpec, register_optimizer
 
 @register_optimizer("radam")
 class RAdam(BetasEpsSpec):
-    prefix, eps = "radam", 1e-8
-
-    @classmethod
-    def kwargs(cls, cfg):
-        return {**super().kwargs(cfg), "decoupled_weight_decay": True}
-
-    @staticmethod
-    def build(param_groups, **kwargs):
-        import torch
-        return torch.optim.RAdam(param_groups, **kwargs)
+    prefix, eps, torch_name = "radam", 1e-8, "RAdam"
+    overrides = {"decoupled_weight_decay": True}
