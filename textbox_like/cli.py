@@ -103,9 +103,11 @@ def build_options():
     o.add("--max-sentences", type=POSITIVE, default=None, help="batch size per process")
     o.add_alias("--batch-size", "max_sentences")
     o.add_alias("--training-batch-size", "max_sentences", help="kanachan: alias of --max-sentences")
+    o.add_alias("--train_batch_size", "max_sentences", help="TextBox: alias of --max-sentences")
     o.add("--max-sentences-valid", type=POSITIVE, default=None, help="validation batch size per process")
     o.add_alias("--valid_batch_size", "max_sentences_valid", help="ESPnet2: alias of --max-sentences-valid")
     o.add_alias("--validation-batch-size", "max_sentences_valid", help="kanachan: alias of --max-sentences-valid")
+    o.add_alias("--eval_batch_size", "max_sentences_valid", help="TextBox: alias of --max-sentences-valid")
     o.add("--max-tokens", type=POSITIVE, default=None, help="limit of real tokens per batch and process")
     o.add("--required-batch-size-multiple", type=POSITIVE, default=1,
           help="batch sizes are rounded down to a multiple of this (a batch smaller than it is kept)")
@@ -155,13 +157,16 @@ def build_options():
                "constructor arguments (checked; --print_config lists them all)")
     o.add("--max-epoch", type=NONNEG, default=0, help="stop after this many epochs (0: no limit)")
     o.add_alias("--num-epochs", "max_epoch", help="kanachan: alias of --max-epoch")
+    o.add_alias("--epochs", "max_epoch", help="TextBox: alias of --max-epoch")
     o.add("--max-update", type=NONNEG, default=0, help="stop after this many updates (0: no limit)")
     o.add("--update-freq", type=INT_LIST, default="1", help="accumulate gradients over N batches "
           "(HetSeq: 'a,b,c' per epoch)")
     o.add_alias("--accum_grad", "update_freq")
     o.add_alias("--gradient-accumulation-steps", "update_freq", help="kanachan: alias of --update-freq")
+    o.add_alias("--accumulation_steps", "update_freq", help="TextBox: alias of --update-freq")
     o.add("--clip-norm", type=float, default=0.0, help="clip the gradient norm to this (0: no clipping)")
     o.add_alias("--max-gradient-norm", "clip_norm", help="kanachan: alias of --clip-norm")
+    o.add_alias("--grad_clip", "clip_norm", help="TextBox: alias of --clip-norm")
     o.add("--fp16", action="store_true", help="float16 mixed precision (CUDA; bfloat16 on CPU)")
     o.add("--bf16", action="store_true", help="bfloat16 mixed precision")
     o.add("--train_dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32",
@@ -187,6 +192,7 @@ def build_options():
 
     o.group("checkpoint", "checkpoints and resuming")
     o.add("--save-dir", default="checkpoints", help="where checkpoints, config.yaml and metrics go")
+    o.add_alias("--saved_dir", "save_dir", help="TextBox: alias of --save-dir")
     o.add("--output-prefix", default=None, metavar="DIR",
           help="kanachan: with --experiment-name, save into DIR/NAME (unset: --save-dir is the prefix)")
     o.add("--experiment-name", default=None, metavar="NAME",
@@ -401,6 +407,14 @@ def finalize(options, ns):
             raise UserError(f"--validation-data {ns.validation_data} is not in the data directory {ns.data}: "
                             f"the {ns.task} task reads every split from one directory (choose the split "
                             f"with --valid-subset)")
+
+    if ns.required_batch_size_multiple > 1 and ns.max_sentences and not ns.max_tokens:
+        from .data.iterators import round_batch_size
+        rounded = round_batch_size(ns.max_sentences, ns.required_batch_size_multiple)
+        if rounded != ns.max_sentences:
+            note(f"--max-sentences {ns.max_sentences} rounded down to {rounded}, a multiple of "
+                 f"--required-batch-size-multiple {ns.required_batch_size_multiple}")
+            ns.max_sentences = rounded
 
     # save directory: PREFIX/NAME (kanachan)
     named = [d for d in ("output_prefix", "experiment_name") if getattr(ns, d) is not None]

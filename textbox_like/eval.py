@@ -9,18 +9,28 @@ import argparse
 import json
 import sys
 
-from .config import positive_int
+from .config import positive_int, switch
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m textbox_like.eval", allow_abbrev=False,
                                      description="Evaluate a textbox_like checkpoint on a data split.")
     parser.add_argument("--model_ckpt", "--model-ckpt", required=True, help="checkpoint file (any kind we save)")
-    parser.add_argument("--data", default=None, help="data directory (default: the one the run trained on)")
+    parser.add_argument("--data", "--mnist_dir", "--mnist-dir", default=None,
+                        help="data directory (default: the one the run trained on); --mnist_dir is "
+                             "HetSeq's eval_mnist.py name for it")
     parser.add_argument("--subset", default=None, help="split to evaluate (default: the run's first valid subset)")
     parser.add_argument("--batch-size", "--batch_size", type=positive_int, default=None, help="batch size")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cpu", action="store_true", help="evaluate on CPU even when CUDA is present")
+    parser.add_argument("--json", type=switch, nargs="?", const=True, default=False, metavar="BOOL",
+                        help="print one JSON object")
+    parser.add_argument("--cpu", type=switch, nargs="?", const=True, default=False, metavar="BOOL",
+                        help="evaluate on CPU even when CUDA is present")
+
+    def one_line_error(message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = one_line_error
     args = parser.parse_args(argv)
 
     from .errors import UserError

@@ -347,7 +347,9 @@ def resolve_scheduler_conf(cfg, scheduler_options, maximize=None):
     if cls.torch_name == "ReduceLROnPlateau" and "mode" not in conf and maximize is not None:
         full["mode"] = "max" if maximize else "min"
     missing = [k for k, v in full.items() if v is REQUIRED or v == REQUIRED]
-    if missing:
+    if getattr(cls, "unusable", None):
+        full = {k: None if k in missing else v for k, v in full.items()}  # refused by check_scheduler
+    elif missing:
         raise UserError(f"--scheduler {cfg.lr_scheduler} needs {', '.join(missing)} in --scheduler_conf, "
                         f"e.g. --scheduler_conf {missing[0]}=...; its arguments: {', '.join(signature)}")
     cfg.scheduler_conf = full

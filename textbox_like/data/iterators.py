@@ -24,6 +24,15 @@ import numpy as np
 from ..errors import UserError
 
 
+def round_batch_size(size: int, multiple: int) -> int:
+    """--required-batch-size-multiple for fixed batches (as fairseq/HetSeq):
+    rounded down to a multiple; a batch smaller than the multiple is kept."""
+    size = int(size)
+    if multiple <= 1 or size < multiple:
+        return size
+    return size - size % multiple
+
+
 def plan_fixed(n_left: int, batch_sizes, multiple: int = 1) -> np.ndarray:
     """Step boundaries for ``n_left`` samples and per-rank batch sizes.
 
@@ -97,8 +106,9 @@ class EpochBatchIterator:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.batch_sizes = list(batch_sizes)
         self.max_tokens = list(max_tokens) if max_tokens and any(max_tokens) else None
+        self.batch_sizes = list(batch_sizes) if self.max_tokens else \
+            [round_batch_size(b, multiple) for b in batch_sizes]
         self.shuffle = shuffle
         self.multiple = multiple
         self.num_workers = num_workers

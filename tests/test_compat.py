@@ -1,0 +1,192 @@
+"""Users arriving from other tools: each tool's documented options go through
+--print_config and a short run (a few updates on the tiny MNIST of conftest).
+
+ESPnet2, kanachan, HetSeq and TextBox option names; the Accelerate launcher
+and the trainer-side behaviours are tested elsewhere.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import read_jsonl, run_main
+
+
+def printed(capsys, *args):
+    from textbox_like.cli import main
+    capsys.readouterr()
+    rc = main([str(a) for a in args] + ["--print_config"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return yaml.safe_load(out.out), out.err
+
+
+def short_run(data, save_dir, *extra):
+    args = ["--task", "mnist", "--data", str(data), "--log-format", "none", "--save-dir", str(save_dir),
+            "--max-update", "3", "--log-interval", "1"]
+    return run_main(args + [str(a) for a in extra])
+
+
+def train_records(save_dir):
+    return [r for r in read_jsonl(Path(save_dir) / "metrics.jsonl") if r["kind"] == "train"]
+
+
+# ------------------------------------------------------------------ ESPnet2
+ESPNET = ["--optim", "adadelta", "--optim_conf", "{rho: 0.8}", "--scheduler", "ReduceLROnPlateau",
+          "--scheduler_conf", "{patience: 0, factor: 0.5}", "--ngpu", "1", "--valid_batch_size", "16",
+          "--resume", "true", "--cudnn_deterministic", "true", "--find_unused_parameters=True",
+          "--max-sentences", "32", "--accum_grad", "1", "--seed", "3"]
+
+
+def test_espnet2_print_config(capsys, small_mnist_dir, tmp_path):
+    data, _ = printed(capsys, "--data", small_mnist_dir, "--save-dir", tmp_path / "o", *ESPNET)
+    assert data["optimizer"] == "adadelta" and data["lr_scheduler"] == "ReduceLROnPlateau"
+    assert data["resume"] is True and data["cudnn_deterministic"] is True
+    assert data["find_unused_parameters"] is True
+    assert data["distributed_world_size"] == 1 and data["ngpu"] == 1
+    assert data["max_sentences_valid"] == 16
+    conf = data["optim_conf"]
+    assert conf["rho"] == 0.8 and {"lr", "eps", "weight_decay", "maximize"} <= set(conf)
+    assert data["scheduler_conf"]["patience"] == 0 and data["scheduler_conf"]["factor"] == 0.5
+    assert data["scheduler_conf"]["mode"] == "max"  # mnist's best metric is accuracy
+    assert {"threshold", "cooldown", "min_lr"} <= set(data["scheduler_conf"])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_espnet2_train_dtype(capsys, dtype):
+    data, _ = printed(capsys, "--train_dtype", dtype)
+    assert data["train_dtype"] == dtype
+
+
+def test_espnet2_short_run(small_mnist_dir, tmp_path):
+    out = tmp_path / "run"
+    assert short_run(small_mnist_dir, out, "--optim", "sgd", "--scheduler", "steplr",
+                     "--scheduler_conf", "step_size=1", "--resume", "false", "--ngpu", "1",
+                     "--valid_batch_size", "25", "--cudnn_deterministic", "true", "--max-sentences", "32") == 0
+    records = train_records(out)
+    assert len(records) == 3
+    # StepLR steps per epoch: one epoch here, so the LR stays sgd's default 0.1
+    assert all(r["lr"] == pytest.approx(0.1) for r in records), records
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["optimizer"] == "sgd" and saved["scheduler_conf"]["step_size"] == 1
+
+
+# ------------------------------------------------------------------ kanachan
+def kanachan_args(data, prefix):
+    return ["--training-data", data, "--validation-data", data, "--learning-rate", "0.002",
+            "--epsilon", "1e-7", "--gradient-accumulation-steps", "2", "--max-gradient-norm", "1.0",
+            "--num-epochs", "1", "--training-batch-size", "16", "--validation-batch-size", "25",
+            "--device", "cpu", "--output-prefix", prefix, "--experiment-name", "exp1",
+            "--num-epoch-digits", "3", "--snapshot-interval", "0", "--amp-optimization-level", "O0",
+            "--optimizer", "lamb"]
+
+
+def test_kanachan_print_config(capsys, small_mnist_dir, tmp_path):
+    data, err = printed(capsys, *kanachan_args(small_mnist_dir, tmp_path), "--checkpointing",
+                        "--dim-final-feedforward", "64")
+    assert data["data"] == str(small_mnist_dir)
+    assert data["lr"] == [0.002] and data["optim_conf"]["lr"] == 0.002
+    assert data["epsilon"] == 1e-7 and data["optim_conf"]["eps"] == 1e-7 and data["lamb_eps"] == 1e-7
+    assert data["update_freq"] == [2] and data["clip_norm"] == 1.0 and data["max_epoch"] == 1
+    assert data["max_sentences"] == 16 and data["max_sentences_valid"] == 25
+    assert data["device"] == "cpu" and data["cpu"] is True
+    assert data["save_dir"] == str(tmp_path / "exp1")
+    assert data["num_epoch_digits"] == 3 and data["snapshot_interval"] == 0
+    assert data["checkpointing"] is True and data["train_dtype"] == "float32"
+    assert "--dim-final-feedforward" in err and len(err.strip().splitlines()) == 1
+
+
+def test_kanachan_optimizer_dependent_defaults(capsys):
+    assert printed(capsys, "--optimizer", "lamb")[0]["optim_conf"]["eps"] == 1e-6
+    assert printed(capsys, "--optimizer", "sgd")[0]["lr"] == [0.1]
+    for name in ("radam", "lamb"):
+        assert printed(capsys, "--optimizer", name)[0]["lr"] == [0.001]
+    assert printed(capsys, "--task", "bert", "--optimizer", "adamw")[0]["lr"] == [0.001]
+    # mnist's recipe keeps its lr with its own optimizer, and a given lr always wins
+    assert printed(capsys, "--task", "mnist")[0]["lr"] == [0.003]
+    assert printed(capsys, "--task", "mnist", "--optimizer", "adam")[0]["lr"] == [0.003]
+    assert printed(capsys, "--optimizer", "sgd", "--lr", "0.5")[0]["lr"] == [0.5]
+
+
+def test_kanachan_optimizer_default_lr_not_when_a_config_file_gives_it(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 0.02\n")
+    assert printed(capsys, "--config", path, "--optimizer", "sgd")[0]["lr"] == [0.02]
+
+
+def test_kanachan_experiment_name_defaults_to_a_timestamp(capsys, tmp_path, monkeypatch):
+    import re
+    monkeypatch.delenv("TEXTBOX_LIKE_EXPERIMENT_NAME", raising=False)
+    data, _ = printed(capsys, "--output-prefix", tmp_path)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d-\d\d-\d\d-\d\d", data["experiment_name"])
+    assert data["save_dir"] == str(tmp_path / data["experiment_name"])
+
+
+def test_kanachan_amp_level_says_what_it_does(capsys):
+    data, err = printed(capsys, "--amp-optimization-level", "O2")
+    assert data["train_dtype"] == "float16"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "O2" in lines[0] and "float16" in lines[0]
+
+
+def test_kanachan_short_run(small_mnist_dir, tmp_path):
+    assert short_run(small_mnist_dir, tmp_path / "ignored", *kanachan_args(small_mnist_dir, tmp_path)) == 0
+    out = tmp_path / "exp1"
+    assert (out / "config.yaml").is_file()
+    records = train_records(out)
+    assert len(records) == 3
+    assert all(r["lr"] <= 0.002 for r in records)
+
+
+# ------------------------------------------------------------------ HetSeq
+def hetseq_args(data, save_dir):
+    return ["--task", "mnist", "--optimizer", "adadelta", "--lr-scheduler", "PolynomialDecayScheduler",
+            "--data", data, "--clip-norm", "100", "--max-sentences", "30", "--fast-stat-sync",
+            "--max-epoch", "1", "--update-freq", "1", "--valid-subset", "test", "--num-workers", "2",
+            "--warmup-updates", "0", "--total-num-update", "50000", "--lr", "1.01", "--save-dir", save_dir,
+            "--dadelta_weight_decay", "0.001", "--required-batch-size-multiple", "8"]
+
+
+def test_hetseq_print_config(capsys, small_mnist_dir, tmp_path):
+    data, err = printed(capsys, *hetseq_args(small_mnist_dir, tmp_path))
+    assert data["adadelta_weight_decay"] == 0.001 and data["optim_conf"]["weight_decay"] == 0.001
+    assert data["fast_stat_sync"] is True
+    assert data["max_sentences"] == 24 and "rounded" in err
+    assert data["lr"] == [1.01]
+    data, _ = printed(capsys, *hetseq_args(small_mnist_dir, tmp_path), "--adadelta_weight_decay", "0.5")
+    assert data["optim_conf"]["weight_decay"] == 0.5
+
+
+def test_hetseq_short_run_from_torchvision_processed_files(small_mnist_dir, tmp_path):
+    import torch
+    from textbox_like.data.mnist import load_split
+    root = tmp_path / "tv"
+    (root / "MNIST" / "processed").mkdir(parents=True)
+    for split, name in (("train", "training.pt"), ("test", "test.pt")):
+        images, labels = load_split(small_mnist_dir, split)
+        torch.save((torch.from_numpy(images.copy()), torch.from_numpy(labels.astype("int64"))),
+                   root / "MNIST" / "processed" / name)
+    out = tmp_path / "run"
+    args = hetseq_args(root, out)
+    args[args.index("--max-epoch") + 1] = "1"
+    assert run_main(args + ["--max-update", "3", "--log-format", "none", "--log-interval", "1"]) == 0
+    assert len(train_records(out)) == 3
+
+
+# ------------------------------------------------------------------ TextBox
+def test_textbox_print_config(capsys, tmp_path):
+    data, _ = printed(capsys, "--gpu_id", "0,1", "--epochs", "2", "--learning_rate", "0.01",
+                      "--train_batch_size", "16", "--eval_batch_size", "32", "--accumulation_steps", "2",
+                      "--grad_clip", "0.5", "--saved_dir", tmp_path, "--seed", "5")
+    assert data["gpu_id"] == "0,1" and data["max_epoch"] == 2 and data["lr"] == [0.01]
+    assert data["max_sentences"] == 16 and data["max_sentences_valid"] == 32
+    assert data["update_freq"] == [2] and data["clip_norm"] == 0.5 and data["save_dir"] == str(tmp_path)
+
+
+def test_textbox_short_run(small_mnist_dir, tmp_path):
+    out = tmp_path / "run"
+    assert short_run(small_mnist_dir, out, "--gpu_id", "0", "--cpu", "--learning_rate", "0.001",
+                     "--train_batch_size", "16", "--eval_batch_size", "25", "--saved_dir", out) == 0
+    assert len(train_records(out)) == 3
