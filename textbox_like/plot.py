@@ -117,6 +117,21 @@ def _panel_order(metrics):
     return sorted(metrics, key=lambda m: (m != "loss", metrics.index(m)))
 
 
+def _label_ends(ax, ends):
+    """Write each validation curve's last value beside its end, moved apart
+    vertically where labels would overlap."""
+    ax.get_ylim()                      # settle the autoscaled limits before converting to pixels
+    dpi = ax.figure.dpi
+    spacing = 11 * dpi / 72            # pixels between label centres (8 pt text)
+    placed = []
+    for x, y, color in sorted(ends, key=lambda e: ax.transData.transform((e[0], e[1]))[1]):
+        pixel_y = ax.transData.transform((x, y))[1]
+        target = max(pixel_y, placed[-1] + spacing) if placed else pixel_y
+        placed.append(target)
+        ax.annotate(f"{y:.4g}", (x, y), xytext=(6, (target - pixel_y) * 72 / dpi), textcoords="offset points",
+                    fontsize=8, color=color, va="center")
+
+
 def plot(run_dirs, output):
     """Draw the runs' curves into OUTPUT (a .png); UserError on bad input."""
     if not run_dirs:
@@ -152,7 +167,7 @@ def plot(run_dirs, output):
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
     for ax, metric in zip(axes, metrics):
-        lows, highs = [], []
+        lows, highs, ends = [], [], []
         for index, (name, data) in enumerate(runs):
             color = COLORS[index % len(COLORS)]
             for (m, source), (xs, ys) in data.items():
@@ -167,10 +182,8 @@ def plot(run_dirs, output):
                     k = subsets.index(source)
                     ax.plot(xs, ys, color=color, linewidth=1.6, linestyle=SUBSET_STYLES[k % len(SUBSET_STYLES)],
                             marker=SUBSET_MARKERS[k % len(SUBSET_MARKERS)], markersize=4.5)
-                    # the last value, so a reader need not guess it from the axis
-                    if len(runs) <= 3 and finite and math.isfinite(ys[-1]):
-                        ax.annotate(f"{ys[-1]:.4g}", (xs[-1], ys[-1]), xytext=(4, 4),
-                                    textcoords="offset points", fontsize=8, color=color)
+                    if finite and math.isfinite(ys[-1]):
+                        ends.append((xs[-1], ys[-1], color))
         if lows and min(lows) > 0 and max(highs) / min(lows) > 30:
             ax.set_yscale("log")
         sources = {source for _, data in runs for (m, source) in data if m == metric}
@@ -179,6 +192,9 @@ def plot(run_dirs, output):
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=8)
         ax.set_xlim(x_low - 0.04 * x_span, x_high + 0.12 * x_span)   # the same updates axis in every panel
+        ax.margins(y=0.08)
+        if len(ends) <= 4:
+            _label_ends(ax, ends)
     handles = [Line2D([], [], color=COLORS[i % len(COLORS)], linewidth=2.5, label=name)
                for i, (name, _) in enumerate(runs)]
     if any(source == "train" for _, data in runs for _, source in data):
