@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .faults import SaveFailed, os_reason
 from .fileio import atomic_link, atomic_write
 
 FORMAT = "textbox_like-checkpoint-2"
@@ -58,25 +59,63 @@ def set_rng_state(state: dict) -> None:
 
 
 # ------------------------------------------------------------- read / write
-def atomic_save(obj, path) -> None:
+def digest(obj) -> str:
+    """A hash of a checkpoint's contents (every tensor's bytes, dtype and
+    shape, every key and value), stored in it and checked on load: a flipped
+    byte inside a tensor passes torch.load but not this."""
+    import hashlib
+
     import torch
-    atomic_write(path, lambda handle: torch.save(obj, handle))
+    h = hashlib.blake2b(digest_size=16)
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(value, dict):
+            h.update(b"{")
+            for key in sorted(value, key=repr):
+                h.update(repr(key).encode())
+                walk(value[key])
+            h.update(b"}")
+        elif isinstance(value, (list, tuple)):
+            h.update(b"[")
+            for item in value:
+                walk(item)
+            h.update(b"]")
+        else:
+            h.update(repr(value).encode())
+
+    walk({k: v for k, v in obj.items() if k != "digest"})
+    return h.hexdigest()
 
 
-def load_checkpoint(path) -> dict:
-    """Load one of our checkpoints; one clear error for anything else."""
+def atomic_save(state: dict, path) -> None:
+    """Write a checkpoint dict with its digest, atomically."""
+    import torch
+    state = {**state, "digest": digest(state)}
+    atomic_write(path, lambda handle: torch.save(state, handle))
+
+
+def load_checkpoint(path, verify=True) -> dict:
+    """Load one of our checkpoints (memory-mapped: ranks do not each hold a
+    full host copy) and check its digest; one clear error for anything else."""
     import torch
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check the path")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # truncated, foreign pickle, not a zip file ...
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"checkpoint {path} cannot be read ({reason[:160]}); "
                         f"it is truncated or not a textbox_like checkpoint") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{path} is not a textbox_like checkpoint (no '{FORMAT}' marker)")
+    if verify and state.get("digest") != digest(state):
+        raise UserError(f"checkpoint {path} fails its digest check: its contents were changed or corrupted "
+                        f"after it was written")
     return state
 
 
@@ -97,6 +136,7 @@ class CheckpointManager:
         self.dir = Path(cfg.save_dir)
         self.is_main = is_main
         self.enabled = not cfg.no_save
+        self.last_saved = None
         if self.enabled and is_main and self.dir.is_dir():
             # half-written files of a writer that was killed; one writer per save dir
             for leftover in self.dir.glob(".checkpoint*"):
@@ -128,12 +168,36 @@ class CheckpointManager:
                  **{name: part.state_dict() for name, part in self.parts.items()}}
         if not self.is_main:
             return []
-        first = self.dir / names[0]
-        atomic_save(state, first)
-        for name in names[1:]:
-            atomic_link(first, self.dir / name)
+        target = self.dir / names[0]
+        try:
+            atomic_save(state, target)
+            for name in names[1:]:
+                target = self.dir / name
+                atomic_link(self.dir / names[0], target)
+        except OSError as exc:
+            last = self.newest_good()
+            raise SaveFailed(f"could not write {target} ({os_reason(exc)}); "
+                             + (f"the last good checkpoint is {last}: free space or fix the directory, then "
+                                f"rerun with --resume" if last else "no checkpoint was saved before this one")) \
+                from None
         self._prune()
+        self.last_saved = self.dir / names[0]
         return [self.dir / n for n in names]
+
+    def newest_good(self):
+        """The newest checkpoint written by this run or found on disk, by name only (no load)."""
+        if self.last_saved is not None and self.last_saved.exists():
+            return self.last_saved
+        found = self.candidates()
+        return found[0] if found else None
+
+    def candidates(self) -> list:
+        """Checkpoints in the save dir, newest first (hard links share a time:
+        checkpoint_last.pt first among equals)."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.glob("checkpoint*.pt") if p.is_file()]
+        return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "checkpoint_last.pt"), reverse=True)
 
     def _prune(self):
         cfg = self.cfg
@@ -170,10 +234,29 @@ class CheckpointManager:
             return path if path.is_file() else None
         return None
 
-    def restore(self, path) -> list:
+    def load_newest(self, path, log):
+        """(state, path): ``path`` if it loads and verifies; under --resume
+        (not an explicit --restore-file) else the newest checkpoint that does."""
+        try:
+            return load_checkpoint(path), path
+        except UserError as exc:
+            if self.cfg.restore_file:
+                raise
+            for other in self.candidates():
+                if other.samefile(path):
+                    continue
+                try:
+                    state = load_checkpoint(other)
+                except UserError:
+                    continue
+                log(f"warning: {exc}; resuming from {other}, the newest checkpoint that verifies")
+                return state, other
+            raise UserError(f"{exc}; no other checkpoint in {self.dir} verifies: start without --resume") \
+                from None
+
+    def restore(self, state, path) -> list:
         """Load every part that the reset policy keeps; returns the names of
         the parts left fresh."""
-        state = load_checkpoint(path)
         task = self.metadata.get("task")
         if state.get("task") != task:
             raise UserError(f"{path} is a checkpoint of task {state.get('task')!r}, not {task!r}")

@@ -227,6 +227,8 @@ def build_options():
     o.add("--log-interval", type=NONNEG, default=100, help="log every N updates")
     from .trackers import add_args as add_tracker_args
     add_tracker_args(o, BOOL)
+    from .faults import add_args as add_fault_args
+    add_fault_args(o, POSITIVE)
 
     o.group("distributed", "distributed training")
     o.add("--distributed-world-size", type=POSITIVE, default=1, help="processes over all nodes")

@@ -29,6 +29,7 @@ from . import distributed
 from .checkpoint import CheckpointManager, rng_state, set_rng_state
 from .config import to_yaml
 from .errors import UserError
+from .faults import DataUnavailable, Diverged, RunStopped, SaveFailed, check_writable
 from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -44,6 +45,7 @@ class TrainState:
         self.num_updates = 0
         self.updates_in_epoch = 0
         self.samples_seen = 0
+        self.skipped_updates = 0    # non-finite updates and loss-scaler overflows, skipped
         self.best_metric, self.maximize = best_metric, maximize
         self.best = None            # best value of best_metric so far
         self.last_valid, self.best_valid = {}, {}
@@ -57,13 +59,14 @@ class TrainState:
 
     def state_dict(self):
         return {"epoch": self.epoch, "num_updates": self.num_updates, "updates_in_epoch": self.updates_in_epoch,
-                "samples_seen": self.samples_seen, "best": self.best, "best_metric": self.best_metric,
+                "samples_seen": self.samples_seen, "skipped_updates": self.skipped_updates, "best": self.best, "best_metric": self.best_metric,
                 "maximize": self.maximize, "last_valid": self.last_valid, "best_valid": self.best_valid,
                 "epoch_sums": self.epoch_sums.state_dict(), "clock": self.clock.state_dict()}
 
     def load_state_dict(self, state):
         self.epoch, self.num_updates = int(state["epoch"]), int(state["num_updates"])
         self.updates_in_epoch, self.samples_seen = int(state["updates_in_epoch"]), int(state["samples_seen"])
+        self.skipped_updates = int(state["skipped_updates"])
         self.last_valid = dict(state["last_valid"])
         self.epoch_sums.load_state_dict(state["epoch_sums"])
         self.clock.load_state_dict(state["clock"])
@@ -165,6 +168,9 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         torch.set_num_threads(threads)
 
+        if not cfg.no_save:
+            check_writable(cfg.save_dir)  # before minutes of data loading, not at the first save
+
         # task, data, model, optimizer
         set_seed(cfg.seed)
         self.task = task = TASKS.get(cfg.task)(cfg)
@@ -212,6 +218,9 @@ class Trainer:
         self.window = StatSums()  # the open log window's stats, this rank only
         self.lr = self.scheduler.get_lr()
         self.gnorm = None
+        self.nonfinite_in_a_row = 0
+        # a dataset read from disk as it goes can fail mid-run: ranks agree on every update's data
+        self.data_can_fail = self.world > 1 and getattr(self.train_data, "reads_from_disk", False)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
@@ -220,8 +229,9 @@ class Trainer:
         self.start()
         while self.stop_reason() is None:
             self.begin_epoch()
-            for micro_batches in self.updates_of_this_epoch():
-                self.train_step(micro_batches)
+            for micro_batches, totals in self.updates_of_this_epoch():
+                if not self.train_step(micro_batches, totals):
+                    continue  # skipped (not finite, or the loss scaler's overflow): nothing moved
                 self.log_train()
                 self.preemption.poll(state.num_updates)
                 if self.end_of_epoch():
@@ -256,20 +266,14 @@ class Trainer:
             return "max_epoch"
         return None
 
-    def train_step(self, micro_batches):
+    def train_step(self, micro_batches, totals) -> bool:
         """One update: forward and backward over the micro-batches, then one
-        optimizer step. Every rank knows from the batch plan how many samples
-        the whole update holds; tasks with other denominators (BERT's masked
-        tokens) sum theirs over micro-batches and ranks first. Each rank scales
-        its summed loss so that DDP's average of gradients equals the gradient
-        of the mean over the union of the update's samples."""
+        optimizer step; False when the update was skipped. ``totals``: each
+        loss term's denominator over the whole update (all micro-batches and
+        ranks). Each rank scales its summed loss so that DDP's average of
+        gradients equals the gradient of the mean over the union of the
+        update's samples."""
         acc, task, state = self.accelerator, self.task, self.state
-        totals = {"nsamples": sum(count for _, count in micro_batches)}
-        if task.denominators:
-            counts = [sum(task.count(batch)[name] for batch, _ in micro_batches) for name in task.denominators]
-            if self.world > 1:  # host numbers over the host group: no device sync
-                counts = self.sum_over_ranks(counts)
-            totals.update((name, max(count, 1)) for name, count in zip(task.denominators, counts))
         batches = [self.to_device(batch) for batch, _ in micro_batches]
         for i, batch in enumerate(batches):
             # gradients are all-reduced once per update, on its last micro-batch
@@ -280,15 +284,49 @@ class Trainer:
                 loss = sum(term * (self.world / totals[name]) for name, term in terms.items())
                 acc.backward(loss)
             self.window.add(stats)
-        logging_now = self.every(self.cfg.log_interval, ahead=1)
-        if self.cfg.clip_norm > 0 or logging_now:  # the norm costs a pass: only when clipped or logged
-            self.gnorm = acc.clip_grad_norm_(self.grad_params, self.cfg.clip_norm or float("inf"))
+        self.gnorm = self.gradient_norm()
+        if acc.scaler is None and not bool(self.gnorm.isfinite()):
+            self.skip_nonfinite()
+            return False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if acc.scaler is not None and acc.optimizer_step_was_skipped:
+            state.skipped_updates += 1  # float16 overflow: the scaler lowered its scale and skipped
+            return False
+        self.nonfinite_in_a_row = 0
         state.num_updates += 1
         state.updates_in_epoch += 1
         self.lr = self.scheduler.step_update(state.num_updates)
         self.log.advance()
+        return True
+
+    def gradient_norm(self):
+        """The norm of the gradients (after DDP's all-reduce: the same on every
+        rank, so every rank skips the same updates), clipped to --clip-norm."""
+        import torch
+        if self.cfg.clip_norm > 0:
+            return self.accelerator.clip_grad_norm_(self.grad_params, self.cfg.clip_norm)
+        if self.accelerator.scaler is not None:  # the scaler guards: the norm only for the log
+            return self.accelerator.clip_grad_norm_(self.grad_params, float("inf")) \
+                if self.every(self.cfg.log_interval, ahead=1) else None
+        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: no clipping pass
+            return torch.nn.utils.get_total_norm([p.grad for p in self.grad_params if p.grad is not None])
+        return self.accelerator.clip_grad_norm_(self.grad_params, float("inf"))
+
+    def skip_nonfinite(self):
+        """Drop this update's gradients; stop after --max-nonfinite-updates in a row."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.skipped_updates += 1
+        self.nonfinite_in_a_row += 1
+        update = self.state.num_updates + 1
+        self.log.info(f"update {update}: gradient norm {float(self.gnorm)} is not finite; update skipped "
+                      f"({self.nonfinite_in_a_row} in a row)")
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_updates:
+            last = self.checkpoints.newest_good()
+            raise Diverged(f"training diverged at update {update}: {self.nonfinite_in_a_row} updates in a row "
+                           f"had a non-finite loss or gradient norm; the learning rate is likely too high (or "
+                           f"float16 overflows: try --bf16); "
+                           + (f"the last finite checkpoint is {last}" if last else "no checkpoint was saved"))
 
     # --------------------------------------------------------------- epochs
     def update_freq(self, epoch=None):
@@ -315,17 +353,37 @@ class Trainer:
         self.log.start_epoch(state.epoch, bar, done)
 
     def updates_of_this_epoch(self):
-        """The rest of this epoch as lists of ``update_freq`` micro-batches,
-        timing the wait for data."""
-        k, clock = self.update_freq(), self.state.clock
+        """The rest of this epoch as (``update_freq`` micro-batches, the
+        update's denominators), timing the wait for data. A data file that
+        fails mid-run rewinds the position to the update's start, so the
+        checkpoint saved on the way out skips nothing."""
+        k, clock, task = self.update_freq(), self.state.clock, self.task
         batches = iter(self.iterator)
         while True:
-            started = time.perf_counter()
-            micro_batches = list(itertools.islice(batches, k))
+            started, offset = time.perf_counter(), self.iterator.offset
+            failure = None
+            try:
+                micro_batches = list(itertools.islice(batches, k))
+            except DataUnavailable as exc:
+                failure, micro_batches = exc, []
             clock.data_wait += time.perf_counter() - started
+            # every rank knows the update's sample count from the batch plan;
+            # other denominators (BERT's masked tokens) are host numbers summed
+            # over ranks, with the data's health, on the host group
+            counts = [sum(task.count(batch)[name] for batch, _ in micro_batches) for name in task.denominators]
+            if task.denominators or self.data_can_fail:
+                if self.world > 1:
+                    *counts, failed = self.sum_over_ranks(counts + [float(failure is not None)])
+                    if failed and failure is None:
+                        failure = DataUnavailable("another rank could not read its data (see its message)")
+            if failure is not None:
+                self.iterator.offset = offset
+                raise failure
             if not micro_batches:
                 return
-            yield micro_batches
+            totals = {"nsamples": sum(count for _, count in micro_batches)}
+            totals.update((name, max(count, 1)) for name, count in zip(task.denominators, counts))
+            yield micro_batches, totals
 
     def end_of_epoch(self) -> bool:
         cap = self.cfg.num_iters_per_epoch
@@ -367,8 +425,19 @@ class Trainer:
             return
         started = time.perf_counter()
         self.fold_log_window()  # so the saved meters are already summed over ranks
-        self.checkpoints.save(names)
-        self.accelerator.wait_for_everyone()
+        if not all(bool(p.isfinite().all()) for p in self.grad_params):
+            raise Diverged(f"the weights are not finite at update {self.state.num_updates}; not saving them. "
+                           f"The last finite checkpoint is {self.checkpoints.newest_good()}")
+        failure = None
+        try:
+            self.checkpoints.save(names)
+        except SaveFailed as exc:
+            failure = exc
+        # instead of a barrier: every rank learns whether the main one could write
+        if self.world > 1 and self.sum_over_ranks([float(failure is not None)])[0] and failure is None:
+            failure = SaveFailed("rank 0 could not write a checkpoint (see its message); stopping")
+        if failure is not None:
+            raise failure
         self.state.clock.paused += time.perf_counter() - started
 
     # -------------------------------------------------------------- logging
@@ -445,7 +514,9 @@ class Trainer:
                 self.log.info(f"no checkpoint_last.pt in {cfg.save_dir}: starting fresh")
             self.iterator.set_epoch(state.epoch)
             return
-        fresh = self.checkpoints.restore(path)
+        state_dict, path = self.checkpoints.load_newest(path, self.log.info)
+        fresh = self.checkpoints.restore(state_dict, path)
+        del state_dict
         if cfg.reset_meters:
             state.reset_meters()
         if "iterator" in fresh:  # --reset-dataloader: a new pass from the start, same update count
@@ -537,4 +608,16 @@ class Trainer:
 
 
 def train(cfg, keys) -> int:
-    return Trainer(cfg, keys).train()
+    trainer = Trainer(cfg, keys)
+    try:
+        return trainer.train()
+    except DataUnavailable as exc:
+        # the position was rewound to the failing update's start: save it, and
+        # a rerun with --resume (a requeue) continues without skipping a sample
+        trainer.save(end_of_epoch=False, is_best=False, final=True)
+        print(f"error: {exc}; saved the state before it: rerun with --resume once the data is back",
+              file=sys.stderr)
+        return exc.exit_code
+    except RunStopped as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code

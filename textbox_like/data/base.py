@@ -17,6 +17,11 @@ import numpy as np
 
 
 class BatchDataset:
+    #: True when batches are read from files as training goes (not all in
+    #: memory at start): such a read can fail mid-run, and ranks then agree on
+    #: every update's data before using it
+    reads_from_disk = False
+
     def __len__(self) -> int:
         raise NotImplementedError
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from ..faults import DataUnavailable, os_reason
 from .base import BatchDataset, shuffled_blocks
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
@@ -111,10 +112,15 @@ def inspect_shard(path):
 class BertHDF5Dataset(BatchDataset):
     """The concatenated shards of one split; see the module docstring.
 
+    Read from disk as training goes (``reads_from_disk``): a shard that
+    vanishes mid-run raises :class:`~textbox_like.faults.DataUnavailable`.
+
     ``block``: rows per shuffled block (the epoch order and the read unit).
     ``vocab_size``: when given, a block holding a larger token id raises
     ``UserError`` (data prepared with another vocabulary).
     """
+
+    reads_from_disk = True
 
     def __init__(self, files, max_pred_length=512, block=8192, vocab_size=None, max_open=32):
         self.files = [str(f) for f in files]
@@ -181,7 +187,10 @@ class BertHDF5Dataset(BatchDataset):
             self._reset()
         handle = self._handles.get(i)
         if handle is None:
-            handle = _open(self.files[i])
+            try:
+                handle = _open(self.files[i])
+            except UserError as exc:  # it was readable at start: it went away or broke mid-run
+                raise DataUnavailable(str(exc)) from None
             self._handles[i] = handle
             while len(self._handles) > self.max_open:
                 _, old = self._handles.popitem(last=False)
@@ -217,7 +226,10 @@ class BertHDF5Dataset(BatchDataset):
                     else:
                         arr = handle[key][start:stop]
                     parts[key].append(arr)
-            except (OSError, ValueError, KeyError) as exc:
+            except OSError as exc:
+                raise DataUnavailable(f"shard {self.files[i]!r}: reading rows {start}..{stop} failed "
+                                      f"({os_reason(exc)})") from None
+            except (ValueError, KeyError) as exc:
                 first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise UserError(f"shard {self.files[i]!r} is corrupt: reading rows {start}..{stop} "
                                 f"failed ({first_line}); recreate it") from None

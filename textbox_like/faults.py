@@ -1,0 +1,53 @@
+"""Faults that end a run with a one-line message and an exit code a script can
+act on (sysexits.h), as opposed to :class:`~textbox_like.errors.UserError`
+(bad input, exit 2) and preemption (exit 75, see :mod:`preemption`)."""
+
+
+class RunStopped(Exception):
+    """The run stopped on a fault; ``str()`` is the one line for the user."""
+    exit_code = 1
+
+
+class Diverged(RunStopped):
+    """Too many consecutive non-finite updates."""
+    exit_code = 65  # EX_DATAERR
+
+
+class SaveFailed(RunStopped):
+    """A checkpoint could not be written (full disk, I/O error, permissions)."""
+    exit_code = 74  # EX_IOERR
+
+
+class DataUnavailable(RunStopped):
+    """A data file became unreadable mid-run: the state before the failing
+    batch is saved, and a rerun with --resume continues from it."""
+    exit_code = 75  # EX_TEMPFAIL: a requeue script retries
+
+
+def os_reason(exc: BaseException) -> str:
+    """'No space left on device' rather than a serializer's traceback."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def add_args(o, positive_int):
+    o.add("--max-nonfinite-updates", type=positive_int, default=10,
+          help="stop (exit 65) after this many consecutive updates whose gradient norm is not finite; "
+               "each such update is skipped (no optimizer or LR step)")
+
+
+def check_writable(directory) -> None:
+    """Refuse a save directory that cannot be written, before any data is loaded."""
+    import os
+    import tempfile
+
+    from .errors import UserError
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise UserError(f"--save-dir {directory} cannot be written ({os_reason(exc)}); choose a writable "
+                        f"directory or pass --no-save") from None
