@@ -144,14 +144,16 @@ class CheckpointManager:
                     leftover.unlink(missing_ok=True)
 
     # when --------------------------------------------------------------
-    def names(self, epoch, updates, end_of_epoch, is_best, final=False):
+    def names(self, epoch, updates, end_of_epoch, is_best, final=False, snapshot=False):
+        """``snapshot``: kanachan's --snapshot-interval was crossed (an interval checkpoint)."""
         cfg = self.cfg
         if not self.enabled:
             return []
         names = []
         if end_of_epoch and not cfg.no_epoch_checkpoints and epoch % cfg.save_interval == 0:
-            names.append(f"checkpoint{epoch}.pt")
-        if not end_of_epoch and cfg.save_interval_updates > 0 and updates % cfg.save_interval_updates == 0:
+            names.append(f"checkpoint{epoch:0{getattr(cfg, 'num_epoch_digits', 0) or 1}d}.pt")
+        if not end_of_epoch and (snapshot or cfg.save_interval_updates > 0
+                                 and updates % cfg.save_interval_updates == 0):
             names.append(f"checkpoint_{epoch}_{updates}.pt")
         if is_best:
             names.append("checkpoint_best.pt")

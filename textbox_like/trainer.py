@@ -44,7 +44,8 @@ class TrainState:
         self.epoch = 1
         self.num_updates = 0
         self.updates_in_epoch = 0
-        self.samples_seen = 0
+        self.samples_seen = 0       # summed at log time, for throughput
+        self.samples_trained = 0    # counted per update from the batch plan
         self.skipped_updates = 0    # non-finite updates and loss-scaler overflows, skipped
         self.best_metric, self.maximize = best_metric, maximize
         self.best = None            # best value of best_metric so far
@@ -59,14 +60,14 @@ class TrainState:
 
     def state_dict(self):
         return {"epoch": self.epoch, "num_updates": self.num_updates, "updates_in_epoch": self.updates_in_epoch,
-                "samples_seen": self.samples_seen, "skipped_updates": self.skipped_updates, "best": self.best, "best_metric": self.best_metric,
+                "samples_seen": self.samples_seen, "samples_trained": self.samples_trained, "skipped_updates": self.skipped_updates, "best": self.best, "best_metric": self.best_metric,
                 "maximize": self.maximize, "last_valid": self.last_valid, "best_valid": self.best_valid,
                 "epoch_sums": self.epoch_sums.state_dict(), "clock": self.clock.state_dict()}
 
     def load_state_dict(self, state):
         self.epoch, self.num_updates = int(state["epoch"]), int(state["num_updates"])
         self.updates_in_epoch, self.samples_seen = int(state["updates_in_epoch"]), int(state["samples_seen"])
-        self.skipped_updates = int(state["skipped_updates"])
+        self.skipped_updates, self.samples_trained = int(state["skipped_updates"]), int(state["samples_trained"])
         self.last_valid = dict(state["last_valid"])
         self.epoch_sums.load_state_dict(state["epoch_sums"])
         self.clock.load_state_dict(state["clock"])
@@ -237,13 +238,14 @@ class Trainer:
                 if self.end_of_epoch():
                     break  # the epoch's own validation and save follow
                 stopping = self.stop_reason() is not None
-                saving = self.every(cfg.save_interval_updates)
+                snapshot = self.crossed_snapshot(totals["nsamples"])
+                saving = self.every(cfg.save_interval_updates) or snapshot
                 # HetSeq validates at every interval save; a run that ends
                 # validates its final weights (unless preempted: leave fast)
                 improved = self.validate() if (self.every(cfg.validate_interval_updates) or saving or (
                     stopping and not self.preemption.agreed)) else False
                 if saving or improved or stopping:
-                    self.save(end_of_epoch=False, is_best=improved, final=stopping)
+                    self.save(end_of_epoch=False, is_best=improved, final=stopping, snapshot=snapshot)
                 if stopping:
                     break
             self.log.end_epoch()
@@ -393,6 +395,13 @@ class Trainer:
         self.state.epoch, self.state.updates_in_epoch = self.state.epoch + 1, 0
         self.iterator.set_epoch(self.state.epoch)
 
+    def crossed_snapshot(self, samples_in_update) -> bool:
+        """kanachan's --snapshot-interval: this update crossed a multiple of N training samples."""
+        n = self.cfg.snapshot_interval
+        before = self.state.samples_trained
+        self.state.samples_trained += samples_in_update
+        return n > 0 and self.state.samples_trained // n > before // n
+
     def every(self, interval, ahead=0) -> bool:
         """True on every ``interval``-th update (``ahead``: for the update about to happen)."""
         return interval > 0 and (self.state.num_updates + ahead) % interval == 0
@@ -419,8 +428,9 @@ class Trainer:
             return True
         return False
 
-    def save(self, end_of_epoch, is_best, final=False):
-        names = self.checkpoints.names(self.state.epoch, self.state.num_updates, end_of_epoch, is_best, final)
+    def save(self, end_of_epoch, is_best, final=False, snapshot=False):
+        names = self.checkpoints.names(self.state.epoch, self.state.num_updates, end_of_epoch, is_best, final,
+                                       snapshot)
         if not names:
             return
         started = time.perf_counter()
@@ -512,6 +522,8 @@ class Trainer:
         if path is None:
             if cfg.resume:
                 self.log.info(f"no checkpoint_last.pt in {cfg.save_dir}: starting fresh")
+            if getattr(cfg, "initial_optimizer", None):
+                self.load_initial_optimizer(cfg.initial_optimizer)
             self.iterator.set_epoch(state.epoch)
             return
         state_dict, path = self.checkpoints.load_newest(path, self.log.info)
@@ -537,6 +549,27 @@ class Trainer:
             self.next_epoch()
         self.log.forget_after(state.num_updates)
         self.log.info(f"resumed from {path}: epoch {state.epoch}, update {state.num_updates}")
+
+    def load_initial_optimizer(self, path):
+        """kanachan's --initial-optimizer: the optimizer state of one of our
+        checkpoints, or a file of ``optimizer.state_dict()``."""
+        import torch
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise UserError(f"--initial-optimizer {path} cannot be read ({str(exc).splitlines()[0][:150]})") \
+                from None
+        if isinstance(saved, dict) and "optimizer" in saved and "param_groups" not in saved:
+            saved = saved["optimizer"]
+        if not isinstance(saved, dict) or "param_groups" not in saved:
+            raise UserError(f"--initial-optimizer {path} holds no optimizer state")
+        saved = {k: v for k, v in saved.items() if k != "name"}
+        try:
+            self.optimizer.load_state_dict(saved)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise UserError(f"--initial-optimizer {path} does not fit this model and optimizer "
+                            f"({str(exc).splitlines()[0][:150]})") from None
+        self.log.info(f"optimizer state from {path}")
 
     def agreed_settings(self) -> dict:
         """What every rank must have alike: the position, the data, the

@@ -145,6 +145,10 @@ class BertTask(Task):
                       f"parameters (e.g. {(missing + unexpected)[0]})", file=sys.stderr)
         if getattr(self.cfg, "freeze_encoder", False):
             freeze_encoder(model)
+        if getattr(self.cfg, "checkpointing", False):
+            # kanachan's --checkpointing: recompute each layer's activations in
+            # backward (less memory, the same loss); non-reentrant works under DDP
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
 
     def param_groups(self, model, weight_decay):
