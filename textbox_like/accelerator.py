@@ -62,6 +62,40 @@ def update_freq_source(cfg):
     return "--update-freq" if list(cfg.update_freq) != [1] else "default"
 
 
+def add_args(o, bool_type):
+    o.add("--compile", type=bool_type, nargs="?", const=True, default=False,
+          help="compile the model with torch.compile through Accelerate (inductor: C++ on CPU, Triton on "
+               "CUDA); falls back to eager with one line where it cannot")
+    o.add("--compile_mode", choices=["default", "reduce-overhead", "max-autotune"], default="default",
+          help="torch.compile mode with --compile")
+
+
+def compile_plugin(cfg, cuda: bool):
+    """(TorchDynamoPlugin or None, source): --compile, else accelerate launch's
+    --dynamo_backend; None where this platform cannot compile."""
+    import importlib.util
+    import shutil
+
+    launched = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() not in ("", "no")
+    if not (cfg.compile or launched):
+        return None, "default"
+    source = "--compile" if cfg.compile else "accelerate launch --dynamo_backend"
+    mode = cfg.compile_mode if cfg.compile or cfg.compile_mode != "default" else \
+        os.environ.get("ACCELERATE_DYNAMO_MODE") or "default"
+    missing = None
+    if cuda and importlib.util.find_spec("triton") is None:
+        missing = "Triton (pip install triton)"
+    elif not cuda and not any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++")):
+        missing = "a C++ compiler (apt-get install g++)"
+    if missing:
+        warn(f"{source}: compiling here needs {missing}; training eager")
+        return None, "default"
+    from accelerate.utils import TorchDynamoPlugin
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "inductor") if launched and not cfg.compile \
+        else "inductor"
+    return TorchDynamoPlugin(backend=backend.lower(), mode=mode), f"{source} (mode {mode})"
+
+
 def use_cuda(cfg) -> bool:
     import torch
     return torch.cuda.is_available() and not cfg.cpu and not str(getattr(cfg, "device", "") or "").startswith("cpu")
@@ -79,11 +113,15 @@ def build_accelerator(cfg, placement, log_with=None):
         # CUDA_VISIBLE_DEVICES lets this process see
         torch.cuda.set_device(cfg.device_id % torch.cuda.device_count())
     chosen, precision_source = precision(cfg, cuda)
-    sources = {"precision": precision_source, "update-freq": update_freq_source(cfg)}
+    plugin, compile_source = compile_plugin(cfg, cuda)
+    sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters,
                                         bucket_cap_mb=cfg.bucket_cap_mb,
                                         gradient_as_bucket_view=True)
-    accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp],
+    if plugin is None:  # not compiling, whatever ACCELERATE_DYNAMO_* say
+        from accelerate.utils import TorchDynamoPlugin
+        plugin = TorchDynamoPlugin(backend="no")
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp], dynamo_plugin=plugin,
                               step_scheduler_with_optimizer=False, log_with=log_with or None,
                               project_dir=cfg.save_dir if log_with else None)
     if accelerator.num_processes != placement.world_size:

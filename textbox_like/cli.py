@@ -229,6 +229,8 @@ def build_options():
     add_tracker_args(o, BOOL)
     from .faults import add_args as add_fault_args
     add_fault_args(o, POSITIVE)
+    from .accelerator import add_args as add_accelerator_args
+    add_accelerator_args(o, BOOL)
 
     o.group("distributed", "distributed training")
     o.add("--distributed-world-size", type=POSITIVE, default=1, help="processes over all nodes")

@@ -82,11 +82,14 @@ class _Model:
     def __init__(self, accelerator, model):
         self.accelerator, self.model = accelerator, model
 
+    def module(self):  # without DDP and torch.compile wrappers: the same keys compiled or not
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
     def state_dict(self):
-        return self.accelerator.unwrap_model(self.model).state_dict()
+        return self.module().state_dict()
 
     def load_state_dict(self, state):
-        self.accelerator.unwrap_model(self.model).load_state_dict(state)
+        self.module().load_state_dict(state)
 
 
 class _Optimizer:
@@ -220,6 +223,7 @@ class Trainer:
         self.lr = self.scheduler.get_lr()
         self.gnorm = None
         self.nonfinite_in_a_row = 0
+        self.compile_pending = self.sources["compile"] != "default"
         # a dataset read from disk as it goes can fail mid-run: ranks agree on every update's data
         self.data_can_fail = self.world > 1 and getattr(self.train_data, "reads_from_disk", False)
 
@@ -276,6 +280,8 @@ class Trainer:
         gradients equals the gradient of the mean over the union of the
         update's samples."""
         acc, task, state = self.accelerator, self.task, self.state
+        if self.compile_pending:
+            return self.first_compiled_step(micro_batches, totals)
         batches = [self.to_device(batch) for batch, _ in micro_batches]
         for i, batch in enumerate(batches):
             # gradients are all-reduced once per update, on its last micro-batch
@@ -301,6 +307,17 @@ class Trainer:
         self.lr = self.scheduler.step_update(state.num_updates)
         self.log.advance()
         return True
+
+    def first_compiled_step(self, micro_batches, totals) -> bool:
+        """The first update under --compile includes compiling: timed and
+        reported apart, and left out of the throughput."""
+        started = time.perf_counter()
+        self.compile_pending = False
+        stepped = self.train_step(micro_batches, totals)
+        took = time.perf_counter() - started
+        self.state.clock.paused += took
+        self.log.info(f"compiled: the first update took {took:.1f}s (compilation; not counted in throughput)")
+        return stepped
 
     def gradient_norm(self):
         """The norm of the gradients (after DDP's all-reduce: the same on every
