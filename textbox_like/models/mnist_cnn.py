@@ -9,7 +9,9 @@ class MNISTNet(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(dropout1)
+        # HetSeq's: whole feature maps dropped after the convolutions (one
+        # random number per channel, not per activation), then element-wise
+        self.dropout1 = nn.Dropout2d(dropout1)
         self.dropout2 = nn.Dropout(dropout2)
         self.fc1 = nn.Linear(9216, hidden)
         self.fc2 = nn.Linear(hidden, 10)
