@@ -205,3 +205,59 @@ def test_nodes_with_different_seeds_are_refused(data, tmp_path):
     errs = [p.communicate(timeout=150)[1] for p in procs]
     assert all(p.returncode == 2 for p in procs), errs
     assert "disagree on --seed" in errs[0] and "Traceback" not in errs[0]
+
+
+def _two_nodes_differing(data, tmp_path, extra0, extra1, timeout=100):
+    """Two 'nodes' over file:// with one process each; returns (codes, stderrs, seconds)."""
+    rdzv = tmp_path / "rdzv"
+    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+              "--distributed-gpus", "1", "--max-sentences", "16", "--max-update", "4"]
+    start = time.monotonic()
+    procs = [subprocess.Popen([PY, "run_hetseq.py", *base(data, tmp_path / f"out{r}", *common, "--distributed-rank",
+                                                          str(r), *extra)],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, extra in ((0, extra0), (1, extra1))]
+    errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    return [p.returncode for p in procs], errs, time.monotonic() - start
+
+
+def _refused_naming(codes, errs, seconds, setting):
+    assert codes == [2, 2], errs
+    assert seconds < 60, seconds
+    for err in errs:
+        lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+        assert len(lines) == 1, err[-3000:]
+        assert setting in lines[0], lines[0]
+        assert "Traceback" not in err
+
+
+@pytest.mark.timeout(150)
+def test_nodes_with_and_without_bf16_are_refused(data, tmp_path):
+    """Issue 14: one node with --bf16 and one without trained each at its own precision."""
+    _refused_naming(*_two_nodes_differing(data, tmp_path, ["--bf16"], []), "precision")
+
+
+@pytest.mark.timeout(150)
+def test_nodes_differing_only_in_no_save_are_refused(data, tmp_path):
+    """Issue 14: a node with --no-save skipped the collectives of saving; the other hung for the timeout."""
+    _refused_naming(*_two_nodes_differing(data, tmp_path, [], ["--no-save"]), "--no-save")
+
+
+@pytest.mark.timeout(150)
+def test_per_node_settings_stay_allowed(data, tmp_path):
+    """Batch size, threads, read-ahead, --device-id, --cpu, the log format, the
+    timeout, the save dir and --amp-optimization-level O0 (= float32) may differ."""
+    codes, errs, _ = _two_nodes_differing(
+        data, tmp_path, ["--max-sentences", "8", "--threads", "2", "--num-workers", "1",
+                         "--amp-optimization-level", "O0"],
+        ["--device-id", "1", "--cpu", "--log-format", "json", "--distributed-timeout", "50"])
+    assert codes == [0, 0], errs
+
+
+@pytest.mark.timeout(60)
+def test_missing_rendezvous_directory_is_one_line(data, tmp_path):
+    out = subprocess.run([PY, "run_hetseq.py", *base(data, tmp_path / "out", "--max-sentences", "8",
+                                                     "--distributed-init-method", f"file://{tmp_path}/no/rdzv",
+                                                     "--distributed-world-size", "2", "--distributed-gpus", "1")],
+                         capture_output=True, text=True, cwd=REPO, timeout=50)
+    assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr, out.stderr

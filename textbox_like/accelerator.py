@@ -103,15 +103,17 @@ def use_cuda(cfg) -> bool:
 
 def build_accelerator(cfg, placement, log_with=None):
     """The Accelerator for this process; (accelerator, {setting: source})."""
-    import torch
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
     cuda = use_cuda(cfg)
-    if cuda and placement.world_size == 1 and cfg.device_id is not None:
-        # HetSeq's --device-id picks the GPU of a single process; modulo what
-        # CUDA_VISIBLE_DEVICES lets this process see
-        torch.cuda.set_device(cfg.device_id % torch.cuda.device_count())
+    if cuda:
+        # this process's GPU for torch and for Accelerate (ACCELERATE_TORCH_DEVICE):
+        # --device-id modulo the visible devices for a node's only process (also
+        # under torchrun --nproc_per_node 1, where Accelerate would take
+        # cuda:LOCAL_RANK), else the node-local rank modulo them
+        from .distributed import bind_device
+        bind_device(placement, cfg)
     chosen, precision_source = precision(cfg, cuda)
     plugin, compile_source = compile_plugin(cfg, cuda)
     sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}

@@ -492,12 +492,19 @@ def run(ns, keys):
             placements = distributed.local_plan(ns)
             if placements is not None:
                 return distributed.spawn(placements, ns.distributed_timeout)
+    # before CUDA and cuBLAS initialise, in every worker
+    distributed.apply_determinism(ns)
     from .trainer import train
     try:
         return train(ns, keys)
     except UserError:
         raise
     except Exception as exc:
+        if ns.cudnn_deterministic and isinstance(exc, RuntimeError) and "deterministic" in str(exc):
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            print(f"error: --cudnn_deterministic: {first}; leave it out to train with this operation",
+                  file=sys.stderr)
+            return 2
         if not _lost_peer(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -519,4 +526,5 @@ def _lost_peer(exc):
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
         s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out",
-                            "Gloo", "gloo", "NCCL", "connectFullMesh"))
+                            "Gloo", "gloo", "NCCL", "connectFullMesh", "communicator was aborted",
+                            "Watchdog caught collective"))

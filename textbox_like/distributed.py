@@ -16,6 +16,15 @@ with it), with our timeout, and sets RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE and MASTER_ADDR, which is the combination under which
 ``Accelerator(cpu=True)`` adopts an existing group instead of silently
 running one process.
+
+GPUs: LOCAL_RANK stays the node-local rank (Accelerate's local main process,
+data preparation once per node); the GPU of a process is chosen apart from
+it (:func:`cuda_device`) and handed to Accelerate as ``ACCELERATE_TORCH_DEVICE``
+(:func:`bind_device`), so ``srun --gpus-per-task 1``, ``--device-id`` and
+``CUDA_VISIBLE_DEVICES`` all place the model where they say. Before the
+group is created, the ranks compare backends and GPUs through the rendezvous
+store: two ranks on one GPU are refused with one line instead of NCCL's
+"Duplicate GPU detected".
 """
 from __future__ import annotations
 
@@ -153,10 +162,96 @@ def local_plan(cfg):
     if first < 0 or first + gpus > world:
         raise UserError(f"--distributed-rank {first} with --distributed-gpus {gpus} needs ranks up to "
                         f"{first + gpus - 1}, but --distributed-world-size is {world}")
+    if init.startswith("file://"):
+        directory = os.path.dirname(urlparse(init).path) or "/"
+        if not os.path.isdir(directory):
+            raise UserError(f"--distributed-init-method {init}: the directory {directory} does not exist; "
+                            f"create it on the shared file system (every node must see the same path)")
+    _check_gpus_for(gpus, cfg)
     host = urlparse(init).hostname if init.startswith("tcp://") else "127.0.0.1"
     port = str(urlparse(init).port) if init.startswith("tcp://") else None
     return [Placement(rank=first + i, world_size=world, local_rank=i, local_world_size=gpus,
                       init_method=init, master_addr=host, master_port=port) for i in range(gpus)]
+
+
+def uses_cuda(cfg) -> bool:
+    """Whether this process trains on CUDA (as accelerator.use_cuda)."""
+    try:
+        import torch
+        available = torch.cuda.is_available()
+    except Exception:
+        return False
+    return available and not getattr(cfg, "cpu", False) and \
+        not str(getattr(cfg, "device", "") or "").startswith("cpu")
+
+
+def _check_gpus_for(processes, cfg):
+    """Refuse to start more processes on this node than it has GPUs: two
+    ranks on one GPU make NCCL fail with "Duplicate GPU detected"."""
+    if not uses_cuda(cfg):
+        return
+    import torch
+    count = torch.cuda.device_count()
+    if processes > count:
+        raise UserError(
+            f"{processes} processes on this node, but it has {count} GPU(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); pass "
+            f"--distributed-gpus {count} on this node (with --distributed-world-size the sum over nodes), "
+            f"or --cpu to train on CPU")
+
+
+def cuda_device(p: Placement, cfg) -> int:
+    """The index (among the visible devices) of this process's GPU: --device-id
+    modulo the visible devices for a node's only process, else the node-local
+    rank modulo them (under ``srun --gpus-per-task 1`` each task sees one GPU,
+    whatever its local rank)."""
+    import torch
+    count = max(torch.cuda.device_count(), 1)
+    if cfg.device_id is not None and p.local_world_size == 1:
+        if cfg.device_id < 0:
+            raise UserError(f"--device-id {cfg.device_id}: a GPU index is 0 or more")
+        return cfg.device_id % count
+    return p.local_rank % count
+
+
+def bind_device(p: Placement, cfg):
+    """Put this process on its GPU, for torch and for Accelerate (which would
+    otherwise take cuda:LOCAL_RANK); LOCAL_RANK itself stays the node-local
+    rank. Returns the torch.device, or None without CUDA."""
+    if not uses_cuda(cfg):
+        return None
+    import torch
+    index = cuda_device(p, cfg)
+    torch.cuda.set_device(index)
+    os.environ["ACCELERATE_TORCH_DEVICE"] = f"cuda:{index}"
+    return torch.device("cuda", index)
+
+
+def nccl_environment():
+    """NCCL errors as Python exceptions, not a watchdog's C++ abort: with
+    CleanUpOnly (2) the watchdog aborts the communicators on a timeout or a
+    dead peer and the next wait raises in the training thread, where the one
+    line of cli._lost_peer reports it. TORCH_NCCL_BLOCKING_WAIT stays off (it
+    would make the host wait for every collective, a sync per update); the
+    timeout is the group's (--distributed-timeout). A user's own setting,
+    under the current or the older name, wins."""
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ and "NCCL_ASYNC_ERROR_HANDLING" not in os.environ:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    # no flight-recorder dump and no extra wait before raising on a timeout
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+
+
+def apply_determinism(cfg):
+    """--cudnn_deterministic: deterministic cuDNN and torch kernels, and the
+    cuBLAS workspace setting they need. Called first thing in every worker,
+    before CUDA (and cuBLAS) initialise."""
+    if not getattr(cfg, "cudnn_deterministic", False):
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
 
 
 def _die_with_parent():
@@ -250,33 +345,141 @@ def init_process_group(p: Placement, cfg):
     if p.world_size <= 1 or dist.is_initialized():
         return  # one process: no group, and no rank variables that would make Accelerate open one
     export(p)
-    cuda = torch.cuda.is_available() and not cfg.cpu
+    cuda = uses_cuda(cfg)
     backend = cfg.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise UserError("--distributed-backend nccl needs CUDA; leave it out to use gloo on CPU")
-    if cuda:
-        # under `srun --gpus-per-task 1` each task sees one GPU, whatever its local rank
-        device = cfg.device_id if cfg.device_id is not None and p.local_world_size == 1 \
-            else p.local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(device)
-        os.environ["LOCAL_RANK"] = str(device)  # Accelerate places the model on cuda:LOCAL_RANK
+    device = bind_device(p, cfg) if cuda else None
+    if backend == "nccl":
+        nccl_environment()
     if p.init_method.startswith("env://") and "MASTER_PORT" not in os.environ:
         raise UserError("WORLD_SIZE is set but MASTER_PORT is not; start with torchrun/accelerate launch, "
                         "or pass --distributed-init-method tcp://HOST:PORT")
     if p.init_method.startswith("file://"):
         _handle_stale_file(urlparse(p.init_method).path, p.rank, cfg.distributed_timeout)
+    timeout = datetime.timedelta(seconds=cfg.distributed_timeout)
     try:
-        dist.init_process_group(backend=backend, init_method=p.init_method, rank=p.rank,
-                                world_size=p.world_size,
-                                timeout=datetime.timedelta(seconds=cfg.distributed_timeout))
+        store, rank, world = next(dist.rendezvous(p.init_method, p.rank, p.world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        peers = _exchange(store, rank, world, _describe(backend, device))
+    except UserError:
+        raise
     except Exception as exc:  # timeout or refused connection
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise UserError(f"rank {p.rank}: could not gather {p.world_size} processes at {p.init_method} within "
                         f"{cfg.distributed_timeout}s ({first}); start every node with the same "
                         f"--distributed-world-size and init method") from None
+    _check_peers(peers)
+    kwargs = {"device_id": device} if backend == "nccl" and device is not None else {}
+    # the same PrefixStore init_process_group puts around a store it makes itself
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world, timeout=timeout, **kwargs)
+    global _LONG_GROUP
+    # saving a large checkpoint or preparing data may take longer than the
+    # timeout of training's collectives: a host group of their own
+    _LONG_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=long_timeout(cfg)))
+
+
+def _describe(backend, device) -> dict:
+    me = {"host": socket.gethostname(), "backend": backend, "gpu": None, "gpus": 0}
+    if device is not None:
+        import torch
+        props = torch.cuda.get_device_properties(device)
+        me["gpu"] = str(getattr(props, "uuid", "") or f"{getattr(props, 'pci_domain_id', 0)}:"
+                        f"{getattr(props, 'pci_bus_id', 0)}:{getattr(props, 'pci_device_id', 0)}:{device.index}")
+        me["gpus"] = torch.cuda.device_count()
+        me["index"] = device.index
+    return me
+
+
+def _exchange(store, rank, world, mine: dict) -> list:
+    """Every rank's ``mine``, in rank order, through the rendezvous store
+    (before any process group exists)."""
+    import json
+    store.set(f"textbox_like/peer/{rank}", json.dumps(mine))
+    return [json.loads(store.get(f"textbox_like/peer/{r}")) for r in range(world)]
+
+
+def _check_peers(peers):
+    """What must hold before the group is created; every rank raises alike."""
+    backends = [p["backend"] for p in peers]
+    if len(set(backends)) > 1:
+        shown = ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends))
+        raise UserError(f"the ranks disagree on the backend ({shown}); a node without CUDA (or with --cpu) "
+                        f"needs --distributed-backend gloo on every node")
+    seen = {}
+    for r, peer in enumerate(peers):
+        if peer.get("gpu") is None:
+            continue
+        key = (peer["host"], peer["gpu"])
+        if key in seen:
+            first = seen[key]
+            count = peer["gpus"]
+            raise UserError(
+                f"ranks {first} and {r} would share one GPU (cuda:{peer.get('index')}) on {peer['host']}, "
+                f"where each process sees {count} GPU(s); start at most one process per GPU: "
+                f"--distributed-gpus {count} (torchrun --nproc_per_node {count}, srun --gpus-per-task 1)")
+        seen[key] = r
+
+
+_LONG_GROUP = None
+
+
+def long_timeout(cfg) -> int:
+    """Seconds the long barrier waits: 6 x --distributed-timeout, at least 30 min."""
+    return max(1800, 6 * int(cfg.distributed_timeout))
+
+
+def long_group():
+    """The host (gloo) group with the long timeout, or None with one process."""
+    return _LONG_GROUP
+
+
+def long_barrier():
+    """A barrier for slow work on some ranks (rank 0 writing a checkpoint,
+    one process per node preparing data): host side, with the long timeout,
+    so the others wait there instead of timing out in a training collective.
+    No-op with one process."""
+    import torch.distributed as dist
+    if _LONG_GROUP is None or not dist.is_initialized():
+        return
+    dist.barrier(group=_LONG_GROUP)
+
+
+class _FirstThenOthers:
+    """``with main_then_local_main_first(accelerator):`` runs the body on the
+    main process first, then on every node's local main process, then on all
+    the others (two long barriers each), as Accelerate's main_process_first()
+    inside local_main_process_first() but with the long timeout."""
+
+    def __init__(self, accelerator):
+        self.acc = accelerator
+        self.active = _LONG_GROUP is not None and accelerator.num_processes > 1
+
+    def __enter__(self):
+        if self.active:
+            if not self.acc.is_main_process:
+                long_barrier()
+            if not self.acc.is_local_main_process:
+                long_barrier()
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            if self.acc.is_local_main_process:
+                long_barrier()
+            if self.acc.is_main_process:
+                long_barrier()
+        return False
+
+
+def main_then_local_main_first(accelerator):
+    return _FirstThenOthers(accelerator)
 
 
 def cleanup():
+    global _LONG_GROUP
+    _LONG_GROUP = None
     try:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -288,15 +491,29 @@ def cleanup():
 # ------------------------------------------------------------ across ranks
 # Settings each node may set for itself: they change neither the numbers of
 # an update nor the order of collectives (batch sizes are per rank by design;
-# the trainer weights every update by the global sample count).
+# the trainer weights every update by the global sample count). Everything
+# else the trainer compares, with the precision actually chosen.
 PER_NODE_SETTINGS = frozenset({
-    "data", "dict", "config_file", "init_checkpoint", "training_data", "validation_data",
+    # where this node finds its data (the trainer compares the sample count)
+    "data", "dict", "config_file", "training_data", "validation_data",
+    # per-rank batching and host resources
     "max_sentences", "max_tokens", "max_sentences_valid", "num_workers", "threads",
+    # how this node starts and which devices it uses (the backend and the
+    # precision actually chosen are compared apart)
     "distributed_gpus", "distributed_rank", "distributed_no_spawn", "distributed_port", "distributed_timeout",
     "distributed_init_method", "device_id", "device", "gpu_id", "ngpu", "cpu",
-    "save_dir", "output_prefix", "experiment_name", "restore_file", "resume", "config", "print_config",
+    # carried by --train_dtype, which is compared
+    "amp_optimization_level",
+    # where this node writes and what it prints (only rank 0 writes; --no-save
+    # and the checkpoint switches are compared: they decide the collectives of saving)
+    "save_dir", "output_prefix", "experiment_name", "resume", "config", "print_config",
     "log_format", "report_to", "use_tensorboard", "use_wandb",
 })
+
+# Paths that may differ from node to node, but that every node must give or
+# none: a node without --init-checkpoint would start from other weights, a
+# node without --initial-optimizer with another optimizer state.
+PRESENCE_SETTINGS = frozenset({"init_checkpoint", "initial_encoder", "initial_optimizer", "restore_file"})
 
 
 def gather_per_rank(accelerator, value) -> list:
@@ -307,21 +524,36 @@ def gather_per_rank(accelerator, value) -> list:
     return gather_object([value])
 
 
+def _comparable(name, value):
+    key = name.lstrip("-").replace("-", "_")
+    if key in PRESENCE_SETTINGS:
+        return "given" if value not in (None, "", False) else "not given"
+    return repr(value)
+
+
 def check_ranks_agree(accelerator, settings: dict) -> None:
     """Refuse to train when the ranks were started with different values of
-    settings that must agree: one line naming the setting and each rank's value.
-    Every rank raises, so every rank exits."""
+    settings that must agree: one line naming the settings and each rank's
+    value. Every rank raises, so every rank exits."""
     if accelerator.num_processes == 1:
         return
     names = list(settings)
-    per_rank = gather_per_rank(accelerator, [repr(settings[n]) for n in names])
+    per_rank = gather_per_rank(accelerator, [_comparable(n, settings[n]) for n in names])
+    differing = []
     for i, name in enumerate(names):
         values = [row[i] for row in per_rank]
         if len(set(values)) > 1:
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            hint = " and a --save-dir all nodes share" if name.startswith("position") else ""
-            raise UserError(f"the ranks disagree on {name} ({shown}); start every node with the same "
-                            f"value{hint}")
+            differing.append((name, values))
+    if not differing:
+        return
+    parts = []
+    for name, values in differing[:3]:
+        shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values[:8])) + (", ..." if len(values) > 8 else "")
+        parts.append(f"{name} ({shown})")
+    more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+    hint = " and a --save-dir all nodes share" if any(n.startswith("position") for n, _ in differing) else ""
+    raise UserError(f"the ranks disagree on {'; '.join(parts)}{more}; start every node with the same "
+                    f"value{hint}")
 
 
 def host_group():

@@ -93,6 +93,23 @@ def plan_tokens(tokens: np.ndarray, max_tokens, max_sentences, multiple: int = 1
     return np.asarray(rows, dtype=np.int64).reshape(-1, world + 1)
 
 
+def pin_for(device) -> bool:
+    """Whether read-ahead batches should be pinned for ``device``: only for a
+    CUDA device (pinning needs the CUDA runtime and gains nothing on CPU)."""
+    return getattr(device, "type", str(device)) == "cuda"
+
+
+def pin(batch):
+    """``batch`` (a tensor, or a dict/list/tuple of them) in page-locked memory."""
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(pin(v) for v in batch)
+    if hasattr(batch, "pin_memory") and hasattr(batch, "is_pinned") and batch.device.type == "cpu":
+        return batch.pin_memory()
+    return batch
+
+
 class EpochBatchIterator:
     """Yields, for this rank, ``(indices, global_count)`` per step of an epoch.
 
@@ -101,8 +118,11 @@ class EpochBatchIterator:
     """
 
     def __init__(self, dataset, seed, rank, world_size, batch_sizes, max_tokens=None,
-                 shuffle=True, multiple=1, num_workers=0):
+                 shuffle=True, multiple=1, num_workers=0, pin_memory=False):
         self.dataset = dataset
+        # pin read-ahead batches (only when training on CUDA: pinning needs a
+        # CUDA runtime) so the trainer's non_blocking copies overlap compute
+        self.pin_memory = bool(pin_memory)
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -186,7 +206,10 @@ class EpochBatchIterator:
                 for indices, count, end in steps:
                     if stop.is_set():
                         return
-                    q.put((self.dataset.get_batch(indices), count, end))
+                    batch = self.dataset.get_batch(indices)
+                    if self.pin_memory:
+                        batch = pin(batch)
+                    q.put((batch, count, end))
                 q.put(sentinel)
             except BaseException as exc:  # handed to the consumer
                 q.put(exc)
