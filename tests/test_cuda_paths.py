@@ -341,3 +341,29 @@ def test_pinning_is_requested_only_with_cuda(gpus):
     assert not pin_for(torch.device("cpu"))
     gpus(1)
     assert pin_for(torch.device("cuda", 0))
+
+
+def test_no_deterministic_kernel_is_one_line(monkeypatch, capsys):
+    from textbox_like import cli, trainer
+    monkeypatch.setattr(distributed, "apply_determinism", lambda ns: None)
+
+    def fail(ns, keys):
+        raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
+                           "'torch.use_deterministic_algorithms(True)'.\nmore")
+    monkeypatch.setattr(trainer, "train", fail)
+    ns = SimpleNamespace(distributed_no_spawn=False, distributed_init_method=None, distributed_world_size=1,
+                         cudnn_deterministic=True, distributed_port=-1)
+    assert cli.run(ns, []) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --cudnn_deterministic: index_add_cuda_")
+
+
+@pytest.mark.timeout(120)
+def test_cudnn_deterministic_trains_on_cpu(tmp_path):
+    from conftest import write_mnist
+    write_mnist(tmp_path / "data", n_train=128, n_test=32)
+    out = subprocess.run([sys.executable, "run_hetseq.py", "--task", "mnist", "--data", str(tmp_path / "data"),
+                          "--save-dir", str(tmp_path / "out"), "--max-sentences", "32", "--max-update", "3",
+                          "--max-epoch", "0", "--threads", "1", "--log-format", "simple", "--cudnn_deterministic"],
+                         capture_output=True, text=True, cwd=REPO, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
