@@ -98,7 +98,7 @@ def test_ranks_sharing_a_gpu_are_refused():
 
 def test_exchange_through_a_store():
     store = torch.distributed.HashStore()
-    store.set("textbox_like/peer/1", '{"host": "b"}')
+    store.set("textbox_like/peer/0/1", '{"host": "b"}')
     assert distributed._exchange(store, 0, 2, {"host": "a"}) == [{"host": "a"}, {"host": "b"}]
 
 

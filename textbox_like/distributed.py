@@ -396,8 +396,10 @@ def _exchange(store, rank, world, mine: dict) -> list:
     """Every rank's ``mine``, in rank order, through the rendezvous store
     (before any process group exists)."""
     import json
-    store.set(f"textbox_like/peer/{rank}", json.dumps(mine))
-    return [json.loads(store.get(f"textbox_like/peer/{r}")) for r in range(world)]
+    # torchrun's agent store outlives a restart of the workers: one key set per attempt
+    prefix = f"textbox_like/peer/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{prefix}/{rank}", json.dumps(mine))
+    return [json.loads(store.get(f"{prefix}/{r}")) for r in range(world)]
 
 
 def _check_peers(peers):
