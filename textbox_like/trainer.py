@@ -155,7 +155,7 @@ class Trainer:
         from accelerate.utils import set_seed
 
         from .accelerator import build_accelerator
-        from .data.iterators import EpochBatchIterator
+        from .data.iterators import EpochBatchIterator, pin_for
         from .lr_scheduler import build_scheduler
         from .optim import build_optimizer
 
@@ -167,9 +167,6 @@ class Trainer:
         self.host_group = distributed.host_group()
         self.preemption = Preemption(self.host_group, self.world)
         self.log = Logger(cfg, self.is_main, acc)
-        if cfg.cudnn_deterministic:
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
         torch.set_num_threads(threads)
 
         if not cfg.no_save:
@@ -179,7 +176,7 @@ class Trainer:
         set_seed(cfg.seed)
         self.task = task = TASKS.get(cfg.task)(cfg)
         # once per run, then once per node (nodes may not share a file system)
-        with acc.main_process_first(), acc.local_main_process_first():
+        with distributed.main_then_local_main_first(acc):  # on a long-timeout group: preparing takes long
             task.prepare_data()
         self.train_data = task.build_dataset(cfg.train_subset)
         if len(self.train_data) == 0:
@@ -203,7 +200,8 @@ class Trainer:
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
         self.iterator = EpochBatchIterator(self.train_data, cfg.seed, self.rank, self.world, self.batch_sizes,
                                            max_tokens, shuffle=not cfg.no_shuffle,
-                                           multiple=cfg.required_batch_size_multiple, num_workers=cfg.num_workers)
+                                           multiple=cfg.required_batch_size_multiple, num_workers=cfg.num_workers,
+                                           pin_memory=pin_for(acc.device))
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.max_epoch or 0)
 
         best_metric = cfg.best_checkpoint_metric or task.default_best_metric
@@ -460,8 +458,10 @@ class Trainer:
             self.checkpoints.save(names)
         except SaveFailed as exc:
             failure = exc
-        # instead of a barrier: every rank learns whether the main one could write
-        if self.world > 1 and self.sum_over_ranks([float(failure is not None)])[0] and failure is None:
+        # instead of a barrier: every rank learns whether the main one could
+        # write (on the long-timeout group: a large checkpoint takes a while)
+        if self.world > 1 and self.sum_over_ranks([float(failure is not None)], distributed.long_group())[0] \
+                and failure is None:
             failure = SaveFailed("rank 0 could not write a checkpoint (see its message); stopping")
         if failure is not None:
             raise failure
@@ -519,11 +519,11 @@ class Trainer:
             batch = {k: v.double() if torch.is_floating_point(v) else v for k, v in batch.items()}
         return batch
 
-    def sum_over_ranks(self, numbers):
+    def sum_over_ranks(self, numbers, group=None):
         import torch
         import torch.distributed as dist
         values = torch.tensor(numbers, dtype=torch.float64)  # host memory, on purpose
-        dist.all_reduce(values, group=self.host_group)
+        dist.all_reduce(values, group=group or self.host_group)
         return values.tolist()
 
     def reseed(self, why):
