@@ -141,9 +141,26 @@ class _RNG:
 
 
 class Trainer:
+    """Built in the order a run needs: processes and Accelerate, data, model
+    and optimizer, batch plan, then the components that watch over them."""
+
     def __init__(self, cfg, keys):
-        from .trackers import log_with, requested
         self.cfg, self.keys = cfg, keys
+        self.setup_processes()
+        if not cfg.no_save:
+            check_writable(cfg.save_dir)  # before minutes of data loading, not at the first save
+        from accelerate.utils import set_seed
+        set_seed(cfg.seed)
+        self.task = TASKS.get(cfg.task)(cfg)
+        self.build_data()
+        self.build_model()
+        self.build_iterator()
+        self.build_components()
+
+    def setup_processes(self):
+        from .accelerator import build_accelerator
+        from .trackers import log_with, requested
+        cfg = self.cfg
         trackers = requested(cfg)  # before any process group: a missing package is one line
         placement = distributed.placement_from_env(cfg) or distributed.Placement()
         # processes sharing a node share its cores; Accelerate would otherwise
@@ -152,13 +169,6 @@ class Trainer:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
         import torch
-        from accelerate.utils import set_seed
-
-        from .accelerator import build_accelerator
-        from .data.iterators import EpochBatchIterator, pin_for
-        from .lr_scheduler import build_scheduler
-        from .optim import build_optimizer
-
         distributed.init_process_group(placement, cfg)
         self.accelerator, self.sources = build_accelerator(
             cfg, placement, log_with(trackers, cfg.save_dir) if trackers and not cfg.no_save else None)
@@ -169,31 +179,40 @@ class Trainer:
         self.log = Logger(cfg, self.is_main, acc)
         torch.set_num_threads(threads)
 
-        if not cfg.no_save:
-            check_writable(cfg.save_dir)  # before minutes of data loading, not at the first save
-
-        # task, data, model, optimizer
-        set_seed(cfg.seed)
-        self.task = task = TASKS.get(cfg.task)(cfg)
-        # once per run, then once per node (nodes may not share a file system)
-        with distributed.main_then_local_main_first(acc):  # on a long-timeout group: preparing takes long
+    def build_data(self):
+        cfg, task = self.cfg, self.task
+        # once per run, then once per node (nodes may not share a file system),
+        # on a long-timeout group: preparing data can take long
+        with distributed.main_then_local_main_first(self.accelerator):
             task.prepare_data()
         self.train_data = task.build_dataset(cfg.train_subset)
         if len(self.train_data) == 0:
             raise UserError(f"the {cfg.train_subset!r} split of --data {cfg.data} holds no samples")
-        valid_data = {} if cfg.disable_validation else {s: task.build_dataset(s) for s in cfg.valid_subset}
+        self.valid_data = {} if cfg.disable_validation else {s: task.build_dataset(s) for s in cfg.valid_subset}
+        # a dataset read from disk as it goes can fail mid-run: ranks agree on every update's data
+        self.data_can_fail = self.world > 1 and getattr(self.train_data, "reads_from_disk", False)
+
+    def build_model(self):
+        import torch
+
+        from .lr_scheduler import build_scheduler
+        from .optim import build_optimizer
+        cfg = self.cfg
         if cfg.train_dtype == "float64":
             torch.set_default_dtype(torch.float64)
-        model = task.build_model()
+        model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
-        optimizer = build_optimizer(cfg, task.param_groups(model, cfg.weight_decay))
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        optimizer = build_optimizer(cfg, self.task.param_groups(model, cfg.weight_decay))
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
         # each rank its own dropout stream; rank 0 keeps the seed's own stream
         if self.rank:
             torch.manual_seed(cfg.seed + self.rank)
 
+    def build_iterator(self):
+        from .data.iterators import EpochBatchIterator, pin_for
+        cfg, acc = self.cfg, self.accelerator
         self.batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences or 0)
         max_tokens = distributed.gather_per_rank(acc, cfg.max_tokens or 0)
         if not any(max_tokens) and not all(self.batch_sizes):
@@ -204,14 +223,16 @@ class Trainer:
                                            pin_memory=pin_for(acc.device))
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.max_epoch or 0)
 
+    def build_components(self):
+        cfg, acc, task = self.cfg, self.accelerator, self.task
         best_metric = cfg.best_checkpoint_metric or task.default_best_metric
         maximize = cfg.maximize_best_checkpoint_metric if cfg.maximize_best_checkpoint_metric is not None \
             else task.default_maximize_best_metric
         self.state = TrainState(best_metric, maximize)
         valid_batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences_valid or cfg.max_sentences or 64)
-        self.validator = Validator(task, valid_data, valid_batch_sizes, acc, best_metric, maximize)
+        self.validator = Validator(task, self.valid_data, valid_batch_sizes, acc, best_metric, maximize)
         self.checkpoints = CheckpointManager(
-            cfg, metadata={"task": cfg.task, "world_size": self.world, "config": to_yaml(cfg, keys)},
+            cfg, metadata={"task": cfg.task, "world_size": self.world, "config": to_yaml(cfg, self.keys)},
             parts={"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optimizer,
                                                                             not cfg.no_save_optimizer_state),
                    "scheduler": self.scheduler, "iterator": self.iterator, "train": self.state,
@@ -222,8 +243,6 @@ class Trainer:
         self.gnorm = None
         self.nonfinite_in_a_row = 0
         self.compile_pending = self.sources["compile"] != "default"
-        # a dataset read from disk as it goes can fail mid-run: ranks agree on every update's data
-        self.data_can_fail = self.world > 1 and getattr(self.train_data, "reads_from_disk", False)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
