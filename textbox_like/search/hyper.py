@@ -253,9 +253,8 @@ class Search:
             self.out(head + f"FAILED (exit {rec['returncode']}): {rec['error']}")
 
     # ------------------------------------------------------------ run
-    def run(self):
+    def run(self, slots):
         """Returns True if interrupted."""
-        slots = plan_slots(self.s.parallel, self.s.gpus_per_trial, self.s.given, self.out)
         try:
             run_pool(self.next_job, self.on_start, self.on_done, slots, self.runner)
         except KeyboardInterrupt:
@@ -320,6 +319,7 @@ def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), outpu
     setup = Setup(space, algo, max_evals, seed, base_argv, output, metric, maximize, parallel, gpus_per_trial,
                   resume, out)
     previous = setup.check_output()
+    slots = plan_slots(parallel, gpus_per_trial, setup.given, out)
     setup.print_space()
     setup.output.mkdir(parents=True, exist_ok=True)
     write_json(setup.output / STATE_FILE, setup.state())
@@ -327,5 +327,5 @@ def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), outpu
     search.load(previous)
     out(f"search: {setup.algo}, {setup.max_evals} trials, {'maximize' if setup.maximize else 'minimize'} "
         f"{setup.metric}, {parallel} at a time, output {setup.output}")
-    interrupted = search.run()
+    interrupted = search.run(slots)
     return finish(setup, list(search.records.values()), interrupted)

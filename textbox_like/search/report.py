@@ -126,7 +126,8 @@ def search_png(path, records, space, metric, maximize):
         xs = [r["trial"] for r in ok]
         ys = [r["value"] for r in ok]
         colors = ["tab:orange" if r.get("status") == "stopped" else "tab:blue" for r in ok]
-        ax.scatter(xs, ys, c=colors, zorder=3, label="trial (orange: stopped early)")
+        ax.scatter(xs, ys, c=colors, zorder=3,
+                   label="trial" + (" (orange: stopped early)" if "tab:orange" in colors else ""))
         best, steps_x, steps_y = None, [], []
         for r in sorted(records, key=lambda r: r["trial"]):
             v = r.get("value")
@@ -257,6 +258,8 @@ def seed_png(path, save_dirs, metric, seeds):
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "no values logged by every seed", ha="center", va="center", transform=ax.transAxes)
+        from matplotlib.ticker import MaxNLocator
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("update")
         ax.set_ylabel(name)
         ax.set_title(f"{title} over updates (gray: each seed)")

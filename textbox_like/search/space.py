@@ -151,7 +151,7 @@ class Param:
             return f"{len(a)} values: " + ", ".join(str(v) for v in vals)
         if k in ("randint", "uniformint", "quniform", "qloguniform"):
             vals = self.values()
-            step = {"randint": "integers", "uniformint": "integers"}.get(k, f"multiples of {a[2]!r}")
+            step = "integers" if k in ("randint", "uniformint") else f"multiples of {a[2]!r}"
             return f"{_g(vals[0])} .. {_g(vals[-1])} ({step}, {len(vals)} values)"
         if k == "uniform":
             return f"{_g(a[0])} .. {_g(a[1])}"

@@ -221,7 +221,7 @@ class Handle:
         self._out = open(self.save_dir / "stdout.log", "a")
         self._err = open(self.save_dir / "stderr.log", "a")
         self.child = subprocess.Popen([sys.executable, "-c", TRAINER, *map(str, argv)], stdout=self._out,
-                                      stderr=self._err, env=trainer_env(env), cwd=str(ROOT),
+                                      stderr=self._err, env=trainer_env(env),
                                       start_new_session=True, preexec_fn=_die_with_parent)
 
     @property
