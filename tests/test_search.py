@@ -20,7 +20,6 @@ from textbox_like import search as S
 from textbox_like.cli import build_options
 from textbox_like.errors import UserError
 from textbox_like.search import space as SP
-from textbox_like.search.hyper import Setup
 
 BASE = ["--task", "mnist", "--max-update", "1"]
 BASE_B = BASE + ["--max-sentences", "8"]

@@ -302,7 +302,7 @@ def finish(setup, records, interrupted, backend="local"):
     out("")
     out(search_table(records, names, setup.metric, data["trial"]))
     if interrupted:
-        out(f"interrupted: continue with the same command and --resume")
+        out("interrupted: continue with the same command and --resume")
     if best is None:
         out(f"no trial succeeded ({count['fail']} failed); see {output}/hyper_results.jsonl")
     else:

@@ -95,12 +95,19 @@ def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=
     except KeyboardInterrupt:
         interrupted = True
     ordered = [runs[s] for s in seeds if s in runs]
+    return summarize_and_report(seeds, ordered, output, metric, maximize, interrupted, out)
+
+
+def summarize_and_report(seeds, ordered, output, metric, maximize, interrupted, out=print):
+    """Statistics over the runs that succeeded; summary JSON, CSV, PNG, table. Returns (code, summary)."""
+    output = Path(output)
+    done = {r["seed"] for r in ordered}
     ok = [r for r in ordered if r["status"] == "ok"]
     failed = [{"seed": r["seed"], "returncode": r.get("returncode"), "error": r.get("error")}
               for r in ordered if r["status"] != "ok"]
     stats = summarize_runs(ok)
     summary = {"metric": metric, "maximize": maximize, "seeds": list(seeds), "ok_seeds": [r["seed"] for r in ok],
-               "failed": failed, "not_run": [s for s in seeds if s not in runs], "interrupted": interrupted,
+               "failed": failed, "not_run": [s for s in seeds if s not in done], "interrupted": interrupted,
                "final": stats["final"], "best": stats["best"], "runs": ordered}
     write_json(output / "multi_seed_summary.json", summary)
     write_seed_csv(output / "multi_seed_summary.csv", stats)

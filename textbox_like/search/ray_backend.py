@@ -1,0 +1,426 @@
+"""The same search and seeds on Ray Tune (``--backend ray``): a local Ray
+instance or a cluster (``--ray-address``), HyperOptSearch for tpe/random/anneal,
+the grid for exhaustive, ASHA early stopping fed by every validation of every
+trial, retries that resume from the trial's own ``checkpoint_last.pt``.
+
+Each Tune trial runs the trainer as a child process (as the local backend) in
+``OUTPUT/trial_<k>`` (``OUTPUT/seed_<s>`` for seeds), tails its
+``metrics.jsonl`` and calls ``tune.report`` on every validation event. Tune's
+own files go under ``OUTPUT/ray/``; the search's files and reports are the
+local backend's. Trial numbers are claimed on the (shared) file system:
+``OUTPUT/ray_trials/<tune trial id>`` holds the number, so a retried trial,
+on whatever node, continues in its own directory.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from ..errors import UserError
+from .hyper import Setup, finish, objective
+from .trials import (Handle, cpu_count, quote_command, read_json, read_jsonl, to_argv, validate,
+                     write_json)
+
+INSTALL = 'pip install -e ".[ray]"  (or: pip install "ray[tune]")'
+USER_ERROR = 2
+
+
+def require_ray():
+    try:
+        import ray  # noqa: F401
+        from ray import tune  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"--backend ray needs Ray Tune, which is not installed ({exc.name or exc}): "
+                        f"{INSTALL}") from None
+
+
+# ====================================================================== cluster
+def _check_address(address):
+    if address in (None, "auto") or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        port = int(port)
+    except ValueError:
+        raise UserError(f"--ray-address {address!r}: expected auto or HOST:PORT, like 10.0.0.1:6379") from None
+    try:
+        with socket.create_connection((host or "127.0.0.1", port), timeout=5):
+            pass
+    except OSError as exc:
+        raise UserError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); start the head "
+                        f"with 'ray start --head --port={port}' or check the address") from None
+
+
+def start_ray(address, root, out=print):
+    """ray.init on a cluster (address) or a local instance; returns the module."""
+    require_ray()
+    _check_address(address)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")         # no progress tables on stdout (verbose=0)
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    import ray
+    env = {"PYTHONPATH": str(root) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH")
+                                      else "")}
+    kwargs = dict(runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=True,
+                  logging_level="ERROR")
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            temp = os.environ.get("TEXTBOX_LIKE_RAY_TMP", f"/tmp/ray_tbl_{os.getuid()}")
+            ray.init(num_cpus=cpu_count(), _temp_dir=temp, include_dashboard=False, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"--ray-address {address or '(local)'}: cannot join Ray: {first}") from None
+    resources = ray.cluster_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    out(f"ray: {'joined ' + address if address else 'local instance'}, {len(nodes)} node(s), "
+        f"{resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU")
+    return ray
+
+
+def trial_resources(ray, parallel, cpus_per_trial, gpus_per_trial):
+    total = ray.cluster_resources()
+    gpus = total.get("GPU", 0)
+    if gpus_per_trial and gpus < gpus_per_trial:
+        raise UserError(f"--gpus-per-trial {gpus_per_trial}: the Ray cluster has {gpus:g} GPU(s); "
+                        f"leave it out to run on CPU")
+    cpus = cpus_per_trial or max(1.0, float(int(total.get("CPU", 1) // parallel)))
+    if cpus > total.get("CPU", 0):
+        raise UserError(f"--cpus-per-trial {cpus:g}: the Ray cluster has {total.get('CPU', 0):g} CPU(s)")
+    return {"cpu": cpus, "gpu": gpus_per_trial}
+
+
+# ====================================================================== the trial function
+def claim_dir(output, trial_id, fixed=None):
+    """This Tune trial's directory: fixed (grid, seeds) or the next free trial_<k>, remembered per trial id."""
+    ids = Path(output) / "ray_trials"
+    ids.mkdir(parents=True, exist_ok=True)
+    mine = ids / trial_id
+    if mine.exists():
+        return Path(output) / mine.read_text().strip()
+    name = fixed
+    if name is None:
+        k = 1
+        while True:
+            try:
+                os.mkdir(Path(output) / f"trial_{k}")
+                break
+            except FileExistsError:
+                k += 1
+        name = f"trial_{k}"
+    tmp = ids / f".{trial_id}.tmp"
+    tmp.write_text(name + "\n")
+    tmp.replace(mine)
+    return Path(output) / name
+
+
+def make_trainable(spec):
+    """spec: plain data (output, cwd, base_argv, metric, maximize, names, threads, gpus)."""
+
+    def trainable(config):
+        import ray
+        from ray import tune
+        from ..cli import build_options
+        ctx = tune.get_context()
+        trial_id = ctx.get_trial_id()
+        save_dir = claim_dir(spec["output"], trial_id, config.get("__dir__"))
+        save_dir.mkdir(parents=True, exist_ok=True)
+        params = {n: config[n] for n in spec["names"]}
+        resume = (save_dir / "checkpoint_last.pt").exists()
+        argv = spec["base_argv"] + to_argv(build_options(), params) + spec["extra_argv"] + [
+            f"--save-dir={save_dir}"] + (["--resume"] if resume else [])
+        if not resume:
+            for stale in ("results.json", "metrics.jsonl"):
+                if (save_dir / stale).exists():
+                    (save_dir / stale).unlink()
+        info = read_json(save_dir / "ray_trial.json") or {"trial_id": trial_id, "params": params,
+                                                          "key": config.get("__key__"), "attempts": []}
+        info["attempts"].append({"node_id": ray.get_runtime_context().get_node_id(),
+                                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                                 "start": time.time(), "resume": resume})
+        write_json(save_dir / "ray_trial.json", info)
+        (save_dir / "command.txt").write_text(quote_command(argv) + "\n")
+        env = {"OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])}
+        os.chdir(spec["cwd"])                       # relative --data etc. mean what they meant to the user
+        handle = Handle(argv, save_dir, env)
+        metric, seen, best = spec["metric"], 0, None
+        stopped = True
+        try:
+            while True:
+                outcome = handle.poll()
+                records = read_jsonl(save_dir / "metrics.jsonl")
+                for rec in records[seen:]:
+                    if str(rec.get("kind", "")).startswith("valid") and isinstance(rec.get(metric), (int, float)):
+                        v = float(rec[metric])
+                        best = v if best is None or (v > best if spec["maximize"] else v < best) else best
+                        tune.report({metric: v, "update": int(rec.get("update", 0)), "best_so_far": best})
+                seen = len(records)
+                if outcome is not None:
+                    break
+                time.sleep(0.3)
+            stopped = False
+        finally:
+            if stopped:                              # Tune stopped us (ASHA) or the actor is going down
+                handle.stop()
+                try:
+                    handle.wait(timeout=60)
+                except Exception:
+                    handle.kill()
+                (save_dir / "ray_stopped").write_text("stopped by Ray Tune\n")
+        info["attempts"][-1].update(end=time.time(), returncode=outcome.returncode)
+        write_json(save_dir / "ray_trial.json", info)
+        if outcome.returncode != 0:                  # crashed or killed: Tune retries (--max-failures)
+            raise RuntimeError(f"trainer exited with code {outcome.returncode}: {outcome.error}")
+        results = read_json(save_dir / "results.json") or {}
+        value = objective(results, metric)
+        if value is None:
+            raise RuntimeError(f"results.json has no finite best[{metric!r}]")
+        tune.report({metric: value, "update": int(results.get("num_updates") or 0), "done_training": 1})
+
+    return trainable
+
+
+# ====================================================================== records from the trial directories
+def tune_outcomes(grid):
+    """Tune trial id -> ('error', message) | ('stopped', None) | ('done', None), from Ray's records."""
+    hints = {}
+    if grid is None:
+        return hints
+    for result in grid:
+        metrics = result.metrics or {}
+        tid = metrics.get("trial_id") or Path(result.path).name.split("_")[-1]
+        if result.error is not None:
+            lines = str(result.error).strip().splitlines() or ["error"]
+            hints[tid] = ("error", next((line.strip() for line in lines if "exited with code" in line
+                                         or "no finite best" in line), lines[-1])[:300])
+        elif metrics.get("done_training"):
+            hints[tid] = ("done", None)
+        else:
+            hints[tid] = ("stopped", None)
+    return hints
+
+
+def record_of(save_dir, k, metric, maximize, hint=None):
+    info = read_json(save_dir / "ray_trial.json") or {}
+    results = read_json(save_dir / "results.json")
+    rec = {"trial": k, "params": info.get("params") or {}, "vals": {}, "status": "fail", "metric": metric,
+           "value": None, "loss": None, "returncode": None, "error": "", "save_dir": str(save_dir),
+           "wall_time": None, "attempts": len(info.get("attempts", [])), "trial_id": info.get("trial_id"),
+           "nodes": [a.get("node_id") for a in info.get("attempts", [])]}
+    attempts = info.get("attempts", [])
+    if attempts:
+        rec["returncode"] = attempts[-1].get("returncode")
+        rec["wall_time"] = round(sum((a.get("end") or time.time()) - a["start"] for a in attempts), 3)
+    value = objective(results, metric)
+    completed = results is not None and results.get("stopped") == "completed"
+    if results is not None:
+        rec.update(best=results.get("best") or {}, final=results.get("final") or {},
+                   num_updates=results.get("num_updates"))
+    if completed and value is not None:
+        rec["status"] = "ok"
+    elif (hint or ("",))[0] == "stopped" or (hint is None and ((save_dir / "ray_stopped").exists() or
+                                                                 (results is not None and not completed))):
+        valids = [r for r in read_jsonl(save_dir / "metrics.jsonl")
+                  if str(r.get("kind", "")).startswith("valid") and isinstance(r.get(metric), (int, float))]
+        if valids:
+            value = max(r[metric] for r in valids) if maximize else min(r[metric] for r in valids)
+            rec.update(status="stopped", num_updates=valids[-1].get("update"), final=valids[-1],
+                       error="stopped early by ASHA")
+        else:
+            rec.update(status="fail", error="stopped before its first validation")
+            value = None
+    else:
+        err = (save_dir / "stderr.log")
+        lines = [line for line in err.read_text(errors="replace").splitlines() if line.strip()] \
+            if err.exists() else []
+        rec["error"] = (hint[1] if hint and hint[1] else None) or next((line for line in reversed(lines) if line.startswith("error:")),
+                                           lines[-1][:300] if lines else "no result")
+        value = None
+    if value is not None:
+        rec.update(value=float(value), loss=-float(value) if maximize else float(value))
+    return rec
+
+
+# ====================================================================== search
+def _searcher(setup, hspace):
+    from functools import partial
+
+    from hyperopt import anneal, rand, tpe
+    from ray.tune.search.hyperopt import HyperOptSearch
+    searcher = HyperOptSearch(space=hspace, metric=setup.metric, mode="max" if setup.maximize else "min",
+                              random_state_seed=setup.seed)
+    searcher.algo = {"random": rand.suggest, "anneal": anneal.suggest,
+                     "tpe": partial(tpe.suggest, n_startup_jobs=20)}[setup.algo]
+    return searcher
+
+
+def ray_search(space, args, rest, out=print):
+    from .trials import ROOT
+    if args.algo and args.algo.strip().lower() in ("atpe", "atpe.suggest", "hyperopt.atpe.suggest"):
+        raise UserError("--backend ray runs exhaustive, random, tpe and anneal (HyperOptSearch); "
+                        "use --backend local for atpe")
+    require_ray()
+    setup = Setup(space, args.algo, args.max_evals, args.seed, rest, args.output, args.metric, args.maximize,
+                  args.parallel, 0, args.resume, out)
+    previous = setup.check_output()
+    if previous and not (setup.output / "ray").exists():
+        raise UserError(f"--resume: the search in {setup.output} ran on another backend; resume it with that one")
+    ray = start_ray(args.ray_address, ROOT, out)
+    try:
+        return _ray_search(ray, setup, args, out)
+    finally:
+        ray.shutdown()
+
+
+def _common_spec(setup_output, base_argv, metric, maximize, names, resources, extra):
+    threads = max(1, int(resources["cpu"]))
+    extra = list(extra)
+    if resources["gpu"] and resources["gpu"] > 1:
+        extra.append(f"--distributed-world-size={int(resources['gpu'])}")
+    return {"output": str(Path(setup_output).resolve()), "cwd": os.getcwd(), "base_argv": list(base_argv),
+            "metric": metric, "maximize": maximize, "names": list(names), "threads": threads, "extra_argv": extra}
+
+
+def _tune_run(ray, trainable, resources, param_space, tune_config, output, max_failures, resume, out):
+    from ray import tune
+    storage = str(Path(output).resolve())
+    path = Path(storage) / "ray"
+    trainable = tune.with_resources(trainable, resources)
+    if resume and tune.Tuner.can_restore(str(path)):
+        out(f"--resume: continuing the Ray search in {path}")
+        tuner = tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        run_config = tune.RunConfig(name="ray", storage_path=storage, verbose=0,
+                                    failure_config=tune.FailureConfig(max_failures=max_failures))
+        tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config, run_config=run_config)
+    try:
+        return tuner.fit(), False
+    except KeyboardInterrupt:
+        return None, True
+
+
+def _ray_search(ray, setup, args, out):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    resources = trial_resources(ray, setup.parallel, args.cpus_per_trial, args.gpus_per_trial)
+    setup.print_space()
+    setup.output.mkdir(parents=True, exist_ok=True)
+    write_json(setup.output / "hyper_search.json", setup.state())
+    extra = [f"--best-checkpoint-metric={setup.metric}",
+             f"--maximize-best-checkpoint-metric={'true' if setup.maximize else 'false'}"]
+    spec = _common_spec(setup.output, setup.base_argv, setup.metric, setup.maximize, setup.space, resources, extra)
+    mode = "max" if setup.maximize else "min"
+    scheduler, grace = None, None
+    if args.scheduler == "asha":
+        grace = args.grace_updates or setup.ns.validate_interval_updates or 1
+        # max_t beyond the last update: a trial that trains to the end is never stopped at its last validation
+        max_t = (setup.ns.max_update or 10 ** 9) + 1
+        scheduler = ASHAScheduler(time_attr="update", grace_period=grace, max_t=max(max_t, grace + 1),
+                                  reduction_factor=2)
+    if setup.algo == "exhaustive":
+        points = []
+        for k in range(1, setup.max_evals + 1):
+            params, _ = setup.sampler.ask(k)
+            points.append({**params, "__dir__": f"trial_{k}", "__key__": k})
+        param_space = {"__point__": tune.grid_search(points)}
+        spec["names"] = []
+        trainable = _unpack_point(make_trainable(spec), list(setup.space))
+        tune_config = tune.TuneConfig(metric=setup.metric, mode=mode, num_samples=1, scheduler=scheduler,
+                                      max_concurrent_trials=setup.parallel)
+    else:
+        hspace = {n: p.hyperopt() for n, p in setup.space.items()}
+        trainable = make_trainable(spec)
+        param_space = None
+        tune_config = tune.TuneConfig(search_alg=_searcher(setup, hspace), scheduler=scheduler, metric=setup.metric,
+                                      mode=mode,
+                                      num_samples=setup.max_evals, max_concurrent_trials=setup.parallel)
+    out(f"search: {setup.algo} on Ray Tune, {setup.max_evals} trials, {mode}imize {setup.metric}, "
+        f"{setup.parallel} at a time, {resources['cpu']:g} CPU + {resources['gpu']:g} GPU each"
+        + (f", ASHA (grace {grace} updates)" if scheduler else "") + f", output {setup.output}")
+    grid, interrupted = _tune_run(ray, trainable, resources, param_space or {}, tune_config, setup.output,
+                                  args.max_failures, args.resume, out)
+    hints = tune_outcomes(grid)
+    records = []
+    for d in sorted(setup.output.glob("trial_*"), key=lambda p: int(p.name.split("_")[1])):
+        if not (d / "ray_trial.json").exists():
+            continue
+        info = read_json(d / "ray_trial.json") or {}
+        rec = record_of(d, int(d.name.split("_")[1]), setup.metric, setup.maximize,
+                        hints.get(info.get("trial_id")))
+        if interrupted and rec["status"] == "fail" and not (d / "results.json").exists():
+            rec["status"] = "interrupted"
+        records.append(rec)
+        line = f"trial {rec['trial']} | {' '.join(f'{k}={v}' for k, v in rec['params'].items())} | {rec['status']}"
+        out(line + (f" | {setup.metric} {rec['value']:.4f}" if rec["value"] is not None else f" | {rec['error']}")
+            + (f" | attempts {rec['attempts']}" if rec["attempts"] > 1 else ""))
+    code, data = finish(setup, records, interrupted, backend="ray")
+    return code, data
+
+
+def _unpack_point(trainable, names):
+    def unpacked(config):
+        point = dict(config["__point__"])
+        return trainable({**{n: point[n] for n in names}, "__dir__": point["__dir__"], "__key__": point["__key__"]})
+    unpacked.__name__ = "trainer"
+    return unpacked
+
+
+# ====================================================================== seeds
+def ray_multi_seed(seeds, args, rest, out=print):
+    from ray import tune
+
+    from .. import cli
+    from .hyper import resolve_metric
+    from .multi_seed import summarize_and_report
+    from .trials import ROOT, given_dests
+    require_ray()
+    base_argv = list(rest)
+    given = given_dests(cli.build_options(), base_argv)
+    for name in ("seed", "save_dir", "no_save", "print_config"):
+        if name in given:
+            raise UserError(f"--{name.replace('_', '-')} cannot be used here (see run_multi_seed.py --help)")
+    _, ns = validate(base_argv)
+    metric, maximize = resolve_metric(ns, args.metric, args.maximize)
+    output = Path(args.output)
+    ray = start_ray(args.ray_address, ROOT, out)
+    try:
+        resources = trial_resources(ray, args.parallel, args.cpus_per_trial, args.gpus_per_trial)
+        output.mkdir(parents=True, exist_ok=True)
+        extra = [f"--best-checkpoint-metric={metric}",
+                 f"--maximize-best-checkpoint-metric={'true' if maximize else 'false'}"]
+        spec = _common_spec(output, base_argv, metric, maximize, ["seed"], resources, extra)
+        points = [{"seed": s, "__dir__": f"seed_{s}", "__key__": s} for s in seeds]
+        trainable = _unpack_point(make_trainable(spec), ["seed"])
+        mode = "max" if maximize else "min"
+        out(f"multi-seed on Ray Tune: {len(seeds)} seeds | {metric} ({mode}) | {args.parallel} at a time | "
+            f"output {output}")
+        tune_config = tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
+                                      max_concurrent_trials=args.parallel)
+        _, interrupted = _tune_run(ray, trainable, resources, {"__point__": tune.grid_search(points)}, tune_config,
+                                   output, args.max_failures, False, out)
+    finally:
+        ray.shutdown()
+    runs = []
+    for s in seeds:
+        d = output / f"seed_{s}"
+        results = read_json(d / "results.json")
+        info = read_json(d / "ray_trial.json") or {}
+        attempts = info.get("attempts", [])
+        wall = round(sum((a.get("end") or time.time()) - a["start"] for a in attempts), 3) if attempts else None
+        if results is not None and results.get("stopped") == "completed":
+            runs.append({"seed": s, "status": "ok", "save_dir": str(d), "returncode": 0, "error": "",
+                         "wall_time": wall, "final": results.get("final") or {}, "best": results.get("best") or {},
+                         "num_updates": results.get("num_updates"), "attempts": len(attempts)})
+            out(f"seed {s} | final {metric} {runs[-1]['final'].get(metric)} | {wall}s")
+        elif attempts:
+            runs.append({"seed": s, "status": "interrupted" if interrupted else "fail", "save_dir": str(d),
+                         "returncode": attempts[-1].get("returncode"), "wall_time": wall,
+                         "error": "interrupted" if interrupted else "the run did not complete"})
+            out(f"seed {s} | FAILED: {runs[-1]['error']}")
+    code, summary = summarize_and_report(seeds, runs, output, metric, maximize, interrupted, out)
+    return code, summary
+
+
+__all__ = ["ray_multi_seed", "ray_search", "require_ray", "start_ray"]
