@@ -148,7 +148,10 @@ class BertTask(Task):
         if getattr(self.cfg, "checkpointing", False):
             # kanachan's --checkpointing: recompute each layer's activations in
             # backward (less memory, the same loss); non-reentrant works under DDP
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
 
     def param_groups(self, model, weight_decay):
