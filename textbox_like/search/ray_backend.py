@@ -212,7 +212,10 @@ def record_of(save_dir, k, metric, maximize, hint=None):
     attempts = info.get("attempts", [])
     if attempts:
         rec["returncode"] = attempts[-1].get("returncode")
-        rec["wall_time"] = round(sum((a.get("end") or time.time()) - a["start"] for a in attempts), 3)
+        last_write = max((f.stat().st_mtime for f in (save_dir / "metrics.jsonl", save_dir / "stderr.log")
+                          if f.exists()), default=time.time())   # a stopped trial's process has no "end"
+        rec["wall_time"] = round(sum((a.get("end") or max(last_write, a["start"])) - a["start"]
+                                     for a in attempts), 3)
     value = objective(results, metric)
     completed = results is not None and results.get("stopped") == "completed"
     if results is not None:

@@ -1,0 +1,97 @@
+"""run_hyper.py / run_multi_seed.py --backend ray on a local Ray instance:
+a 6-trial TPE search with ASHA (at least one trial stopped early; the local
+backend's files), seeds on Ray, and one-line errors for a dead address and
+GPUs that are not there. Skipped only where ray is not installed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, clean_env, write_mnist
+
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+
+TRAIN = ["--task", "mnist", "--log-format", "none", "--valid-subset", "test", "--warmup-updates", "0",
+         "--max-sentences", "8"]
+
+
+@pytest.fixture(scope="module")
+def tiny_mnist(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_ray")
+    write_mnist(directory, n_train=96, n_test=40, seed=4)
+    return directory
+
+
+def script(name, args, cwd, timeout=300, **env):
+    e = clean_env()
+    e["TEXTBOX_LIKE_RAY_TMP"] = f"/tmp/ray_tbl_test_{abs(hash(str(cwd))) % 10 ** 6}"
+    e.update(env)
+    return subprocess.run([sys.executable, str(REPO / name), *map(str, args)], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def no_ray_left(cwd):
+    """Every test's Ray instance was shut down: no raylet of it is left."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return f"ray_tbl_test_{abs(hash(str(cwd))) % 10 ** 6}" not in out
+
+
+def test_ray_tpe_asha_six_trials(tmp_path, tiny_mnist):
+    (tmp_path / "space.test").write_text("learning_rate loguniform (-14, -2)\noptimizer choice ['adam', 'sgd']\n")
+    args = ["--backend", "ray", "--space", "space.test", "--algo", "tpe", "--max_evals", "6", "--parallel", "2",
+            "--scheduler", "asha", "--grace-updates", "2", "--seed", "3", "--output", "out", "--data", tiny_mnist,
+            "--metric", "loss", "--max-update", "24", "--max-epoch", "2", "--validate-interval-updates", "2",
+            "--log-interval", "2", *TRAIN]
+    proc = script("run_hyper.py", args, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    records = [json.loads(line) for line in (out / "hyper_results.jsonl").read_text().splitlines()]
+    assert sorted(r["trial"] for r in records) == [1, 2, 3, 4, 5, 6]
+    statuses = [r["status"] for r in records]
+    assert set(statuses) <= {"ok", "stopped"} and "stopped" in statuses and "ok" in statuses, statuses
+    for r in records:                                 # the local backend's record format
+        assert {"trial", "params", "status", "value", "save_dir", "wall_time", "metric"} <= set(r)
+        assert set(r["params"]) == {"lr", "optimizer"} and r["value"] is not None
+        if r["status"] == "stopped":
+            assert r["num_updates"] < 24 and not (Path(r["save_dir"]) / "results.json").exists() or \
+                json.loads((Path(r["save_dir"]) / "results.json").read_text())["stopped"] != "completed"
+    best = json.loads((out / "hyper_best.json").read_text())
+    assert best["backend"] == "ray" and best["n_trials"] == 6 and best["n_stopped"] == statuses.count("stopped")
+    assert best["value"] == min(r["value"] for r in records if r["status"] == "ok")
+    assert (out / "hyper_results.csv").read_text().splitlines()[0].startswith("trial,lr,optimizer,loss,status")
+    assert (out / "hyper_report.png").stat().st_size > 20000
+    assert (out / "ray").is_dir()                     # Tune's own files
+    assert "stopped" in proc.stdout and "(* best)" in proc.stdout
+    assert no_ray_left(tmp_path)
+
+
+def test_ray_multi_seed(tmp_path, tiny_mnist):
+    proc = script("run_multi_seed.py", ["--backend", "ray", "--seeds", "4,9", "--parallel", "2", "--output", "out",
+                                        "--data", tiny_mnist, "--max-update", "4", "--validate-interval-updates",
+                                        "2", *TRAIN], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "multi_seed_summary.json").read_text())
+    assert summary["ok_seeds"] == [4, 9] and summary["final"]["accuracy"]["n"] == 2
+    assert (tmp_path / "out" / "multi_seed_curves.png").exists()
+    assert (tmp_path / "out" / "multi_seed_summary.csv").exists()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--ray-address", "127.0.0.1:9"], "--ray-address 127.0.0.1:9: nothing answers there"),
+    (["--gpus-per-trial", "2"], "--gpus-per-trial 2: the Ray cluster has 0 GPU(s)"),
+])
+def test_ray_bad_input_is_one_line_within_30s(tmp_path, extra, needle):
+    (tmp_path / "s.test").write_text("lr choice [0.1, 0.2]\n")
+    start = time.time()
+    proc = script("run_hyper.py", ["--backend", "ray", "--space", "s.test", "--output", "out", "--task", "mnist",
+                                   "--max-update", "1", "--max-sentences", "8", *extra], tmp_path, timeout=60)
+    assert time.time() - start < 30
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+    assert not list((tmp_path / "out").glob("trial_*")) if (tmp_path / "out").exists() else True
+    assert no_ray_left(tmp_path)
