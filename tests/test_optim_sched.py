@@ -241,3 +241,198 @@ def test_optim_conf_weight_decay_applies_with_default_weight_decay():
     opt = build_optimizer(cfg, [{"params": [a], "weight_decay": cfg.weight_decay},
                                 {"params": [b], "weight_decay": 0.0, "no_decay": True}])
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+
+
+# ---------------------------------------------------------------- torch.optim and lr_scheduler by name
+def test_static_optimizer_list_covers_torch():
+    from textbox_like.optim import TORCH_OPTIMIZERS
+    found = {n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
+    assert found <= set(TORCH_OPTIMIZERS), found - set(TORCH_OPTIMIZERS)
+
+
+def test_static_scheduler_list_covers_torch():
+    from torch.optim import lr_scheduler as L
+
+    from textbox_like.lr_scheduler import TORCH_SCHEDULERS
+    found = {n for n in dir(L) if isinstance(getattr(L, n), type) and not n.startswith("_")
+             and n != "LRScheduler" and (issubclass(getattr(L, n), L.LRScheduler) or n == "ReduceLROnPlateau")}
+    assert found <= set(TORCH_SCHEDULERS), found - set(TORCH_SCHEDULERS)
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "RMSprop", "adagrad", "Adamax", "nadam", "asgd", "adafactor",
+                                  "rprop", "SGD", "Adam", "AdaDelta"])
+def test_every_torch_optimizer_by_name_any_case(name):
+    from textbox_like.optim import OPTIMIZERS
+    ns = cfg_of("--optim", name)
+    spec = OPTIMIZERS.get(ns.optimizer)
+    opt = build_optimizer(ns, [{"params": [one_param()]}])
+    assert isinstance(opt, spec.optimizer_class())
+    assert set(ns.optim_conf) == set(spec.defaults())
+
+
+def test_torch_optimizer_conf_is_checked_against_its_signature():
+    from textbox_like.errors import UserError
+    with pytest.raises(UserError, match="valid keys: lr, alpha, eps"):
+        cfg_of("--optim", "rmsprop", "--optim_conf", "alpah=0.9")
+    ns = cfg_of("--optim", "rmsprop", "--optim_conf", "alpha=0.9", "--epsilon", "1e-5")
+    opt = build_optimizer(ns, [{"params": [one_param()]}])
+    assert opt.param_groups[0]["alpha"] == 0.9 and opt.param_groups[0]["eps"] == 1e-5
+
+
+@pytest.mark.parametrize("name", ["lbfgs", "sparseadam"])
+def test_optimizers_this_trainer_cannot_step_are_refused_at_check(name):
+    from textbox_like.cli import check
+    from textbox_like.errors import UserError
+    options, ns, _ = parse(["--optim", name, "--max-update", "1"])
+    assert ns.optim_conf  # printable
+    with pytest.raises(UserError, match=name):
+        check(options, ns)
+
+
+@pytest.mark.parametrize("name,conf", [
+    ("steplr", "{step_size: 2, gamma: 0.5}"), ("MultiStepLR", "{milestones: [1, 3]}"),
+    ("exponentiallr", "gamma=0.9"), ("CosineAnnealingLR", "{}"), ("linearlr", "{}"), ("constantlr", "{}"),
+    ("polynomiallr", "{}"), ("cycliclr", "{base_lr: 0.001, max_lr: 0.01, cycle_momentum: false}"),
+    ("onecyclelr", "max_lr=0.01"), ("CosineAnnealingWarmRestarts", "T_0=3"), ("reducelronplateau", "{}"),
+])
+def test_every_torch_scheduler_by_name(name, conf):
+    from textbox_like.cli import check
+    options, ns, _ = parse(["--scheduler", name, "--scheduler_conf", conf, "--max-update", "10",
+                            "--max-epoch", "3"])
+    check(options, ns)
+    opt = build_optimizer(ns, [{"params": [one_param()]}])
+    sched = build_scheduler(ns, opt)
+    sched.planned_updates = 10
+    lrs = [sched.step_epoch(1)] + [sched.step_update(n) for n in range(1, 4)] + [sched.step_epoch(2)]
+    assert all(isinstance(lr, float) and lr >= 0 for lr in lrs)
+    assert sched.step_valid(0.5) >= 0
+
+
+def test_torch_scheduler_conf_checked_and_required_arguments_named():
+    from textbox_like.errors import UserError
+    with pytest.raises(UserError, match="step_size.*gamma"):
+        cfg_of("--scheduler", "steplr", "--scheduler_conf", "step=2")
+    with pytest.raises(UserError, match="needs step_size"):
+        cfg_of("--scheduler", "steplr")
+
+
+def test_steplr_steps_per_epoch_and_onecycle_per_update():
+    ns = cfg_of("--optim", "sgd", "--lr", "1.0", "--scheduler", "steplr",
+                "--scheduler_conf", "{step_size: 1, gamma: 0.5}", "--max-epoch", "3")
+    sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+    assert sched.step_epoch(1) == pytest.approx(1.0)
+    assert [sched.step_update(n) for n in (1, 2, 3)] == pytest.approx([1.0] * 3)
+    assert sched.step_epoch(2) == pytest.approx(0.5)
+    assert sched.step_epoch(3) == pytest.approx(0.25)
+    ns = cfg_of("--optim", "sgd", "--scheduler", "steplr", "--scheduler_conf", "{step_size: 1, gamma: 0.5}",
+                "--scheduler-interval", "update", "--lr", "1.0")
+    sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+    assert sched.step_update(2) == pytest.approx(0.25)
+
+
+def test_torch_scheduler_state_roundtrip_and_catch_up():
+    def make():
+        ns = cfg_of("--optim", "sgd", "--lr", "1.0", "--scheduler", "onecyclelr", "--scheduler_conf",
+                    "max_lr=1.0", "--max-update", "20")
+        sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+        sched.planned_updates = 20
+        sched.step_epoch(1)
+        return sched
+    a = make()
+    lrs = [a.step_update(n) for n in range(1, 8)]
+    b = make()
+    b.load_state_dict(a.state_dict())
+    assert b.step_update(8) == pytest.approx(a.step_update(8))
+    c = make()  # --reset-lr-scheduler: the schedule at the restored update
+    assert c.step_update(7) == pytest.approx(lrs[-1])
+
+
+def plateau(*extra):
+    ns = cfg_of("--optim", "sgd", "--lr", "0.4", "--scheduler", "ReduceLROnPlateau",
+                "--scheduler_conf", "{patience: 0, factor: 0.5}", "--max-update", "10", *extra)
+    sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+    sched.planned_updates = 10
+    sched.step_epoch(1)
+    return ns, sched
+
+
+def test_plateau_lowers_the_lr_after_a_validation_without_improvement():
+    ns, sched = plateau()
+    assert ns.scheduler_conf["mode"] == "max"  # mnist: accuracy, higher is better
+    assert sched.step_update(1) == pytest.approx(0.4)   # updates do not move it
+    assert sched.step_valid(0.50) == pytest.approx(0.4)
+    assert sched.step_valid(0.60) == pytest.approx(0.4)  # improved
+    assert sched.step_update(2) == pytest.approx(0.4)
+    assert sched.step_valid(0.55) == pytest.approx(0.2)  # forced plateau: halved
+    assert sched.step_valid(0.55) == pytest.approx(0.1)
+    assert sched.step_epoch(2) == pytest.approx(0.1)     # nor do epochs
+
+
+def test_plateau_mode_follows_the_metric_and_survives_a_restart():
+    ns, sched = plateau("--best-checkpoint-metric", "loss")
+    assert ns.scheduler_conf["mode"] == "min"
+    sched.step_valid(1.0)
+    sched.step_valid(2.0)
+    _, again = plateau("--best-checkpoint-metric", "loss")
+    again.load_state_dict(sched.state_dict())
+    assert again.get_lr() == pytest.approx(0.2)
+    assert again.step_valid(1.5) == pytest.approx(0.1)  # the best (1.0) came back with the state
+    ns, sched = plateau("--scheduler_conf", "mode=min")
+    assert ns.scheduler_conf["mode"] == "min"
+
+
+def test_our_schedulers_have_a_no_op_step_valid():
+    for name in ("PolynomialDecayScheduler", "constant", "inverse_sqrt", "cosine"):
+        ns = cfg_of("--lr-scheduler", name, "--max-update", "10", "--warmup-updates", "0")
+        sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+        lr = sched.step_update(3)
+        assert sched.step_valid(0.0) == lr and sched.step_update(3) == lr
+
+
+def test_scheduler_names_any_case():
+    assert cfg_of("--scheduler", "COSINE").lr_scheduler == "cosine"
+    assert cfg_of("--scheduler", "reducelronplateau").lr_scheduler == "ReduceLROnPlateau"
+    assert cfg_of("--lr-scheduler", "polynomialdecayscheduler").lr_scheduler == "PolynomialDecayScheduler"
+
+
+def test_optim_conf_and_options_agree_in_print_config(capsys):
+    import yaml
+
+    from textbox_like.cli import main
+    capsys.readouterr()
+    assert main(["--optim", "adadelta", "--print_config"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert {"lr", "rho", "eps", "weight_decay", "maximize", "foreach"} <= set(data["optim_conf"])
+    assert data["optim_conf"]["rho"] == data["adadelta_rho"]
+    assert data["optim_conf"]["lr"] == data["lr"][0]
+
+
+def test_a_later_layer_wins_between_option_and_optim_conf(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: adadelta\noptim_conf: {rho: 0.7, lr: 0.5}\n")
+    ns = cfg_of("--config", path, "--adadelta_rho", "0.95")
+    assert ns.optim_conf["rho"] == 0.95 and ns.adadelta_rho == 0.95
+    assert ns.optim_conf["lr"] == 0.5 and ns.lr == [0.5]
+    ns = cfg_of("--config", path, "--lr", "0.25")
+    assert ns.optim_conf["lr"] == 0.25
+    path.write_text("optimizer: adadelta\nadadelta_rho: 0.8\noptim_conf: {rho: 0.7}\n")
+    from textbox_like.errors import UserError
+    with pytest.raises(UserError, match="rho"):
+        cfg_of("--config", path)
+
+
+def test_per_epoch_lr_list_survives_optim_conf():
+    ns = cfg_of("--lr", "0.3,0.2,0.1", "--max-update", "10")
+    assert ns.lr == [0.3, 0.2, 0.1] and ns.optim_conf["lr"] == 0.3
+
+
+def test_printed_config_of_a_torch_scheduler_feeds_back(capsys, tmp_path):
+    from textbox_like.cli import main
+    capsys.readouterr()
+    assert main(["--scheduler", "CosineAnnealingLR", "--optim", "rmsprop", "--max-epoch", "2",
+                 "--print_config"]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "c.yaml").write_text(text)
+    assert main(["--config", str(tmp_path / "c.yaml"), "--print_config"]) == 0
+    assert capsys.readouterr().out == text
