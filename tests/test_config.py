@@ -1,6 +1,8 @@
 """Configuration: spellings, aliases, dict options, layering, --print_config."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 import pytest
 
@@ -318,3 +320,70 @@ def test_unknown_key_in_config_file_names_closest(tmp_path):
     path.write_text("max_updat: 3\n")
     with pytest.raises(UserError, match="max_update"):
         parse(["--config", str(path)])
+
+
+# ---------------------------------------------------------------- switches take values
+@pytest.mark.parametrize("args,expected", [
+    (["--resume"], True), (["--resume", "true"], True), (["--resume", "True"], True), (["--resume=YES"], True),
+    (["--resume", "1"], True), (["--resume", "false"], False), (["--resume", "No"], False),
+    (["--resume=0"], False), ([], False),
+])
+def test_switch_values(args, expected):
+    assert cfg_of(*args).resume is expected
+
+
+@pytest.mark.parametrize("flag", ["--find_unused_parameters=True", "--find-unused-parameters", "--cudnn_deterministic=true"])
+def test_espnet_switch_spellings(flag):
+    ns = cfg_of(flag)
+    assert ns.find_unused_parameters or ns.cudnn_deterministic
+
+
+def test_every_switch_takes_values():
+    from textbox_like.cli import build_options
+    options = build_options()
+    assert {"resume", "fp16", "no_save", "nesterov", "checkpointing", "fast_stat_sync"} <= options.switches
+    for dest in options.switches:
+        flag = next(s for s in options.actions[dest].option_strings if s.startswith("--"))
+        assert getattr(cfg_of(f"{flag}=false"), dest) is False
+        assert getattr(cfg_of(flag, "yes"), dest) is True
+
+
+@pytest.mark.parametrize("text,expected", [("true", True), ("'True'", True), ("no", False), ("'0'", False),
+                                           ("1", True)])
+def test_switch_values_in_yaml(tmp_path, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"resume: {text}\n")
+    assert cfg_of("--config", path).resume is expected
+
+
+def test_alias_names_as_config_file_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.02\nnum_epochs: 3\nvalid_batch_size: 7\noptim: sgd\n")
+    ns = cfg_of("--config", path)
+    assert (ns.lr, ns.max_epoch, ns.max_sentences_valid, ns.optimizer) == ([0.02], 3, 7, "sgd")
+
+
+def test_ngpu_sets_processes_on_this_node():
+    assert cfg_of("--ngpu", "2").distributed_world_size == 2
+    assert cfg_of("--ngpu", "0").cpu is True
+    ns = cfg_of("--ngpu", "2", "--distributed-init-method", "tcp://a:1", "--distributed-world-size", "3")
+    assert ns.distributed_gpus == 2 and ns.distributed_world_size == 3
+
+
+def test_device_option():
+    assert cfg_of("--device", "cpu").cpu is True
+    assert cfg_of("--device", "cuda1").device_id == 1
+    assert cfg_of("--device", "cuda:0").device_id == 0
+
+
+def test_save_dir_from_prefix_and_name(tmp_path):
+    assert cfg_of("--output-prefix", tmp_path, "--experiment-name", "a").save_dir == str(tmp_path / "a")
+    assert cfg_of("--experiment-name", "a").save_dir == str(Path("checkpoints") / "a")
+    # fed back through config.yaml: the same directory, not PREFIX/NAME/NAME
+    import yaml as _yaml
+    from textbox_like.cli import parse as _parse
+    _, ns, keys = _parse(["--output-prefix", str(tmp_path), "--experiment-name", "a"])
+    path = tmp_path / "c.yaml"
+    path.write_text(C.to_yaml(ns, keys))
+    assert cfg_of("--config", path).save_dir == str(tmp_path / "a")
+    assert cfg_of("--config", path, "--save-dir", tmp_path / "b").save_dir == str(tmp_path / "b")

@@ -83,6 +83,21 @@ def test_eval_defaults_to_the_runs_data_and_valid_subset(trained, mnist_dir, cap
     assert record["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-5)
 
 
+def test_eval_hetseq_mnist_dir(trained, small_mnist_dir, capsys):
+    ckpt = trained / "checkpoint_last.pt"
+    rc, out, _ = eval_in_process(capsys, "--model_ckpt", ckpt, "--mnist_dir", small_mnist_dir, "--json", "true")
+    assert rc == 0
+    assert json.loads(out.strip().splitlines()[-1])["samples"] == N_SMALL_TEST
+
+
+def test_eval_bad_switch_value_is_one_line(trained, capsys):
+    with pytest.raises(SystemExit) as exc:
+        eval_in_process(capsys, "--model_ckpt", trained / "checkpoint_last.pt", "--json", "maybe")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "maybe" in err[0]
+
+
 def test_eval_other_subset_and_data(trained, mnist_dir, small_mnist_dir, capsys):
     ckpt = trained / "checkpoint_last.pt"
     rc, out, _ = eval_in_process(capsys, "--model_ckpt", ckpt, "--data", mnist_dir, "--subset", "train", "--json")

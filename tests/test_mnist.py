@@ -302,3 +302,78 @@ def test_benchmark_runs_for_mnist(small_mnist_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["task"] == "mnist" and report["ratio_wall_median"] > 0
+
+
+# ---------------------------------------------------------------- torchvision layouts (HetSeq)
+def write_processed(directory, arrays, label_dtype=torch.int64):
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, name in (("train", "training.pt"), ("test", "test.pt")):
+        images, labels = arrays[split]
+        torch.save((torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64)).to(label_dtype)),
+                   directory / name)
+
+
+@pytest.mark.parametrize("layout", ["MNIST/processed", "processed", "."])
+def test_torchvision_processed_files(tmp_path, layout, mnist_arrays):
+    root = tmp_path / "tv"
+    write_processed(root / layout, mnist_arrays)
+    assert M.ensure_mnist(str(root)) == root
+    for split in ("train", "test"):
+        images, labels = M.load_split(root, split)
+        assert np.array_equal(images, mnist_arrays[split][0])
+        assert np.array_equal(labels, mnist_arrays[split][1]) and labels.dtype == np.uint8
+
+
+def test_torchvision_processed_file_that_is_not_mnist_is_a_user_error(tmp_path):
+    root = tmp_path / "tv" / "MNIST" / "processed"
+    root.mkdir(parents=True)
+    torch.save({"not": "mnist"}, root / "training.pt")
+    torch.save((torch.zeros(3, 5, 5, dtype=torch.uint8), torch.zeros(3)), root / "test.pt")
+    for split in ("train", "test"):
+        with pytest.raises(UserError, match="MNIST"):
+            M.load_split(tmp_path / "tv", split)
+
+
+def test_processed_file_with_code_is_refused(tmp_path):
+    """weights_only=True: a pickle that would run code is an error, not code run."""
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+    root = tmp_path / "tv" / "processed"
+    root.mkdir(parents=True)
+    with open(root / "training.pt", "wb") as handle:
+        pickle.dump(Evil(), handle)
+    with open(root / "test.pt", "wb") as handle:
+        pickle.dump(Evil(), handle)
+    with pytest.raises(UserError):
+        M.load_split(tmp_path / "tv", "train")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_torchvision_raw_root_given_as_its_mnist_dir(tmp_path, mnist_arrays):
+    """--data ROOT/MNIST (holding raw/) works like --data ROOT."""
+    write_mnist(tmp_path / "root" / "MNIST" / "raw")
+    images, _ = M.load_split(tmp_path / "root" / "MNIST", "test")
+    assert np.array_equal(images, mnist_arrays["test"][0])
+
+
+def test_training_data_file_selects_its_directory(mnist_dir):
+    _, ns, _ = parse(["--training-data", str(mnist_dir / "train-images-idx3-ubyte.gz")])
+    assert ns.data == str(mnist_dir)
+
+
+def test_required_batch_size_multiple_rounds_fixed_batches():
+    from textbox_like.data.iterators import EpochBatchIterator, round_batch_size
+    from textbox_like.data.base import BatchDataset
+    assert [round_batch_size(b, 8) for b in (30, 32, 5, 8, 9)] == [24, 32, 5, 8, 8]
+
+    class Data(BatchDataset):
+        def __len__(self):
+            return 100
+
+        def get_batch(self, indices):
+            return indices
+    iterator = EpochBatchIterator(Data(), 1, 0, 1, [30], multiple=8)
+    iterator.set_epoch(1)
+    sizes = [int(count) for _, count in iterator]
+    assert sizes[:-1] == [24] * (len(sizes) - 1) and sum(sizes) == 100
