@@ -1,0 +1,327 @@
+"""Faults during a run (issue 13): divergence, a single NaN batch, a full disk,
+a corrupt newest checkpoint, an unwritable save dir, data that goes away.
+
+Subprocess runs where the exit code and the exact stderr matter; in-process
+Trainer runs where a fault is injected by monkeypatching (no environment
+variable hooks exist in the source, and none are needed).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import io
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import N_SMALL_TEST, N_SMALL_TRAIN, _reset_accelerate, read_jsonl, run_cli, run_main, write_mnist
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_faults")
+    write_mnist(directory, n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=10)
+    return directory
+
+
+def mnist_args(data, out, *extra, max_update=6):
+    return ["--task", "mnist", "--data", str(data), "--max-sentences", "8", "--max-update", str(max_update),
+            "--save-dir", str(out), "--threads", "1", "--log-format", "simple", "--report_to", "none",
+            *map(str, extra)]
+
+
+def error_lines(stderr):
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def build_trainer(argv):
+    """A Trainer as cli.main/cli.run would build it for one process."""
+    from textbox_like import distributed
+    from textbox_like.cli import check, parse
+    from textbox_like.trainer import Trainer
+    _reset_accelerate()
+    options, ns, keys = parse([str(a) for a in argv])
+    check(options, ns)
+    assert distributed.placement_from_env(ns) is None and distributed.local_plan(ns) is None
+    distributed.apply_determinism(ns)
+    return Trainer(ns, keys), ns, keys
+
+
+def run_trainer(trainer):
+    """trainer.train() with the handling of textbox_like.trainer.train (exit codes, one line)."""
+    from textbox_like.faults import DataUnavailable, RunStopped
+    try:
+        try:
+            return trainer.train()
+        except DataUnavailable as exc:
+            trainer.save(end_of_epoch=False, is_best=False, final=True)
+            print(f"error: {exc}", flush=True, file=__import__("sys").stderr)
+            return exc.exit_code
+        except RunStopped as exc:
+            print(f"error: {exc}", file=__import__("sys").stderr)
+            return exc.exit_code
+    finally:
+        _reset_accelerate()
+
+
+def assert_bitwise_equal(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# ------------------------------------------------------------ divergence
+@pytest.mark.parametrize("limit", [None, 3])
+def test_divergence_stops_with_65_and_keeps_finite_checkpoints(data, tmp_path, limit):
+    out = tmp_path / "out"
+    extra = ["--optimizer", "sgd", "--lr", "1e4", "--save-interval-updates", "2", "--keep-interval-updates", "2",
+             "--log-interval", "1"] + (["--max-nonfinite-updates", str(limit)] if limit else [])
+    proc = run_cli(mnist_args(data, out, *extra, max_update=30))
+    assert proc.returncode == 65, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "learning rate" in errors[0], errors[0]
+    limit = limit or 10
+    skipped = [int(m.group(1)) for m in re.finditer(r"^update (\d+): gradient norm \S+ is not finite; update skipped",
+                                                   proc.stderr, re.M)]
+    assert skipped, proc.stderr[-3000:]
+    # the run stops at the limit-th consecutive skip, no later
+    assert len(skipped) == limit, proc.stderr[-3000:]
+    assert f"update {skipped[0]}" in errors[0]
+    updates = [r["update"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert max(updates) == skipped[0] - 1  # no update was counted after the first skipped one
+    # the last finite checkpoint is named, and exists
+    named = re.search(r"last finite checkpoint is (\S+\.pt)", errors[0])
+    assert named and Path(named.group(1)).is_file(), errors[0]
+    kept = sorted(out.glob("checkpoint*.pt"))
+    assert kept, "no checkpoint left"
+    from textbox_like.checkpoint import load_checkpoint
+    for path in kept:
+        state = load_checkpoint(path)
+        for name, tensor in state["model"].items():
+            if torch.is_floating_point(tensor):
+                assert torch.isfinite(tensor).all(), (path.name, name)
+        assert state["train"]["num_updates"] < skipped[0]
+
+
+def test_single_nan_batch_is_skipped_and_training_goes_on(data, tmp_path):
+    trainer, ns, _ = build_trainer(mnist_args(data, tmp_path / "out", "--log-interval", "1", "--no-save",
+                                              "--disable-validation", max_update=8))
+    task = trainer.task
+    real_loss = task.loss
+    calls = {"n": 0}
+
+    def loss(model, batch):
+        calls["n"] += 1
+        terms, stats = real_loss(model, batch)
+        if calls["n"] == 3:
+            nan = float("nan")
+            terms = {k: v * nan for k, v in terms.items()} if isinstance(terms, dict) else terms * nan
+        return terms, stats
+
+    task.loss = loss
+    real_step = trainer.train_step
+    record = []
+
+    def snapshot():
+        module = trainer.accelerator.unwrap_model(trainer.model)
+        model = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return {"model": model, "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+                "lr": [g["lr"] for g in trainer.optimizer.param_groups], "scheduler_lr": trainer.scheduler.get_lr(),
+                "scheduler_updates": trainer.scheduler.num_updates, "num_updates": trainer.state.num_updates,
+                "updates_in_epoch": trainer.state.updates_in_epoch}
+
+    def train_step(micro_batches, totals):
+        before = snapshot()
+        stepped = real_step(micro_batches, totals)
+        record.append((calls["n"], before, stepped, snapshot()))
+        return stepped
+
+    trainer.train_step = train_step
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_trainer(trainer)
+    assert rc == 0, err.getvalue()[-3000:]
+    skipped = [r for r in record if not r[2]]
+    assert len(skipped) == 1 and skipped[0][0] == 3, [(r[0], r[2]) for r in record]
+    _, before, _, after = skipped[0]
+    assert_bitwise_equal(after["model"], before["model"], "model")
+    assert_bitwise_equal(after["optimizer"], before["optimizer"], "optimizer")
+    assert after["lr"] == before["lr"] and after["scheduler_lr"] == before["scheduler_lr"]
+    assert after["scheduler_updates"] == before["scheduler_updates"] == 2
+    assert after["num_updates"] == before["num_updates"] == 2
+    assert after["updates_in_epoch"] == before["updates_in_epoch"] == 2
+    # the next update moves everything again, and the run reaches --max-update
+    nxt = record[record.index(skipped[0]) + 1]
+    assert nxt[2] and nxt[3]["num_updates"] == 3
+    assert any(not torch.equal(nxt[3]["model"][k], nxt[1]["model"][k]) for k in nxt[1]["model"])
+    assert trainer.state.num_updates == 8
+    assert trainer.state.skipped_updates == 1
+    assert len(record) == 9
+    assert "update 3: gradient norm nan is not finite; update skipped (1 in a row)" in err.getvalue()
+    for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters():
+        assert torch.isfinite(p).all(), name
+
+
+# -------------------------------------------------------------- full disk
+def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, monkeypatch):
+    import textbox_like.checkpoint as ckpt
+    out = tmp_path / "out"
+    real_write = ckpt.atomic_write
+    calls = {"n": 0}
+
+    def atomic_write(path, write):
+        calls["n"] += 1
+        if calls["n"] != 2:
+            return real_write(path, write)
+
+        def partial(handle):  # some bytes reach the temporary file, then the disk is full
+            handle.write(b"PK\x03\x04" + b"\0" * 4096)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, partial)
+
+    monkeypatch.setattr(ckpt, "atomic_write", atomic_write)
+    trainer, ns, keys = build_trainer(mnist_args(data, out, "--save-interval-updates", "2", "--disable-validation",
+                                                 "--log-interval", "1", max_update=6))
+    from textbox_like import trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "Trainer", lambda cfg, keys: trainer)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = trainer_module.train(ns, keys)
+        finally:
+            _reset_accelerate()
+    assert rc == 74, err.getvalue()[-3000:]
+    assert calls["n"] == 2
+    errors = error_lines(err.getvalue())
+    assert len(errors) == 1, err.getvalue()[-3000:]
+    line = errors[0]
+    assert str(out / "checkpoint_1_4.pt") in line, line
+    assert "No space left on device" in line, line
+    assert str(out / "checkpoint_1_2.pt") in line, line  # the last good checkpoint
+    leftovers = [p.name for p in out.iterdir() if p.name.startswith(".") or p.suffix in (".tmp", ".lnk")]
+    assert leftovers == [], leftovers
+    assert not (out / "checkpoint_1_4.pt").exists()
+    assert load(out / "checkpoint_last.pt")["train"]["num_updates"] == 2
+
+    monkeypatch.setattr(ckpt, "atomic_write", real_write)  # space freed
+    monkeypatch.undo()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_main(mnist_args(data, out, "--save-interval-updates", "2", "--disable-validation", "--resume",
+                                 "--log-interval", "1", max_update=6))
+    assert rc == 0, err.getvalue()[-3000:]
+    assert re.search(r"resumed from \S*checkpoint_last\.pt: epoch 1, update 2\b", err.getvalue()), \
+        err.getvalue()[-3000:]
+    updates = [r["update"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert updates == [1, 2, 3, 4, 5, 6]
+    assert load(out / "checkpoint_last.pt")["train"]["num_updates"] == 6
+
+
+# ------------------------------------------------- corrupt newest checkpoint
+def test_truncated_last_checkpoint_falls_back_bitwise(data, tmp_path):
+    out = tmp_path / "out"
+    common = ["--save-interval-updates", "3", "--disable-validation", "--log-interval", "1"]
+    proc = run_cli(mnist_args(data, out, *common, max_update=7))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "checkpoint_1_6.pt").is_file()
+    direct = tmp_path / "direct"
+    shutil.copytree(out, direct)
+    last = out / "checkpoint_last.pt"
+    size = last.stat().st_size
+    with open(last, "r+b") as handle:
+        handle.truncate(size // 2)
+
+    resumed = run_cli(mnist_args(data, out, *common, "--resume", max_update=12))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    warnings = [line for line in resumed.stderr.splitlines() if "checkpoint_1_6.pt" in line and "warning" in line]
+    assert len(warnings) == 1, resumed.stderr[-3000:]
+    assert "checkpoint_last.pt" in warnings[0]
+    assert "resumed from" in resumed.stderr and "update 6" in resumed.stderr
+
+    from_file = run_cli(mnist_args(data, direct, *common, "--restore-file", direct / "checkpoint_1_6.pt",
+                                   max_update=12))
+    assert from_file.returncode == 0, from_file.stderr[-3000:]
+    a, b = load(out / "checkpoint_last.pt"), load(direct / "checkpoint_last.pt")
+    assert a["train"]["num_updates"] == b["train"]["num_updates"] == 12
+    assert_bitwise_equal(a["model"], b["model"], "model")
+    assert_bitwise_equal(a["optimizer"], b["optimizer"], "optimizer")
+
+
+def test_explicit_restore_file_failing_digest_is_an_error(data, tmp_path):
+    out = tmp_path / "out"
+    assert run_main(mnist_args(data, out, "--disable-validation", "--log-format", "none", max_update=2)) == 0
+    state = load(out / "checkpoint_last.pt")
+    name = next(k for k, v in state["model"].items() if torch.is_floating_point(v))
+    state["model"][name] = state["model"][name].clone()
+    state["model"][name].view(-1)[0] += 1.0  # one changed weight, the old digest kept
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    proc = run_cli(mnist_args(data, tmp_path / "out2", "--restore-file", bad, max_update=4))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and "digest" in errors[0] and "bad.pt" in errors[0], proc.stderr[-3000:]
+    assert "resuming from" not in proc.stderr
+    assert not (tmp_path / "out2" / "checkpoint_last.pt").exists()
+
+
+# --------------------------------------------------------- unwritable dir
+
+
+# ----------------------------------------------------- data that goes away
+@pytest.fixture(scope="module")
+def bert_data(tmp_path_factory):
+    from test_prepare_bert import write_corpus, write_vocab
+    from textbox_like.data.prepare_bert import main as prepare
+    root = tmp_path_factory.mktemp("bert_faults")
+    vocab = root / "vocab.txt"
+    tokens = write_vocab(vocab)
+    corpus = root / "corpus.txt"
+    write_corpus(corpus, n_docs=60)
+    assert prepare(["--input", str(corpus), "--vocab", str(vocab), "--output", str(root / "shards"),
+                    "--max-seq-length", "32", "--max-predictions-per-seq", "5", "--dupe-factor", "1",
+                    "--valid-fraction", "0.1", "--shards", "3", "--no-progress-bar"]) == 0
+    config = root / "bert_config.json"
+    config.write_text(json.dumps({
+        "attention_probs_dropout_prob": 0.0, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
+        "hidden_size": 16, "initializer_range": 0.02, "intermediate_size": 32, "max_position_embeddings": 32,
+        "num_attention_heads": 2, "num_hidden_layers": 1, "type_vocab_size": 2, "vocab_size": len(tokens)}))
+    return root
+
+
+def bert_args(d, out, *extra, max_update=8):
+    return ["--task", "bert", "--data", str(d / "shards"), "--dict", str(d / "vocab.txt"),
+            "--config_file", str(d / "bert_config.json"), "--save-dir", str(out), "--max-sentences", "4",
+            "--shuffle-block", "4", "--max-update", str(max_update), "--lr", "0.001", "--warmup-updates", "2",
+            "--log-format", "simple", "--log-interval", "1", "--threads", "1", "--report_to", "none",
+            "--disable-validation", *map(str, extra)]
+
+
+def test_save_dir_that_is_a_file_refused(data, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = run_cli(mnist_args(data, blocker, max_update=2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(blocker) in lines[0], proc.stderr
+    assert blocker.read_text() == "x"
