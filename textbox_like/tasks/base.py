@@ -36,6 +36,11 @@ class Task:
         """Register task options on an argparse (sub)parser. Keep it import-light."""
 
     @classmethod
+    def resolve_config(cls, cfg) -> None:
+        """Fill options whose values follow from others (a preset's sizes), so
+        that --print_config and config.yaml show what the run will use."""
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         """Cheap checks of the task's options before any process starts
         (e.g. that --data exists). Raise ``UserError``."""

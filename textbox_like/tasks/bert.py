@@ -66,6 +66,21 @@ class BertTask(Task):
 
     # -- checks before anything heavy ---------------------------------------
     @classmethod
+    def resolve_config(cls, cfg):
+        """The preset's sizes as --dimension/--num-heads/--num-layers/--dim-feedforward
+        (options given win), so --print_config shows the model; a --config_file
+        or a transformers --init-checkpoint directory defines them instead."""
+        if cfg.config_file or (not cfg.model_preset and getattr(cfg, "init_checkpoint", None)):
+            return
+        from ..config import PROPERTIES, load_yaml
+        preset = load_yaml(PROPERTIES / "model" / f"{cfg.model_preset or 'base'}.yaml", "model preset")
+        if cfg.dim_feedforward is None:
+            cfg.dim_feedforward = 4 * cfg.dimension if cfg.dimension else preset["intermediate_size"]
+        cfg.dimension = cfg.dimension or preset["hidden_size"]
+        cfg.num_heads = cfg.num_heads or preset["num_attention_heads"]
+        cfg.num_layers = cfg.num_layers or preset["num_hidden_layers"]
+
+    @classmethod
     def check_config(cls, cfg):
         data = getattr(cfg, "data", None)
         if not data:
