@@ -351,8 +351,7 @@ def finalize(options, ns):
     from .lr_scheduler import resolve_scheduler_conf
     from .optim import resolve_optim_conf
     from .tasks import TASKS
-    TASKS.get(ns.task).resolve_config(ns)
-    from .tasks import TASKS
+    TASKS.get(ns.task).resolve_config(ns)  # a preset's sizes, before anything reads them
 
     # precision: Apex/kanachan levels onto ours
     if ns.amp_optimization_level is not None:
