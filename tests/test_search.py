@@ -136,7 +136,7 @@ def test_labels_resolve_through_the_trainers_parser(options):
                         ("epochs", "max_epoch"), ("grad_clip", "clip_norm"), ("accumulation_steps", "update_freq"),
                         ("seed", "seed")]:
         assert SP.resolve_label(label, options, "f line 1") == dest, label
-    with pytest.raises(UserError, match=r"f line 3: 'embedding_size' is not an option.*did you mean"):
+    with pytest.raises(UserError, match=r"f line 3: 'embedding_size' is not an option of run_hetseq.py \(the closest option is '"):
         SP.resolve_label("embedding_size", options, "f line 3")
 
 

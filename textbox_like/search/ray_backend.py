@@ -58,6 +58,8 @@ def start_ray(address, root, out=print):
     require_ray()
     _check_address(address)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")         # no progress tables on stdout (verbose=0)
+    if address and "RAY_AUTH_MODE" not in os.environ and Path("~/.ray/auth_token").expanduser().exists():
+        os.environ["RAY_AUTH_MODE"] = "token"     # `ray start --head` (Ray >= 2.5x) enables token authentication
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     import ray
     env = {"PYTHONPATH": str(root) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH")
@@ -70,8 +72,10 @@ def start_ray(address, root, out=print):
         else:
             temp = os.environ.get("TEXTBOX_LIKE_RAY_TMP", f"/tmp/ray_tbl_{os.getuid()}")
             ray.init(num_cpus=cpu_count(), _temp_dir=temp, include_dashboard=False, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
+    except Exception as exc:                  # ConnectionError, AuthenticationError, RuntimeError ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if "auth" in first.lower():
+            first += " (Ray's token authentication: export RAY_AUTH_MODE=token with the head's ~/.ray/auth_token)"
         raise UserError(f"--ray-address {address or '(local)'}: cannot join Ray: {first}") from None
     resources = ray.cluster_resources()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -328,7 +332,6 @@ def _ray_search(ray, setup, args, out):
             params, _ = setup.sampler.ask(k)
             points.append({**params, "__dir__": f"trial_{k}", "__key__": k})
         param_space = {"__point__": tune.grid_search(points)}
-        spec["names"] = []
         trainable = _unpack_point(make_trainable(spec), list(setup.space))
         tune_config = tune.TuneConfig(metric=setup.metric, mode=mode, num_samples=1, scheduler=scheduler,
                                       max_concurrent_trials=setup.parallel)

@@ -152,6 +152,8 @@ def search_png(path, records, space, metric, maximize):
     for ax, name in zip(axes[1:], names):
         p = space[name]
         pts = [(r["params"].get(name), r["value"]) for r in ok if name in (r.get("params") or {})]
+        pc = ["tab:orange" if r.get("status") == "stopped" else "tab:blue" for r in ok
+              if name in (r.get("params") or {})]
         label = p.label or name
         if p.kind in ("choice", "pchoice") or any(not isinstance(x, (int, float)) or isinstance(x, bool)
                                                    for x, _ in pts):
@@ -159,12 +161,12 @@ def search_png(path, records, space, metric, maximize):
             for x, _ in pts:
                 if str(x) not in cats:
                     cats.append(str(x))
-            ax.scatter([cats.index(str(x)) for x, _ in pts], [y for _, y in pts], zorder=3)
+            ax.scatter([cats.index(str(x)) for x, _ in pts], [y for _, y in pts], c=pc, zorder=3)
             ax.set_xticks(range(len(cats)))
             ax.set_xticklabels(cats, rotation=30 if max((len(c) for c in cats), default=0) > 6 else 0)
             ax.set_xlim(-0.5, len(cats) - 0.5)
         else:
-            ax.scatter([x for x, _ in pts], [y for _, y in pts], zorder=3)
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], c=pc, zorder=3)
             if p.kind in ("loguniform", "qloguniform", "lognormal", "qlognormal") and pts and \
                     all(x > 0 for x, _ in pts):
                 ax.set_xscale("log")
