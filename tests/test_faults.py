@@ -286,6 +286,33 @@ def test_explicit_restore_file_failing_digest_is_an_error(data, tmp_path):
 
 
 # --------------------------------------------------------- unwritable dir
+def test_unwritable_save_dir_refused_before_data_loads(data, tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    from textbox_like.tasks import TASKS
+    task_class = TASKS.get("mnist")
+    touched = []
+    for method in ("prepare_data", "build_dataset"):
+        real = getattr(task_class, method)
+        monkeypatch.setattr(task_class, method,
+                            lambda self, *a, _m=method, _r=real, **k: (touched.append(_m), _r(self, *a, **k))[1])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_main(mnist_args(data, blocker / "sub" / "out", max_update=2))
+    assert rc == 2, err.getvalue()
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert str(blocker / "sub" / "out") in lines[0]
+    assert touched == []
+
+
+def test_unwritable_save_dir_subprocess_one_line(data, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = run_cli(mnist_args(data, blocker / "out", max_update=2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(error_lines(proc.stderr)) == 1
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1, proc.stderr
 
 
 # ----------------------------------------------------- data that goes away
@@ -315,6 +342,70 @@ def bert_args(d, out, *extra, max_update=8):
             "--shuffle-block", "4", "--max-update", str(max_update), "--lr", "0.001", "--warmup-updates", "2",
             "--log-format", "simple", "--log-interval", "1", "--threads", "1", "--report_to", "none",
             "--disable-validation", *map(str, extra)]
+
+
+def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, tmp_path):
+    shards = sorted((bert_data / "shards").glob("*train*.hdf5"))
+    assert len(shards) >= 2, shards
+    fail_at = 4  # the 4th training read: update 4 (update_freq 1, no read-ahead)
+    out = tmp_path / "out"
+    trainer, _, _ = build_trainer(bert_args(bert_data, out, "--num-workers", "0", max_update=8))
+    dataset = trainer.train_data
+    real_get = dataset.get_batch
+    calls = {"n": 0}
+    offsets = []
+    moved = []
+
+    def get_batch(indices):
+        calls["n"] += 1
+        offsets.append((trainer.state.num_updates, trainer.iterator.offset))
+        if calls["n"] == fail_at:
+            # the files go away: rename every train shard, and drop open handles and cached blocks
+            for shard in shards:
+                shard.rename(shard.with_name(shard.name + ".gone"))
+                moved.append(shard)
+            dataset.close()
+        return real_get(indices)
+
+    dataset.get_batch = get_batch
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            from textbox_like import trainer as trainer_module
+            original = trainer_module.Trainer
+            trainer_module.Trainer = lambda cfg, keys: trainer
+            try:
+                rc = trainer_module.train(trainer.cfg, trainer.keys)
+            finally:
+                trainer_module.Trainer = original
+                _reset_accelerate()
+    finally:
+        for shard in moved:  # the data is back
+            shard.with_name(shard.name + ".gone").rename(shard)
+    stderr = err.getvalue()
+    assert rc == 75, stderr[-3000:]
+    errors = error_lines(stderr)
+    assert len(errors) == 1, stderr[-3000:]
+    assert ".hdf5" in errors[0] and "rows" in errors[0], errors[0]
+    assert "--resume" in errors[0]
+    state = load(out / "checkpoint_last.pt")
+    assert state["train"]["num_updates"] == fail_at - 1
+    updates_before, offset_before = offsets[fail_at - 1]
+    assert updates_before == fail_at - 1
+    assert state["iterator"]["offset"] == offset_before == (fail_at - 1) * 4
+    assert state["iterator"]["epoch"] == 1
+
+    # rerun with --resume once the data is back, against an uninterrupted run
+    resumed = run_cli(bert_args(bert_data, out, "--resume", max_update=8), timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"update {fail_at - 1}" in resumed.stderr
+    whole = run_cli(bert_args(bert_data, tmp_path / "whole", max_update=8), timeout=200)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    a, b = load(out / "checkpoint_last.pt"), load(tmp_path / "whole" / "checkpoint_last.pt")
+    assert a["train"]["num_updates"] == b["train"]["num_updates"] == 8
+    assert a["iterator"]["offset"] == b["iterator"]["offset"]
+    assert_bitwise_equal(a["model"], b["model"], "model")
+    assert_bitwise_equal(a["optimizer"], b["optimizer"], "optimizer")
 
 
 def test_save_dir_that_is_a_file_refused(data, tmp_path):

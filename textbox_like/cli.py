@@ -483,6 +483,15 @@ def main(argv=None):
 
 def run(ns, keys):
     from . import distributed
+    if ns.gpu_id is not None:
+        # TextBox's --gpu_id: the GPUs this run may use (set before CUDA
+        # initialises); several of them mean one process each on this node
+        os.environ["CUDA_VISIBLE_DEVICES"] = ns.gpu_id
+        import torch
+        count = len(ns.gpu_id.split(","))
+        if count > 1 and ns.distributed_world_size == 1 and not ns.cpu and torch.cuda.is_available() \
+                and distributed.placement_from_env(ns) is None:
+            ns.distributed_world_size = count
     if distributed.placement_from_env(ns) is None:
         if ns.distributed_no_spawn and ns.distributed_init_method:
             placement = distributed.Placement(

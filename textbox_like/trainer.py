@@ -146,9 +146,9 @@ class Trainer:
 
     def __init__(self, cfg, keys):
         self.cfg, self.keys = cfg, keys
-        self.setup_processes()
         if not cfg.no_save:
             check_writable(cfg.save_dir)  # before minutes of data loading, not at the first save
+        self.setup_processes()
         from accelerate.utils import set_seed
         set_seed(cfg.seed)
         self.task = TASKS.get(cfg.task)(cfg)
@@ -230,7 +230,8 @@ class Trainer:
             else task.default_maximize_best_metric
         self.state = TrainState(best_metric, maximize)
         valid_batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences_valid or cfg.max_sentences or 64)
-        self.validator = Validator(task, self.valid_data, valid_batch_sizes, acc, best_metric, maximize)
+        self.validator = Validator(task, self.valid_data, valid_batch_sizes, acc, best_metric, maximize,
+                                   self.to_device)
         self.checkpoints = CheckpointManager(
             cfg, metadata={"task": cfg.task, "world_size": self.world, "config": to_yaml(cfg, self.keys)},
             parts={"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optimizer,

@@ -6,9 +6,10 @@ from .errors import UserError
 from .meters import StatSums
 
 
-def evaluate(task, model, data, batch_sizes, accelerator):
+def evaluate(task, model, data, batch_sizes, accelerator, to_device=None):
     """Metrics over every sample of ``data``, each rank taking its share
-    (``batch_sizes``: one per rank, or one for all)."""
+    (``batch_sizes``: one per rank, or one for all; ``to_device``: how a
+    batch reaches the model, the task's own by default)."""
     import numpy as np
     import torch
 
@@ -21,8 +22,8 @@ def evaluate(task, model, data, batch_sizes, accelerator):
     with torch.no_grad():
         sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else [batch_sizes] * world
         for row in plan_fixed(len(data), sizes):
-            batch = task.collate_to_device(data.get_batch(np.arange(row[rank], row[rank + 1])),
-                                           accelerator.device)
+            batch = data.get_batch(np.arange(row[rank], row[rank + 1]))
+            batch = to_device(batch) if to_device else task.collate_to_device(batch, accelerator.device)
             with accelerator.autocast():
                 _, stats = task.loss(model, batch)
             sums.add(stats)
@@ -34,7 +35,9 @@ class Validator:
     """Runs :func:`evaluate` on each ``--valid-subset`` and judges the first
     subset's ``metric`` against the best so far (kept in the train state)."""
 
-    def __init__(self, task, datasets: dict, batch_sizes, accelerator, metric: str, maximize: bool):
+    def __init__(self, task, datasets: dict, batch_sizes, accelerator, metric: str, maximize: bool,
+                 to_device=None):
+        self.to_device = to_device
         self.task = task
         self.datasets = datasets
         self.batch_sizes = batch_sizes
@@ -47,7 +50,7 @@ class Validator:
 
     def validate(self, model) -> dict:
         """{subset: metrics} for every validation subset."""
-        return {subset: evaluate(self.task, model, data, self.batch_sizes, self.accelerator)
+        return {subset: evaluate(self.task, model, data, self.batch_sizes, self.accelerator, self.to_device)
                 for subset, data in self.datasets.items()}
 
     def value(self, metrics: dict) -> float:

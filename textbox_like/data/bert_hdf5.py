@@ -70,10 +70,14 @@ def find_shards(data, split, num_file=0):
     return chosen
 
 
-def _open(path):
+def h5py_file(path):
     import h5py
+    return h5py.File(path, "r")
+
+
+def _open(path):
     try:
-        return h5py.File(path, "r")
+        return h5py_file(path)
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"shard {str(path)!r} is not a readable HDF5 file ({first}); "
@@ -188,9 +192,10 @@ class BertHDF5Dataset(BatchDataset):
         handle = self._handles.get(i)
         if handle is None:
             try:
-                handle = _open(self.files[i])
-            except UserError as exc:  # it was readable at start: it went away or broke mid-run
-                raise DataUnavailable(str(exc)) from None
+                handle = h5py_file(self.files[i])
+            except OSError as exc:  # it was readable at start: it went away or broke mid-run
+                raise DataUnavailable(f"shard {self.files[i]!r} can no longer be opened ({os_reason(exc)})") \
+                    from None
             self._handles[i] = handle
             while len(self._handles) > self.max_open:
                 _, old = self._handles.popitem(last=False)
@@ -216,7 +221,10 @@ class BertHDF5Dataset(BatchDataset):
         while pos < hi:
             start = pos - int(self.offsets[i])
             stop = min(hi, int(self.offsets[i + 1])) - int(self.offsets[i])
-            handle = self._handle(i)
+            try:
+                handle = self._handle(i)
+            except DataUnavailable as exc:
+                raise DataUnavailable(f"{exc} reading rows {start}..{stop}") from None
             try:
                 for key in KEYS:
                     if key in ("masked_lm_positions", "masked_lm_ids"):
