@@ -53,7 +53,7 @@ def main(argv=None):
         from accelerate import Accelerator
 
         from .tasks import TASKS
-        from .trainer import evaluate
+        from .validate import evaluate
         task = TASKS.get(cfg.task)(cfg)
         task.check_config(cfg)
         task.prepare_data()

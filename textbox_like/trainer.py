@@ -34,7 +34,7 @@ from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .tasks import TASKS
-from .validate import Validator, evaluate  # noqa: F401  (evaluate: the eval command's entry)
+from .validate import Validator
 
 
 class TrainState:
