@@ -70,6 +70,23 @@ def test_ray_tpe_asha_six_trials(tmp_path, tiny_mnist):
     assert no_ray_left(tmp_path)
 
 
+def test_ray_exhaustive_runs_the_local_backends_trials(tmp_path, tiny_mnist):
+    from textbox_like import search as S
+    from textbox_like.cli import build_options
+    (tmp_path / "s.test").write_text("learning_rate loguniform (-8, -4)\noptimizer choice ['adam', 'sgd']\n")
+    proc = script("run_hyper.py", ["--backend", "ray", "--space", "s.test", "--algo", "exhaustive", "--seed", "2",
+                                   "--parallel", "2", "--output", "out", "--data", tiny_mnist, "--max-update", "2",
+                                   *TRAIN], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = {r["trial"]: r for r in map(json.loads, (tmp_path / "out" / "hyper_results.jsonl").read_text()
+                                          .splitlines())}
+    sampler = S.Sampler(S.load_space(tmp_path / "s.test", build_options()), "exhaustive", 2)
+    assert [records[k]["params"] for k in (1, 2)] == [sampler.ask(k)[0] for k in (1, 2)]
+    for k in (1, 2):
+        command = (tmp_path / "out" / f"trial_{k}" / "command.txt").read_text()
+        assert f"--optimizer={records[k]['params']['optimizer']}" in command
+
+
 def test_ray_multi_seed(tmp_path, tiny_mnist):
     proc = script("run_multi_seed.py", ["--backend", "ray", "--seeds", "4,9", "--parallel", "2", "--output", "out",
                                         "--data", tiny_mnist, "--max-update", "4", "--validate-interval-updates",

@@ -71,7 +71,8 @@ def start_ray(address, root, out=print):
             ray.init(address=address, **kwargs)
         else:
             temp = os.environ.get("TEXTBOX_LIKE_RAY_TMP", f"/tmp/ray_tbl_{os.getuid()}")
-            ray.init(num_cpus=cpu_count(), _temp_dir=temp, include_dashboard=False, **kwargs)
+            # address="local": a new instance even when `ray start` runs a cluster on this machine
+            ray.init(address="local", num_cpus=cpu_count(), _temp_dir=temp, include_dashboard=False, **kwargs)
     except Exception as exc:                  # ConnectionError, AuthenticationError, RuntimeError ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         if "auth" in first.lower():
