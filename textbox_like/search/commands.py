@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import config as C
 from ..errors import UserError
 
 BACKENDS = ("local", "ray")
@@ -26,24 +27,9 @@ def _both(flag):
     return sorted({"--" + body, "--" + body.replace("_", "-"), "--" + body.replace("-", "_")}, key=flag.__ne__)
 
 
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expects a positive integer, got {text!r}")
-    return value
-
-
-def _nonneg(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expects an integer >= 0, got {text!r}")
-    return value
+# the trainer's own value types (config.py), not copies
+_positive = C.positive_int
+_nonneg = C.nonneg_int
 
 
 def _positive_float(text):
