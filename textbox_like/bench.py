@@ -1,16 +1,42 @@
-"""Trainer vs. a plain PyTorch loop of the same work, in one process run.
+"""Benchmarks of the trainer, in one place: against a plain PyTorch loop, across processes, and the BERT loader.
 
     python -m textbox_like.bench mnist [--data DIR] [--updates 300] [--rounds 5] [--threads 1]
     python -m textbox_like.bench bert --model-preset tiny --data DIR --dict vocab.txt --max-sentences 32
+    python -m textbox_like.bench mnist --compile [--compile_mode MODE] [--compile-plain]
+    python -m textbox_like.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300]
+    python -m textbox_like.bench bert-loader [--data DIR] [--batch 32] [--no-train]
 
-Both sides use the same model, batch size, optimizer, clipping, threads and
-data; the trainer is run through its real command line, in this process. The
-plain loop is timed over N updates after a warm-up. The trainer's steady state
-is the difference of two runs (warm-up + N updates, and warm-up alone), so its
-start-up, data loading and warm-up cancel. Rounds alternate the two so that
-drift in machine load hits both alike; the report gives the median ratio of
-wall time and of CPU time (the process's own CPU seconds: with one thread,
-the figure least disturbed by other load on a shared machine).
+mnist, bert: the trainer against a plain loop of the same work. Both sides
+use the same model, batch size, optimizer, clipping, threads and data; the
+trainer is run through its real command line, in this process. The plain loop
+is timed over N updates after a warm-up. The trainer's steady state is the
+difference of two runs (warm-up + N updates, and warm-up alone), so its
+start-up, data loading, warm-up and compilation cancel (one untimed trainer
+run first fills import and compile caches). Rounds alternate the two so that
+drift in machine load hits both alike; the report gives per round and as a
+median the ratio trainer / plain of samples/s, by wall time and by CPU time
+(the process's own CPU seconds: with one thread, the figure least disturbed
+by other load on a shared machine). --compile compiles the trainer's side
+(the trainer's own --compile); the plain loop stays eager unless
+--compile-plain, which wraps its model in torch.compile.
+
+scaling: samples/s of training with 1 process against N processes at one
+thread each (whole trainer runs, subprocesses). Each process keeps its
+batch, so N processes train on N times the samples per update.
+Figures come from the trainer's own metrics.jsonl after its first log window
+(start-up and compilation excluded). expansion = N-process samples/s /
+(N x 1-process samples/s); 1.0 is perfect. Trainer options pass through
+(--update-freq K, --compile, --task bert ...).
+
+bert-loader: how fast the BERT HDF5 loader serves batches (a fresh dataset
+reading its shuffled-block order, cold: every block decompressed once),
+against how fast tiny-BERT training (forward, backward, AdamW step) eats
+them, with the masked-positions MLM head and with BertForPreTraining's full
+head. Without --data, synthetic shards (seq 128, 20 predictions) are written
+to a temporary directory. The target for loader / training is >= 20.
+
+Each mode prints one line per round and a summary on stderr, and one JSON
+object (medians and per-round figures) as the last line of stdout.
 """
 from __future__ import annotations
 
@@ -44,8 +70,15 @@ def plain_optimizer(cfg, model):
     return build_optimizer(cfg, [{"params": list(model.parameters())}])
 
 
+def _maybe_compile(model, compiled, mode):
+    if not compiled:
+        return model
+    import torch
+    return torch.compile(model, mode=None if mode == "default" else mode)
+
+
 @plain_loop("mnist")
-def plain_mnist(cfg, warmup, updates):
+def plain_mnist(cfg, warmup, updates, compiled=False):
     """The loop a person would write for HetSeq's MNIST recipe."""
     import numpy as np
     import torch
@@ -58,6 +91,7 @@ def plain_mnist(cfg, warmup, updates):
     data = MNISTDataset(*load_split(ensure_mnist(cfg.data), "train"))
     model = MNISTNet()
     optimizer = plain_optimizer(cfg, model)
+    forward = _maybe_compile(model, compiled, cfg.compile_mode)
     bs = cfg.max_sentences
     order = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(data)))
     model.train()
@@ -65,10 +99,10 @@ def plain_mnist(cfg, warmup, updates):
     for step in range(warmup + updates):
         if step == warmup:
             start = (time.perf_counter(), time.process_time())
-        i = (step * bs) % (len(data) - bs)
+        i = (step * bs) % max(len(data) - bs, 1)
         idx = order[i:i + bs]
         x, y = data.images.index_select(0, idx), data.labels.index_select(0, idx)
-        loss = F.nll_loss(model(x), y)
+        loss = F.nll_loss(forward(x), y)
         loss.backward()
         if cfg.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
@@ -78,7 +112,7 @@ def plain_mnist(cfg, warmup, updates):
 
 
 @plain_loop("bert")
-def plain_bert(cfg, warmup, updates):
+def plain_bert(cfg, warmup, updates, compiled=False):
     """transformers' BertForPreTraining as its documentation uses it: labels
     over all positions, the 30k-way MLM head over every token."""
     import numpy as np
@@ -95,6 +129,7 @@ def plain_bert(cfg, warmup, updates):
     batch_all = data.get_batch(np.arange(n))  # in memory: no I/O inside the timed loop
     model = BertForPreTraining(task.model_config())
     optimizer = plain_optimizer(cfg, model)
+    forward = _maybe_compile(model, compiled, cfg.compile_mode)
     bs = cfg.max_sentences
     model.train()
     start = None
@@ -104,9 +139,9 @@ def plain_bert(cfg, warmup, updates):
         i = (step * bs) % max(n - bs, 1)
         b = {k: v[i:i + bs] for k, v in batch_all.items()}
         labels = full_labels(b["input_ids"], b["masked_lm_positions"], b["masked_lm_ids"])
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                    token_type_ids=b["token_type_ids"], labels=labels,
-                    next_sentence_label=b["next_sentence_labels"])
+        out = forward(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                      token_type_ids=b["token_type_ids"], labels=labels,
+                      next_sentence_label=b["next_sentence_labels"])
         out.loss.backward()
         if cfg.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
@@ -135,45 +170,333 @@ def trainer_steady_seconds(argv, warmup, updates):
     return long_wall - short_wall, long_cpu - short_cpu
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m textbox_like.bench", allow_abbrev=False,
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("task", choices=sorted(PLAIN_LOOPS))
-    parser.add_argument("--updates", type=int, default=300, help="timed updates per round")
-    parser.add_argument("--warmup", type=int, default=30, help="untimed updates first (also the log window)")
-    parser.add_argument("--rounds", type=int, default=3)
-    args, rest = parser.parse_known_args(argv)
-    task_args = ["--task", args.task] + rest
+def _r(x, digits=3):
+    return round(x, digits)
+
+
+def _fmt_rounds(values):
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+def _user_error(exc):
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------- trainer vs plain loop
+def compare_main(args, rest):
     from .errors import UserError
+    task_args = ["--task", args.mode] + rest + (["--compile"] if args.compile else [])
     try:
         cfg = _cfg_for(task_args)
         if not cfg.max_sentences:
             raise UserError("the benchmark compares fixed batches: give --max-sentences N")
+        if args.updates < 1 or args.warmup < 1 or args.rounds < 1:
+            raise UserError("--updates, --warmup and --rounds must be at least 1")
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _user_error(exc)
     import torch
     threads = cfg.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     trainer_argv = task_args + ["--threads", str(threads)]
-    batch = cfg.max_sentences
+    batch, n = cfg.max_sentences, args.updates
+    sides = (f"trainer ({'compiled' if args.compile else 'eager'}) / "
+             f"plain loop ({'compiled' if args.compile_plain else 'eager'})")
+    print(f"{args.mode}: {sides}, {n} timed updates after {args.warmup}, batch {batch}, {threads} thread(s), "
+          f"{args.rounds} rounds", file=sys.stderr)
+    trainer_seconds(trainer_argv, args.warmup)  # untimed: imports, compile caches
     plain, ours = [], []
     for r in range(args.rounds):
-        plain.append(PLAIN_LOOPS[args.task](cfg, args.warmup, args.updates))
-        ours.append(trainer_steady_seconds(trainer_argv, args.warmup, args.updates))
-        print(f"round {r + 1}: samples/s plain {args.updates * batch / plain[-1][0]:.1f}, "
-              f"trainer {args.updates * batch / ours[-1][0]:.1f}; ratio wall {plain[-1][0] / ours[-1][0]:.3f}, "
-              f"cpu {plain[-1][1] / ours[-1][1]:.3f}", file=sys.stderr)
+        plain.append(PLAIN_LOOPS[args.mode](cfg, args.warmup, n, compiled=args.compile_plain))
+        ours.append(trainer_steady_seconds(trainer_argv, args.warmup, n))
+        if min(ours[-1]) <= 0 or min(plain[-1]) <= 0:
+            raise SystemExit(f"round {r + 1}: {n} updates took no measurable time; raise --updates")
+        print(f"round {r + 1}: samples/s plain {n * batch / plain[-1][0]:.1f}, trainer {n * batch / ours[-1][0]:.1f}; "
+              f"trainer/plain wall {plain[-1][0] / ours[-1][0]:.3f}, cpu {plain[-1][1] / ours[-1][1]:.3f}",
+              file=sys.stderr)
     wall = [p[0] / o[0] for p, o in zip(plain, ours)]
     cpu = [p[1] / o[1] for p, o in zip(plain, ours)]
-    print(json.dumps({
-        "task": args.task, "threads": threads, "batch": batch, "updates": args.updates, "rounds": args.rounds,
-        "plain_samples_per_s": round(args.updates * batch / statistics.median(p[0] for p in plain), 1),
-        "trainer_samples_per_s": round(args.updates * batch / statistics.median(o[0] for o in ours), 1),
-        "ratio_wall_median": round(statistics.median(wall), 3),
-        "ratio_cpu_median": round(statistics.median(cpu), 3),
-        "ratios_wall": [round(x, 3) for x in wall], "ratios_cpu": [round(x, 3) for x in cpu]}))
+    report = {
+        "mode": args.mode, "task": args.mode, "trainer_compiled": args.compile, "plain_compiled": args.compile_plain,
+        "threads": threads, "batch": batch, "updates": n, "warmup": args.warmup, "rounds": args.rounds,
+        "plain_samples_per_s": round(n * batch / statistics.median(p[0] for p in plain), 1),
+        "trainer_samples_per_s": round(n * batch / statistics.median(o[0] for o in ours), 1),
+        "ratio_wall_median": _r(statistics.median(wall)), "ratio_cpu_median": _r(statistics.median(cpu)),
+        "ratios_wall": [_r(x) for x in wall], "ratios_cpu": [_r(x) for x in cpu],
+        "plain_samples_per_s_rounds": [round(n * batch / p[0], 1) for p in plain],
+        "trainer_samples_per_s_rounds": [round(n * batch / o[0], 1) for o in ours],
+        "ratio": "trainer samples/s / plain samples/s (plain seconds / trainer seconds)"}
+    print(f"median of {args.rounds} rounds: samples/s plain {report['plain_samples_per_s']}, trainer "
+          f"{report['trainer_samples_per_s']}\n{sides}: wall {report['ratio_wall_median']:.3f} "
+          f"(rounds {_fmt_rounds(wall)}), cpu {report['ratio_cpu_median']:.3f} (rounds {_fmt_rounds(cpu)})",
+          file=sys.stderr)
+    print(json.dumps(report))
     return 0
+
+
+# ---------------------------------------------------------------- scaling
+def steady_samples_per_s(save_dir):
+    """Samples/s over every train log window after the first, weighted by its length."""
+    records = [json.loads(line) for line in open(Path(save_dir) / "metrics.jsonl")]
+    train = [r for r in records if r["kind"] == "train"]
+    seconds = samples = 0.0
+    for prev, rec in zip(train, train[1:]):
+        dt = (rec["update"] - prev["update"]) / rec["updates_per_s"]
+        seconds += dt
+        samples += rec["samples_per_s"] * dt
+    if seconds <= 0:
+        raise SystemExit(f"scaling: too few log windows in {save_dir}/metrics.jsonl (raise --updates)")
+    return samples / seconds
+
+
+def scaling_run(base_argv, processes, args):
+    import os
+    import subprocess
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "textbox_like", "train", *base_argv,
+               "--max-update", str(args.updates + args.warmup), "--max-epoch", "0",
+               "--log-interval", str(args.warmup), "--log-format", "none", "--disable-validation",
+               "--no-epoch-checkpoints", "--no-last-checkpoints", "--save-dir", out, "--distributed-world-size", str(processes)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr[-4000:])
+            raise SystemExit(f"scaling: the {processes}-process run exited with {done.returncode}")
+        return steady_samples_per_s(out)
+
+
+def scaling_main(args, rest):
+    from .errors import UserError
+    base = ["--task", "mnist", "--max-sentences", "64", *rest, "--threads", str(args.threads)]
+    if args.update_freq:
+        base += ["--update-freq", args.update_freq]
+    if args.compile:
+        base += ["--compile"]
+    try:
+        if args.processes < 2 or args.updates < 1 or args.warmup < 1 or args.rounds < 1:
+            raise UserError("--processes must be at least 2; --updates, --warmup and --rounds at least 1")
+        cfg = _cfg_for(base + ["--max-update", "1"])
+    except UserError as exc:
+        return _user_error(exc)
+    n = args.processes
+    update_freq = cfg.update_freq[0] if isinstance(cfg.update_freq, (list, tuple)) else cfg.update_freq
+    print(f"scaling {cfg.task}: 1 process vs {n}, {args.threads} thread(s) each, batch {cfg.max_sentences} per "
+          f"process, --update-freq {update_freq}, {args.updates} updates after {args.warmup}, {args.rounds} rounds",
+          file=sys.stderr)
+    one, many = [], []
+    for r in range(args.rounds):
+        one.append(scaling_run(base, 1, args))
+        many.append(scaling_run(base, n, args))
+        print(f"round {r + 1}: samples/s 1 process {one[-1]:.1f}, {n} processes {many[-1]:.1f}; "
+              f"speed-up {many[-1] / one[-1]:.3f}, expansion {many[-1] / (n * one[-1]):.3f}", file=sys.stderr)
+    expansion = [m / (n * o) for o, m in zip(one, many)]
+    report = {
+        "mode": "scaling", "task": cfg.task, "processes": n, "threads_per_process": args.threads,
+        "batch_per_process": cfg.max_sentences, "update_freq": update_freq, "compiled": args.compile,
+        "updates": args.updates, "warmup": args.warmup, "rounds": args.rounds,
+        "one_process_samples_per_s": round(statistics.median(one), 1),
+        "n_processes_samples_per_s": round(statistics.median(many), 1),
+        "speedup_median": _r(statistics.median(m / o for o, m in zip(one, many))),
+        "expansion_median": _r(statistics.median(expansion)), "ideal_expansion": 1.0,
+        "expansions": [_r(x) for x in expansion],
+        "one_process_samples_per_s_rounds": [round(x, 1) for x in one],
+        "n_processes_samples_per_s_rounds": [round(x, 1) for x in many],
+        "expansion": f"{n}-process samples/s / ({n} x 1-process samples/s)"}
+    print(f"median of {args.rounds} rounds: samples/s 1 process {report['one_process_samples_per_s']}, {n} processes "
+          f"{report['n_processes_samples_per_s']}\nexpansion ({n}-process / ({n} x 1-process)): "
+          f"{report['expansion_median']:.3f} (rounds {_fmt_rounds(expansion)})", file=sys.stderr)
+    print(json.dumps(report))
+    return 0
+
+
+# ---------------------------------------------------------------- BERT loader
+def synthetic_shards(directory, n=40000, length=128, preds=20, vocab=30522, seed=0):
+    import numpy as np
+
+    from .data.bert_hdf5 import write_shard
+
+    rng = np.random.default_rng(seed)
+    for i, rows in enumerate((n // 2, n - n // 2)):
+        pos = np.sort(rng.choice(np.arange(1, length - 1), (rows, preds)), axis=1).astype(np.int32)
+        write_shard(Path(directory) / f"synth_train_{i}.hdf5", {
+            "input_ids": rng.integers(1000, vocab, (rows, length)).astype(np.int32),
+            "input_mask": np.ones((rows, length), np.int8),
+            "segment_ids": (np.arange(length)[None] >= length // 2).repeat(rows, 0).astype(np.int8),
+            "masked_lm_positions": pos,
+            "masked_lm_ids": rng.integers(1000, vocab, (rows, preds)).astype(np.int32),
+            "next_sentence_labels": rng.integers(0, 2, rows).astype(np.int8)})
+
+
+def bench_loader(files, batch, max_batches, block):
+    """Samples/s of a fresh dataset reading its epoch order batch by batch (cold)."""
+    import torch  # noqa: F401  (imported by training anyway; keep it out of the timing)
+
+    from .data.bert_hdf5 import BertHDF5Dataset
+
+    ds = BertHDF5Dataset(files, block=block)
+    order = ds.epoch_order(seed=1, epoch=1)
+    n_batches = min(max_batches, len(order) // batch)
+    if n_batches < 1:
+        raise SystemExit(f"bert-loader: {len(order)} samples make no batch of {batch}")
+    t0 = time.perf_counter()
+    for b in range(n_batches):
+        ds.get_batch(order[b * batch:(b + 1) * batch])
+    elapsed = time.perf_counter() - t0
+    return n_batches * batch / elapsed, ds, order
+
+
+def bench_train(ds, order, batch, steps, full_head):
+    """Samples/s and seconds per step of tiny-BERT training on the loader's batches."""
+    import torch
+
+    from .models.bert import BertForPreTrainingMasked, build_bert_config, full_labels
+    from .tasks.bert import BertTask
+
+    torch.manual_seed(0)
+    model = BertForPreTrainingMasked(build_bert_config(preset="tiny"))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    task = BertTask(argparse.Namespace())
+    n_batches = max(len(order) // batch, 1)
+    batches = [ds.get_batch(order[(i % n_batches) * batch:(i % n_batches + 1) * batch]) for i in range(steps + 2)]
+
+    def step(b):
+        opt.zero_grad(set_to_none=True)
+        if full_head:
+            labels = full_labels(b["input_ids"], b["masked_lm_positions"], b["masked_lm_ids"])
+            loss = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                         token_type_ids=b["token_type_ids"], labels=labels,
+                         next_sentence_label=b["next_sentence_labels"]).loss
+        else:
+            terms, _ = task.loss(model, b)
+            counts = {"nsamples": b["input_ids"].shape[0], **task.count(b)}
+            loss = sum(term / counts[name] for name, term in terms.items())
+        loss.backward()
+        opt.step()
+
+    for b in batches[:2]:  # warm-up
+        step(b)
+    t0 = time.perf_counter()
+    for b in batches[2:]:
+        step(b)
+    elapsed = time.perf_counter() - t0
+    return steps * batch / elapsed, elapsed / steps
+
+
+def bert_loader_main(args, rest):
+    from .errors import UserError
+    if rest:
+        return _user_error(f"bert-loader: unknown option(s) {' '.join(rest)}")
+    if args.rounds < 1 or args.batch < 1 or args.steps < 1:
+        return _user_error("--rounds, --batch and --steps must be at least 1")
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from .data.bert_hdf5 import find_shards
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data
+        if data is None:
+            synthetic_shards(tmp, n=args.synthetic_samples)
+            data = tmp
+        try:
+            files = find_shards(data, args.split)
+        except UserError as exc:
+            return _user_error(exc)
+        loader, masked, full = [], [], []
+        ds = None
+        for r in range(args.rounds):
+            rate, ds, order = bench_loader(files, args.batch, args.max_batches, args.block)
+            loader.append(rate)
+            line = f"round {r + 1}: loader {rate:,.0f} samples/s"
+            if not args.no_train:
+                masked.append(bench_train(ds, order, args.batch, args.steps, False))
+                full.append(bench_train(ds, order, args.batch, args.steps, True))
+                line += (f"; training masked head {masked[-1][0]:,.1f}, full head {full[-1][0]:,.1f} samples/s; "
+                         f"loader/training {rate / masked[-1][0]:,.1f}x")
+            print(line, file=sys.stderr)
+    report = {"mode": "bert-loader", "samples": len(ds), "seq_length": int(ds.seq_length),
+              "predictions": int(ds.pred_length), "batch": args.batch, "block": args.block, "rounds": args.rounds,
+              "threads": torch.get_num_threads(), "synthetic": args.data is None,
+              "loader_samples_per_s": round(statistics.median(loader), 1),
+              "loader_samples_per_s_rounds": [round(x, 1) for x in loader]}
+    summary = (f"median of {args.rounds} rounds: loader {report['loader_samples_per_s']:,.0f} samples/s "
+               f"({len(ds):,} samples, seq {ds.seq_length}, {ds.pred_length} predictions, batch {args.batch}, "
+               f"block {args.block})")
+    if not args.no_train:
+        ratio = [lo / m[0] for lo, m in zip(loader, masked)]
+        head = [f[1] / m[1] for m, f in zip(masked, full)]
+        report.update({
+            "train_masked_samples_per_s": round(statistics.median(m[0] for m in masked), 1),
+            "train_full_samples_per_s": round(statistics.median(f[0] for f in full), 1),
+            "loader_over_training_median": _r(statistics.median(ratio), 1),
+            "loader_over_training": [_r(x, 1) for x in ratio], "loader_over_training_target": 20,
+            "masked_head_speedup_median": _r(statistics.median(head), 2),
+            "masked_head_speedups": [_r(x, 2) for x in head],
+            "train_masked_samples_per_s_rounds": [round(m[0], 1) for m in masked],
+            "train_full_samples_per_s_rounds": [round(f[0], 1) for f in full]})
+        summary += (f"\ntrain tiny BERT: masked-positions head {report['train_masked_samples_per_s']:,.1f} samples/s, "
+                    f"BertForPreTraining full head {report['train_full_samples_per_s']:,.1f}; masked head "
+                    f"{report['masked_head_speedup_median']:.2f}x faster"
+                    f"\nloader / training (masked head): {report['loader_over_training_median']:,.1f}x "
+                    f"(rounds {' '.join(f'{x:.1f}' for x in ratio)}; target >= 20x)")
+    print(summary, file=sys.stderr)
+    print(json.dumps(report))
+    return 0
+
+
+# ---------------------------------------------------------------- command line
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m textbox_like.bench", allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                     epilog="python -m textbox_like.bench MODE --help: the mode's options")
+    modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
+
+    def common(p, updates=300, rounds_help="alternating rounds; medians are reported"):
+        p.add_argument("--rounds", type=int, default=5, help=f"{rounds_help} (default 5)")
+        p.add_argument("--updates", type=int, default=updates, help=f"timed updates per run (default {updates})")
+        p.add_argument("--warmup", type=int, default=30,
+                       help="untimed updates first (scaling: the first log window, left out) (default 30)")
+        p.add_argument("--compile", action="store_true",
+                       help="compile the trainer's model (the trainer's --compile; --compile_mode passes through)")
+
+    for task in sorted(PLAIN_LOOPS):
+        p = modes.add_parser(task, allow_abbrev=False, help=f"{task}: trainer vs. a plain PyTorch loop",
+                             description=f"{task}: the trainer against a plain PyTorch loop of the same work. "
+                                         f"Other options go to the trainer (--data, --threads, --max-sentences ...).")
+        common(p)
+        p.add_argument("--compile-plain", "--compile_plain", action="store_true",
+                       help="wrap the plain loop's model in torch.compile (--compile_mode) too")
+    p = modes.add_parser("scaling", allow_abbrev=False, help="1 process vs N processes at one thread each",
+                         description="1 process vs N processes (subprocess trainer runs), samples/s and expansion. "
+                                     "Other options go to the trainer (--data, --task, --max-sentences 64 ...).")
+    common(p)
+    p.add_argument("--processes", type=int, default=2, help="N (default 2)")
+    p.add_argument("--update-freq", "--update_freq", default=None, help="the trainer's --update-freq K")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p = modes.add_parser("bert-loader", aliases=["bert_loader"], allow_abbrev=False,
+                         help="the BERT HDF5 loader alone vs tiny-BERT training",
+                         description="samples/s of the BERT HDF5 loader against tiny-BERT training.")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; medians are reported (default 5)")
+    p.add_argument("--data", default=None, help="directory or file of shards (default: synthetic)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--max-batches", type=int, default=2000, help="loader batches to time per round")
+    p.add_argument("--block", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=10, help="training steps to time per round")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--no-train", action="store_true", help="time the loader only")
+    p.add_argument("--synthetic-samples", type=int, default=40000, help="rows of synthetic shards without --data")
+    return parser
+
+
+def main(argv=None):
+    args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if args.mode == "scaling":
+        return scaling_main(args, rest)
+    if args.mode in ("bert-loader", "bert_loader"):
+        return bert_loader_main(args, rest)
+    return compare_main(args, rest)
 
 
 if __name__ == "__main__":

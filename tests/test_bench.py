@@ -1,0 +1,141 @@
+"""python -m textbox_like.bench, every mode on tiny settings. Nothing here is
+timed: the tests check that each mode runs and reports what it promises
+(medians, per-round figures, ratios), never the figures themselves."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_bert_train import bert_data  # noqa: F401  (fixture)
+from textbox_like import bench
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def run_bench(*args, timeout=280):
+    out = subprocess.run([PY, "-m", "textbox_like.bench", *map(str, args)], capture_output=True, text=True,
+                         cwd=REPO, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def bench_in_process(capsys, *args):
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main([str(a) for a in args]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    return json.loads(out.out.strip().splitlines()[-1]), out.err
+
+
+# ---------------------------------------------------------------- trainer vs plain loop
+@pytest.mark.timeout(300)
+def test_benchmark_runs_for_mnist(small_mnist_dir):
+    report, err = run_bench("mnist", "--data", small_mnist_dir, "--updates", 4, "--warmup", 2, "--rounds", 2,
+                            "--threads", 1)
+    assert report["mode"] == report["task"] == "mnist" and report["rounds"] == 2
+    assert report["trainer_compiled"] is False and report["plain_compiled"] is False
+    for key in ("ratios_wall", "ratios_cpu", "plain_samples_per_s_rounds", "trainer_samples_per_s_rounds"):
+        assert len(report[key]) == 2 and all(x > 0 for x in report[key])
+    assert report["ratio_wall_median"] > 0 and report["ratio_cpu_median"] > 0
+    assert err.count("round ") >= 2 and "trainer (eager) / plain loop (eager): wall" in err
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_runs_for_bert(bert_data):  # noqa: F811
+    report, _ = run_bench("bert", "--data", bert_data / "shards", "--dict", bert_data / "vocab.txt",
+                          "--config_file", bert_data / "bert_config.json", "--max-sentences", 8,
+                          "--updates", 3, "--warmup", 1, "--rounds", 1, "--threads", 1)
+    assert report["task"] == "bert" and report["ratio_wall_median"] > 0 and len(report["ratios_cpu"]) == 1
+
+
+def test_compile_goes_to_the_trainer_and_compile_plain_to_the_plain_loop(small_mnist_dir, capsys, monkeypatch):
+    """Wiring only (compiling for real takes minutes here): --compile reaches the
+    trainer's command line, --compile-plain wraps the plain loop's model."""
+    trainer_argvs, compiled = [], []
+    monkeypatch.setattr(bench, "trainer_seconds", 
+                        lambda argv, updates: (trainer_argvs.append(argv), (0.1 * updates, 0.1 * updates))[1])
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: (compiled.append((type(model).__name__, mode)),
+                                                                    model)[1])
+    report, err = bench_in_process(capsys, "mnist", "--data", small_mnist_dir, "--updates", 2, "--warmup", 1,
+                                   "--rounds", 1, "--threads", 1, "--compile", "--compile_mode", "max-autotune",
+                                   "--compile-plain")
+    assert trainer_argvs and all("--compile" in argv for argv in trainer_argvs)
+    assert all(argv[argv.index("--compile_mode") + 1] == "max-autotune" for argv in trainer_argvs)
+    assert compiled == [("MNISTNet", "max-autotune")]
+    assert report["trainer_compiled"] is True and report["plain_compiled"] is True
+    assert "trainer (compiled) / plain loop (compiled)" in err
+
+    trainer_argvs.clear(), compiled.clear()
+    report, err = bench_in_process(capsys, "mnist", "--data", small_mnist_dir, "--updates", 2, "--warmup", 1,
+                                   "--rounds", 1, "--threads", 1, "--compile")
+    assert all("--compile" in argv for argv in trainer_argvs) and compiled == []
+    assert report["trainer_compiled"] is True and report["plain_compiled"] is False
+
+
+# ---------------------------------------------------------------- scaling
+def test_scaling_expansion_and_update_freq(capsys, monkeypatch):
+    """Per-round figures, medians and expansion = N-process / (N x 1-process), from stubbed runs."""
+    rates = iter([100.0, 180.0, 90.0, 171.0, 110.0, 187.0])   # (1 process, 2 processes) per round
+    calls = []
+    monkeypatch.setattr(bench, "scaling_run", lambda base, n, args: (calls.append((base, n)), next(rates))[1])
+    report, err = bench_in_process(capsys, "scaling", "--processes", 2, "--update-freq", 4, "--rounds", 3,
+                                   "--updates", 5)
+    assert [n for _, n in calls] == [1, 2] * 3
+    base = calls[0][0]
+    assert base[base.index("--update-freq") + 1] == "4" and base[base.index("--threads") + 1] == "1"
+    assert report["mode"] == "scaling" and report["processes"] == 2 and report["update_freq"] == 4
+    assert report["expansions"] == [0.9, 0.95, 0.85] and report["expansion_median"] == 0.9
+    assert report["one_process_samples_per_s_rounds"] == [100.0, 90.0, 110.0]
+    assert report["one_process_samples_per_s"] == 100.0 and report["n_processes_samples_per_s"] == 180.0
+    assert "expansion (2-process / (2 x 1-process)): 0.900" in err
+
+
+@pytest.mark.timeout(300)
+def test_scaling_runs_two_processes(small_mnist_dir):
+    report, err = run_bench("scaling", "--data", small_mnist_dir, "--updates", 2, "--warmup", 2, "--rounds", 1,
+                            "--update-freq", 2, "--max-sentences", 32)
+    assert report["processes"] == 2 and report["update_freq"] == 2 and report["batch_per_process"] == 32
+    assert report["one_process_samples_per_s"] > 0 and report["n_processes_samples_per_s"] > 0
+    assert len(report["expansions"]) == 1 and report["expansion_median"] > 0
+    assert "expansion (2-process / (2 x 1-process))" in err
+
+
+# ---------------------------------------------------------------- BERT loader
+@pytest.mark.timeout(300)
+def test_bert_loader_synthetic():
+    report, err = run_bench("bert-loader", "--synthetic-samples", 64, "--batch", 8, "--steps", 1, "--rounds", 1,
+                            "--threads", 1)
+    assert report["mode"] == "bert-loader" and report["synthetic"] and report["samples"] == 64
+    assert report["seq_length"] == 128 and report["predictions"] == 20
+    for key in ("loader_samples_per_s_rounds", "train_masked_samples_per_s_rounds",
+                "train_full_samples_per_s_rounds", "loader_over_training", "masked_head_speedups"):
+        assert len(report[key]) == 1 and all(x > 0 for x in report[key])
+    assert report["loader_over_training_median"] > 0 and "loader / training (masked head)" in err
+
+
+@pytest.mark.timeout(300)
+def test_bert_loader_on_shards_loader_only(bert_data):  # noqa: F811
+    report, _ = run_bench("bert-loader", "--data", bert_data / "shards", "--batch", 4, "--no-train", "--rounds", 2)
+    assert len(report["loader_samples_per_s_rounds"]) == 2 and report["synthetic"] is False and report["seq_length"] == 32 and report["loader_samples_per_s"] > 0
+    assert "train_masked_samples_per_s" not in report
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize("args, words", [
+    (["nosuchmode"], "invalid choice"),
+    (["bert-loader", "--bogus"], "--bogus"),
+    (["scaling", "--processes", "1"], "--processes"),
+    (["mnist", "--updates", "0"], "--updates"),
+])
+def test_bad_command_lines_are_one_line_errors(args, words):
+    out = subprocess.run([PY, "-m", "textbox_like.bench", *args], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
