@@ -483,7 +483,7 @@ def main(argv=None):
 
 def run(ns, keys):
     from . import distributed
-    if ns.gpu_id is not None:
+    if getattr(ns, "gpu_id", None) is not None:
         # TextBox's --gpu_id: the GPUs this run may use (set before CUDA
         # initialises); several of them mean one process each on this node
         os.environ["CUDA_VISIBLE_DEVICES"] = ns.gpu_id
