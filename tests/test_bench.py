@@ -4,6 +4,7 @@ timed: the tests check that each mode runs and reports what it promises
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,10 @@ def test_benchmark_runs_for_mnist(small_mnist_dir):
     assert report["mode"] == report["task"] == "mnist" and report["rounds"] == 2
     assert report["trainer_compiled"] is False and report["plain_compiled"] is False
     for key in ("ratios_wall", "ratios_cpu", "plain_samples_per_s_rounds", "trainer_samples_per_s_rounds"):
-        assert len(report[key]) == 2 and all(x > 0 for x in report[key])
-    assert report["ratio_wall_median"] > 0 and report["ratio_cpu_median"] > 0
+        # a steady state measured by differencing two runs can come out at
+        # any value on a loaded machine: the shape is checked, not the speed
+        assert len(report[key]) == 2 and all(math.isfinite(x) for x in report[key])
+    assert math.isfinite(report["ratio_wall_median"]) and math.isfinite(report["ratio_cpu_median"])
     assert err.count("round ") >= 2 and "trainer (eager) / plain loop (eager): wall" in err
 
 
@@ -53,7 +56,7 @@ def test_benchmark_runs_for_bert(bert_data):  # noqa: F811
     report, _ = run_bench("bert", "--data", bert_data / "shards", "--dict", bert_data / "vocab.txt",
                           "--config_file", bert_data / "bert_config.json", "--max-sentences", 8,
                           "--updates", 3, "--warmup", 1, "--rounds", 1, "--threads", 1)
-    assert report["task"] == "bert" and report["ratio_wall_median"] > 0 and len(report["ratios_cpu"]) == 1
+    assert report["task"] == "bert" and math.isfinite(report["ratio_wall_median"]) and len(report["ratios_cpu"]) == 1
 
 
 def test_compile_goes_to_the_trainer_and_compile_plain_to_the_plain_loop(small_mnist_dir, capsys, monkeypatch):
