@@ -283,7 +283,7 @@ def check(options, ns):
     if ns.fp16 and ns.bf16:
         raise UserError("--fp16 and --bf16 exclude each other; choose one")
     from .lr_scheduler import check_scheduler
-    from .optim import _like, optimizer_kwargs
+    from .optim import typed_like, optimizer_kwargs
     spec = OPTIMIZERS.get(ns.optimizer)
     if spec.unusable:
         raise UserError(f"--optimizer {ns.optimizer}: {spec.unusable}; choose another optimizer")
@@ -298,7 +298,7 @@ def check(options, ns):
         if key not in optim_keys:
             raise UserError(f"unknown key {key!r} in --optimizer-overrides for {ns.optimizer}"
                             f"{closest(key, optim_keys)}; valid keys: {', '.join(sorted(optim_keys))}")
-        _like(value, optim_keys[key], key, ns.optimizer, "--optimizer-overrides")
+        typed_like(value, optim_keys[key], key, ns.optimizer, "--optimizer-overrides")
     if ns.distributed_no_spawn and not ns.distributed_init_method and "RANK" not in os.environ:
         raise UserError("--distributed-no-spawn needs --distributed-init-method (or a launcher that sets RANK)")
     if os.path.exists(ns.save_dir) and not os.path.isdir(ns.save_dir):

@@ -103,7 +103,7 @@ def switch(text):
             f"is a switch: give it alone or with true/false/yes/no/1/0, got {text!r}") from None
 
 
-def _numbers(value):
+def with_numbers(value):
     """YAML 1.1 reads '1e-7' as a string; people mean a number."""
     if isinstance(value, str):
         try:
@@ -112,29 +112,29 @@ def _numbers(value):
         except ValueError:
             return value
     if isinstance(value, dict):
-        return {k: _numbers(v) for k, v in value.items()}
+        return {k: with_numbers(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_numbers(v) for v in value]
+        return [with_numbers(v) for v in value]
     return value
 
 
 def parse_dict(text):
     """'{lr: 0.1, rho: 0.8}' or 'lr=0.1' -> dict. YAML safe_load for values."""
     if isinstance(text, dict):
-        return _numbers(dict(text))
+        return with_numbers(dict(text))
     text = str(text).strip()
     try:
         if text.startswith("{"):
             value = yaml.safe_load(text)
             if not isinstance(value, dict):
                 raise ValueError(f"expects a mapping like '{{lr: 0.1}}', got {text!r}")
-            return _numbers(value)
+            return with_numbers(value)
         out = {}
         for part in text.split(","):
             if "=" not in part:
                 raise ValueError(f"expects key=value or '{{key: value}}', got {text!r}")
             key, raw = part.split("=", 1)
-            out[key.strip()] = _numbers(yaml.safe_load(raw))
+            out[key.strip()] = with_numbers(yaml.safe_load(raw))
         return out
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
@@ -306,7 +306,7 @@ def _prescan(argv, names):
     return found
 
 
-def _error_to_user(parser):
+def raise_user_errors(parser):
     """argparse prints usage and exits 2 on error; we want one line."""
 
     def error(message):
@@ -328,7 +328,7 @@ def resolve(options: Options, argv, task_registry, component_groups):
     optimizer and scheduler.
     """
     parser = options.parser
-    _error_to_user(parser)
+    raise_user_errors(parser)
     pre = _prescan(argv, ["config", "task"])
 
     layers = []

@@ -470,10 +470,10 @@ def prepare(args):
 
 
 def main(argv=None):
-    from ..config import _error_to_user
+    from ..config import raise_user_errors
 
     parser = build_parser()
-    _error_to_user(parser)
+    raise_user_errors(parser)
     try:
         args = parser.parse_args(argv)
         info = prepare(args)

@@ -126,7 +126,7 @@ class BetasEpsSpec(OptimizerSpec):
         return links
 
 
-def _like(value, default, key, optimizer, flag="--optim_conf"):
+def typed_like(value, default, key, optimizer, flag="--optim_conf"):
     """``value`` in the type of ``default`` (float for numbers, list for tuples)."""
     try:
         if default is None:
@@ -165,7 +165,7 @@ def optimizer_kwargs(cfg) -> dict:
     kwargs = spec.kwargs(cfg)
     _check_conf_keys(cfg.optim_conf or {}, list(defaults), cfg.optimizer)
     for key, value in (cfg.optim_conf or {}).items():
-        kwargs[key] = _like(value, defaults[key] if defaults[key] is not None else kwargs[key], key, cfg.optimizer)
+        kwargs[key] = typed_like(value, defaults[key] if defaults[key] is not None else kwargs[key], key, cfg.optimizer)
     return kwargs
 
 
@@ -207,7 +207,7 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
         at_top = sorted(c for c in candidates if c[0] == top)
         if top == CONFIG_FILE:
             # a config file (e.g. an edited config.yaml) saying two things: refuse
-            typed = [(_like(c[2], defaults[key], key, cfg.optimizer, c[3]), c[3]) for c in at_top]
+            typed = [(typed_like(c[2], defaults[key], key, cfg.optimizer, c[3]), c[3]) for c in at_top]
             if any(t[0] != typed[0][0] for t in typed):
                 raise UserError(f"the --config files set the {cfg.optimizer} argument {key!r} twice, "
                                 f"{typed[0][1].lstrip('-')}: {typed[0][0]!r} and {typed[-1][1].lstrip('-')}: "
@@ -218,7 +218,7 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
             conf[key] = value
     for key in set(user_conf) | set(links):
         if key in conf and defaults.get(key) is not None:
-            conf[key] = _like(conf[key], defaults[key], key, cfg.optimizer)
+            conf[key] = typed_like(conf[key], defaults[key], key, cfg.optimizer)
     if "lr" in conf and sources.get("lr", 0) < CONFIG_FILE and conf_sources.get("lr", 0) < CONFIG_FILE:
         lr_layer = sources.get("lr", 0)
         meant_for = builtin_optimizer

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import _numbers
+from ..config import with_numbers
 from ..errors import UserError, closest
 
 # kind -> argument names (hyperopt's order)
@@ -198,7 +198,7 @@ def resolve_label(label, options, where):
 
 # ====================================================================== one parameter
 def _num(value, where, what):
-    value = _numbers(value)
+    value = with_numbers(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise UserError(f"{where}: {what} must be a finite number, got {value!r}")
     return value
