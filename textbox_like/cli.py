@@ -30,7 +30,7 @@ def _typed(fn, what):
     def convert(text):
         try:
             return fn(text)
-        except (ValueError, TypeError, SyntaxError) as exc:
+        except (ValueError, TypeError, SyntaxError):
             raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}") from None
     convert.__name__ = fn.__name__
     return convert

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import sys
 from pathlib import Path
 
 import yaml
