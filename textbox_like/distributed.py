@@ -339,7 +339,6 @@ def _handle_stale_file(path, rank, timeout):
 def init_process_group(p: Placement, cfg):
     """Create the process group for this worker (when world size > 1) and set
     the environment Accelerate reads."""
-    import torch
     import torch.distributed as dist
 
     if p.world_size <= 1 or dist.is_initialized():
