@@ -45,7 +45,7 @@ def test_ray_tpe_asha_six_trials(tmp_path, tiny_mnist):
     (tmp_path / "space.test").write_text("learning_rate loguniform (-14, -2)\noptimizer choice ['adam', 'sgd']\n")
     args = ["--backend", "ray", "--space", "space.test", "--algo", "tpe", "--max_evals", "6", "--parallel", "2",
             "--scheduler", "asha", "--grace-updates", "4", "--seed", "3", "--output", "out", "--data", tiny_mnist,
-            "--metric", "loss", "--max-update", "60", "--max-epoch", "5", "--validate-interval-updates", "4",
+            "--metric", "loss", "--max-update", "400", "--max-epoch", "40", "--validate-interval-updates", "4",
             "--log-interval", "4", *TRAIN]
     proc = script("run_hyper.py", args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -58,7 +58,7 @@ def test_ray_tpe_asha_six_trials(tmp_path, tiny_mnist):
         assert {"trial", "params", "status", "value", "save_dir", "wall_time", "metric"} <= set(r)
         assert set(r["params"]) == {"lr", "optimizer"} and r["value"] is not None
         if r["status"] == "stopped":
-            assert r["num_updates"] < 60 and not (Path(r["save_dir"]) / "results.json").exists() or \
+            assert r["num_updates"] < 400 and not (Path(r["save_dir"]) / "results.json").exists() or \
                 json.loads((Path(r["save_dir"]) / "results.json").read_text())["stopped"] != "completed"
     best = json.loads((out / "hyper_best.json").read_text())
     assert best["backend"] == "ray" and best["n_trials"] == 6 and best["n_stopped"] == statuses.count("stopped")
