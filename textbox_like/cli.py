@@ -508,6 +508,11 @@ def run(ns, keys):
     try:
         return train(ns, keys)
     except UserError:
+        # leave the process group before exiting: a group torn down by the
+        # interpreter at exit, with its peer already gone, can abort the
+        # process ("terminate called without an active exception") and turn
+        # a clean refusal (exit 2) into SIGABRT
+        distributed.cleanup()
         raise
     except Exception as exc:
         if ns.cudnn_deterministic and isinstance(exc, RuntimeError) and "deterministic" in str(exc):

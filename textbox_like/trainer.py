@@ -685,9 +685,12 @@ def train(cfg, keys) -> int:
         # the position was rewound to the failing update's start: save it, and
         # a rerun with --resume (a requeue) continues without skipping a sample
         trainer.save(end_of_epoch=False, is_best=False, final=True)
+        distributed.cleanup()
         print(f"error: {exc}; saved the state before it: rerun with --resume once the data is back",
               file=sys.stderr)
         return exc.exit_code
     except RunStopped as exc:
+        # every rank stops together here, so leaving the group is safe (see cli.run)
+        distributed.cleanup()
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
