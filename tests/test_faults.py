@@ -183,6 +183,153 @@ def test_single_nan_batch_is_skipped_and_training_goes_on(data, tmp_path):
         assert torch.isfinite(p).all(), name
 
 
+# ------------------------------------- skipping on the device (fused optimizers)
+# On CUDA the optimizers with a fused kernel (adam, adamw, sgd, adagrad) are
+# fused by default and skip a non-finite update in the kernel (found_inf): the
+# host reads the gradient norm one update later, so the guard costs no host
+# sync per update. CPU has the same fused kernels, so the path is tested here
+# with --optim_conf fused=true.
+FUSED = ["--optim_conf", "fused=true"]
+
+
+def test_fused_optimizer_is_the_default_on_cuda_only():
+    from textbox_like.cli import parse
+    from textbox_like.optim import build_optimizer
+
+    def built(device_type, *argv):
+        _, ns, _ = parse(["--task", "mnist", "--max-sentences", "8", "--max-update", "1", *argv])
+        return build_optimizer(ns, [{"params": [torch.nn.Parameter(torch.zeros(3))]}], device_type)
+
+    for name in ("adam", "adamw", "sgd", "adagrad"):
+        cuda = built("cuda", "--optimizer", name)
+        assert cuda.defaults["fused"] is True and not cuda.defaults["foreach"], name
+        assert cuda._step_supports_amp_scaling, name
+        cpu = built("cpu", "--optimizer", name)
+        assert not cpu.defaults["fused"] and cpu.defaults["foreach"] is True, name
+    # no fused kernel: unchanged; an explicit choice is kept
+    assert built("cuda", "--optimizer", "adadelta").defaults["foreach"] is True
+    explicit = built("cuda", "--optimizer", "adam", "--optim_conf", "foreach=true")
+    assert explicit.defaults["foreach"] is True and not explicit.defaults["fused"]
+    assert built("cpu", "--optimizer", "adam", *FUSED).defaults["fused"] is True
+
+
+def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_path, monkeypatch):
+    """A NaN batch under a fused optimizer: the kernel leaves weights and
+    optimizer state alone, the LR schedule does not step, the host learns of
+    it after the next update's backward (never before stepping), and the
+    counts come out as on the host path."""
+    from textbox_like import faults
+    trainer, ns, _ = build_trainer(mnist_args(data, tmp_path / "out", "--optimizer", "adam", *FUSED,
+                                              "--log-interval", "100", "--no-save", "--disable-validation",
+                                              max_update=8))
+    assert trainer.skips_on_device
+    events = []
+    real_value = faults.HostCopy.value
+    monkeypatch.setattr(faults.HostCopy, "value", lambda self: (events.append("read"), real_value(self))[1])
+    task, real_loss = trainer.task, trainer.task.loss
+    calls = {"n": 0}
+
+    def loss(model, batch):
+        calls["n"] += 1
+        events.append(f"loss {calls['n']}")
+        terms, stats = real_loss(model, batch)
+        if calls["n"] == 3:
+            terms = {k: v * float("nan") for k, v in terms.items()} if isinstance(terms, dict) \
+                else terms * float("nan")
+        return terms, stats
+
+    task.loss = loss
+    real_step, record = trainer.train_step, []
+
+    def snapshot():
+        module = trainer.accelerator.unwrap_model(trainer.model)
+        return {"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+                "lr": [g["lr"] for g in trainer.optimizer.param_groups], "num_updates": trainer.state.num_updates}
+
+    def train_step(micro_batches, totals):
+        before = snapshot()
+        stepped = real_step(micro_batches, totals)
+        record.append((calls["n"], before, stepped, snapshot()))
+        return stepped
+
+    trainer.train_step = train_step
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_trainer(trainer)
+    assert rc == 0, err.getvalue()[-3000:]
+    # each update's norm is read after the next update's forward and backward
+    # (or at the end): the host never waits for the update it is stepping
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    losses = {e: i for i, e in enumerate(events) if e.startswith("loss")}
+    for k in range(1, 8):
+        assert any(losses[f"loss {k + 1}"] < r < losses.get(f"loss {k + 2}", len(events)) for r in reads), events
+    _, before, stepped, after = record[2]  # the NaN batch
+    assert_bitwise_equal(after["model"], before["model"], "model")
+    assert_bitwise_equal(after["optimizer"]["state"], before["optimizer"]["state"], "optimizer state")
+    # the next update settles it: the count is taken back and the schedule
+    # not stepped, so the next update steps with the skipped update's LR
+    assert record[3][3]["num_updates"] == 3 and record[3][2]
+    assert record[3][3]["lr"] == after["lr"] == [trainer.scheduler.lr_at(2)] * len(after["lr"])
+    assert any(not torch.equal(record[3][3]["model"][k], record[3][1]["model"][k]) for k in before["model"])
+    assert "update 3: gradient norm nan is not finite; update skipped (1 in a row)" in err.getvalue()
+    assert trainer.state.num_updates == 8 and trainer.state.skipped_updates == 1 and len(record) == 9
+    assert trainer.scheduler.num_updates == 8
+    assert trainer.lr == trainer.scheduler.lr_at(8)
+    for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters():
+        assert torch.isfinite(p).all(), name
+
+
+def test_device_skip_lagged_equals_settled_every_update(data, tmp_path):
+    """Reading the norm one update late changes nothing: a run with a NaN
+    batch ends bitwise equal whether it settles every update (log interval 1)
+    or lazily."""
+    finals = []
+    for interval in (1, 100):
+        trainer, _, _ = build_trainer(mnist_args(data, tmp_path / f"out{interval}", "--optimizer", "adam", *FUSED,
+                                                 "--log-interval", interval, "--no-save", "--disable-validation",
+                                                 max_update=7))
+        real_loss, calls = trainer.task.loss, {"n": 0}
+
+        def loss(model, batch, real_loss=real_loss, calls=calls):
+            calls["n"] += 1
+            terms, stats = real_loss(model, batch)
+            return ({k: v * float("nan") for k, v in terms.items()} if isinstance(terms, dict)
+                    else terms * float("nan")) if calls["n"] in (2, 5) else terms, stats
+
+        trainer.task.loss = loss
+        with contextlib.redirect_stderr(io.StringIO()):
+            assert run_trainer(trainer) == 0
+        module = trainer.accelerator.unwrap_model(trainer.model)
+        finals.append({"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                       "optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "lr": trainer.lr,
+                       "counts": (trainer.state.num_updates, trainer.state.skipped_updates, calls["n"])})
+    assert finals[0]["counts"] == (7, 2, 9)
+    assert_bitwise_equal(finals[0], finals[1], "final")
+
+
+def test_device_skip_divergence_stops_with_65(data, tmp_path):
+    """The lagged read still stops at the limit-th consecutive skip, and every
+    checkpoint stays finite."""
+    out = tmp_path / "out"
+    proc = run_cli(mnist_args(data, out, "--optimizer", "sgd", "--lr", "1e4", *FUSED, "--log-interval", "5",
+                              "--save-interval-updates", "2", "--keep-interval-updates", "2",
+                              "--max-nonfinite-updates", "3", max_update=30))
+    assert proc.returncode == 65, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and "learning rate" in errors[0], proc.stderr[-3000:]
+    skipped = [int(m.group(1)) for m in re.finditer(r"^update (\d+): gradient norm \S+ is not finite; update skipped",
+                                                   proc.stderr, re.M)]
+    assert skipped == [skipped[0]] * 3, proc.stderr[-3000:]  # the same update, retried on new batches
+    from textbox_like.checkpoint import load_checkpoint
+    kept = sorted(out.glob("checkpoint*.pt"))
+    assert kept
+    for path in kept:
+        state = load_checkpoint(path)
+        assert all(torch.isfinite(t).all() for t in state["model"].values() if torch.is_floating_point(t))
+        assert state["train"]["num_updates"] < skipped[0]
+
+
 # -------------------------------------------------------------- full disk
 def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, monkeypatch):
     import textbox_like.checkpoint as ckpt

@@ -67,7 +67,8 @@ def _cfg_for(args_list):
 def plain_optimizer(cfg, model):
     """The same torch.optim class and arguments the trainer uses, one group."""
     from .optim import build_optimizer
-    return build_optimizer(cfg, [{"params": list(model.parameters())}])
+    device = next(model.parameters()).device.type
+    return build_optimizer(cfg, [{"params": list(model.parameters())}], device)
 
 
 def _maybe_compile(model, compiled, mode):

@@ -32,6 +32,29 @@ def os_reason(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
+class HostCopy:
+    """A device scalar on its way to the host: the copy is queued behind the
+    work that computes it, and ``value()`` waits only if the device has not
+    got that far yet (read one update later, it has)."""
+
+    def __init__(self, tensor):
+        import torch
+        tensor = tensor.detach()
+        self.ready = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = tensor.to("cpu")  # CPU: already there; other devices: a plain copy
+
+    def value(self) -> float:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return float(self.host)
+
+
 def add_args(o, positive_int):
     o.add("--max-nonfinite-updates", type=positive_int, default=10,
           help="stop (exit 65) after this many consecutive updates whose gradient norm is not finite; "

@@ -53,6 +53,11 @@ class Preemption:
             self._pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
         return self.agreed
 
+    def due(self, num_updates: int) -> bool:
+        """Whether poll() after this update may stop the run or start a collective."""
+        return (self.requested or self.agreed or self._pending is not None
+                or (self.world_size > 1 and num_updates % self.every == 0))
+
     def close(self):
         if self._pending is not None:
             self._pending[0].wait()

@@ -29,7 +29,7 @@ from . import distributed
 from .checkpoint import CheckpointManager, rng_state, set_rng_state
 from .config import to_yaml
 from .errors import UserError
-from .faults import DataUnavailable, Diverged, RunStopped, SaveFailed, check_writable
+from .faults import DataUnavailable, Diverged, HostCopy, RunStopped, SaveFailed, check_writable
 from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -202,7 +202,8 @@ class Trainer:
             torch.set_default_dtype(torch.float64)
         model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
-        optimizer = build_optimizer(cfg, self.task.param_groups(model, cfg.weight_decay))
+        optimizer = build_optimizer(cfg, self.task.param_groups(model, cfg.weight_decay),
+                                    self.accelerator.device.type)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
@@ -243,6 +244,13 @@ class Trainer:
         self.lr = self.scheduler.get_lr()
         self.gnorm = None
         self.nonfinite_in_a_row = 0
+        # fused optimizers take a found_inf flag and skip a non-finite step in
+        # their kernel, so the host need not wait for the gradient norm before
+        # stepping (the default on CUDA, see optim.build_optimizer); the
+        # loss scaler, when there is one, does its own skipping
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.skips_on_device = acc.scaler is None and bool(getattr(inner, "_step_supports_amp_scaling", False))
+        self.unsettled = None  # the last update's gradient norm, not read on the host yet
         self.compile_pending = self.sources["compile"] != "default"
 
     # ------------------------------------------------------------------ loop
@@ -311,8 +319,11 @@ class Trainer:
                 acc.backward(loss)
             self.window.add(stats)
         self.gnorm = self.gradient_norm()
+        if self.skips_on_device:
+            return self.step_on_device(totals)
         if acc.scaler is None and not bool(self.gnorm.isfinite()):
-            self.skip_nonfinite()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skip_nonfinite(float(self.gnorm))
             return False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -350,13 +361,65 @@ class Trainer:
             return torch.nn.utils.get_total_norm([p.grad for p in self.grad_params if p.grad is not None])
         return self.accelerator.clip_grad_norm_(self.grad_params, float("inf"))
 
-    def skip_nonfinite(self):
-        """Drop this update's gradients; stop after --max-nonfinite-updates in a row."""
+    def step_on_device(self, totals) -> bool:
+        """The step of an optimizer that skips a non-finite update in its own
+        kernel: no host sync per update. The host reads the gradient norm one
+        update later (settle), or at once when anything is due after this
+        update (a log line, a save, a validation, the end), so every decision
+        sees the settled count; the LR schedule steps when the update is
+        known to have been taken."""
+        import torch
+        state = self.state
+        self.settle()  # the previous update: long computed, so this does not stall the device
+        inner = self.optimizer.optimizer
+        inner.found_inf = (~self.gnorm.isfinite()).to(torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del inner.found_inf
         self.optimizer.zero_grad(set_to_none=True)
+        self.unsettled = HostCopy(self.gnorm)
+        state.num_updates += 1
+        state.updates_in_epoch += 1
+        self.log.advance()
+        if self.due_after_update(totals["nsamples"]):
+            return self.settle()
+        return True
+
+    def settle(self) -> bool:
+        """Account for the last device-skipped update (see step_on_device):
+        True if it was taken; if not, its count is taken back and it is
+        counted as skipped."""
+        if self.unsettled is None:
+            return True
+        gnorm, self.unsettled = self.unsettled.value(), None
+        state = self.state
+        if math.isfinite(gnorm):
+            self.nonfinite_in_a_row = 0
+            self.lr = self.scheduler.step_update(state.num_updates)
+            return True
+        state.num_updates -= 1
+        state.updates_in_epoch -= 1
+        self.log.advance(-1)
+        self.skip_nonfinite(gnorm)
+        return False
+
+    def due_after_update(self, samples_in_update) -> bool:
+        """Whether the loop does anything after this update beyond the next one."""
+        cfg, state = self.cfg, self.state
+        n = cfg.snapshot_interval
+        return (any(self.every(i) for i in (cfg.log_interval, cfg.save_interval_updates,
+                                           cfg.validate_interval_updates))
+                or self.preemption.due(state.num_updates) or self.end_of_epoch()
+                or self.stop_reason() is not None
+                or (n > 0 and (state.samples_trained + samples_in_update) // n > state.samples_trained // n))
+
+    def skip_nonfinite(self, gnorm: float):
+        """Count a skipped update; stop after --max-nonfinite-updates in a row."""
         self.state.skipped_updates += 1
         self.nonfinite_in_a_row += 1
         update = self.state.num_updates + 1
-        self.log.info(f"update {update}: gradient norm {float(self.gnorm)} is not finite; update skipped "
+        self.log.info(f"update {update}: gradient norm {gnorm} is not finite; update skipped "
                       f"({self.nonfinite_in_a_row} in a row)")
         if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_updates:
             last = self.checkpoints.newest_good()
@@ -444,6 +507,7 @@ class Trainer:
     # ---------------------------------------------------- validate and save
     def validate(self) -> bool:
         """Validate every subset; True if the first one's metric improved."""
+        self.settle()
         if not self.validator:
             return False
         state = self.state
@@ -464,6 +528,7 @@ class Trainer:
         return False
 
     def save(self, end_of_epoch, is_best, final=False, snapshot=False):
+        self.settle()
         names = self.checkpoints.names(self.state.epoch, self.state.num_updates, end_of_epoch, is_best, final,
                                        snapshot)
         if not names:
@@ -490,6 +555,7 @@ class Trainer:
     # -------------------------------------------------------------- logging
     def fold_log_window(self) -> dict:
         """Sum the open log window over ranks (one collective) into the epoch's meters."""
+        self.settle()
         sums = self.window.reduce(self.accelerator)
         self.window.reset()
         self.state.epoch_sums.add(sums)
@@ -646,6 +712,7 @@ class Trainer:
         self.model.train()
 
     def finish(self) -> int:
+        self.settle()
         cfg, state, acc = self.cfg, self.state, self.accelerator
         reason = self.stop_reason() or "completed"
         results = {"task": cfg.task, "num_updates": state.num_updates, "epochs_completed": state.epoch - 1,

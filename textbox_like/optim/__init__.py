@@ -242,8 +242,15 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
     return conf
 
 
-def build_optimizer(cfg, param_groups):
+def build_optimizer(cfg, param_groups, device_type="cpu"):
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer_kwargs(cfg).items()}
+    if device_type == "cuda" and kwargs.get("fused", False) is None and not kwargs.get("foreach") \
+            and not kwargs.get("capturable") and not kwargs.get("differentiable"):
+        # one kernel per step on CUDA, which also skips a non-finite update
+        # by itself (found_inf), so the trainer's guard needs no host sync
+        kwargs["fused"] = True
+    if kwargs.get("fused"):
+        kwargs["foreach"] = False  # torch refuses both
     if "foreach" in kwargs and kwargs["foreach"] is None:
         # torch picks the one-tensor-at-a-time loop on CPU; the multi-tensor
         # kernels run on CPU and CUDA alike and are several times faster there
