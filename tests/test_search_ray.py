@@ -112,3 +112,53 @@ def test_ray_bad_input_is_one_line_within_30s(tmp_path, extra, needle):
     assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
     assert not list((tmp_path / "out").glob("trial_*")) if (tmp_path / "out").exists() else True
     assert no_ray_left(tmp_path)
+
+
+def test_ray_search_stopped_by_ctrl_c_resumes_with_resume(tmp_path, tiny_mnist):
+    """Ctrl+C (SIGINT to the whole foreground process group) in the middle of
+    trial 2: the search ends with 130 and trial 2 recorded `interrupted`;
+    `--resume` continues Tune's experiment: trial 1 is not rerun, trial 2
+    resumes from its own checkpoint, and the search completes."""
+    import os
+    import signal
+    (tmp_path / "space.test").write_text("learning_rate loguniform (-7, -4)\n")
+    out = tmp_path / "out"
+    args = ["--backend", "ray", "--space", "space.test", "--algo", "random", "--max_evals", "3", "--parallel", "1",
+            "--seed", "5", "--output", "out", "--data", tiny_mnist, "--metric", "loss", "--max-update", "60",
+            "--max-epoch", "10", "--validate-interval-updates", "20", "--save-interval-updates", "4",
+            "--log-interval", "4", *TRAIN]
+    e = clean_env()
+    e["TEXTBOX_LIKE_RAY_TMP"] = f"/tmp/ray_tbl_test_{abs(hash(str(tmp_path))) % 10 ** 6}"
+    search = subprocess.Popen([sys.executable, str(REPO / "run_hyper.py"), *map(str, args)], cwd=tmp_path, env=e,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if (out / "trial_1" / "results.json").exists() and (out / "trial_2" / "checkpoint_last.pt").exists():
+            break
+        assert search.poll() is None, search.communicate()
+        time.sleep(0.1)
+    else:
+        search.kill()
+        pytest.fail("trial 2 never saved a checkpoint")
+    os.killpg(search.pid, signal.SIGINT)              # what Ctrl+C in a terminal does
+    stdout, stderr = search.communicate(timeout=180)
+    assert search.returncode == 130, stdout[-3000:] + stderr[-3000:]
+    first = {r["trial"]: r for r in map(json.loads, (out / "hyper_results.jsonl").read_text().splitlines())}
+    assert first[1]["status"] == "ok" and first[2]["status"] == "interrupted", first
+    assert "--resume" in stdout + stderr
+    trial1_mtime = (out / "trial_1" / "metrics.jsonl").stat().st_mtime_ns
+
+    proc = script("run_hyper.py", args + ["--resume"], tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--resume: continuing the Ray search" in proc.stdout
+    records = {r["trial"]: r for r in map(json.loads, (out / "hyper_results.jsonl").read_text().splitlines())}
+    assert sorted(records) == [1, 2, 3] and all(r["status"] == "ok" for r in records.values()), records
+    assert records[1]["attempts"] == 1 and (out / "trial_1" / "metrics.jsonl").stat().st_mtime_ns == trial1_mtime
+    assert records[1]["params"] == first[1]["params"] and records[2]["params"] == first[2]["params"]
+    info = json.loads((out / "trial_2" / "ray_trial.json").read_text())
+    assert info["attempts"][-1]["resume"] is True      # from its own checkpoint_last.pt
+    updates = [json.loads(line)["update"] for line in (out / "trial_2" / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["kind"] == "train"]
+    assert updates == sorted(set(updates)) and records[2]["num_updates"] == 60
+    assert json.loads((out / "hyper_best.json").read_text())["n_trials"] == 3
+    assert no_ray_left(tmp_path)

@@ -134,6 +134,7 @@ def make_trainable(spec):
         save_dir.mkdir(parents=True, exist_ok=True)
         params = {n: config[n] for n in spec["names"]}
         resume = (save_dir / "checkpoint_last.pt").exists()
+        (save_dir / "ray_stopped").unlink(missing_ok=True)  # an earlier attempt's, stopped with its search
         argv = spec["base_argv"] + to_argv(build_options(), params) + spec["extra_argv"] + [
             f"--save-dir={save_dir}"] + (["--resume"] if resume else [])
         if not resume:
@@ -226,10 +227,17 @@ def record_of(save_dir, k, metric, maximize, hint=None):
     if results is not None:
         rec.update(best=results.get("best") or {}, final=results.get("final") or {},
                    num_updates=results.get("num_updates"))
+    # Tune records a trial stopped by ASHA and one stopped with its search
+    # (Ctrl+C) alike; ASHA marks its own (see ray_asha)
+    by_asha = bool(rec["trial_id"]) and (save_dir.parent / "ray_trials" / f"{rec['trial_id']}.asha_stopped").exists()
+    stopped = (hint or ("",))[0] == "stopped" or (hint is None and ((save_dir / "ray_stopped").exists() or
+                                                                    (results is not None and not completed)))
     if completed and value is not None:
         rec["status"] = "ok"
-    elif (hint or ("",))[0] == "stopped" or (hint is None and ((save_dir / "ray_stopped").exists() or
-                                                                 (results is not None and not completed))):
+    elif stopped and not by_asha:
+        rec.update(status="interrupted", error="interrupted: continue with --resume")
+        value = None
+    elif stopped:
         valids = [r for r in read_jsonl(save_dir / "metrics.jsonl")
                   if str(r.get("kind", "")).startswith("valid") and isinstance(r.get(metric), (int, float))]
         if valids:
@@ -311,7 +319,7 @@ def _tune_run(ray, trainable, resources, param_space, tune_config, output, max_f
 
 def _ray_search(ray, setup, args, out):
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
+    from .ray_asha import MarkingASHA
     resources = trial_resources(ray, setup.parallel, args.cpus_per_trial, args.gpus_per_trial)
     setup.print_space()
     setup.output.mkdir(parents=True, exist_ok=True)
@@ -325,8 +333,8 @@ def _ray_search(ray, setup, args, out):
         grace = args.grace_updates or setup.ns.validate_interval_updates or 1
         # max_t beyond the last update: a trial that trains to the end is never stopped at its last validation
         max_t = (setup.ns.max_update or 10 ** 9) + 1
-        scheduler = ASHAScheduler(time_attr="update", grace_period=grace, max_t=max(max_t, grace + 1),
-                                  reduction_factor=2)
+        scheduler = MarkingASHA(setup.output.resolve(), time_attr="update", grace_period=grace,
+                                max_t=max(max_t, grace + 1), reduction_factor=2)
     if setup.algo == "exhaustive":
         points = []
         for k in range(1, setup.max_evals + 1):
@@ -349,6 +357,9 @@ def _ray_search(ray, setup, args, out):
     grid, interrupted = _tune_run(ray, trainable, resources, param_space or {}, tune_config, setup.output,
                                   args.max_failures, args.resume, out)
     hints = tune_outcomes(grid)
+    # Tune returns from fit() normally after Ctrl+C (it catches SIGINT and
+    # saves its state): fewer trials than asked for, or one stopped with it
+    interrupted = interrupted or grid is None or len(grid) < setup.max_evals
     records = []
     for d in sorted(setup.output.glob("trial_*"), key=lambda p: int(p.name.split("_")[1])):
         if not (d / "ray_trial.json").exists():
@@ -359,6 +370,7 @@ def _ray_search(ray, setup, args, out):
         if interrupted and rec["status"] == "fail" and not (d / "results.json").exists():
             rec["status"] = "interrupted"
         records.append(rec)
+        interrupted = interrupted or rec["status"] == "interrupted"
         line = f"trial {rec['trial']} | {' '.join(f'{k}={v}' for k, v in rec['params'].items())} | {rec['status']}"
         out(line + (f" | {setup.metric} {rec['value']:.4f}" if rec["value"] is not None else f" | {rec['error']}")
             + (f" | attempts {rec['attempts']}" if rec["attempts"] > 1 else ""))
@@ -405,8 +417,11 @@ def ray_multi_seed(seeds, args, rest, out=print):
             f"output {output}")
         tune_config = tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
                                       max_concurrent_trials=args.parallel)
-        _, interrupted = _tune_run(ray, trainable, resources, {"__point__": tune.grid_search(points)}, tune_config,
-                                   output, args.max_failures, False, out)
+        grid, interrupted = _tune_run(ray, trainable, resources, {"__point__": tune.grid_search(points)},
+                                      tune_config, output, args.max_failures, False, out)
+        # no ASHA here: a trial Tune stopped was stopped with the search (Ctrl+C)
+        interrupted = interrupted or grid is None or len(grid) < len(seeds) or any(
+            h[0] == "stopped" for h in tune_outcomes(grid).values())
     finally:
         ray.shutdown()
     runs = []
