@@ -367,3 +367,27 @@ def test_cudnn_deterministic_trains_on_cpu(tmp_path):
                           "--max-epoch", "0", "--threads", "1", "--log-format", "simple", "--cudnn_deterministic"],
                          capture_output=True, text=True, cwd=REPO, timeout=110)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("n_gpus,given,expected", [(0, None, 4), (2, None, 25), (0, 8, 8), (2, 8, 8)])
+def test_ddp_bucket_size_defaults_by_device(gpus, monkeypatch, n_gpus, given, expected):
+    """gloo on CPU sums on a CPU thread: 4 MiB buckets let the large fc1
+    gradient start summing during the backward pass; CUDA keeps DDP's 25."""
+    gpus(n_gpus)
+    import accelerate
+
+    made = {}
+
+    class FakeAccelerator:
+        num_processes = 1
+
+        def __init__(self, **kw):
+            made.update(kw)
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+    from textbox_like.accelerator import build_accelerator
+    config = cfg(cpu=n_gpus == 0, fp16=False, bf16=False, train_dtype="float32", update_freq=[1], compile=False,
+                 compile_mode="default", find_unused_parameters=False, bucket_cap_mb=given, save_dir="x",
+                 device_id=0)
+    build_accelerator(config, distributed.placement_from_env(config) or distributed.Placement())
+    (ddp,) = made["kwargs_handlers"]
+    assert ddp.bucket_cap_mb == expected and ddp.gradient_as_bucket_view

@@ -118,7 +118,7 @@ def build_accelerator(cfg, placement, log_with=None):
     plugin, compile_source = compile_plugin(cfg, cuda)
     sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters,
-                                        bucket_cap_mb=cfg.bucket_cap_mb,
+                                        bucket_cap_mb=cfg.bucket_cap_mb or (25 if cuda else 4),
                                         gradient_as_bucket_view=True)
     if plugin is None:  # not compiling, whatever ACCELERATE_DYNAMO_* say
         from accelerate.utils import TorchDynamoPlugin

@@ -247,7 +247,9 @@ def build_options():
     o.add("--distributed-port", type=int, default=-1, help="HetSeq compatibility: port for tcp rendezvous")
     o.add("--device-id", "--local_rank", type=int, default=None, help="GPU of this process")
     o.add("--ddp-backend", choices=["c10d"], default="c10d", help="DDP implementation (PyTorch's c10d)")
-    o.add("--bucket-cap-mb", type=POSITIVE, default=25, help="DDP gradient bucket size")
+    o.add("--bucket-cap-mb", type=POSITIVE, default=None,
+          help="DDP gradient bucket size in MiB (default: 25, DDP's own, on CUDA; 4 on CPU, where gloo sums on a "
+               "CPU thread and smaller buckets start summing during the backward pass)")
     o.add("--find-unused-parameters", action="store_true", help="DDP: allow parameters without gradient")
     o.add("--distributed-timeout", type=POSITIVE, default=300,
           help="seconds to wait for a missing rank before failing")
