@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,13 +193,14 @@ def test_single_nan_batch_is_skipped_and_training_goes_on(data, tmp_path):
 FUSED = ["--optim_conf", "fused=true"]
 
 
-def test_fused_optimizer_is_the_default_on_cuda_only():
+def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
     from textbox_like.cli import parse
     from textbox_like.optim import build_optimizer
 
     def built(device_type, *argv):
         _, ns, _ = parse(["--task", "mnist", "--max-sentences", "8", "--max-update", "1", *argv])
-        return build_optimizer(ns, [{"params": [torch.nn.Parameter(torch.zeros(3))]}], device_type)
+        return build_optimizer(ns, [{"params": [torch.nn.Parameter(torch.zeros(3))]}],
+                               fused_default=device_type == "cuda")
 
     for name in ("adam", "adamw", "sgd", "adagrad"):
         cuda = built("cuda", "--optimizer", name)
@@ -211,6 +213,22 @@ def test_fused_optimizer_is_the_default_on_cuda_only():
     explicit = built("cuda", "--optimizer", "adam", "--optim_conf", "foreach=true")
     assert explicit.defaults["foreach"] is True and not explicit.defaults["fused"]
     assert built("cpu", "--optimizer", "adam", *FUSED).defaults["fused"] is True
+    # the trainer asks for it on CUDA only, and not under float16's loss scaler
+    from textbox_like import optim
+    from textbox_like.trainer import Trainer
+    asked = []
+    monkeypatch.setattr(optim, "build_optimizer", lambda cfg, groups, fused_default=False: asked.append(
+        fused_default) or torch.optim.SGD(groups[0]["params"], lr=0.1))
+    for device, scaler, expected in (("cuda", None, True), ("cuda", object(), False), ("cpu", None, False)):
+        fake = Trainer.__new__(Trainer)
+        fake.cfg = SimpleNamespace(train_dtype="float32", weight_decay=0.0)
+        fake.accelerator = SimpleNamespace(device=torch.device(device), scaler=scaler, prepare=lambda m, o: (m, o))
+        fake.task = SimpleNamespace(build_model=lambda: torch.nn.Linear(2, 2),
+                                    param_groups=lambda m, wd: [{"params": list(m.parameters())}])
+        fake.rank = 0
+        monkeypatch.setattr("textbox_like.lr_scheduler.build_scheduler", lambda cfg, opt: None)
+        Trainer.build_model(fake)
+        assert asked[-1] is expected, (device, scaler)
 
 
 def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_path, monkeypatch):
@@ -222,7 +240,6 @@ def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_
     trainer, ns, _ = build_trainer(mnist_args(data, tmp_path / "out", "--optimizer", "adam", *FUSED,
                                               "--log-interval", "100", "--no-save", "--disable-validation",
                                               max_update=8))
-    assert trainer.skips_on_device
     events = []
     real_value = faults.HostCopy.value
     monkeypatch.setattr(faults.HostCopy, "value", lambda self: (events.append("read"), real_value(self))[1])
@@ -258,11 +275,12 @@ def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_
     with contextlib.redirect_stderr(err):
         rc = run_trainer(trainer)
     assert rc == 0, err.getvalue()[-3000:]
+    assert trainer.skips_on_device
     # each update's norm is read after the next update's forward and backward
     # (or at the end): the host never waits for the update it is stepping
     reads = [i for i, e in enumerate(events) if e == "read"]
     losses = {e: i for i, e in enumerate(events) if e.startswith("loss")}
-    for k in range(1, 8):
+    for k in range(2, 8):  # the first step, which creates the optimizer's state, is checked on the host
         assert any(losses[f"loss {k + 1}"] < r < losses.get(f"loss {k + 2}", len(events)) for r in reads), events
     _, before, stepped, after = record[2]  # the NaN batch
     assert_bitwise_equal(after["model"], before["model"], "model")
@@ -303,9 +321,39 @@ def test_device_skip_lagged_equals_settled_every_update(data, tmp_path):
         module = trainer.accelerator.unwrap_model(trainer.model)
         finals.append({"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
                        "optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "lr": trainer.lr,
-                       "counts": (trainer.state.num_updates, trainer.state.skipped_updates, calls["n"])})
-    assert finals[0]["counts"] == (7, 2, 9)
+                       "counts": (trainer.state.num_updates, trainer.state.skipped_updates, calls["n"],
+                                  trainer.state.samples_trained)})
+    assert finals[0]["counts"] == (7, 2, 9, 7 * 8)
     assert_bitwise_equal(finals[0], finals[1], "final")
+
+
+def test_first_update_nan_under_fused_sgd_momentum_is_checked_on_the_host(data, tmp_path, monkeypatch):
+    """Fused SGD creates its momentum buffers with empty_like in its first
+    step: a first step skipped in the kernel would keep them uninitialised.
+    The step that creates the optimizer's state is checked on the host."""
+    from textbox_like import faults
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "out", "--optimizer", "sgd", "--momentum", "0.9",
+                                             *FUSED, "--log-interval", "100", "--no-save", "--disable-validation",
+                                             max_update=4))
+    copies = []
+    real_init = faults.HostCopy.__init__
+    monkeypatch.setattr(faults.HostCopy, "__init__",
+                        lambda self, t: (copies.append(trainer.state.num_updates), real_init(self, t))[1])
+    real_loss, calls = trainer.task.loss, {"n": 0}
+
+    def loss(model, batch):
+        calls["n"] += 1
+        terms, stats = real_loss(model, batch)
+        return ({k: v * float("nan") for k, v in terms.items()} if isinstance(terms, dict)
+                else terms * float("nan")) if calls["n"] == 1 else terms, stats
+
+    trainer.task.loss = loss
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert run_trainer(trainer) == 0
+    assert trainer.skips_on_device and trainer.state.skipped_updates == 1 and trainer.state.num_updates == 4
+    assert copies == [1, 2, 3]  # updates 2..4 lagged; the skipped first and the state-creating second on the host
+    for buffers in trainer.optimizer.optimizer.state.values():
+        assert torch.isfinite(buffers["momentum_buffer"]).all()
 
 
 def test_device_skip_divergence_stops_with_65(data, tmp_path):

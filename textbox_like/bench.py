@@ -67,8 +67,7 @@ def _cfg_for(args_list):
 def plain_optimizer(cfg, model):
     """The same torch.optim class and arguments the trainer uses, one group."""
     from .optim import build_optimizer
-    device = next(model.parameters()).device.type
-    return build_optimizer(cfg, [{"params": list(model.parameters())}], device)
+    return build_optimizer(cfg, [{"params": list(model.parameters())}])  # the plain loops run on CPU
 
 
 def _maybe_compile(model, compiled, mode):

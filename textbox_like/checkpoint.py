@@ -152,8 +152,9 @@ class CheckpointManager:
         names = []
         if end_of_epoch and not cfg.no_epoch_checkpoints and epoch % cfg.save_interval == 0:
             names.append(f"checkpoint{epoch:0{getattr(cfg, 'num_epoch_digits', 0) or 1}d}.pt")
-        if not end_of_epoch and (snapshot or cfg.save_interval_updates > 0
-                                 and updates % cfg.save_interval_updates == 0):
+        # a --snapshot-interval crossing is kept also at an epoch's end
+        if snapshot or not end_of_epoch and cfg.save_interval_updates > 0 \
+                and updates % cfg.save_interval_updates == 0:
             names.append(f"checkpoint_{epoch}_{updates}.pt")
         if is_best:
             names.append("checkpoint_best.pt")

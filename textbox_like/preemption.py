@@ -55,8 +55,10 @@ class Preemption:
 
     def due(self, num_updates: int) -> bool:
         """Whether poll() after this update may stop the run or start a collective."""
-        return (self.requested or self.agreed or self._pending is not None
-                or (self.world_size > 1 and num_updates % self.every == 0))
+        if self.world_size == 1:
+            return self.requested
+        # only what every rank sees alike: a signal reaches one rank
+        return self.agreed or self._pending is not None or num_updates % self.every == 0
 
     def close(self):
         if self._pending is not None:

@@ -202,8 +202,9 @@ class Trainer:
             torch.set_default_dtype(torch.float64)
         model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
+        acc = self.accelerator
         optimizer = build_optimizer(cfg, self.task.param_groups(model, cfg.weight_decay),
-                                    self.accelerator.device.type)
+                                    fused_default=acc.device.type == "cuda" and acc.scaler is None)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
@@ -244,13 +245,9 @@ class Trainer:
         self.lr = self.scheduler.get_lr()
         self.gnorm = None
         self.nonfinite_in_a_row = 0
-        # fused optimizers take a found_inf flag and skip a non-finite step in
-        # their kernel, so the host need not wait for the gradient norm before
-        # stepping (the default on CUDA, see optim.build_optimizer); the
-        # loss scaler, when there is one, does its own skipping
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        self.skips_on_device = acc.scaler is None and bool(getattr(inner, "_step_supports_amp_scaling", False))
+        self.skips_on_device = False  # decided in start(), after a checkpoint's optimizer groups are loaded
         self.unsettled = None  # the last update's gradient norm, not read on the host yet
+        self.unsettled_samples = 0
         self.compile_pending = self.sources["compile"] != "default"
 
     # ------------------------------------------------------------------ loop
@@ -260,15 +257,16 @@ class Trainer:
         self.start()
         while self.stop_reason() is None:
             self.begin_epoch()
+            snapshot = False
             for micro_batches, totals in self.updates_of_this_epoch():
                 if not self.train_step(micro_batches, totals):
                     continue  # skipped (not finite, or the loss scaler's overflow): nothing moved
+                snapshot = self.crossed_snapshot(totals["nsamples"])
                 self.log_train()
                 self.preemption.poll(state.num_updates)
                 if self.end_of_epoch():
                     break  # the epoch's own validation and save follow
                 stopping = self.stop_reason() is not None
-                snapshot = self.crossed_snapshot(totals["nsamples"])
                 saving = self.every(cfg.save_interval_updates) or snapshot
                 # HetSeq validates at every interval save; a run that ends
                 # validates its final weights (unless preempted: leave fast)
@@ -282,7 +280,8 @@ class Trainer:
             if self.end_of_epoch():
                 self.log_epoch()
                 improved = self.validate() if state.epoch % cfg.validate_interval == 0 else False
-                self.save(end_of_epoch=True, is_best=improved, final=self.stop_reason(next_epoch=True) is not None)
+                self.save(end_of_epoch=True, is_best=improved, final=self.stop_reason(next_epoch=True) is not None,
+                          snapshot=snapshot)
                 if not self.preemption.agreed:
                     self.next_epoch()
         return self.finish()
@@ -319,8 +318,12 @@ class Trainer:
                 acc.backward(loss)
             self.window.add(stats)
         self.gnorm = self.gradient_norm()
-        if self.skips_on_device:
+        # an optimizer's first step creates its state: checked on the host,
+        # since a kernel that skips it may leave that state uninitialised
+        # (fused SGD's momentum buffers are torch.empty_like)
+        if self.skips_on_device and self.optimizer.optimizer.state:
             return self.step_on_device(totals)
+        self.settle()
         if acc.scaler is None and not bool(self.gnorm.isfinite()):
             self.optimizer.zero_grad(set_to_none=True)
             self.skip_nonfinite(float(self.gnorm))
@@ -378,7 +381,7 @@ class Trainer:
         finally:
             del inner.found_inf
         self.optimizer.zero_grad(set_to_none=True)
-        self.unsettled = HostCopy(self.gnorm)
+        self.unsettled, self.unsettled_samples = HostCopy(self.gnorm), 0
         state.num_updates += 1
         state.updates_in_epoch += 1
         self.log.advance()
@@ -400,6 +403,7 @@ class Trainer:
             return True
         state.num_updates -= 1
         state.updates_in_epoch -= 1
+        state.samples_trained -= self.unsettled_samples  # what crossed_snapshot counted for it
         self.log.advance(-1)
         self.skip_nonfinite(gnorm)
         return False
@@ -498,6 +502,8 @@ class Trainer:
         n = self.cfg.snapshot_interval
         before = self.state.samples_trained
         self.state.samples_trained += samples_in_update
+        if self.unsettled is not None:  # taken back if the update turns out skipped (settle)
+            self.unsettled_samples = samples_in_update
         return n > 0 and self.state.samples_trained // n > before // n
 
     def every(self, interval, ahead=0) -> bool:
@@ -709,6 +715,13 @@ class Trainer:
                       + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples")
         state = self.state
         state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
+        # fused optimizers take a found_inf flag and skip a non-finite step in
+        # their kernel, so the host need not wait for the gradient norm before
+        # stepping (the default on CUDA, see optim.build_optimizer). Decided
+        # from the groups in use: a resumed checkpoint brings its own (a CPU
+        # one is not fused); the loss scaler, when there is one, skips itself
+        groups = self.optimizer.optimizer.param_groups
+        self.skips_on_device = acc.scaler is None and all(g.get("fused") for g in groups)
         self.model.train()
 
     def finish(self) -> int:
@@ -751,7 +764,12 @@ def train(cfg, keys) -> int:
     except DataUnavailable as exc:
         # the position was rewound to the failing update's start: save it, and
         # a rerun with --resume (a requeue) continues without skipping a sample
-        trainer.save(end_of_epoch=False, is_best=False, final=True)
+        try:
+            trainer.save(end_of_epoch=False, is_best=False, final=True)
+        except RunStopped as stop:  # the save found divergence, or could not write
+            distributed.cleanup()
+            print(f"error: {stop}", file=sys.stderr)
+            return stop.exit_code
         distributed.cleanup()
         print(f"error: {exc}; saved the state before it: rerun with --resume once the data is back",
               file=sys.stderr)

@@ -242,12 +242,16 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
     return conf
 
 
-def build_optimizer(cfg, param_groups, device_type="cpu"):
+def build_optimizer(cfg, param_groups, fused_default=False):
+    """``fused_default``: fuse where torch can and the user did not choose
+    (the trainer asks for it on CUDA without a loss scaler)."""
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer_kwargs(cfg).items()}
-    if device_type == "cuda" and kwargs.get("fused", False) is None and not kwargs.get("foreach") \
+    if fused_default and kwargs.get("fused", False) is None and not kwargs.get("foreach") \
             and not kwargs.get("capturable") and not kwargs.get("differentiable"):
         # one kernel per step on CUDA, which also skips a non-finite update
-        # by itself (found_inf), so the trainer's guard needs no host sync
+        # by itself (found_inf), so the trainer's guard needs no host sync.
+        # Not under float16's loss scaler: with a fused optimizer the scaler
+        # skips inside the kernel and Accelerate no longer sees its skips
         kwargs["fused"] = True
     if kwargs.get("fused"):
         kwargs["foreach"] = False  # torch refuses both

@@ -367,10 +367,11 @@ def _ray_search(ray, setup, args, out):
         info = read_json(d / "ray_trial.json") or {}
         rec = record_of(d, int(d.name.split("_")[1]), setup.metric, setup.maximize,
                         hints.get(info.get("trial_id")))
-        if interrupted and rec["status"] == "fail" and not (d / "results.json").exists():
-            rec["status"] = "interrupted"
         records.append(rec)
-        interrupted = interrupted or rec["status"] == "interrupted"
+    interrupted = interrupted or any(rec["status"] == "interrupted" for rec in records)
+    for rec in records:
+        if interrupted and rec["status"] == "fail" and not (Path(rec["save_dir"]) / "results.json").exists():
+            rec["status"] = "interrupted"
         line = f"trial {rec['trial']} | {' '.join(f'{k}={v}' for k, v in rec['params'].items())} | {rec['status']}"
         out(line + (f" | {setup.metric} {rec['value']:.4f}" if rec["value"] is not None else f" | {rec['error']}")
             + (f" | attempts {rec['attempts']}" if rec["attempts"] > 1 else ""))
