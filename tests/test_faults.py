@@ -611,3 +611,15 @@ def test_save_dir_that_is_a_file_refused(data, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and str(blocker) in lines[0], proc.stderr
     assert blocker.read_text() == "x"
+
+
+def test_snapshot_interval_counts_an_epochs_last_update(data, tmp_path):
+    """kanachan's --snapshot-interval counts every trained sample, the last
+    update of an epoch too: 256 samples per epoch at batch 8, a snapshot every
+    256 samples lands on updates 32 and 64 (the epochs' ends)."""
+    out = tmp_path / "out"
+    proc = run_cli(mnist_args(data, out, "--snapshot-interval", "256", "--max-epoch", "2", "--log-interval", "100",
+                              "--disable-validation", "--no-epoch-checkpoints", max_update=0))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint_*_*.pt")) == ["checkpoint_1_32.pt", "checkpoint_2_64.pt"]
+    assert load(out / "checkpoint_last.pt")["train"]["samples_trained"] == 512
