@@ -30,10 +30,14 @@ def errors(stderr):
 
 
 @pytest.mark.timeout(180)
-def test_divergence_stops_both_ranks_with_65(data, tmp_path):
+@pytest.mark.parametrize("guard", ["host", "device"])
+def test_divergence_stops_both_ranks_with_65(data, tmp_path, guard):
+    """host: the norm read before each step; device: a fused optimizer skips in
+    its kernel and both ranks read the norm one update late, alike."""
     out = tmp_path / "out"
+    extra = ["--optim_conf", "fused=true", "--log-interval", "7"] if guard == "device" else []
     proc = run_cli(two_ranks(data, out, "--optimizer", "sgd", "--lr", "1e4", "--max-update", "40",
-                             "--max-nonfinite-updates", "3"), timeout=150)
+                             "--max-nonfinite-updates", "3", *extra), timeout=150)
     assert proc.returncode == 65, proc.stderr[-3000:]
     lines = errors(proc.stderr)
     assert lines and all("diverged" in line for line in lines), lines
