@@ -184,3 +184,21 @@ def run():
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def assert_bitwise_equal(a, b, where="state"):
+    """Nested dicts/lists/tensors equal bit for bit, naming the first difference."""
+    import torch
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import N_SMALL_TEST, N_SMALL_TRAIN, _reset_accelerate, read_jsonl, run_cli, run_main, write_mnist
+from conftest import (N_SMALL_TEST, N_SMALL_TRAIN, _reset_accelerate, assert_bitwise_equal, read_jsonl, run_cli,
+                      run_main, write_mnist)
 
 
 @pytest.fixture(scope="module")
@@ -75,20 +76,46 @@ def run_trainer(trainer):
         _reset_accelerate()
 
 
-def assert_bitwise_equal(a, b, where="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+def poison_batches(trainer, numbers, events=None):
+    """Make the loss of the given forward calls (1-based) NaN; returns the call counter."""
+    real_loss, calls = trainer.task.loss, {"n": 0}
+
+    def loss(model, batch):
+        calls["n"] += 1
+        if events is not None:
+            events.append(f"loss {calls['n']}")
+        terms, stats = real_loss(model, batch)
+        if calls["n"] in numbers:
+            nan = float("nan")
+            terms = {k: v * nan for k, v in terms.items()} if isinstance(terms, dict) else terms * nan
+        return terms, stats
+
+    trainer.task.loss = loss
+    return calls
+
+
+def trainer_snapshot(trainer):
+    """Everything an update may move: weights, optimizer, LR, schedule and counts."""
+    module = trainer.accelerator.unwrap_model(trainer.model)
+    return {"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+            "lr": [g["lr"] for g in trainer.optimizer.param_groups], "scheduler_lr": trainer.scheduler.get_lr(),
+            "scheduler_updates": trainer.scheduler.num_updates, "num_updates": trainer.state.num_updates,
+            "updates_in_epoch": trainer.state.updates_in_epoch}
+
+
+def record_steps(trainer, calls):
+    """Wrap train_step: a list of (forward calls so far, snapshot before, stepped, snapshot after)."""
+    real_step, record = trainer.train_step, []
+
+    def train_step(micro_batches, totals):
+        before = trainer_snapshot(trainer)
+        stepped = real_step(micro_batches, totals)
+        record.append((calls["n"], before, stepped, trainer_snapshot(trainer)))
+        return stepped
+
+    trainer.train_step = train_step
+    return record
 
 
 # ------------------------------------------------------------ divergence
@@ -128,37 +155,8 @@ def test_divergence_stops_with_65_and_keeps_finite_checkpoints(data, tmp_path, l
 def test_single_nan_batch_is_skipped_and_training_goes_on(data, tmp_path):
     trainer, ns, _ = build_trainer(mnist_args(data, tmp_path / "out", "--log-interval", "1", "--no-save",
                                               "--disable-validation", max_update=8))
-    task = trainer.task
-    real_loss = task.loss
-    calls = {"n": 0}
-
-    def loss(model, batch):
-        calls["n"] += 1
-        terms, stats = real_loss(model, batch)
-        if calls["n"] == 3:
-            nan = float("nan")
-            terms = {k: v * nan for k, v in terms.items()} if isinstance(terms, dict) else terms * nan
-        return terms, stats
-
-    task.loss = loss
-    real_step = trainer.train_step
-    record = []
-
-    def snapshot():
-        module = trainer.accelerator.unwrap_model(trainer.model)
-        model = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        return {"model": model, "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
-                "lr": [g["lr"] for g in trainer.optimizer.param_groups], "scheduler_lr": trainer.scheduler.get_lr(),
-                "scheduler_updates": trainer.scheduler.num_updates, "num_updates": trainer.state.num_updates,
-                "updates_in_epoch": trainer.state.updates_in_epoch}
-
-    def train_step(micro_batches, totals):
-        before = snapshot()
-        stepped = real_step(micro_batches, totals)
-        record.append((calls["n"], before, stepped, snapshot()))
-        return stepped
-
-    trainer.train_step = train_step
+    calls = poison_batches(trainer, {3})
+    record = record_steps(trainer, calls)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         rc = run_trainer(trainer)
@@ -243,34 +241,8 @@ def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_
     events = []
     real_value = faults.HostCopy.value
     monkeypatch.setattr(faults.HostCopy, "value", lambda self: (events.append("read"), real_value(self))[1])
-    task, real_loss = trainer.task, trainer.task.loss
-    calls = {"n": 0}
-
-    def loss(model, batch):
-        calls["n"] += 1
-        events.append(f"loss {calls['n']}")
-        terms, stats = real_loss(model, batch)
-        if calls["n"] == 3:
-            terms = {k: v * float("nan") for k, v in terms.items()} if isinstance(terms, dict) \
-                else terms * float("nan")
-        return terms, stats
-
-    task.loss = loss
-    real_step, record = trainer.train_step, []
-
-    def snapshot():
-        module = trainer.accelerator.unwrap_model(trainer.model)
-        return {"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
-                "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
-                "lr": [g["lr"] for g in trainer.optimizer.param_groups], "num_updates": trainer.state.num_updates}
-
-    def train_step(micro_batches, totals):
-        before = snapshot()
-        stepped = real_step(micro_batches, totals)
-        record.append((calls["n"], before, stepped, snapshot()))
-        return stepped
-
-    trainer.train_step = train_step
+    calls = poison_batches(trainer, {3}, events)
+    record = record_steps(trainer, calls)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         rc = run_trainer(trainer)
@@ -307,15 +279,7 @@ def test_device_skip_lagged_equals_settled_every_update(data, tmp_path):
         trainer, _, _ = build_trainer(mnist_args(data, tmp_path / f"out{interval}", "--optimizer", "adam", *FUSED,
                                                  "--log-interval", interval, "--no-save", "--disable-validation",
                                                  max_update=7))
-        real_loss, calls = trainer.task.loss, {"n": 0}
-
-        def loss(model, batch, real_loss=real_loss, calls=calls):
-            calls["n"] += 1
-            terms, stats = real_loss(model, batch)
-            return ({k: v * float("nan") for k, v in terms.items()} if isinstance(terms, dict)
-                    else terms * float("nan")) if calls["n"] in (2, 5) else terms, stats
-
-        trainer.task.loss = loss
+        calls = poison_batches(trainer, {2, 5})
         with contextlib.redirect_stderr(io.StringIO()):
             assert run_trainer(trainer) == 0
         module = trainer.accelerator.unwrap_model(trainer.model)
@@ -339,15 +303,7 @@ def test_first_update_nan_under_fused_sgd_momentum_is_checked_on_the_host(data, 
     real_init = faults.HostCopy.__init__
     monkeypatch.setattr(faults.HostCopy, "__init__",
                         lambda self, t: (copies.append(trainer.state.num_updates), real_init(self, t))[1])
-    real_loss, calls = trainer.task.loss, {"n": 0}
-
-    def loss(model, batch):
-        calls["n"] += 1
-        terms, stats = real_loss(model, batch)
-        return ({k: v * float("nan") for k, v in terms.items()} if isinstance(terms, dict)
-                else terms * float("nan")) if calls["n"] == 1 else terms, stats
-
-    trainer.task.loss = loss
+    poison_batches(trainer, {1})
     with contextlib.redirect_stderr(io.StringIO()):
         assert run_trainer(trainer) == 0
     assert trainer.skips_on_device and trainer.state.skipped_updates == 1 and trainer.state.num_updates == 4

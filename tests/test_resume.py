@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_mnist
+from conftest import assert_bitwise_equal, write_mnist
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,22 +44,6 @@ def run(cmd, timeout=240):
 
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a, b, where="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def kill_after_checkpoint(cmd, save_dir, sig, min_checkpoint="checkpoint_1_5.pt", seed=0, group=False):
