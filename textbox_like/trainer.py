@@ -416,7 +416,7 @@ class Trainer:
                                            cfg.validate_interval_updates))
                 or self.preemption.due(state.num_updates) or self.end_of_epoch()
                 or self.stop_reason() is not None
-                or (n > 0 and (state.samples_trained + samples_in_update) // n > state.samples_trained // n))
+                or crosses(state.samples_trained, state.samples_trained + samples_in_update, n))
 
     def skip_nonfinite(self, gnorm: float):
         """Count a skipped update; stop after --max-nonfinite-updates in a row."""
@@ -499,12 +499,11 @@ class Trainer:
 
     def crossed_snapshot(self, samples_in_update) -> bool:
         """kanachan's --snapshot-interval: this update crossed a multiple of N training samples."""
-        n = self.cfg.snapshot_interval
         before = self.state.samples_trained
         self.state.samples_trained += samples_in_update
         if self.unsettled is not None:  # taken back if the update turns out skipped (settle)
             self.unsettled_samples = samples_in_update
-        return n > 0 and self.state.samples_trained // n > before // n
+        return crosses(before, self.state.samples_trained, self.cfg.snapshot_interval)
 
     def every(self, interval, ahead=0) -> bool:
         """True on every ``interval``-th update (``ahead``: for the update about to happen)."""
@@ -757,25 +756,26 @@ class Trainer:
         plot_runs([self.cfg.save_dir], Path(self.cfg.save_dir) / "curves.png")
 
 
+def crosses(before: int, after: int, interval: int) -> bool:
+    """A count going from ``before`` to ``after`` passes a multiple of ``interval`` (0: never)."""
+    return interval > 0 and after // interval > before // interval
+
+
 def train(cfg, keys) -> int:
     trainer = Trainer(cfg, keys)
     try:
         return trainer.train()
-    except DataUnavailable as exc:
-        # the position was rewound to the failing update's start: save it, and
-        # a rerun with --resume (a requeue) continues without skipping a sample
-        try:
-            trainer.save(end_of_epoch=False, is_best=False, final=True)
-        except RunStopped as stop:  # the save found divergence, or could not write
-            distributed.cleanup()
-            print(f"error: {stop}", file=sys.stderr)
-            return stop.exit_code
-        distributed.cleanup()
-        print(f"error: {exc}; saved the state before it: rerun with --resume once the data is back",
-              file=sys.stderr)
-        return exc.exit_code
     except RunStopped as exc:
+        message = str(exc)
+        if isinstance(exc, DataUnavailable):
+            # the position was rewound to the failing update's start: save it, and
+            # a rerun with --resume (a requeue) continues without skipping a sample
+            try:
+                trainer.save(end_of_epoch=False, is_best=False, final=True)
+                message += "; saved the state before it: rerun with --resume once the data is back"
+            except RunStopped as stop:  # the save found divergence, or could not write
+                exc, message = stop, str(stop)
         # every rank stops together here, so leaving the group is safe (see cli.run)
         distributed.cleanup()
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
         return exc.exit_code
