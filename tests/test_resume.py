@@ -106,6 +106,20 @@ def test_sigkill_then_resume_is_bitwise_identical(data, tmp_path, reference, upd
 
 
 @pytest.mark.timeout(600)
+def test_compiled_run_killed_and_resumed_equals_the_uninterrupted_compiled_run(data, tmp_path, reference):
+    # --compile (issue 12): the checkpoint holds the uncompiled module's keys and
+    # the resumed process compiles again; dropout on, in eager and compiled code
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir, "--compile")
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=5)
+    assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
+    assert 5 <= load(save_dir / "checkpoint_last.pt")["train"]["num_updates"] < 60
+    out = run(cmd + ["--log-format", "simple", "--resume"])
+    assert "resumed from" in out.stderr and "compiled: the first update took" in out.stderr
+    compare_final(load(save_dir / "checkpoint_last.pt"), reference(1, "--compile"))
+
+
+@pytest.mark.timeout(600)
 def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, reference):
     save_dir = tmp_path / "run"
     cmd = command(data, save_dir)

@@ -96,6 +96,53 @@ def compile_plugin(cfg, cuda: bool):
     return TorchDynamoPlugin(backend=backend.lower(), mode=mode), f"{source} (mode {mode})"
 
 
+def compile_regions(accelerator, model):
+    """Compile only the parts a model names for this device, with Accelerate's
+    dynamo settings (ours or the launcher's); returns their names, or None when
+    Accelerate compiles the whole model in prepare() as usual.
+
+    A model says ``compile_regions(device_type) -> list of names | None``: the
+    methods or submodules worth compiling there (torchtitan compiles per block
+    in the same spirit). A submodule compiles in place and a method is replaced
+    on the instance, so parameter names and checkpoints are the same compiled
+    or not. Accelerate is then told to compile nothing more."""
+    from accelerate.utils import DynamoBackend
+    plugin = accelerator.state.dynamo_plugin
+    if plugin.backend == DynamoBackend.NO or not hasattr(model, "compile_regions"):
+        return None
+    names = model.compile_regions(accelerator.device.type)
+    if names is None:
+        return None
+    import torch
+    kwargs = plugin.to_kwargs()
+    for name in names:
+        part = getattr(model, name)
+        if isinstance(part, torch.nn.Module):
+            part.compile(**kwargs)
+        else:
+            setattr(model, name, torch.compile(part, **kwargs))
+    # the state is this process's Accelerator's: prepare() reads it to decide
+    # whether to wrap the whole model in torch.compile
+    plugin.backend = DynamoBackend.NO
+    return list(names)
+
+
+def uncompile(model, regions):
+    """The eager model back, after a failed compilation: the module under
+    Accelerate's torch.compile wrapper, or ``model`` with its regions restored."""
+    import torch
+    if regions is None:
+        return getattr(model, "_orig_mod", model)
+    inner = getattr(model, "module", model)  # under DDP
+    for name in regions:
+        part = getattr(inner, name)
+        if isinstance(part, torch.nn.Module):
+            part._compiled_call_impl = None  # what nn.Module.compile sets
+        else:
+            delattr(inner, name)  # the class's own method again
+    return model
+
+
 def use_cuda(cfg) -> bool:
     import torch
     return torch.cuda.is_available() and not cfg.cpu and not str(getattr(cfg, "device", "") or "").startswith("cpu")

@@ -200,9 +200,14 @@ class Trainer:
         cfg = self.cfg
         if cfg.train_dtype == "float64":
             torch.set_default_dtype(torch.float64)
+        from .accelerator import compile_regions
         model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
         acc = self.accelerator
+        # before prepare(): a model may name the parts worth compiling here
+        self.compiled_regions = compile_regions(acc, model)
+        if self.compiled_regions is not None:
+            self.sources["compile"] += f", regions {', '.join(self.compiled_regions)} on {acc.device.type}"
         optimizer = build_optimizer(cfg, self.task.param_groups(model, cfg.weight_decay),
                                     fused_default=acc.device.type == "cuda" and acc.scaler is None)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
@@ -342,10 +347,28 @@ class Trainer:
 
     def first_compiled_step(self, micro_batches, totals) -> bool:
         """The first update under --compile includes compiling: timed and
-        reported apart, and left out of the throughput."""
+        reported apart, and left out of the throughput. A model that cannot
+        compile trains eager after one line."""
+        import copy
+
+        import torch
         started = time.perf_counter()
         self.compile_pending = False
-        stepped = self.train_step(micro_batches, totals)
+        window = copy.deepcopy(self.window)
+        try:
+            stepped = self.train_step(micro_batches, totals)
+        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as e:
+            from .accelerator import uncompile, warn
+            cause = getattr(e, "inner_exception", None) or e  # the backend's own error
+            reason = f"{type(cause).__name__}: " + (str(cause).strip().splitlines() or [""])[0][:200]
+            name = type(self.accelerator.unwrap_model(self.model, keep_torch_compile=False)).__name__
+            warn(f"--compile: {name} did not compile ({reason}); "
+                 f"training eager")
+            self.model = uncompile(self.model, self.compiled_regions)
+            self.sources["compile"] = "default"
+            self.optimizer.zero_grad(set_to_none=True)
+            self.window = window
+            return self.train_step(micro_batches, totals)
         took = time.perf_counter() - started
         self.state.clock.paused += took
         self.log.info(f"compiled: the first update took {took:.1f}s (compilation; not counted in throughput)")
