@@ -212,6 +212,8 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
     assert explicit.defaults["foreach"] is True and not explicit.defaults["fused"]
     assert built("cpu", "--optimizer", "adam", *FUSED).defaults["fused"] is True
     # the trainer asks for it on CUDA only, and not under float16's loss scaler
+    from accelerate.utils import TorchDynamoPlugin
+
     from textbox_like import optim
     from textbox_like.trainer import Trainer
     asked = []
@@ -220,7 +222,8 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
     for device, scaler, expected in (("cuda", None, True), ("cuda", object(), False), ("cpu", None, False)):
         fake = Trainer.__new__(Trainer)
         fake.cfg = SimpleNamespace(train_dtype="float32", weight_decay=0.0)
-        fake.accelerator = SimpleNamespace(device=torch.device(device), scaler=scaler, prepare=lambda m, o: (m, o))
+        fake.accelerator = SimpleNamespace(device=torch.device(device), scaler=scaler, prepare=lambda m, o: (m, o),
+                                           state=SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend="no")))
         fake.task = SimpleNamespace(build_model=lambda: torch.nn.Linear(2, 2),
                                     param_groups=lambda m, wd: [{"params": list(m.parameters())}])
         fake.rank = 0
