@@ -351,19 +351,22 @@ class Trainer:
         compile trains eager after one line."""
         import copy
 
-        import torch
+        # imported here, not looked up in the except clause: an unrelated
+        # error under a backend that never loaded inductor must not turn into
+        # an AttributeError
+        from torch._dynamo.exc import TorchDynamoException
+        from torch._inductor.exc import InductorError
         started = time.perf_counter()
         self.compile_pending = False
         window = copy.deepcopy(self.window)
         try:
             stepped = self.train_step(micro_batches, totals)
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as e:
+        except (TorchDynamoException, InductorError) as e:
             from .accelerator import uncompile, warn
             cause = getattr(e, "inner_exception", None) or e  # the backend's own error
             reason = f"{type(cause).__name__}: " + (str(cause).strip().splitlines() or [""])[0][:200]
             name = type(self.accelerator.unwrap_model(self.model, keep_torch_compile=False)).__name__
-            warn(f"--compile: {name} did not compile ({reason}); "
-                 f"training eager")
+            warn(f"--compile: {name} did not compile ({reason}); training eager")
             self.model = uncompile(self.model, self.compiled_regions)
             self.sources["compile"] = "default"
             self.optimizer.zero_grad(set_to_none=True)
