@@ -231,3 +231,35 @@ def test_no_item_and_no_tensor_from_python_values_per_update(data30, tmp_path, m
     assert all(t == theirs_factories[0] for t in theirs_factories), theirs_factories[:3]
 
 
+
+
+# ------------------------------------------------------------ read-ahead
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_num_workers_reads_ahead_only_for_data_read_from_disk(data30, tmp_path, monkeypatch, on_disk):
+    """On CPU, data already in memory (MNIST) is read inline whatever
+    --num-workers says: a read-ahead thread has nothing to overlap and only
+    competes with training's threads for the cores (issue 12: --num-workers 2
+    must not be slower than 0). Data read from disk is read ahead."""
+    from textbox_like.data.iterators import EpochBatchIterator
+    from textbox_like.data.mnist import MNISTDataset
+    monkeypatch.setattr(MNISTDataset, "reads_from_disk", on_disk, raising=False)
+    real = EpochBatchIterator._prefetched
+    threads = []
+
+    def prefetched(self, steps):
+        threads.append(self.num_workers)
+        return real(self, steps)
+
+    monkeypatch.setattr(EpochBatchIterator, "_prefetched", prefetched)
+    argv = args(data30, tmp_path, "--max-update", "3")
+    argv[argv.index("--num-workers") + 1] = "2"
+    argv[argv.index("--log-format") + 1] = "simple"
+    trainer = build_trainer(argv)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+        assert trainer.train() == 0
+    _reset_accelerate()
+    assert trainer.state.num_updates == 3
+    assert trainer.iterator.num_workers == (2 if on_disk else 0)
+    assert threads == ([2] if on_disk else [])
+    assert ("in memory: read inline, --num-workers not needed" in err.getvalue()) == (not on_disk)

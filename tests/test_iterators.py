@@ -237,3 +237,33 @@ def test_mnist_batches_by_max_sentences(mnist_dir):
     it.set_epoch(1)
     sizes = [len(batch["target"]) for batch, _ in it]
     assert sizes == [48] * (512 // 48) + [512 % 48]
+
+
+class OnDisk(Toy):
+    reads_from_disk = True
+
+
+@pytest.mark.parametrize("dataset, pinned, expected", [
+    (Toy(8), False, 0),      # in memory, CPU: nothing to overlap, the thread only takes cores
+    (OnDisk(8), False, 2),   # reads from files as it goes
+    (Toy(8), True, 2),       # pins each batch for a CUDA copy
+])
+def test_read_ahead_only_where_it_has_work_to_overlap(dataset, pinned, expected):
+    from textbox_like.data.iterators import read_ahead_workers
+    assert read_ahead_workers(2, dataset, pinned) == expected
+    assert read_ahead_workers(0, dataset, pinned) == 0
+
+
+def test_mnist_batches_are_a_gather_of_the_images(mnist_dir):
+    """MNIST's get_batch (a numpy gather, so a read-ahead thread starts no
+    OpenMP team of its own) returns exactly the indexed rows."""
+    import torch
+
+    from textbox_like.data.mnist import MNISTDataset, load_split
+    data = MNISTDataset(*load_split(mnist_dir, "train"))
+    indices = np.array([5, 0, 511, 5, 17], dtype=np.int64)
+    batch = data.get_batch(indices)
+    assert torch.equal(batch["image"], data.images[torch.from_numpy(indices)])
+    assert torch.equal(batch["target"], data.labels[torch.from_numpy(indices)])
+    assert batch["image"].is_contiguous() and batch["image"].shape == (5, 1, 28, 28)
+    assert data.get_batch(np.zeros(0, dtype=np.int64))["image"].shape == (0, 1, 28, 28)

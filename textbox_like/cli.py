@@ -111,7 +111,8 @@ def build_options():
     o.add("--max-tokens", type=POSITIVE, default=None, help="limit of real tokens per batch and process")
     o.add("--required-batch-size-multiple", type=POSITIVE, default=1,
           help="batch sizes are rounded down to a multiple of this (a batch smaller than it is kept)")
-    o.add("--num-workers", type=NONNEG, default=0, help="batches read ahead in the background (0: inline)")
+    o.add("--num-workers", type=NONNEG, default=0,
+          help="batches read ahead in a background thread, for data read from disk or pinned for CUDA (0: inline)")
     o.add("--no-shuffle", action="store_true", help="train in data order")
     o.add("--num_iters_per_epoch", type=NONNEG, default=0, help="cap on updates per epoch (0: whole epoch)")
     o.add("--fast-stat-sync", action="store_true",

@@ -218,16 +218,18 @@ class Trainer:
             torch.manual_seed(cfg.seed + self.rank)
 
     def build_iterator(self):
-        from .data.iterators import EpochBatchIterator, pin_for
+        from .data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
         cfg, acc = self.cfg, self.accelerator
         self.batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences or 0)
         max_tokens = distributed.gather_per_rank(acc, cfg.max_tokens or 0)
         if not any(max_tokens) and not all(self.batch_sizes):
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
+        pin_memory = pin_for(acc.device)
+        self.read_ahead = read_ahead_workers(cfg.num_workers, self.train_data, pin_memory)
         self.iterator = EpochBatchIterator(self.train_data, cfg.seed, self.rank, self.world, self.batch_sizes,
                                            max_tokens, shuffle=not cfg.no_shuffle,
-                                           multiple=cfg.required_batch_size_multiple, num_workers=cfg.num_workers,
-                                           pin_memory=pin_for(acc.device))
+                                           multiple=cfg.required_batch_size_multiple, num_workers=self.read_ahead,
+                                           pin_memory=pin_memory)
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.max_epoch or 0)
 
     def build_components(self):
@@ -737,7 +739,9 @@ class Trainer:
         self.log.info(f"task {cfg.task} | {self.n_params:,} parameters | world size {self.world} | "
                       f"device {acc.device} | precision {acc.mixed_precision}"
                       + (f" ({sources})" if sources else "")
-                      + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples")
+                      + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples"
+                      + (" (in memory: read inline, --num-workers not needed)"
+                         if cfg.num_workers and not self.read_ahead else ""))
         state = self.state
         state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
         # fused optimizers take a found_inf flag and skip a non-finite step in

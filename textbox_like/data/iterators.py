@@ -99,6 +99,14 @@ def pin_for(device) -> bool:
     return getattr(device, "type", str(device)) == "cuda"
 
 
+def read_ahead_workers(num_workers: int, dataset, pin_memory: bool) -> int:
+    """``--num-workers`` where a read-ahead thread has work to overlap with
+    compute (reading from disk, or pinning for a CUDA copy), else 0. For data
+    already in memory on CPU the thread only competes with training's threads
+    for the cores: MNIST on 2 cores trained ~10% slower with 2 than with 0."""
+    return num_workers if pin_memory or getattr(dataset, "reads_from_disk", False) else 0
+
+
 def pin(batch):
     """``batch`` (a tensor, or a dict/list/tuple of them) in page-locked memory."""
     if isinstance(batch, dict):

@@ -221,5 +221,8 @@ class MNISTDataset(BatchDataset):
 
     def get_batch(self, indices):
         import torch
-        index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
-        return {"image": self.images.index_select(0, index), "target": self.labels.index_select(0, index)}
+        # a numpy gather, not index_select: in a read-ahead thread a tensor op
+        # starts a second OpenMP team that competes with training's threads
+        index = np.asarray(indices, dtype=np.int64)
+        return {"image": torch.from_numpy(self.images.numpy()[index]),
+                "target": torch.from_numpy(self.labels.numpy()[index])}
