@@ -263,3 +263,18 @@ def test_num_workers_reads_ahead_only_for_data_read_from_disk(data30, tmp_path, 
     assert trainer.iterator.num_workers == (2 if on_disk else 0)
     assert threads == ([2] if on_disk else [])
     assert ("in memory: read inline, --num-workers not needed" in err.getvalue()) == (not on_disk)
+
+
+def test_the_trainer_keeps_freed_heap_before_loading_data(data30, tmp_path, monkeypatch):
+    """The malloc setting (textbox_like/malloc.py) is made in every training
+    process, before the data and the model are allocated."""
+    from textbox_like import malloc
+    from textbox_like.tasks import mnist as mnist_task
+    order = []
+    monkeypatch.setattr(malloc, "keep_freed_heap", lambda: order.append("malloc") or True)
+    real_build = mnist_task.MNISTTask.build_dataset
+    monkeypatch.setattr(mnist_task.MNISTTask, "build_dataset",
+                        lambda self, split: order.append("data") or real_build(self, split))
+    build_trainer(args(data30, tmp_path, "--max-update", "1"))
+    _reset_accelerate()
+    assert order[0] == "malloc" and order.count("malloc") == 1 and "data" in order

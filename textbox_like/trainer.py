@@ -159,6 +159,7 @@ class Trainer:
 
     def setup_processes(self):
         from .accelerator import build_accelerator
+        from .malloc import keep_freed_heap
         from .trackers import log_with, requested
         cfg = self.cfg
         trackers = requested(cfg)  # before any process group: a missing package is one line
@@ -168,6 +169,9 @@ class Trainer:
         threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(placement.local_world_size, 1))
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+        # before any data or model is allocated: updates reuse freed heap
+        # instead of faulting fresh pages in (malloc.py says why)
+        keep_freed_heap()
         import torch
         distributed.init_process_group(placement, cfg)
         self.accelerator, self.sources = build_accelerator(

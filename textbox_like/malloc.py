@@ -1,0 +1,55 @@
+"""glibc malloc settings for a training process on CPU.
+
+Each update allocates and frees the same activation buffers. With glibc's
+defaults, the freed top of the heap is given back to the OS after an update
+when it exceeds the trim threshold (twice the largest chunk freed so far), and
+the next update faults the same pages back in, zeroed by the kernel. MNIST at
+one thread took ~9,500 page faults per update that way (37 MB of fresh pages)
+and trained ~15% slower than with the heap kept. Keeping up to 256 MB of freed
+heap, and serving chunks up to 32 MB from the heap, makes the steady state
+fault-free. Only the limits move: memory is still reused, and chunks above
+32 MB are still mapped and unmapped one by one.
+
+A user's own choice wins: any ``MALLOC_*_`` variable or malloc ``GLIBC_TUNABLES``,
+or another allocator in ``LD_PRELOAD`` (jemalloc, tcmalloc, mimalloc), leaves
+malloc as it is. Not glibc (macOS, musl): nothing to do.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
+TRIM_THRESHOLD = 256 << 20
+MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed (HEAP_MAX_SIZE / 2 on 64-bit)
+
+_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def user_chose_malloc(environ=os.environ) -> bool:
+    """Whether the environment already says how malloc should behave."""
+    if any(name in environ for name in _USER_SETTINGS):
+        return True
+    if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        return True
+    return any(name in environ.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS)
+
+
+def keep_freed_heap() -> bool:
+    """Set glibc's trim and mmap thresholds for this process (see the module
+    docstring). True when set; False where not glibc or the user chose."""
+    if not sys.platform.startswith("linux") or user_chose_malloc():
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc only: musl has no such symbol
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # mallopt returns 1 on success; the mmap threshold first, since setting
+    # either one turns off glibc's own adjustment of both
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
