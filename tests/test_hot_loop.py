@@ -242,7 +242,7 @@ def test_num_workers_reads_ahead_only_for_data_read_from_disk(data30, tmp_path, 
     must not be slower than 0). Data read from disk is read ahead."""
     from textbox_like.data.iterators import EpochBatchIterator
     from textbox_like.data.mnist import MNISTDataset
-    monkeypatch.setattr(MNISTDataset, "reads_from_disk", on_disk, raising=False)
+    monkeypatch.setattr(MNISTDataset, "reads_from_disk", on_disk)
     real = EpochBatchIterator._prefetched
     threads = []
 

@@ -1,4 +1,4 @@
-"""glibc malloc settings for a training process on CPU.
+"""glibc malloc settings for a training process (its host memory).
 
 Each update allocates and frees the same activation buffers. With glibc's
 defaults, the freed top of the heap is given back to the OS after an update
@@ -6,13 +6,14 @@ when it exceeds the trim threshold (twice the largest chunk freed so far), and
 the next update faults the same pages back in, zeroed by the kernel. MNIST at
 one thread took ~9,500 page faults per update that way (37 MB of fresh pages)
 and trained ~15% slower than with the heap kept. Keeping up to 256 MB of freed
-heap, and serving chunks up to 32 MB from the heap, makes the steady state
-fault-free. Only the limits move: memory is still reused, and chunks above
-32 MB are still mapped and unmapped one by one.
+heap (per malloc arena), and serving chunks up to 32 MB from the heap, makes
+the steady state fault-free. Only the limits move: memory is still reused, and
+larger chunks are still mapped and unmapped one by one.
 
-A user's own choice wins: any ``MALLOC_*_`` variable or malloc ``GLIBC_TUNABLES``,
-or another allocator in ``LD_PRELOAD`` (jemalloc, tcmalloc, mimalloc), leaves
-malloc as it is. Not glibc (macOS, musl): nothing to do.
+A user's own choice wins: ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``, a ``glibc.malloc`` tunable in
+``GLIBC_TUNABLES``, or another allocator in ``LD_PRELOAD`` (jemalloc, tcmalloc,
+mimalloc) leaves malloc as it is. Not glibc (macOS, musl): nothing to do.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import sys
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 TRIM_THRESHOLD = 256 << 20
-MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed (HEAP_MAX_SIZE / 2 on 64-bit)
+# glibc's largest allowed (DEFAULT_MMAP_THRESHOLD_MAX): 32 MB on 64-bit, 16 MB on 32-bit
+MMAP_THRESHOLD = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
 
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
@@ -50,6 +52,7 @@ def keep_freed_heap() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    # mallopt returns 1 on success; the mmap threshold first, since setting
-    # either one turns off glibc's own adjustment of both
+    # mallopt returns 1 on success. Setting either threshold turns off glibc's
+    # own adjustment of both, so the trim threshold is set only when the mmap
+    # threshold was accepted
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

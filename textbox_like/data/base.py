@@ -19,7 +19,9 @@ import numpy as np
 class BatchDataset:
     #: True when batches are read from files as training goes (not all in
     #: memory at start): such a read can fail mid-run, and ranks then agree on
-    #: every update's data before using it
+    #: every update's data before using it; and --num-workers reads such data
+    #: ahead in a thread (data in memory is read inline on CPU: see
+    #: iterators.read_ahead_workers)
     reads_from_disk = False
 
     def __len__(self) -> int:
