@@ -49,6 +49,7 @@ def args(data, out, *extra):
 
 
 def run(trainer):
+    """trainer.train(), which must succeed; returns what it wrote to stderr."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -56,6 +57,7 @@ def run(trainer):
     finally:
         _reset_accelerate()
     assert rc == 0, err.getvalue()[-3000:]
+    return err.getvalue()
 
 
 # ------------------------------------------------------------ fake scaler
@@ -255,14 +257,11 @@ def test_num_workers_reads_ahead_only_for_data_read_from_disk(data30, tmp_path, 
     argv[argv.index("--num-workers") + 1] = "2"
     argv[argv.index("--log-format") + 1] = "simple"
     trainer = build_trainer(argv)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
-        assert trainer.train() == 0
-    _reset_accelerate()
+    log = run(trainer)
     assert trainer.state.num_updates == 3
     assert trainer.iterator.num_workers == (2 if on_disk else 0)
     assert threads == ([2] if on_disk else [])
-    assert ("in memory: read inline, --num-workers not needed" in err.getvalue()) == (not on_disk)
+    assert ("in memory: read inline, --num-workers not needed" in log) == (not on_disk)
 
 
 def test_the_trainer_keeps_freed_heap_before_loading_data(data30, tmp_path, monkeypatch):

@@ -229,10 +229,10 @@ class Trainer:
         if not any(max_tokens) and not all(self.batch_sizes):
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
         pin_memory = pin_for(acc.device)
-        self.read_ahead = read_ahead_workers(cfg.num_workers, self.train_data, pin_memory)
         self.iterator = EpochBatchIterator(self.train_data, cfg.seed, self.rank, self.world, self.batch_sizes,
                                            max_tokens, shuffle=not cfg.no_shuffle,
-                                           multiple=cfg.required_batch_size_multiple, num_workers=self.read_ahead,
+                                           multiple=cfg.required_batch_size_multiple,
+                                           num_workers=read_ahead_workers(cfg.num_workers, self.train_data, pin_memory),
                                            pin_memory=pin_memory)
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.max_epoch or 0)
 
@@ -745,7 +745,7 @@ class Trainer:
                       + (f" ({sources})" if sources else "")
                       + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples"
                       + (" (in memory: read inline, --num-workers not needed)"
-                         if cfg.num_workers and not self.read_ahead else ""))
+                         if cfg.num_workers and not self.iterator.num_workers else ""))
         state = self.state
         state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
         # fused optimizers take a found_inf flag and skip a non-finite step in
