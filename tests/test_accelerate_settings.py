@@ -149,8 +149,26 @@ def test_our_update_freq_wins_over_launch(data64, tmp_path, monkeypatch):
         rc = run_main(ours(data64, out, "--max-epoch", "1", "--update-freq", "4", max_update=0))
     assert rc == 0, err.getvalue()[-3000:]
     lines = start_lines(err.getvalue())
-    assert len(lines) == 1 and "update-freq from --update-freq" in lines[0], err.getvalue()[-3000:]
+    assert len(lines) == 1 and "update-freq from command line" in lines[0], err.getvalue()[-3000:]
     assert json.loads((out / "results.json").read_text())["num_updates"] == 2
+
+
+def test_an_explicit_update_freq_of_1_wins_over_launch(data64, tmp_path, monkeypatch):
+    """--update-freq 1 given is not "not given" (issue 20): it keeps 1 and the
+    start line says it came from the command line."""
+    import contextlib
+    import io
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    out = tmp_path / "out"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_main(ours(data64, out, "--max-epoch", "1", "--update-freq", "1", max_update=0))
+    assert rc == 0, err.getvalue()[-3000:]
+    lines = start_lines(err.getvalue())
+    assert len(lines) == 1 and "update-freq from command line" in lines[0], err.getvalue()[-3000:]
+    import yaml
+    assert yaml.safe_load((out / "config.yaml").read_text())["update_freq"] == [1]
+    assert json.loads((out / "results.json").read_text())["num_updates"] == 8  # 64 samples, batch 8, no accumulation
 
 
 # ------------------------------------------------- ReduceLROnPlateau, plateau

@@ -11,7 +11,7 @@ from textbox_like.tasks import TASKS
 
 
 def forward_backward(d, checkpointing):
-    _, cfg, _ = parse(["--task", "bert", "--data", str(d / "shards"), "--dict", str(d / "vocab.txt"),
+    cfg = parse(["--task", "bert", "--data", str(d / "shards"), "--dict", str(d / "vocab.txt"),
                        "--config_file", str(d / "bert_config.json"), "--max-sentences", "8",
                        "--checkpointing", str(checkpointing).lower()])
     torch.manual_seed(0)

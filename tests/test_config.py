@@ -13,7 +13,7 @@ from textbox_like.cli import main, parse
 
 
 def cfg_of(*args):
-    _, ns, _ = parse([str(a) for a in args])
+    ns = parse([str(a) for a in args])
     return ns
 
 
@@ -28,12 +28,12 @@ def printed(capsys, *args):
 # ---------------------------------------------------------------- spellings
 @pytest.mark.parametrize("flag", ["--max-update", "--max_update"])
 def test_max_update_both_spellings(flag):
-    assert cfg_of(flag, "7").max_update == 7
+    assert cfg_of(flag, "7").get("max_update") == 7
 
 
 @pytest.mark.parametrize("flag", ["--max-sentences", "--max_sentences", "--batch-size", "--batch_size"])
 def test_batch_size_spellings(flag):
-    assert cfg_of(flag, "48").max_sentences == 48
+    assert cfg_of(flag, "48").get("max_sentences") == 48
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -44,24 +44,24 @@ def test_batch_size_spellings(flag):
     (["--update-freq", "4,2,1"], [4, 2, 1]),
 ])
 def test_update_freq_forms(args, expected):
-    assert cfg_of(*args).update_freq == expected
+    assert cfg_of(*args).get("update_freq") == expected
 
 
 def test_mixed_precision_options():
-    assert cfg_of("--fp16").fp16 is True
-    assert cfg_of("--bf16").bf16 is True
-    assert cfg_of("--train_dtype", "bfloat16").train_dtype == "bfloat16"
-    assert cfg_of("--train-dtype", "float16").train_dtype == "float16"
+    assert cfg_of("--fp16").get("fp16") is True
+    assert cfg_of("--bf16").get("bf16") is True
+    assert cfg_of("--train_dtype", "bfloat16").get("train_dtype") == "bfloat16"
+    assert cfg_of("--train-dtype", "float16").get("train_dtype") == "float16"
 
 
 def test_adam_betas_tuple_literal():
     ns = cfg_of("--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-6")
-    assert list(ns.adam_betas) == [0.9, 0.98]
-    assert ns.adam_eps == 1e-6
+    assert list(ns.optimizer_options.adam_betas) == [0.9, 0.98]
+    assert ns.optimizer_options.adam_eps == 1e-6
 
 
 def test_valid_subset_comma_list():
-    assert cfg_of("--valid-subset", "train,test").valid_subset == ["train", "test"]
+    assert cfg_of("--valid-subset", "train,test").get("valid_subset") == ["train", "test"]
 
 
 # ---------------------------------------------------------------- dict options
@@ -74,7 +74,7 @@ DICT_CASES = {"--optim_conf": (["--optimizer", "adadelta"], "lr", "rho"),
 def test_dict_option_repeated_key_value(option):
     extra, a, b = DICT_CASES[option]
     ns = cfg_of(*extra, option, f"{a}=0.1", option, f"{b}=0.8")
-    conf = getattr(ns, option[2:])
+    conf = ns.get(option[2:])
     assert (conf[a], conf[b]) == (0.1, 0.8)
 
 
@@ -82,20 +82,20 @@ def test_dict_option_repeated_key_value(option):
 def test_dict_option_flow_mapping(option):
     extra, a, b = DICT_CASES[option]
     ns = cfg_of(*extra, option, f"{{{a}: 0.1, {b}: 0.8}}")
-    conf = getattr(ns, option[2:])
+    conf = ns.get(option[2:])
     assert (conf[a], conf[b]) == (0.1, 0.8)
 
 
 def test_dict_option_later_occurrence_wins():
     ns = cfg_of("--optimizer", "adadelta", "--optim_conf", "{lr: 0.1, rho: 0.8}", "--optim_conf", "rho=0.7")
-    assert (ns.optim_conf["lr"], ns.optim_conf["rho"]) == (0.1, 0.7)
+    assert (ns.optim.optim_conf["lr"], ns.optim.optim_conf["rho"]) == (0.1, 0.7)
 
 
 def test_optim_conf_reaches_the_optimizer():
     import torch
     from textbox_like.optim import build_optimizer
     ns = cfg_of("--optimizer", "adadelta", "--optim_conf", "lr=0.1", "--optim_conf", "rho=0.8")
-    opt = build_optimizer(ns, [{"params": [torch.nn.Parameter(torch.zeros(3))]}])
+    opt = build_optimizer(ns.optim, [{"params": [torch.nn.Parameter(torch.zeros(3))]}])
     assert opt.param_groups[0]["rho"] == 0.8
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
 
@@ -123,17 +123,15 @@ def test_model_conf_reaches_the_model():
 
 
 def test_scheduler_conf_reaches_the_scheduler():
-    import argparse
-
     import torch
     from textbox_like.cli import check, build_options
     from textbox_like.lr_scheduler import build_scheduler
-    options, ns, _ = parse(["--lr-scheduler", "constant", "--warmup-updates", "0",
+    ns = parse(["--lr-scheduler", "constant", "--warmup-updates", "0",
                             "--scheduler_conf", "warmup_updates=4",
                             "--lr", "0.5", "--max-update", "10"])
-    check(options, ns)
+    check(ns)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = build_scheduler(argparse.Namespace(**vars(ns)), opt)
+    sched = build_scheduler(ns, opt)
     assert sched.step_update(2) == pytest.approx(0.5 * 2 / 4)
     assert sched.step_update(4) == pytest.approx(0.5)
 
@@ -150,10 +148,10 @@ def test_properties_beat_builtin_defaults():
     assert merged, "no properties files"
     from textbox_like.cli import build_options
     defaults = {dest: action.default for dest, action in build_options().actions.items()}
-    _, ns, _ = parse(["--task", "mnist"])
+    ns = parse(["--task", "mnist"])
     checked = 0
     for key, value in merged.items():
-        got = getattr(ns, key)
+        got = ns.get(key)
         if isinstance(got, list) and not isinstance(value, list):
             got = got[0] if len(got) == 1 else got
         if isinstance(value, float) or isinstance(got, float):
@@ -171,30 +169,30 @@ def test_layering_full_chain(tmp_path, monkeypatch):
     (props / "task" / "mnist.yaml").write_text("lr: 0.3\nclip_norm: 4.0\nlog_interval: 8\n")
     monkeypatch.setattr(C, "PROPERTIES", props)
     ns = cfg_of()
-    assert (ns.seed, ns.lr, ns.clip_norm, ns.log_interval) == (5, [0.3], 4.0, 8)  # task yaml > overall
+    assert (ns.numerics.seed, ns.optim.lr, ns.schedule.clip_norm, ns.logging.log_interval) == (5, [0.3], 4.0, 8)  # task yaml > overall
     first = tmp_path / "a.yaml"
     first.write_text("lr: 0.4\nclip_norm: 9.0\nmax-update: 11\n")
     second = tmp_path / "b.yaml"
     second.write_text("lr: 0.6\n")
     ns = cfg_of("--config", first)
-    assert (ns.seed, ns.lr, ns.clip_norm, ns.max_update) == (5, [0.4], 9.0, 11)  # config file > properties
+    assert (ns.numerics.seed, ns.optim.lr, ns.schedule.clip_norm, ns.schedule.max_update) == (5, [0.4], 9.0, 11)  # config file > properties
     ns = cfg_of("--config", first, "--config", second)
-    assert (ns.lr, ns.clip_norm) == ([0.6], 9.0)  # later --config > earlier
+    assert (ns.optim.lr, ns.schedule.clip_norm) == ([0.6], 9.0)  # later --config > earlier
     ns = cfg_of("--config", second, "--config", first)
-    assert ns.lr == [0.4]
+    assert ns.optim.lr == [0.4]
     ns = cfg_of("--config", first, "--config", second, "--lr", "0.9", "--clip-norm", "1")
-    assert (ns.lr, ns.clip_norm, ns.max_update) == ([0.9], 1.0, 11)  # command line > all
+    assert (ns.optim.lr, ns.schedule.clip_norm, ns.schedule.max_update) == ([0.9], 1.0, 11)  # command line > all
     ns = cfg_of("--lr", "0.9", "--config", second)  # position on the command line does not matter
-    assert ns.lr == [0.9]
+    assert ns.optim.lr == [0.9]
 
 
 def test_config_file_beats_real_properties(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("optimizer: sgd\nlr: 0.05\nmomentum: 0.5\n")
     ns = cfg_of("--config", path)
-    assert (ns.optimizer, ns.lr, ns.momentum) == ("sgd", [0.05], 0.5)
+    assert (ns.optim.optimizer, ns.optim.lr, ns.optimizer_options.momentum) == ("sgd", [0.05], 0.5)
     ns = cfg_of("--config", path, "--lr", "0.07", "--momentum", "0.9")
-    assert (ns.lr, ns.momentum) == ([0.07], 0.9)
+    assert (ns.optim.lr, ns.optimizer_options.momentum) == ([0.07], 0.9)
 
 
 # ---------------------------------------------------------------- print_config
@@ -304,14 +302,14 @@ def test_training_config_yaml_equals_print_config(capsys, mnist_dir, tmp_path, e
 ])
 def test_dict_option_numbers_are_numbers(optimizer, text, expected):
     ns = cfg_of("--optimizer", optimizer, "--optim_conf", text)
-    assert {k: ns.optim_conf[k] for k in expected} == expected
-    assert all(type(ns.optim_conf[k]) is type(v) for k, v in expected.items()), ns.optim_conf
+    assert {k: ns.optim.optim_conf[k] for k in expected} == expected
+    assert all(type(ns.optim.optim_conf[k]) is type(v) for k, v in expected.items()), ns.optim.optim_conf
 
 
 def test_config_equals_sign_form(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lr: 0.05\n")
-    assert cfg_of(f"--config={path}").lr == [0.05]
+    assert cfg_of(f"--config={path}").get("lr") == [0.05]
 
 
 def test_unknown_key_in_config_file_names_closest(tmp_path):
@@ -329,23 +327,26 @@ def test_unknown_key_in_config_file_names_closest(tmp_path):
     (["--resume=0"], False), ([], False),
 ])
 def test_switch_values(args, expected):
-    assert cfg_of(*args).resume is expected
+    assert cfg_of(*args).get("resume") is expected
 
 
 @pytest.mark.parametrize("flag", ["--find_unused_parameters=True", "--find-unused-parameters", "--cudnn_deterministic=true"])
 def test_espnet_switch_spellings(flag):
     ns = cfg_of(flag)
-    assert ns.find_unused_parameters or ns.cudnn_deterministic
+    assert ns.distributed.find_unused_parameters or ns.numerics.cudnn_deterministic
 
 
 def test_every_switch_takes_values():
     from textbox_like.cli import build_options
     options = build_options()
     assert {"resume", "fp16", "no_save", "nesterov", "checkpointing", "fast_stat_sync"} <= options.switches
-    for dest in options.switches:
+    owner = {dest: group.split(":") for group, dests in options.groups.items() if ":" in group for dest in dests}
+    for dest in options.switches - {"print_config"}:
         flag = next(s for s in options.actions[dest].option_strings if s.startswith("--"))
-        assert getattr(cfg_of(f"{flag}=false"), dest) is False
-        assert getattr(cfg_of(flag, "yes"), dest) is True
+        # a task's, optimizer's or scheduler's own switch is in the run's configuration when it is chosen
+        chosen = [f"--{owner[dest][0].replace('_', '-')}", owner[dest][1]] if dest in owner else []
+        assert cfg_of(*chosen, f"{flag}=false").get(dest) is False
+        assert cfg_of(*chosen, flag, "yes").get(dest) is True
 
 
 @pytest.mark.parametrize("text,expected", [("true", True), ("'True'", True), ("no", False), ("'0'", False),
@@ -353,37 +354,37 @@ def test_every_switch_takes_values():
 def test_switch_values_in_yaml(tmp_path, text, expected):
     path = tmp_path / "c.yaml"
     path.write_text(f"resume: {text}\n")
-    assert cfg_of("--config", path).resume is expected
+    assert cfg_of("--config", path).get("resume") is expected
 
 
 def test_alias_names_as_config_file_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 0.02\nnum_epochs: 3\nvalid_batch_size: 7\noptim: sgd\n")
     ns = cfg_of("--config", path)
-    assert (ns.lr, ns.max_epoch, ns.max_sentences_valid, ns.optimizer) == ([0.02], 3, 7, "sgd")
+    assert (ns.optim.lr, ns.schedule.max_epoch, ns.data.max_sentences_valid, ns.optim.optimizer) == ([0.02], 3, 7, "sgd")
 
 
 def test_ngpu_sets_processes_on_this_node():
-    assert cfg_of("--ngpu", "2").distributed_world_size == 2
-    assert cfg_of("--ngpu", "0").cpu is True
+    assert cfg_of("--ngpu", "2").get("distributed_world_size") == 2
+    assert cfg_of("--ngpu", "0").get("cpu") is True
     ns = cfg_of("--ngpu", "2", "--distributed-init-method", "tcp://a:1", "--distributed-world-size", "3")
-    assert ns.distributed_gpus == 2 and ns.distributed_world_size == 3
+    assert ns.distributed.distributed_gpus == 2 and ns.distributed.distributed_world_size == 3
 
 
 def test_device_option():
-    assert cfg_of("--device", "cpu").cpu is True
-    assert cfg_of("--device", "cuda1").device_id == 1
-    assert cfg_of("--device", "cuda:0").device_id == 0
+    assert cfg_of("--device", "cpu").get("cpu") is True
+    assert cfg_of("--device", "cuda1").get("device_id") == 1
+    assert cfg_of("--device", "cuda:0").get("device_id") == 0
 
 
 def test_save_dir_from_prefix_and_name(tmp_path):
-    assert cfg_of("--output-prefix", tmp_path, "--experiment-name", "a").save_dir == str(tmp_path / "a")
-    assert cfg_of("--experiment-name", "a").save_dir == str(Path("checkpoints") / "a")
+    assert cfg_of("--output-prefix", tmp_path, "--experiment-name", "a").get("save_dir") == str(tmp_path / "a")
+    assert cfg_of("--experiment-name", "a").get("save_dir") == str(Path("checkpoints") / "a")
     # fed back through config.yaml: the same directory, not PREFIX/NAME/NAME
     import yaml as _yaml
     from textbox_like.cli import parse as _parse
-    _, ns, keys = _parse(["--output-prefix", str(tmp_path), "--experiment-name", "a"])
+    ns = _parse(["--output-prefix", str(tmp_path), "--experiment-name", "a"])
     path = tmp_path / "c.yaml"
-    path.write_text(C.to_yaml(ns, keys))
-    assert cfg_of("--config", path).save_dir == str(tmp_path / "a")
-    assert cfg_of("--config", path, "--save-dir", tmp_path / "b").save_dir == str(tmp_path / "b")
+    path.write_text(C.to_yaml(ns))
+    assert cfg_of("--config", path).get("save_dir") == str(tmp_path / "a")
+    assert cfg_of("--config", path, "--save-dir", tmp_path / "b").get("save_dir") == str(tmp_path / "b")

@@ -304,7 +304,7 @@ def test_cudnn_deterministic_is_applied_before_the_trainer(monkeypatch):
     from textbox_like import cli, trainer
     seen = []
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: seen.append("determinism"))
-    monkeypatch.setattr(trainer, "train", lambda ns, keys: seen.append("train") or 0)
+    monkeypatch.setattr(trainer, "train", lambda ns: seen.append("train") or 0)
     ns = SimpleNamespace(distributed_no_spawn=False, distributed_init_method=None, distributed_world_size=1,
                          cudnn_deterministic=True, distributed_port=-1)
     assert cli.run(ns, []) == 0 and seen == ["determinism", "train"]
@@ -347,7 +347,7 @@ def test_no_deterministic_kernel_is_one_line(monkeypatch, capsys):
     from textbox_like import cli, trainer
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: None)
 
-    def fail(ns, keys):
+    def fail(ns):
         raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
                            "'torch.use_deterministic_algorithms(True)'.\nmore")
     monkeypatch.setattr(trainer, "train", fail)

@@ -17,14 +17,14 @@ def test_gpu_id_sets_visible_devices_and_one_process_each(monkeypatch):
     seen = {}
 
     def plan(ns):
-        seen["world"] = ns.distributed_world_size
+        seen["world"] = ns.distributed.distributed_world_size
         return None  # run in this process: no spawning in a test
 
     monkeypatch.setattr(distributed, "local_plan", plan)
-    monkeypatch.setattr(trainer, "train", lambda ns, keys: 0)
+    monkeypatch.setattr(trainer, "train", lambda ns: 0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    _, ns, keys = cli.parse(["--task", "mnist", "--gpu_id", "2,3"])
-    assert cli.run(ns, keys) == 0
+    ns = cli.parse(["--task", "mnist", "--gpu_id", "2,3"])
+    assert cli.run(ns) == 0
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3" and seen["world"] == 2
 
 

@@ -52,11 +52,11 @@ def build_trainer(argv):
     from textbox_like.cli import check, parse
     from textbox_like.trainer import Trainer
     _reset_accelerate()
-    options, ns, keys = parse([str(a) for a in argv])
-    check(options, ns)
+    ns = parse([str(a) for a in argv])
+    check(ns)
     assert distributed.placement_from_env(ns) is None and distributed.local_plan(ns) is None
     distributed.apply_determinism(ns)
-    return Trainer(ns, keys), ns, keys
+    return Trainer(ns), ns, keys
 
 
 def run_trainer(trainer):
@@ -196,8 +196,8 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
     from textbox_like.optim import build_optimizer
 
     def built(device_type, *argv):
-        _, ns, _ = parse(["--task", "mnist", "--max-sentences", "8", "--max-update", "1", *argv])
-        return build_optimizer(ns, [{"params": [torch.nn.Parameter(torch.zeros(3))]}],
+        ns = parse(["--task", "mnist", "--max-sentences", "8", "--max-update", "1", *argv])
+        return build_optimizer(ns.optim, [{"params": [torch.nn.Parameter(torch.zeros(3))]}],
                                fused_default=device_type == "cuda")
 
     for name in ("adam", "adamw", "sgd", "adagrad"):
@@ -358,11 +358,11 @@ def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, mon
     trainer, ns, keys = build_trainer(mnist_args(data, out, "--save-interval-updates", "2", "--disable-validation",
                                                  "--log-interval", "1", max_update=6))
     from textbox_like import trainer as trainer_module
-    monkeypatch.setattr(trainer_module, "Trainer", lambda cfg, keys: trainer)
+    monkeypatch.setattr(trainer_module, "Trainer", lambda cfg: trainer)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            rc = trainer_module.train(ns, keys)
+            rc = trainer_module.train(ns)
         finally:
             _reset_accelerate()
     assert rc == 74, err.getvalue()[-3000:]
@@ -527,9 +527,9 @@ def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, 
         with contextlib.redirect_stderr(err):
             from textbox_like import trainer as trainer_module
             original = trainer_module.Trainer
-            trainer_module.Trainer = lambda cfg, keys: trainer
+            trainer_module.Trainer = lambda cfg: trainer
             try:
-                rc = trainer_module.train(trainer.cfg, trainer.keys)
+                rc = trainer_module.train(trainer.cfg)
             finally:
                 trainer_module.Trainer = original
                 _reset_accelerate()

@@ -36,10 +36,10 @@ def build_trainer(argv):
     from textbox_like.cli import check, parse
     from textbox_like.trainer import Trainer
     _reset_accelerate()
-    options, ns, keys = parse([str(a) for a in argv])
-    check(options, ns)
+    ns = parse([str(a) for a in argv])
+    check(ns)
     assert distributed.placement_from_env(ns) is None and distributed.local_plan(ns) is None
-    return Trainer(ns, keys)
+    return Trainer(ns)
 
 
 def args(data, out, *extra):

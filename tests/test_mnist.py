@@ -22,7 +22,7 @@ from textbox_like.tasks import TASKS
 
 
 def task_for(*args):
-    _, ns, _ = parse(["--task", "mnist"] + [str(a) for a in args])
+    ns = parse(["--task", "mnist"] + [str(a) for a in args])
     return TASKS.get("mnist")(ns)
 
 
@@ -344,8 +344,8 @@ def test_torchvision_raw_root_given_as_its_mnist_dir(tmp_path, mnist_arrays):
 
 
 def test_training_data_file_selects_its_directory(mnist_dir):
-    _, ns, _ = parse(["--training-data", str(mnist_dir / "train-images-idx3-ubyte.gz")])
-    assert ns.data == str(mnist_dir)
+    ns = parse(["--training-data", str(mnist_dir / "train-images-idx3-ubyte.gz")])
+    assert ns.data.data == str(mnist_dir)
 
 
 def test_required_batch_size_multiple_rounds_fixed_batches():

@@ -15,7 +15,7 @@ from textbox_like.optim import build_optimizer
 
 
 def cfg_of(*args):
-    _, ns, _ = parse([str(a) for a in args])
+    ns = parse([str(a) for a in args])
     return ns
 
 
@@ -26,7 +26,7 @@ def one_param(value=1.0, n=4):
 # ---------------------------------------------------------------- optimizers
 def test_adam_has_decoupled_weight_decay():
     p = one_param(1.0)
-    opt = build_optimizer(cfg_of("--optimizer", "adam", "--lr", "0.1", "--weight-decay", "0.5"),
+    opt = build_optimizer(cfg_of("--optimizer", "adam", "--lr", "0.1", "--weight-decay", "0.5").optim,
                           [{"params": [p]}])
     p.grad = torch.zeros_like(p)
     opt.step()
@@ -37,7 +37,7 @@ def test_adam_has_decoupled_weight_decay():
 
 def test_adamw_has_decoupled_weight_decay():
     p = one_param(2.0)
-    opt = build_optimizer(cfg_of("--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1"),
+    opt = build_optimizer(cfg_of("--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1").optim,
                           [{"params": [p]}])
     p.grad = torch.zeros_like(p)
     opt.step()
@@ -46,7 +46,7 @@ def test_adamw_has_decoupled_weight_decay():
 
 def test_adam_betas_and_eps():
     opt = build_optimizer(cfg_of("--optimizer", "adam", "--lr", "0.002", "--adam-betas", "(0.8, 0.95)",
-                                 "--adam-eps", "1e-6"), [{"params": [one_param()]}])
+                                 "--adam-eps", "1e-6").optim, [{"params": [one_param()]}])
     g = opt.param_groups[0]
     assert tuple(g["betas"]) == (0.8, 0.95)
     assert g["eps"] == 1e-6 and g["lr"] == pytest.approx(0.002)
@@ -57,7 +57,7 @@ def test_adam_matches_reference_update():
     p = one_param(0.5)
     ref = torch.nn.Parameter(p.detach().clone())
     opt = build_optimizer(cfg_of("--optimizer", "adam", "--lr", "0.01", "--adam-betas", "(0.9, 0.99)",
-                                 "--adam-eps", "1e-7", "--weight-decay", "0.01"), [{"params": [p]}])
+                                 "--adam-eps", "1e-7", "--weight-decay", "0.01").optim, [{"params": [p]}])
     ref_opt = torch.optim.AdamW([ref], lr=0.01, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.01)
     for _ in range(3):
         g = torch.randn_like(p)
@@ -69,7 +69,7 @@ def test_adam_matches_reference_update():
 
 def test_adadelta_options():
     opt = build_optimizer(cfg_of("--optimizer", "adadelta", "--lr", "1.01", "--adadelta_rho", "0.8",
-                                 "--adadelta_eps", "1e-5", "--weight-decay", "0.01"),
+                                 "--adadelta_eps", "1e-5", "--weight-decay", "0.01").optim,
                           [{"params": [one_param()]}])
     assert isinstance(opt, torch.optim.Adadelta)
     g = opt.param_groups[0]
@@ -79,7 +79,7 @@ def test_adadelta_options():
 
 def test_sgd_momentum():
     p = one_param(0.0, n=1)
-    opt = build_optimizer(cfg_of("--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9"),
+    opt = build_optimizer(cfg_of("--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9").optim,
                           [{"params": [p]}])
     assert isinstance(opt, torch.optim.SGD)
     assert opt.param_groups[0]["momentum"] == 0.9
@@ -93,7 +93,7 @@ def test_sgd_momentum():
 def test_optim_conf_overrides_constructor_arguments():
     # on the same level (here the command line) --optim_conf wins over the options
     opt = build_optimizer(cfg_of("--optimizer", "sgd", "--momentum", "0.9", "--optim_conf",
-                                 "{momentum: 0.5, lr: 0.3}"), [{"params": [one_param()]}])
+                                 "{momentum: 0.5, lr: 0.3}").optim, [{"params": [one_param()]}])
     assert opt.param_groups[0]["momentum"] == 0.5
     assert opt.param_groups[0]["lr"] == pytest.approx(0.3)
 
@@ -101,7 +101,7 @@ def test_optim_conf_overrides_constructor_arguments():
 @pytest.mark.parametrize("name,cls", [("adam", torch.optim.AdamW), ("adamw", torch.optim.AdamW),
                                       ("adadelta", torch.optim.Adadelta), ("sgd", torch.optim.SGD)])
 def test_optimizer_by_name(name, cls):
-    opt = build_optimizer(cfg_of("--optimizer", name, "--lr", "0.5", "--weight-decay", "0.25"),
+    opt = build_optimizer(cfg_of("--optimizer", name, "--lr", "0.5", "--weight-decay", "0.25").optim,
                           [{"params": [one_param()]}])
     assert isinstance(opt, cls)
     assert opt.param_groups[0]["weight_decay"] == 0.25
@@ -112,7 +112,7 @@ def test_optimizer_by_name(name, cls):
 def scheduler(*args):
     ns = cfg_of(*args)
     opt = torch.optim.SGD([one_param()], lr=123.0)
-    return build_scheduler(argparse.Namespace(**vars(ns)), opt), opt
+    return build_scheduler(ns, opt), opt
 
 
 def test_scheduler_aliases():
@@ -158,7 +158,7 @@ def test_polynomial_decay_total_defaults_to_max_update():
 
 def test_polynomial_force_anneal_is_an_option():
     ns = cfg_of("--lr-scheduler", "PolynomialDecayScheduler", "--force-anneal", "3")
-    assert ns.force_anneal == 3
+    assert ns.scheduler_options.force_anneal == 3
 
 
 def test_per_epoch_lr_list():
@@ -236,9 +236,9 @@ def test_optim_conf_weight_decay_applies_with_default_weight_decay():
     import torch
     from textbox_like.cli import parse
     from textbox_like.optim import build_optimizer
-    _, cfg, _ = parse(["--task", "mnist", "--optimizer", "adamw", "--optim_conf", "weight_decay=0.01"])
+    cfg = parse(["--task", "mnist", "--optimizer", "adamw", "--optim_conf", "weight_decay=0.01"])
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
-    opt = build_optimizer(cfg, [{"params": [a], "weight_decay": cfg.weight_decay},
+    opt = build_optimizer(cfg.optim, [{"params": [a], "weight_decay": cfg.optim.weight_decay},
                                 {"params": [b], "weight_decay": 0.0, "no_decay": True}])
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
 
@@ -265,10 +265,10 @@ def test_static_scheduler_list_covers_torch():
 def test_every_torch_optimizer_by_name_any_case(name):
     from textbox_like.optim import OPTIMIZERS
     ns = cfg_of("--optim", name)
-    spec = OPTIMIZERS.get(ns.optimizer)
-    opt = build_optimizer(ns, [{"params": [one_param()]}])
+    spec = OPTIMIZERS.get(ns.optim.optimizer)
+    opt = build_optimizer(ns.optim, [{"params": [one_param()]}])
     assert isinstance(opt, spec.optimizer_class())
-    assert set(ns.optim_conf) == set(spec.defaults())
+    assert set(ns.optim.optim_conf) == set(spec.defaults())
 
 
 def test_torch_optimizer_conf_is_checked_against_its_signature():
@@ -276,7 +276,7 @@ def test_torch_optimizer_conf_is_checked_against_its_signature():
     with pytest.raises(UserError, match="valid keys: lr, alpha, eps"):
         cfg_of("--optim", "rmsprop", "--optim_conf", "alpah=0.9")
     ns = cfg_of("--optim", "rmsprop", "--optim_conf", "alpha=0.9", "--epsilon", "1e-5")
-    opt = build_optimizer(ns, [{"params": [one_param()]}])
+    opt = build_optimizer(ns.optim, [{"params": [one_param()]}])
     assert opt.param_groups[0]["alpha"] == 0.9 and opt.param_groups[0]["eps"] == 1e-5
 
 
@@ -284,10 +284,10 @@ def test_torch_optimizer_conf_is_checked_against_its_signature():
 def test_optimizers_this_trainer_cannot_step_are_refused_at_check(name):
     from textbox_like.cli import check
     from textbox_like.errors import UserError
-    options, ns, _ = parse(["--optim", name, "--max-update", "1"])
-    assert ns.optim_conf  # printable
+    ns = parse(["--optim", name, "--max-update", "1"])
+    assert ns.optim.optim_conf  # printable
     with pytest.raises(UserError, match=name):
-        check(options, ns)
+        check(ns)
 
 
 @pytest.mark.parametrize("name,conf", [
@@ -298,10 +298,10 @@ def test_optimizers_this_trainer_cannot_step_are_refused_at_check(name):
 ])
 def test_every_torch_scheduler_by_name(name, conf):
     from textbox_like.cli import check
-    options, ns, _ = parse(["--scheduler", name, "--scheduler_conf", conf, "--max-update", "10",
+    ns = parse(["--scheduler", name, "--scheduler_conf", conf, "--max-update", "10",
                             "--max-epoch", "3"])
-    check(options, ns)
-    opt = build_optimizer(ns, [{"params": [one_param()]}])
+    check(ns)
+    opt = build_optimizer(ns.optim, [{"params": [one_param()]}])
     sched = build_scheduler(ns, opt)
     sched.planned_updates = 10
     lrs = [sched.step_epoch(1)] + [sched.step_update(n) for n in range(1, 4)] + [sched.step_epoch(2)]
@@ -320,14 +320,14 @@ def test_torch_scheduler_conf_checked_and_required_arguments_named():
 def test_steplr_steps_per_epoch_and_onecycle_per_update():
     ns = cfg_of("--optim", "sgd", "--lr", "1.0", "--scheduler", "steplr",
                 "--scheduler_conf", "{step_size: 1, gamma: 0.5}", "--max-epoch", "3")
-    sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+    sched = build_scheduler(ns, build_optimizer(ns.optim, [{"params": [one_param()]}]))
     assert sched.step_epoch(1) == pytest.approx(1.0)
     assert [sched.step_update(n) for n in (1, 2, 3)] == pytest.approx([1.0] * 3)
     assert sched.step_epoch(2) == pytest.approx(0.5)
     assert sched.step_epoch(3) == pytest.approx(0.25)
     ns = cfg_of("--optim", "sgd", "--scheduler", "steplr", "--scheduler_conf", "{step_size: 1, gamma: 0.5}",
                 "--scheduler-interval", "update", "--lr", "1.0")
-    sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+    sched = build_scheduler(ns, build_optimizer(ns.optim, [{"params": [one_param()]}]))
     assert sched.step_update(2) == pytest.approx(0.25)
 
 
@@ -335,7 +335,7 @@ def test_torch_scheduler_state_roundtrip_and_catch_up():
     def make():
         ns = cfg_of("--optim", "sgd", "--lr", "1.0", "--scheduler", "onecyclelr", "--scheduler_conf",
                     "max_lr=1.0", "--max-update", "20")
-        sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+        sched = build_scheduler(ns, build_optimizer(ns.optim, [{"params": [one_param()]}]))
         sched.planned_updates = 20
         sched.step_epoch(1)
         return sched
@@ -351,7 +351,7 @@ def test_torch_scheduler_state_roundtrip_and_catch_up():
 def plateau(*extra):
     ns = cfg_of("--optim", "sgd", "--lr", "0.4", "--scheduler", "ReduceLROnPlateau",
                 "--scheduler_conf", "{patience: 0, factor: 0.5}", "--max-update", "10", *extra)
-    sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+    sched = build_scheduler(ns, build_optimizer(ns.optim, [{"params": [one_param()]}]))
     sched.planned_updates = 10
     sched.step_epoch(1)
     return ns, sched
@@ -359,7 +359,7 @@ def plateau(*extra):
 
 def test_plateau_lowers_the_lr_after_a_validation_without_improvement():
     ns, sched = plateau()
-    assert ns.scheduler_conf["mode"] == "max"  # mnist: accuracy, higher is better
+    assert ns.schedule.scheduler_conf["mode"] == "max"  # mnist: accuracy, higher is better
     assert sched.step_update(1) == pytest.approx(0.4)   # updates do not move it
     assert sched.step_valid(0.50) == pytest.approx(0.4)
     assert sched.step_valid(0.60) == pytest.approx(0.4)  # improved
@@ -371,7 +371,7 @@ def test_plateau_lowers_the_lr_after_a_validation_without_improvement():
 
 def test_plateau_mode_follows_the_metric_and_survives_a_restart():
     ns, sched = plateau("--best-checkpoint-metric", "loss")
-    assert ns.scheduler_conf["mode"] == "min"
+    assert ns.schedule.scheduler_conf["mode"] == "min"
     sched.step_valid(1.0)
     sched.step_valid(2.0)
     _, again = plateau("--best-checkpoint-metric", "loss")
@@ -379,21 +379,21 @@ def test_plateau_mode_follows_the_metric_and_survives_a_restart():
     assert again.get_lr() == pytest.approx(0.2)
     assert again.step_valid(1.5) == pytest.approx(0.1)  # the best (1.0) came back with the state
     ns, sched = plateau("--scheduler_conf", "mode=min")
-    assert ns.scheduler_conf["mode"] == "min"
+    assert ns.schedule.scheduler_conf["mode"] == "min"
 
 
 def test_our_schedulers_have_a_no_op_step_valid():
     for name in ("PolynomialDecayScheduler", "constant", "inverse_sqrt", "cosine"):
         ns = cfg_of("--lr-scheduler", name, "--max-update", "10", "--warmup-updates", "0")
-        sched = build_scheduler(ns, build_optimizer(ns, [{"params": [one_param()]}]))
+        sched = build_scheduler(ns, build_optimizer(ns.optim, [{"params": [one_param()]}]))
         lr = sched.step_update(3)
         assert sched.step_valid(0.0) == lr and sched.step_update(3) == lr
 
 
 def test_scheduler_names_any_case():
-    assert cfg_of("--scheduler", "COSINE").lr_scheduler == "cosine"
-    assert cfg_of("--scheduler", "reducelronplateau").lr_scheduler == "ReduceLROnPlateau"
-    assert cfg_of("--lr-scheduler", "polynomialdecayscheduler").lr_scheduler == "PolynomialDecayScheduler"
+    assert cfg_of("--scheduler", "COSINE").get("lr_scheduler") == "cosine"
+    assert cfg_of("--scheduler", "reducelronplateau").get("lr_scheduler") == "ReduceLROnPlateau"
+    assert cfg_of("--lr-scheduler", "polynomialdecayscheduler").get("lr_scheduler") == "PolynomialDecayScheduler"
 
 
 def test_optim_conf_and_options_agree_in_print_config(capsys):
@@ -412,10 +412,10 @@ def test_a_later_layer_wins_between_option_and_optim_conf(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("optimizer: adadelta\noptim_conf: {rho: 0.7, lr: 0.5}\n")
     ns = cfg_of("--config", path, "--adadelta_rho", "0.95")
-    assert ns.optim_conf["rho"] == 0.95 and ns.adadelta_rho == 0.95
-    assert ns.optim_conf["lr"] == 0.5 and ns.lr == [0.5]
+    assert ns.optim.optim_conf["rho"] == 0.95 and ns.optimizer_options.adadelta_rho == 0.95
+    assert ns.optim.optim_conf["lr"] == 0.5 and ns.optim.lr == [0.5]
     ns = cfg_of("--config", path, "--lr", "0.25")
-    assert ns.optim_conf["lr"] == 0.25
+    assert ns.optim.optim_conf["lr"] == 0.25
     path.write_text("optimizer: adadelta\nadadelta_rho: 0.8\noptim_conf: {rho: 0.7}\n")
     from textbox_like.errors import UserError
     with pytest.raises(UserError, match="rho"):
@@ -424,7 +424,7 @@ def test_a_later_layer_wins_between_option_and_optim_conf(tmp_path):
 
 def test_per_epoch_lr_list_survives_optim_conf():
     ns = cfg_of("--lr", "0.3,0.2,0.1", "--max-update", "10")
-    assert ns.lr == [0.3, 0.2, 0.1] and ns.optim_conf["lr"] == 0.3
+    assert ns.optim.lr == [0.3, 0.2, 0.1] and ns.optim.optim_conf["lr"] == 0.3
 
 
 def test_printed_config_of_a_torch_scheduler_feeds_back(capsys, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .distributed import bind_device, uses_cuda
 from .errors import UserError
 
 PRECISIONS = {"float32": "no", "float64": "no", "float16": "fp16", "bfloat16": "bf16"}
@@ -25,12 +26,12 @@ def warn(message):
 
 def precision(cfg, cuda: bool):
     """(Accelerate's mixed_precision, where the choice came from)."""
-    if cfg.fp16:
+    if cfg.numerics.fp16:
         chosen, source = "fp16", "--fp16"
-    elif cfg.bf16:
+    elif cfg.numerics.bf16:
         chosen, source = "bf16", "--bf16"
-    elif cfg.train_dtype != "float32":
-        chosen, source = PRECISIONS[cfg.train_dtype], f"--train_dtype {cfg.train_dtype}"
+    elif cfg.numerics.train_dtype != "float32":
+        chosen, source = PRECISIONS[cfg.numerics.train_dtype], f"--train_dtype {cfg.numerics.train_dtype}"
     elif os.environ.get("ACCELERATE_MIXED_PRECISION", "no") not in ("", "no"):
         chosen, source = os.environ["ACCELERATE_MIXED_PRECISION"], "accelerate launch / accelerate config"
     else:
@@ -54,12 +55,10 @@ def mixed_precision(cfg, cuda: bool) -> str:
 
 
 def update_freq_source(cfg):
-    """--update-freq from us, else accelerate launch --gradient_accumulation_steps."""
-    given = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-    if list(cfg.update_freq) == [1] and given and given.isdigit() and int(given) > 1:
-        cfg.update_freq = [int(given)]
-        return "accelerate launch / accelerate config"
-    return "--update-freq" if list(cfg.update_freq) != [1] else "default"
+    """Where --update-freq came from: ours (command line, --config), else
+    accelerate launch --gradient_accumulation_steps (compat.environment_settings),
+    else the default; resolved once in the configuration, not here."""
+    return cfg.source("update_freq")
 
 
 def add_args(o, bool_type):
@@ -77,10 +76,10 @@ def compile_plugin(cfg, cuda: bool):
     import shutil
 
     launched = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() not in ("", "no")
-    if not (cfg.compile or launched):
+    if not (cfg.runtime.compile or launched):
         return None, "default"
-    source = "--compile" if cfg.compile else "accelerate launch --dynamo_backend"
-    mode = cfg.compile_mode if cfg.compile or cfg.compile_mode != "default" else \
+    source = "--compile" if cfg.runtime.compile else "accelerate launch --dynamo_backend"
+    mode = cfg.runtime.compile_mode if cfg.runtime.compile or cfg.runtime.compile_mode != "default" else \
         os.environ.get("ACCELERATE_DYNAMO_MODE") or "default"
     missing = None
     if cuda and importlib.util.find_spec("triton") is None:
@@ -91,7 +90,7 @@ def compile_plugin(cfg, cuda: bool):
         warn(f"{source}: compiling here needs {missing}; training eager")
         return None, "default"
     from accelerate.utils import TorchDynamoPlugin
-    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "inductor") if launched and not cfg.compile \
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "inductor") if launched and not cfg.runtime.compile \
         else "inductor"
     return TorchDynamoPlugin(backend=backend.lower(), mode=mode), f"{source} (mode {mode})"
 
@@ -143,9 +142,6 @@ def uncompile(model, regions):
     return model
 
 
-def use_cuda(cfg) -> bool:
-    import torch
-    return torch.cuda.is_available() and not cfg.cpu and not str(getattr(cfg, "device", "") or "").startswith("cpu")
 
 
 def build_accelerator(cfg, placement, log_with=None):
@@ -153,26 +149,25 @@ def build_accelerator(cfg, placement, log_with=None):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
-    cuda = use_cuda(cfg)
+    cuda = uses_cuda(cfg)
     if cuda:
         # this process's GPU for torch and for Accelerate (ACCELERATE_TORCH_DEVICE):
         # --device-id modulo the visible devices for a node's only process (also
         # under torchrun --nproc_per_node 1, where Accelerate would take
         # cuda:LOCAL_RANK), else the node-local rank modulo them
-        from .distributed import bind_device
         bind_device(placement, cfg)
     chosen, precision_source = precision(cfg, cuda)
     plugin, compile_source = compile_plugin(cfg, cuda)
     sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters,
-                                        bucket_cap_mb=cfg.bucket_cap_mb or (25 if cuda else 4),
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters,
+                                        bucket_cap_mb=cfg.distributed.bucket_cap_mb or (25 if cuda else 4),
                                         gradient_as_bucket_view=True)
     if plugin is None:  # not compiling, whatever ACCELERATE_DYNAMO_* say
         from accelerate.utils import TorchDynamoPlugin
         plugin = TorchDynamoPlugin(backend="no")
     accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp], dynamo_plugin=plugin,
                               step_scheduler_with_optimizer=False, log_with=log_with or None,
-                              project_dir=cfg.save_dir if log_with else None)
+                              project_dir=cfg.checkpoint.save_dir if log_with else None)
     if accelerator.num_processes != placement.world_size:
         raise UserError(f"Accelerate sees {accelerator.num_processes} process(es) but this run has "
                         f"{placement.world_size}; on a machine without CUDA start with "

@@ -60,14 +60,14 @@ def plain_loop(name):
 
 def _cfg_for(args_list):
     from .cli import parse
-    _, cfg, _ = parse(args_list)
+    cfg = parse(args_list)
     return cfg
 
 
 def plain_optimizer(cfg, model):
     """The same torch.optim class and arguments the trainer uses, one group."""
     from .optim import build_optimizer
-    return build_optimizer(cfg, [{"params": list(model.parameters())}])  # the plain loops run on CPU
+    return build_optimizer(cfg.optim, [{"params": list(model.parameters())}])  # the plain loops run on CPU
 
 
 def _maybe_compile(model, compiled, mode):
@@ -87,13 +87,13 @@ def plain_mnist(cfg, warmup, updates, compiled=False):
     from .data.mnist import MNISTDataset, ensure_mnist, load_split
     from .models.mnist_cnn import MNISTNet
 
-    torch.manual_seed(cfg.seed)
-    data = MNISTDataset(*load_split(ensure_mnist(cfg.data), "train"))
+    torch.manual_seed(cfg.numerics.seed)
+    data = MNISTDataset(*load_split(ensure_mnist(cfg.data.data), "train"))
     model = MNISTNet()
     optimizer = plain_optimizer(cfg, model)
-    forward = _maybe_compile(model, compiled, cfg.compile_mode)
-    bs = cfg.max_sentences
-    order = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(data)))
+    forward = _maybe_compile(model, compiled, cfg.runtime.compile_mode)
+    bs = cfg.data.max_sentences
+    order = torch.from_numpy(np.random.default_rng(cfg.numerics.seed).permutation(len(data)))
     model.train()
     start = None
     for step in range(warmup + updates):
@@ -104,8 +104,8 @@ def plain_mnist(cfg, warmup, updates, compiled=False):
         x, y = data.images.index_select(0, idx), data.labels.index_select(0, idx)
         loss = F.nll_loss(forward(x), y)
         loss.backward()
-        if cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        if cfg.schedule.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.schedule.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - start[0], time.process_time() - start[1]
@@ -122,15 +122,15 @@ def plain_bert(cfg, warmup, updates, compiled=False):
     from .tasks import TASKS
     from transformers import BertForPreTraining
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.numerics.seed)
     task = TASKS.get("bert")(cfg)
-    data = task.build_dataset(cfg.train_subset)
-    n = min(len(data), (warmup + updates) * cfg.max_sentences)
+    data = task.build_dataset(cfg.data.train_subset)
+    n = min(len(data), (warmup + updates) * cfg.data.max_sentences)
     batch_all = data.get_batch(np.arange(n))  # in memory: no I/O inside the timed loop
     model = BertForPreTraining(task.model_config())
     optimizer = plain_optimizer(cfg, model)
-    forward = _maybe_compile(model, compiled, cfg.compile_mode)
-    bs = cfg.max_sentences
+    forward = _maybe_compile(model, compiled, cfg.runtime.compile_mode)
+    bs = cfg.data.max_sentences
     model.train()
     start = None
     for step in range(warmup + updates):
@@ -143,8 +143,8 @@ def plain_bert(cfg, warmup, updates, compiled=False):
                       token_type_ids=b["token_type_ids"], labels=labels,
                       next_sentence_label=b["next_sentence_labels"])
         out.loss.backward()
-        if cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        if cfg.schedule.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.schedule.clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - start[0], time.process_time() - start[1]
@@ -189,17 +189,17 @@ def compare_main(args, rest):
     task_args = ["--task", args.mode] + rest + (["--compile"] if args.compile else [])
     try:
         cfg = _cfg_for(task_args)
-        if not cfg.max_sentences:
+        if not cfg.data.max_sentences:
             raise UserError("the benchmark compares fixed batches: give --max-sentences N")
         if args.updates < 1 or args.warmup < 1 or args.rounds < 1:
             raise UserError("--updates, --warmup and --rounds must be at least 1")
     except UserError as exc:
         return _user_error(exc)
     import torch
-    threads = cfg.threads or torch.get_num_threads()
+    threads = cfg.runtime.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     trainer_argv = task_args + ["--threads", str(threads)]
-    batch, n = cfg.max_sentences, args.updates
+    batch, n = cfg.data.max_sentences, args.updates
     sides = (f"trainer ({'compiled' if args.compile else 'eager'}) / "
              f"plain loop ({'compiled' if args.compile_plain else 'eager'})")
     print(f"{args.mode}: {sides}, {n} timed updates after {args.warmup}, batch {batch}, {threads} thread(s), "
@@ -279,8 +279,8 @@ def scaling_main(args, rest):
     except UserError as exc:
         return _user_error(exc)
     n = args.processes
-    update_freq = cfg.update_freq[0] if isinstance(cfg.update_freq, (list, tuple)) else cfg.update_freq
-    print(f"scaling {cfg.task}: 1 process vs {n}, {args.threads} thread(s) each, batch {cfg.max_sentences} per "
+    update_freq = cfg.schedule.update_freq[0] if isinstance(cfg.schedule.update_freq, (list, tuple)) else cfg.schedule.update_freq
+    print(f"scaling {cfg.data.task}: 1 process vs {n}, {args.threads} thread(s) each, batch {cfg.data.max_sentences} per "
           f"process, --update-freq {update_freq}, {args.updates} updates after {args.warmup}, {args.rounds} rounds",
           file=sys.stderr)
     one, many = [], []
@@ -291,8 +291,8 @@ def scaling_main(args, rest):
               f"speed-up {many[-1] / one[-1]:.3f}, expansion {many[-1] / (n * one[-1]):.3f}", file=sys.stderr)
     expansion = [m / (n * o) for o, m in zip(one, many)]
     report = {
-        "mode": "scaling", "task": cfg.task, "processes": n, "threads_per_process": args.threads,
-        "batch_per_process": cfg.max_sentences, "update_freq": update_freq, "compiled": args.compile,
+        "mode": "scaling", "task": cfg.data.task, "processes": n, "threads_per_process": args.threads,
+        "batch_per_process": cfg.data.max_sentences, "update_freq": update_freq, "compiled": args.compile,
         "updates": args.updates, "warmup": args.warmup, "rounds": args.rounds,
         "one_process_samples_per_s": round(statistics.median(one), 1),
         "n_processes_samples_per_s": round(statistics.median(many), 1),

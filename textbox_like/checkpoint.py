@@ -151,7 +151,7 @@ class CheckpointManager:
             return []
         names = []
         if end_of_epoch and not cfg.no_epoch_checkpoints and epoch % cfg.save_interval == 0:
-            names.append(f"checkpoint{epoch:0{getattr(cfg, 'num_epoch_digits', 0) or 1}d}.pt")
+            names.append(f"checkpoint{epoch:0{cfg.num_epoch_digits or 1}d}.pt")
         # a --snapshot-interval crossing is kept also at an epoch's end
         if snapshot or not end_of_epoch and cfg.save_interval_updates > 0 \
                 and updates % cfg.save_interval_updates == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -140,6 +141,62 @@ def parse_dict(text):
         raise ValueError(f"{text!r} is not valid: {problem}") from None
 
 
+def float_list(text):
+    """--lr: one LR, or HetSeq's per-epoch list 'a,b,c'."""
+    try:
+        if isinstance(text, (int, float)):
+            return [float(text)]
+        if isinstance(text, (list, tuple)):
+            return [float(v) for v in text]
+        return [float(v) for v in str(text).strip("[] ").split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number (or numbers 'a,b,c'), got {text!r}") from None
+
+
+def _described(fn, what):
+    """``fn`` raising argparse's error, which names the option, with ``what`` it expects."""
+    def convert(text):
+        try:
+            return fn(text)
+        except (ValueError, TypeError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}") from None
+    convert.__name__ = fn.__name__
+    return convert
+
+
+def _literal_dict(text):
+    return text if isinstance(text, dict) else ast.literal_eval(str(text)) or {}
+
+
+INT_LIST = _described(int_list, "positive integers like 4 or 4,2,1")
+STR_LIST = _described(str_list, "a comma-separated list")
+LITERAL_DICT = _described(_literal_dict, "a Python dict literal like \"{'lr': 0.5}\"")
+BOOL = _described(str2bool, "true or false")
+
+
+def device_name(text):
+    """cpu, cuda, cudaN or cuda:N (kanachan's --device)."""
+    text = str(text).strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:?\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expects cpu, cuda or cudaN (e.g. cuda1), got {text!r}")
+    return text
+
+
+def gpu_ids(text):
+    """TextBox's --gpu_id '0,1': device indices."""
+    parts = [p.strip() for p in str(text).strip("[]() ").split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expects device indices like 0 or 0,1, got {text!r}")
+    return ",".join(parts)
+
+
+def seed_int(text):
+    value = nonneg_int(text)
+    if value >= 2 ** 32:
+        raise argparse.ArgumentTypeError(f"expects an integer from 0 to 2**32 - 1, got {text!r}")
+    return value
+
+
 class MergeDict(argparse.Action):
     """Repeatable dict option: each occurrence updates the dict."""
 
@@ -167,9 +224,11 @@ class Options:
         self._argparse_group = self.parser
         self.switches = set()     # dests of boolean options
         self.aliases = {}         # alias name (underscores) -> dest, for config files too
-        self.sources = {}         # dest -> layer that set it (see LAYERS), after resolve()
+        self.sources = {}         # dest -> layer that set it (BUILTIN ... COMMAND_LINE), after resolve()
+        self.source_names = {}    # dest -> where its value came from, in words, after resolve()
         self.dict_sources = {}    # dict dest -> {key: layer}, after resolve()
         self.layer_values = {}    # layer -> {dest: value} of the files, after resolve()
+        self.flags = {}           # every flag ('--max-update', '--batch_size', ...) -> its dest
 
     def group(self, name, title=None):
         self._group = name
@@ -204,6 +263,7 @@ class Options:
                 self.groups[self._group].append(kwargs["dest"])
             return self.actions[kwargs["dest"]]
         action = self._argparse_group.add_argument(*names, **kwargs)
+        self.flags.update({name: kwargs["dest"] for name in action.option_strings})
         if kwargs["dest"] not in self.actions:
             self.groups[self._group].append(kwargs["dest"])
             self.actions[kwargs["dest"]] = action
@@ -224,6 +284,11 @@ class Options:
         names = [flag] + [f"--{b}" for b in sorted({body.replace("-", "_"), body.replace("_", "-")})
                           if f"--{b}" != flag]
         self._argparse_group.add_argument(*names, **kwargs)
+        self.flags.update({name: dest for name in names})
+
+    def dest_of(self, flag):
+        """The option a flag ('--lr', '--learning-rate=0.1') stands for, or None."""
+        return self.flags.get(str(flag).split("=", 1)[0])
 
 
 # ---------------------------------------------------------------- YAML layers
@@ -261,7 +326,10 @@ def _check_keys(layer, options, source):
 
 
 #: where a value came from, lowest first: the user gave it when >= CONFIG_FILE
-BUILTIN, OVERALL, TASK_FILE, CONFIG_FILE, COMMAND_LINE = range(5)
+BUILTIN, OVERALL, TASK_FILE, CONFIG_FILE, ENVIRONMENT, COMMAND_LINE = range(6)
+LAYER_NAMES = {BUILTIN: "default", OVERALL: "properties/overall.yaml", TASK_FILE: "the task's properties file",
+               CONFIG_FILE: "--config", ENVIRONMENT: "accelerate launch / accelerate config",
+               COMMAND_LINE: "command line"}
 
 
 class _Unset:
@@ -319,16 +387,26 @@ def raise_user_errors(parser):
     parser.error = error
 
 
-def resolve(options: Options, argv, task_registry, component_groups):
+def resolve(options: Options, argv, task_registry, component_groups, overrides=None, environment=None,
+            overrides_name="textbox_like.train()"):
     """Parse ``argv`` with the layered defaults. Returns (namespace, keys) where
     ``keys`` lists the options that apply to this run, in group order.
 
     ``component_groups(ns)`` names the groups that apply given the chosen task,
-    optimizer and scheduler.
+    optimizer and scheduler. ``environment``: {option: value} set by the
+    environment (Accelerate's launcher), above the files and below the command
+    line; ``overrides``: {option: value} from Python, at the command line's rank.
+    ``options.source_names`` says, per option, where its value came from.
     """
     parser = options.parser
     raise_user_errors(parser)
     pre = _prescan(argv, ["config", "task"])
+    overrides = _check_keys({str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}, options,
+                            overrides_name)
+    for key in ("config", "task"):
+        if key in overrides:
+            given = overrides[key]
+            pre[key].extend(given if isinstance(given, (list, tuple)) else [given])
 
     layers = []
     overall = PROPERTIES / "overall.yaml"
@@ -353,9 +431,14 @@ def resolve(options: Options, argv, task_registry, component_groups):
         if task_yaml.is_file():
             layers.append((load_yaml(task_yaml, "properties file"), str(task_yaml), TASK_FILE))
     layers.extend(config_layers)
+    if environment:
+        layers.append((dict(environment), LAYER_NAMES[ENVIRONMENT], ENVIRONMENT))
+    if overrides:
+        layers.append((overrides, overrides_name, COMMAND_LINE))
 
     merged = {}
     sources = {dest: BUILTIN for dest in options.actions}
+    names = {}
     dict_sources = {}
     options.layer_values = {}
     for layer, source, rank in layers:
@@ -363,6 +446,8 @@ def resolve(options: Options, argv, task_registry, component_groups):
         options.layer_values.setdefault(rank, {}).update(layer)
         for key, value in layer.items():
             sources[key] = rank
+            names[key] = f"--config {source}" if rank == CONFIG_FILE else \
+                LAYER_NAMES[rank] if rank in (OVERALL, ENVIRONMENT) else source
             if isinstance(value, dict):
                 dict_sources.setdefault(key, {}).update({k: rank for k in value})
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -378,9 +463,10 @@ def resolve(options: Options, argv, task_registry, component_groups):
     ns = parser.parse_args(argv)
     for dest, value in _given_on_command_line(parser, argv).items():
         sources[dest] = COMMAND_LINE
+        names[dest] = LAYER_NAMES[COMMAND_LINE]
         if isinstance(value, dict):
             dict_sources.setdefault(dest, {}).update({k: COMMAND_LINE for k in value})
-    options.sources, options.dict_sources = sources, dict_sources
+    options.sources, options.dict_sources, options.source_names = sources, dict_sources, names
     for dest, action in options.actions.items():
         value = getattr(ns, dest, None)
         if value is not None and action.type is not None and not isinstance(value, str) \
@@ -401,9 +487,10 @@ def resolve(options: Options, argv, task_registry, component_groups):
     return ns, keys
 
 
-def to_yaml(ns, keys) -> str:
-    data = {key: _plain(getattr(ns, key)) for key in keys}
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+def to_yaml(cfg) -> str:
+    """The resolved configuration as YAML (a settings.RunConfig): what
+    --print_config prints and config.yaml holds; --config reads it back."""
+    return yaml.safe_dump(_plain(cfg.as_dict()), sort_keys=False, default_flow_style=None)
 
 
 def _plain(value):
@@ -418,10 +505,23 @@ def _plain(value):
     return value
 
 
-def write_config(ns, keys, directory):
-    os.makedirs(directory, exist_ok=True)
-    target = Path(directory) / "config.yaml"
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(to_yaml(ns, keys))
-    os.replace(tmp, target)
-    return target
+def write_config(cfg, directory):
+    from .fileio import atomic_write_text
+    return atomic_write_text(Path(directory) / "config.yaml", to_yaml(cfg))
+
+
+def write_resolved(cfg, path):
+    """A resolved configuration for a process that runs it as it is (a spawned
+    rank, a search trial): the values, where each came from, and which
+    options are the task's, optimizer's and scheduler's own."""
+    from .fileio import atomic_write_text
+    data = {"config": _plain(cfg.as_dict()), "sources": dict(cfg.sources),
+            "plugins": {part: list(vars(getattr(cfg, part)))
+                        for part in ("task_options", "optimizer_options", "scheduler_options")}}
+    return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
+
+
+def read_resolved(path):
+    from .settings import RunConfig
+    data = load_yaml(path, "resolved configuration")
+    return RunConfig.from_values(data["config"], list(data["config"]), data["plugins"], data["sources"])

@@ -83,7 +83,7 @@ def _slurm_placement(cfg):
     # knowable from it alone, so take the first group's (it only sets threads)
     per_node = re.match(r"\d+", os.environ.get("SLURM_STEP_TASKS_PER_NODE", "") or
                         os.environ.get("SLURM_TASKS_PER_NODE", ""))
-    port = cfg.distributed_port if cfg.distributed_port > 0 else \
+    port = cfg.distributed.distributed_port if cfg.distributed.distributed_port > 0 else \
         os.environ.get("MASTER_PORT") or 29500 + _env_int("SLURM_JOB_ID", 0) % 1000
     return Placement(rank=_env_int("SLURM_PROCID"), world_size=world,
                      local_rank=_env_int("SLURM_LOCALID", 0),
@@ -131,13 +131,13 @@ def _default_local_processes(at_most):
 def local_plan(cfg):
     """For plain ``python run_hetseq.py``: the processes to start on this node
     as a list of Placements, or None for one process with no group."""
-    world = cfg.distributed_world_size or 1
-    init = cfg.distributed_init_method
+    world = cfg.distributed.distributed_world_size or 1
+    init = cfg.distributed.distributed_init_method
     if init is None:
         if world <= 1:
             return None
-        if cfg.distributed_port > 0:
-            init = f"tcp://127.0.0.1:{cfg.distributed_port}"
+        if cfg.distributed.distributed_port > 0:
+            init = f"tcp://127.0.0.1:{cfg.distributed.distributed_port}"
         else:
             fd, path = tempfile.mkstemp(prefix="textbox_like_rdzv_")
             os.close(fd)
@@ -157,8 +157,8 @@ def local_plan(cfg):
             raise UserError(f"--distributed-init-method {init}: a tcp address needs a host and a port")
         if world <= 1:
             raise UserError("--distributed-init-method needs --distributed-world-size > 1")
-        gpus = cfg.distributed_gpus or _default_local_processes(world - (cfg.distributed_rank or 0))
-        first = cfg.distributed_rank or 0
+        gpus = cfg.distributed.distributed_gpus or _default_local_processes(world - (cfg.distributed.distributed_rank or 0))
+        first = cfg.distributed.distributed_rank or 0
     if first < 0 or first + gpus > world:
         raise UserError(f"--distributed-rank {first} with --distributed-gpus {gpus} needs ranks up to "
                         f"{first + gpus - 1}, but --distributed-world-size is {world}")
@@ -175,14 +175,13 @@ def local_plan(cfg):
 
 
 def uses_cuda(cfg) -> bool:
-    """Whether this process trains on CUDA (as accelerator.use_cuda)."""
+    """Whether this process trains on CUDA (``--device cpu`` sets --cpu)."""
     try:
         import torch
         available = torch.cuda.is_available()
     except Exception:
         return False
-    return available and not getattr(cfg, "cpu", False) and \
-        not str(getattr(cfg, "device", "") or "").startswith("cpu")
+    return available and not cfg.runtime.cpu
 
 
 def _check_gpus_for(processes, cfg):
@@ -207,10 +206,10 @@ def cuda_device(p: Placement, cfg) -> int:
     whatever its local rank)."""
     import torch
     count = max(torch.cuda.device_count(), 1)
-    if cfg.device_id is not None and p.local_world_size == 1:
-        if cfg.device_id < 0:
-            raise UserError(f"--device-id {cfg.device_id}: a GPU index is 0 or more")
-        return cfg.device_id % count
+    if cfg.distributed.device_id is not None and p.local_world_size == 1:
+        if cfg.distributed.device_id < 0:
+            raise UserError(f"--device-id {cfg.distributed.device_id}: a GPU index is 0 or more")
+        return cfg.distributed.device_id % count
     return p.local_rank % count
 
 
@@ -245,7 +244,7 @@ def apply_determinism(cfg):
     """--cudnn_deterministic: deterministic cuDNN and torch kernels, and the
     cuBLAS workspace setting they need. Called first thing in every worker,
     before CUDA (and cuBLAS) initialise."""
-    if not getattr(cfg, "cudnn_deterministic", False):
+    if not cfg.numerics.cudnn_deterministic:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
@@ -254,9 +253,9 @@ def apply_determinism(cfg):
     torch.use_deterministic_algorithms(True)
 
 
-def _die_with_parent():
-    """In a child: get SIGTERM (save and stop) if the launcher is killed,
-    instead of training on as an orphan."""
+def die_with_parent():
+    """In a child (``preexec_fn``): get SIGTERM (save and stop) if the
+    launcher is killed, instead of training on as an orphan."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -264,11 +263,25 @@ def _die_with_parent():
         pass
 
 
-def spawn(placements, timeout):
-    """Start one child per placement (re-running this command with rank
-    variables), forward signals, and fail fast: when one child fails, the
-    others are stopped. Returns the exit code for this node."""
-    argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+def spawn(placements, cfg):
+    """Start one child per placement, each handed this run's resolved
+    configuration (a file: nothing is parsed again) and its rank variables;
+    forward signals, and fail fast: when one child fails, the others are
+    stopped. Returns the exit code for this node."""
+    from .config import write_resolved
+    timeout = cfg.distributed.distributed_timeout
+    fd, resolved = tempfile.mkstemp(prefix="textbox_like_config_", suffix=".yaml")
+    os.close(fd)
+    write_resolved(cfg, resolved)
+    argv = [sys.executable, "-c", "import sys; from textbox_like.cli import run_resolved; "
+                                  "sys.exit(run_resolved(sys.argv[1]))", resolved]
+    try:
+        return _supervise(placements, argv, timeout)
+    finally:
+        os.unlink(resolved)
+
+
+def _supervise(placements, argv, timeout):
     children = []
     for p in placements:
         env = dict(os.environ)
@@ -277,7 +290,7 @@ def spawn(placements, timeout):
                     "MASTER_ADDR": p.master_addr, "TEXTBOX_LIKE_INIT_METHOD": p.init_method})
         if p.master_port:
             env["MASTER_PORT"] = p.master_port
-        children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
+        children.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent))
 
     def forward(signum, _frame):
         for child in children:
@@ -345,7 +358,7 @@ def init_process_group(p: Placement, cfg):
         return  # one process: no group, and no rank variables that would make Accelerate open one
     export(p)
     cuda = uses_cuda(cfg)
-    backend = cfg.distributed_backend or ("nccl" if cuda else "gloo")
+    backend = cfg.distributed.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise UserError("--distributed-backend nccl needs CUDA; leave it out to use gloo on CPU")
     device = bind_device(p, cfg) if cuda else None
@@ -355,8 +368,8 @@ def init_process_group(p: Placement, cfg):
         raise UserError("WORLD_SIZE is set but MASTER_PORT is not; start with torchrun/accelerate launch, "
                         "or pass --distributed-init-method tcp://HOST:PORT")
     if p.init_method.startswith("file://"):
-        _handle_stale_file(urlparse(p.init_method).path, p.rank, cfg.distributed_timeout)
-    timeout = datetime.timedelta(seconds=cfg.distributed_timeout)
+        _handle_stale_file(urlparse(p.init_method).path, p.rank, cfg.distributed.distributed_timeout)
+    timeout = datetime.timedelta(seconds=cfg.distributed.distributed_timeout)
     try:
         store, rank, world = next(dist.rendezvous(p.init_method, p.rank, p.world_size, timeout=timeout))
         store.set_timeout(timeout)
@@ -366,7 +379,7 @@ def init_process_group(p: Placement, cfg):
     except Exception as exc:  # timeout or refused connection
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise UserError(f"rank {p.rank}: could not gather {p.world_size} processes at {p.init_method} within "
-                        f"{cfg.distributed_timeout}s ({first}); start every node with the same "
+                        f"{cfg.distributed.distributed_timeout}s ({first}); start every node with the same "
                         f"--distributed-world-size and init method") from None
     _check_peers(peers)
     kwargs = {"device_id": device} if backend == "nccl" and device is not None else {}
@@ -428,7 +441,7 @@ _LONG_GROUP = None
 
 def long_timeout(cfg) -> int:
     """Seconds the long barrier waits: 6 x --distributed-timeout, at least 30 min."""
-    return max(1800, 6 * int(cfg.distributed_timeout))
+    return max(1800, 6 * int(cfg.distributed.distributed_timeout))
 
 
 def long_group():

@@ -71,3 +71,11 @@ def closest(word, choices):
 def unknown(kind, word, choices):
     choices = sorted(choices)
     return UserError(f"unknown {kind} {word!r}{closest(word, choices)}; choose from: {', '.join(map(str, choices))}")
+
+
+def note(message):
+    """One line on stderr, from the first process only."""
+    import os
+    import sys
+    if os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"note: {message}", file=sys.stderr, flush=True)

@@ -33,42 +33,14 @@ def main(argv=None):
     parser.error = one_line_error
     args = parser.parse_args(argv)
 
+    from .api import evaluate
     from .errors import UserError
     try:
-        import yaml
-
-        from .checkpoint import load_checkpoint
-        from .cli import parse
-        state = load_checkpoint(args.model_ckpt)
-        _, cfg, _ = parse(["--task", state["task"]])
-        for key, value in yaml.safe_load(state["config"]).items():
-            setattr(cfg, key, value)
-        if args.data:
-            cfg.data = args.data
-        if hasattr(cfg, "init_checkpoint"):
-            cfg.init_checkpoint = None  # the checkpoint's own weights replace it anyway
-        subset = args.subset or cfg.valid_subset[0]
-
-        import torch
-        from accelerate import Accelerator
-
-        from .tasks import TASKS
-        from .validate import evaluate
-        task = TASKS.get(cfg.task)(cfg)
-        task.check_config(cfg)
-        task.prepare_data()
-        data = task.build_dataset(subset)
-        model = task.build_model()
-        model.load_state_dict(state["model"])
-        accelerator = Accelerator(cpu=args.cpu or not torch.cuda.is_available())
-        model = accelerator.prepare(model)
-        metrics = evaluate(task, model, data, args.batch_size or cfg.max_sentences_valid or cfg.max_sentences or 64,
-                           accelerator)
+        record = evaluate(args.model_ckpt, subset=args.subset, data=args.data, batch_size=args.batch_size,
+                          cpu=args.cpu)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    record = {"checkpoint": args.model_ckpt, "subset": subset, "samples": len(data),
-              "num_updates": state["train"]["num_updates"], **metrics}
     if args.json:
         print(json.dumps(record))
     else:

@@ -24,17 +24,14 @@ before the first step.
 import math
 
 from .errors import UserError, closest
-from .optim import _AnyCaseRegistry
-
-SCHEDULERS = _AnyCaseRegistry("lr scheduler")
-register_scheduler = SCHEDULERS.register
+from .registry import Registry
 
 
 class Scheduler:
     def __init__(self, cfg, optimizer):
         self.cfg = cfg
         self.optimizer = optimizer
-        self.lrs = list(cfg.lr)
+        self.lrs = list(cfg.optim.lr)
         self.epoch = 1
         self.num_updates = 0
         self.planned_updates = 0  # updates of --max-epoch epochs, set by the trainer from the batch plan
@@ -46,13 +43,14 @@ class Scheduler:
     def base_lr(self):
         """HetSeq/fairseq: --lr 'a,b,c' gives a per-epoch base LR; after
         --force-anneal epochs the last one is kept."""
-        force = getattr(self.cfg, "force_anneal", None)
+        force = getattr(self.cfg.scheduler_options, "force_anneal", None)  # PolynomialDecayScheduler's
         if force is None or self.epoch < force:
             return self.lrs[min(self.epoch - 1, len(self.lrs) - 1)]
         return self.lrs[-1]
 
     def lr_at(self, num_updates):
         raise NotImplementedError
+
 
     def step_epoch(self, epoch):
         self.epoch = epoch
@@ -81,12 +79,15 @@ class Scheduler:
         self.step_update(int(state["num_updates"]))
 
 
+SCHEDULERS = Registry("lr scheduler", base=Scheduler, any_case=True)
+register_scheduler = SCHEDULERS.register
+
 def _total_updates(cfg, planned_updates=0):
     """--total-num-update, else the run's length: --max-update or the updates
     of --max-epoch epochs, whichever ends it first."""
-    if cfg.total_num_update:
-        return cfg.total_num_update
-    ends = [n for n in (cfg.max_update, planned_updates) if n]
+    if cfg.schedule.total_num_update:
+        return cfg.schedule.total_num_update
+    ends = [n for n in (cfg.schedule.max_update, planned_updates) if n]
     return min(ends) if ends else 0
 
 
@@ -103,14 +104,14 @@ class PolynomialDecay(Scheduler):
                     help="with a per-epoch --lr list, keep the last LR from this epoch on")
 
     def lr_at(self, n):
-        lr, warmup, end = self.base_lr(), self.cfg.warmup_updates, self.cfg.end_learning_rate
+        lr, warmup, end = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.end_learning_rate
         total = _total_updates(self.cfg, self.planned_updates)
         if warmup > 0 and n <= warmup:
             return lr * max(n, 1) / warmup  # fairseq: the first update already gets lr/warmup
         if total <= 0 or n >= total:
             return end if total > 0 else lr
         remaining = 1.0 - (n - warmup) / max(total - warmup, 1)
-        return (lr - end) * remaining ** self.cfg.power + end
+        return (lr - end) * remaining ** self.cfg.scheduler_options.power + end
 
 
 @register_scheduler("constant", "fixed")
@@ -118,7 +119,7 @@ class Constant(Scheduler):
     """Linear warm-up over --warmup-updates, then --lr."""
 
     def lr_at(self, n):
-        lr, warmup = self.base_lr(), self.cfg.warmup_updates
+        lr, warmup = self.base_lr(), self.cfg.schedule.warmup_updates
         return lr * max(n, 1) / warmup if warmup > 0 and n < warmup else lr
 
 
@@ -131,7 +132,7 @@ class InverseSqrt(Scheduler):
         options.add("--warmup-init-lr", type=float, default=0.0, help="LR at update 0")
 
     def lr_at(self, n):
-        lr, warmup, init = self.base_lr(), self.cfg.warmup_updates, self.cfg.warmup_init_lr
+        lr, warmup, init = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.warmup_init_lr
         if warmup > 0 and n < warmup:
             return init + (lr - init) * n / warmup
         return lr * math.sqrt(max(warmup, 1) / max(n, 1))
@@ -146,7 +147,7 @@ class Cosine(Scheduler):
         options.add("--min-lr", type=float, default=0.0, help="LR at the end of the cosine")
 
     def lr_at(self, n):
-        lr, warmup, low = self.base_lr(), self.cfg.warmup_updates, self.cfg.min_lr
+        lr, warmup, low = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.min_lr
         total = _total_updates(self.cfg, self.planned_updates)
         if warmup > 0 and n < warmup:
             return lr * max(n, 1) / warmup
@@ -222,15 +223,15 @@ class TorchScheduler(Scheduler):
 
     def __init__(self, cfg, optimizer):
         super().__init__(cfg, optimizer)
-        self.conf = dict(getattr(cfg, "scheduler_conf", None) or {})
-        chosen = getattr(cfg, "scheduler_interval", "auto") or "auto"
+        self.conf = dict(cfg.schedule.scheduler_conf or {})
+        chosen = cfg.scheduler_options.scheduler_interval or "auto"
         if self.interval != "valid" and chosen != "auto":
             self.interval = chosen
         self.steps = 0
         self.torch = None
 
     def _run_length(self):
-        total = self.cfg.max_epoch if self.interval == "epoch" else \
+        total = self.cfg.schedule.max_epoch if self.interval == "epoch" else \
             _total_updates(self.cfg, self.planned_updates)
         if not total:
             raise UserError(f"--scheduler {self.name}: give {RUN_LENGTH_ARGS[self.torch_name]} in "
@@ -325,23 +326,23 @@ def _register_torch_schedulers():
 _register_torch_schedulers()
 
 
-def resolve_scheduler_conf(cfg, scheduler_options, maximize=None):
+def resolve_scheduler_conf(ns, scheduler_options, maximize=None):
     """Check --scheduler_conf against the chosen scheduler; for a torch
     scheduler fill it with every constructor argument (nulls where the run's
     length is used), so --print_config shows them all."""
-    cls = SCHEDULERS.get(cfg.lr_scheduler)
-    conf = dict(cfg.scheduler_conf or {})
+    cls = SCHEDULERS.get(ns.lr_scheduler)
+    conf = dict(ns.scheduler_conf or {})
     if not issubclass(cls, TorchScheduler):
         valid = set(scheduler_options) | {"lr", "warmup_updates", "total_num_update"}
         for key in conf:
             if key not in valid:
-                raise UserError(f"unknown key {key!r} in --scheduler_conf for {cfg.lr_scheduler}"
+                raise UserError(f"unknown key {key!r} in --scheduler_conf for {ns.lr_scheduler}"
                                 f"{closest(key, valid)}; valid keys: {', '.join(sorted(valid))}")
         return conf
     signature = cls.signature()
     for key in conf:
         if key not in signature:
-            raise UserError(f"unknown key {key!r} in --scheduler_conf for {cfg.lr_scheduler}"
+            raise UserError(f"unknown key {key!r} in --scheduler_conf for {ns.lr_scheduler}"
                             f"{closest(key, signature)}; valid keys: {', '.join(signature)}")
     full = {**signature, **conf}
     if cls.torch_name == "ReduceLROnPlateau" and "mode" not in conf and maximize is not None:
@@ -350,29 +351,29 @@ def resolve_scheduler_conf(cfg, scheduler_options, maximize=None):
     if getattr(cls, "unusable", None):
         full = {k: None if k in missing else v for k, v in full.items()}  # refused by check_scheduler
     elif missing:
-        raise UserError(f"--scheduler {cfg.lr_scheduler} needs {', '.join(missing)} in --scheduler_conf, "
+        raise UserError(f"--scheduler {ns.lr_scheduler} needs {', '.join(missing)} in --scheduler_conf, "
                         f"e.g. --scheduler_conf {missing[0]}=...; its arguments: {', '.join(signature)}")
-    cfg.scheduler_conf = full
+    ns.scheduler_conf = full
     return full
 
 
 def check_scheduler(cfg):
     """Let torch judge the --scheduler_conf values on a dummy optimizer."""
-    cls = SCHEDULERS.get(cfg.lr_scheduler)
+    cls = SCHEDULERS.get(cfg.schedule.lr_scheduler)
     if getattr(cls, "unusable", None):
-        raise UserError(f"--scheduler {cfg.lr_scheduler}: {cls.unusable}; choose another scheduler")
+        raise UserError(f"--scheduler {cfg.schedule.lr_scheduler}: {cls.unusable}; choose another scheduler")
     if not issubclass(cls, TorchScheduler):
         return
     import torch
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=max(float(cfg.lr[0]), 1e-12),
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=max(float(cfg.optim.lr[0]), 1e-12),
                                 momentum=0.9)
     scheduler = build_scheduler(cfg, optimizer)
-    scheduler.planned_updates = max(cfg.max_update or 0, 1)
+    scheduler.planned_updates = max(cfg.schedule.max_update or 0, 1)
     try:
         scheduler.step_epoch(1)
     except (ValueError, TypeError, ZeroDivisionError, KeyError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"--scheduler {cfg.lr_scheduler}: {first}; check --scheduler_conf") from None
+        raise UserError(f"--scheduler {cfg.schedule.lr_scheduler}: {first}; check --scheduler_conf") from None
 
 
 def add_args(options):
@@ -382,21 +383,15 @@ def add_args(options):
 
 
 def build_scheduler(cfg, optimizer):
-    """The scheduler of --lr-scheduler. For ours, --scheduler_conf values
-    (already checked by the CLI) override the config for the schedule only;
-    an lr in --optim_conf is the schedule's base LR, as the user meant. A
-    torch scheduler gets --scheduler_conf as its constructor arguments."""
-    import argparse
-    cls = SCHEDULERS.get(cfg.lr_scheduler)
+    """The scheduler of --lr-scheduler. For ours, --scheduler_conf keys
+    (checked by resolve_scheduler_conf) stand for the schedule's own settings
+    (--lr, --warmup-updates, --end-learning-rate, ...), for the schedule only.
+    A torch scheduler gets --scheduler_conf as its constructor arguments."""
+    from .config import float_list
+    cls = SCHEDULERS.get(cfg.schedule.lr_scheduler)
     if issubclass(cls, TorchScheduler):
         return cls(cfg, optimizer)
-    values = dict(vars(cfg))
-    lrs = values["lr"] if isinstance(values["lr"], (list, tuple)) else [float(values["lr"])]
-    optim_lr = (cfg.optim_conf or {}).get("lr")
-    if optim_lr is not None and float(optim_lr) != float(lrs[0]):
-        lrs = [float(optim_lr)]
-    values["lr"] = lrs
-    values.update(cfg.scheduler_conf or {})
-    if not isinstance(values["lr"], (list, tuple)):
-        values["lr"] = [float(values["lr"])]
-    return cls(argparse.Namespace(**values), optimizer)
+    conf = dict(cfg.schedule.scheduler_conf or {})
+    if "lr" in conf:
+        conf["lr"] = float_list(conf["lr"])
+    return cls(cfg.replace(**conf) if conf else cfg, optimizer)

@@ -106,15 +106,15 @@ class Logger:
     def __init__(self, cfg, is_main: bool, accelerator=None):
         self.is_main = is_main
         self.accelerator = accelerator  # its trackers get every record as scalars
-        fmt = cfg.log_format
+        fmt = cfg.logging.log_format
         if fmt is None:
             fmt = "tqdm" if sys.stderr.isatty() else "simple"
         self.format = fmt
         self.bar = None
         self.jsonl = None
-        if is_main and not cfg.no_save and cfg.save_dir:
-            Path(cfg.save_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(cfg.save_dir) / "metrics.jsonl", "a", buffering=1)
+        if is_main and not cfg.checkpoint.no_save and cfg.checkpoint.save_dir:
+            Path(cfg.checkpoint.save_dir).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(Path(cfg.checkpoint.save_dir) / "metrics.jsonl", "a", buffering=1)
 
     def forget_after(self, update):
         """On resume: drop the records of updates after the checkpoint, which

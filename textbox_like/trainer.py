@@ -144,14 +144,14 @@ class Trainer:
     """Built in the order a run needs: processes and Accelerate, data, model
     and optimizer, batch plan, then the components that watch over them."""
 
-    def __init__(self, cfg, keys):
-        self.cfg, self.keys = cfg, keys
-        if not cfg.no_save:
-            check_writable(cfg.save_dir)  # before minutes of data loading, not at the first save
+    def __init__(self, cfg):
+        self.cfg = cfg  # a settings.RunConfig
+        if not cfg.checkpoint.no_save:
+            check_writable(cfg.checkpoint.save_dir)  # before minutes of data loading, not at the first save
         self.setup_processes()
         from accelerate.utils import set_seed
-        set_seed(cfg.seed)
-        self.task = TASKS.get(cfg.task)(cfg)
+        set_seed(cfg.numerics.seed)
+        self.task = TASKS.get(cfg.data.task)(cfg)
         self.build_data()
         self.build_model()
         self.build_iterator()
@@ -162,11 +162,11 @@ class Trainer:
         from .malloc import keep_freed_heap
         from .trackers import log_with, requested
         cfg = self.cfg
-        trackers = requested(cfg)  # before any process group: a missing package is one line
+        trackers = requested(cfg.logging)  # before any process group: a missing package is one line
         placement = distributed.placement_from_env(cfg) or distributed.Placement()
         # processes sharing a node share its cores; Accelerate would otherwise
         # set 2 threads each, whatever the machine
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(placement.local_world_size, 1))
+        threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // max(placement.local_world_size, 1))
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
         # before any data or model is allocated: updates reuse freed heap
@@ -175,7 +175,7 @@ class Trainer:
         import torch
         distributed.init_process_group(placement, cfg)
         self.accelerator, self.sources = build_accelerator(
-            cfg, placement, log_with(trackers, cfg.save_dir) if trackers and not cfg.no_save else None)
+            cfg, placement, log_with(trackers, cfg.checkpoint.save_dir) if trackers and not cfg.checkpoint.no_save else None)
         acc = self.accelerator
         self.rank, self.world, self.is_main = acc.process_index, acc.num_processes, acc.is_main_process
         self.host_group = distributed.host_group()
@@ -189,10 +189,10 @@ class Trainer:
         # on a long-timeout group: preparing data can take long
         with distributed.main_then_local_main_first(self.accelerator):
             task.prepare_data()
-        self.train_data = task.build_dataset(cfg.train_subset)
+        self.train_data = task.build_dataset(cfg.data.train_subset)
         if len(self.train_data) == 0:
-            raise UserError(f"the {cfg.train_subset!r} split of --data {cfg.data} holds no samples")
-        self.valid_data = {} if cfg.disable_validation else {s: task.build_dataset(s) for s in cfg.valid_subset}
+            raise UserError(f"the {cfg.data.train_subset!r} split of --data {cfg.data.data} holds no samples")
+        self.valid_data = {} if cfg.validation.disable_validation else {s: task.build_dataset(s) for s in cfg.data.valid_subset}
         # a dataset read from disk as it goes can fail mid-run: ranks agree on every update's data
         self.data_can_fail = self.world > 1 and getattr(self.train_data, "reads_from_disk", False)
 
@@ -202,7 +202,7 @@ class Trainer:
         from .lr_scheduler import build_scheduler
         from .optim import build_optimizer
         cfg = self.cfg
-        if cfg.train_dtype == "float64":
+        if cfg.numerics.train_dtype == "float64":
             torch.set_default_dtype(torch.float64)
         from .accelerator import compile_regions
         model = self.task.build_model()
@@ -212,43 +212,43 @@ class Trainer:
         self.compiled_regions = compile_regions(acc, model)
         if self.compiled_regions is not None:
             self.sources["compile"] += f", regions {', '.join(self.compiled_regions)} on {acc.device.type}"
-        optimizer = build_optimizer(cfg, self.task.param_groups(model, cfg.weight_decay),
+        optimizer = build_optimizer(cfg.optim, self.task.param_groups(model, cfg.optim.weight_decay),
                                     fused_default=acc.device.type == "cuda" and acc.scaler is None)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
         # each rank its own dropout stream; rank 0 keeps the seed's own stream
         if self.rank:
-            torch.manual_seed(cfg.seed + self.rank)
+            torch.manual_seed(cfg.numerics.seed + self.rank)
 
     def build_iterator(self):
         from .data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
         cfg, acc = self.cfg, self.accelerator
-        self.batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences or 0)
-        max_tokens = distributed.gather_per_rank(acc, cfg.max_tokens or 0)
+        self.batch_sizes = distributed.gather_per_rank(acc, cfg.data.max_sentences or 0)
+        max_tokens = distributed.gather_per_rank(acc, cfg.data.max_tokens or 0)
         if not any(max_tokens) and not all(self.batch_sizes):
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
         pin_memory = pin_for(acc.device)
-        self.iterator = EpochBatchIterator(self.train_data, cfg.seed, self.rank, self.world, self.batch_sizes,
-                                           max_tokens, shuffle=not cfg.no_shuffle,
-                                           multiple=cfg.required_batch_size_multiple,
-                                           num_workers=read_ahead_workers(cfg.num_workers, self.train_data, pin_memory),
+        self.iterator = EpochBatchIterator(self.train_data, cfg.numerics.seed, self.rank, self.world, self.batch_sizes,
+                                           max_tokens, shuffle=not cfg.data.no_shuffle,
+                                           multiple=cfg.data.required_batch_size_multiple,
+                                           num_workers=read_ahead_workers(cfg.data.num_workers, self.train_data, pin_memory),
                                            pin_memory=pin_memory)
-        self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.max_epoch or 0)
+        self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.schedule.max_epoch or 0)
 
     def build_components(self):
         cfg, acc, task = self.cfg, self.accelerator, self.task
-        best_metric = cfg.best_checkpoint_metric or task.default_best_metric
-        maximize = cfg.maximize_best_checkpoint_metric if cfg.maximize_best_checkpoint_metric is not None \
+        best_metric = cfg.validation.best_checkpoint_metric or task.default_best_metric
+        maximize = cfg.validation.maximize_best_checkpoint_metric if cfg.validation.maximize_best_checkpoint_metric is not None \
             else task.default_maximize_best_metric
         self.state = TrainState(best_metric, maximize)
-        valid_batch_sizes = distributed.gather_per_rank(acc, cfg.max_sentences_valid or cfg.max_sentences or 64)
+        valid_batch_sizes = distributed.gather_per_rank(acc, cfg.data.max_sentences_valid or cfg.data.max_sentences or 64)
         self.validator = Validator(task, self.valid_data, valid_batch_sizes, acc, best_metric, maximize,
                                    self.to_device)
         self.checkpoints = CheckpointManager(
-            cfg, metadata={"task": cfg.task, "world_size": self.world, "config": to_yaml(cfg, self.keys)},
-            parts={"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optimizer,
-                                                                            not cfg.no_save_optimizer_state),
+            cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": self.world, "config": to_yaml(cfg)},
+            parts={"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optim.optimizer,
+                                                                            not cfg.checkpoint.no_save_optimizer_state),
                    "scheduler": self.scheduler, "iterator": self.iterator, "train": self.state,
                    "scaler": _Scaler(acc), "rng": _RNG(acc, self.reseed)},
             is_main=self.is_main)
@@ -278,10 +278,10 @@ class Trainer:
                 if self.end_of_epoch():
                     break  # the epoch's own validation and save follow
                 stopping = self.stop_reason() is not None
-                saving = self.every(cfg.save_interval_updates) or snapshot
+                saving = self.every(cfg.checkpoint.save_interval_updates) or snapshot
                 # HetSeq validates at every interval save; a run that ends
                 # validates its final weights (unless preempted: leave fast)
-                improved = self.validate() if (self.every(cfg.validate_interval_updates) or saving or (
+                improved = self.validate() if (self.every(cfg.validation.validate_interval_updates) or saving or (
                     stopping and not self.preemption.agreed)) else False
                 if saving or improved or stopping:
                     self.save(end_of_epoch=False, is_best=improved, final=stopping, snapshot=snapshot)
@@ -290,7 +290,7 @@ class Trainer:
             self.log.end_epoch()
             if self.end_of_epoch():
                 self.log_epoch()
-                improved = self.validate() if state.epoch % cfg.validate_interval == 0 else False
+                improved = self.validate() if state.epoch % cfg.validation.validate_interval == 0 else False
                 self.save(end_of_epoch=True, is_best=improved, final=self.stop_reason(next_epoch=True) is not None,
                           snapshot=snapshot)
                 if not self.preemption.agreed:
@@ -302,9 +302,9 @@ class Trainer:
         cfg, state = self.cfg, self.state
         if self.preemption.agreed:
             return "preempted"
-        if cfg.max_update and state.num_updates >= cfg.max_update:
+        if cfg.schedule.max_update and state.num_updates >= cfg.schedule.max_update:
             return "max_update"
-        if cfg.max_epoch and state.epoch + int(next_epoch) > cfg.max_epoch:
+        if cfg.schedule.max_epoch and state.epoch + int(next_epoch) > cfg.schedule.max_epoch:
             return "max_epoch"
         return None
 
@@ -387,11 +387,11 @@ class Trainer:
         """The norm of the gradients (after DDP's all-reduce: the same on every
         rank, so every rank skips the same updates), clipped to --clip-norm."""
         import torch
-        if self.cfg.clip_norm > 0:
-            return self.accelerator.clip_grad_norm_(self.grad_params, self.cfg.clip_norm)
+        if self.cfg.schedule.clip_norm > 0:
+            return self.accelerator.clip_grad_norm_(self.grad_params, self.cfg.schedule.clip_norm)
         if self.accelerator.scaler is not None:  # the scaler guards: the norm only for the log
             return self.accelerator.clip_grad_norm_(self.grad_params, float("inf")) \
-                if self.every(self.cfg.log_interval, ahead=1) else None
+                if self.every(self.cfg.logging.log_interval, ahead=1) else None
         if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: no clipping pass
             return torch.nn.utils.get_total_norm([p.grad for p in self.grad_params if p.grad is not None])
         return self.accelerator.clip_grad_norm_(self.grad_params, float("inf"))
@@ -443,9 +443,9 @@ class Trainer:
     def due_after_update(self, samples_in_update) -> bool:
         """Whether the loop does anything after this update beyond the next one."""
         cfg, state = self.cfg, self.state
-        n = cfg.snapshot_interval
-        return (any(self.every(i) for i in (cfg.log_interval, cfg.save_interval_updates,
-                                           cfg.validate_interval_updates))
+        n = cfg.checkpoint.snapshot_interval
+        return (any(self.every(i) for i in (cfg.logging.log_interval, cfg.checkpoint.save_interval_updates,
+                                           cfg.validation.validate_interval_updates))
                 or self.preemption.due(state.num_updates) or self.end_of_epoch()
                 or self.stop_reason() is not None
                 or crosses(state.samples_trained, state.samples_trained + samples_in_update, n))
@@ -457,7 +457,7 @@ class Trainer:
         update = self.state.num_updates + 1
         self.log.info(f"update {update}: gradient norm {gnorm} is not finite; update skipped "
                       f"({self.nonfinite_in_a_row} in a row)")
-        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_updates:
+        if self.nonfinite_in_a_row >= self.cfg.runtime.max_nonfinite_updates:
             last = self.checkpoints.newest_good()
             raise Diverged(f"training diverged at update {update}: {self.nonfinite_in_a_row} updates in a row "
                            f"had a non-finite loss or gradient norm; the learning rate is likely too high (or "
@@ -466,13 +466,13 @@ class Trainer:
 
     # --------------------------------------------------------------- epochs
     def update_freq(self, epoch=None):
-        freqs = self.cfg.update_freq
+        freqs = self.cfg.schedule.update_freq
         return freqs[min((epoch or self.state.epoch) - 1, len(freqs) - 1)]
 
     def updates_of_epochs(self, epochs):
         """Updates in the first ``epochs`` epochs (what 'decay over the run' means under --max-epoch)."""
         steps = self.iterator.steps_in_epoch()
-        cap = self.cfg.num_iters_per_epoch or steps
+        cap = self.cfg.data.num_iters_per_epoch or steps
         return sum(min(math.ceil(steps / self.update_freq(e)), cap) for e in range(1, epochs + 1))
 
     def begin_epoch(self):
@@ -482,10 +482,10 @@ class Trainer:
         total = self.iterator.steps_in_epoch()
         done = math.ceil((total - len(self.iterator)) / k)
         bar = math.ceil(total / k)
-        if cfg.num_iters_per_epoch:
-            bar = min(bar, cfg.num_iters_per_epoch)
-        if cfg.max_update:
-            bar = min(bar, done + cfg.max_update - state.num_updates)
+        if cfg.data.num_iters_per_epoch:
+            bar = min(bar, cfg.data.num_iters_per_epoch)
+        if cfg.schedule.max_update:
+            bar = min(bar, done + cfg.schedule.max_update - state.num_updates)
         self.log.start_epoch(state.epoch, bar, done)
 
     def updates_of_this_epoch(self):
@@ -522,7 +522,7 @@ class Trainer:
             yield micro_batches, totals
 
     def end_of_epoch(self) -> bool:
-        cap = self.cfg.num_iters_per_epoch
+        cap = self.cfg.data.num_iters_per_epoch
         return self.iterator.end_of_epoch or bool(cap and self.state.updates_in_epoch >= cap)
 
     def next_epoch(self):
@@ -535,7 +535,7 @@ class Trainer:
         self.state.samples_trained += samples_in_update
         if self.unsettled is not None:  # taken back if the update turns out skipped (settle)
             self.unsettled_samples = samples_in_update
-        return crosses(before, self.state.samples_trained, self.cfg.snapshot_interval)
+        return crosses(before, self.state.samples_trained, self.cfg.checkpoint.snapshot_interval)
 
     def every(self, interval, ahead=0) -> bool:
         """True on every ``interval``-th update (``ahead``: for the update about to happen)."""
@@ -554,7 +554,7 @@ class Trainer:
             self.log.log(f"valid_{subset}" if len(results) > 1 else "valid",
                          {"epoch": state.epoch, "update": state.num_updates, **metrics})
         state.clock.paused += time.perf_counter() - started  # not training time
-        first = results[self.cfg.valid_subset[0]]
+        first = results[self.cfg.data.valid_subset[0]]
         value = self.validator.value(first)
         state.last_valid = first
         if hasattr(self.scheduler, "step_valid"):
@@ -600,7 +600,7 @@ class Trainer:
         return sums
 
     def log_train(self):
-        if not self.every(self.cfg.log_interval):
+        if not self.every(self.cfg.logging.log_interval):
             return
         state = self.state
         sums = self.fold_log_window()
@@ -609,8 +609,8 @@ class Trainer:
                   "gnorm": float(self.gnorm) if self.gnorm is not None else None, **rates}
         if "ntokens" in sums:
             record["tokens_per_s"] = rates["samples_per_s"] * sums["ntokens"] / max(sums.get("nsamples", 0), 1)
-        target = min(n for n in (self.cfg.max_update, self.planned_updates) if n) \
-            if (self.cfg.max_update or self.planned_updates) else 0
+        target = min(n for n in (self.cfg.schedule.max_update, self.planned_updates) if n) \
+            if (self.cfg.schedule.max_update or self.planned_updates) else 0
         if target and rates["updates_per_s"] > 0:
             record["eta_s"] = max(target - state.num_updates, 0) / rates["updates_per_s"]
         if self.accelerator.device.type == "cuda":
@@ -637,7 +637,7 @@ class Trainer:
     # ------------------------------------------------------------- helpers
     def to_device(self, batch):
         batch = self.task.collate_to_device(batch, self.accelerator.device)
-        if self.cfg.train_dtype == "float64":
+        if self.cfg.numerics.train_dtype == "float64":
             import torch
             batch = {k: v.double() if torch.is_floating_point(v) else v for k, v in batch.items()}
         return batch
@@ -651,7 +651,7 @@ class Trainer:
 
     def reseed(self, why):
         import torch
-        torch.manual_seed(self.cfg.seed + 7919 * self.state.num_updates + self.rank)
+        torch.manual_seed(self.cfg.numerics.seed + 7919 * self.state.num_updates + self.rank)
         self.log.info(f"{why}: reseeding")
 
     # ------------------------------------------------------- start and end
@@ -660,16 +660,16 @@ class Trainer:
         cfg, state = self.cfg, self.state
         path = self.checkpoints.resume_path()
         if path is None:
-            if cfg.resume:
-                self.log.info(f"no checkpoint_last.pt in {cfg.save_dir}: starting fresh")
-            if getattr(cfg, "initial_optimizer", None):
-                self.load_initial_optimizer(cfg.initial_optimizer)
+            if cfg.checkpoint.resume:
+                self.log.info(f"no checkpoint_last.pt in {cfg.checkpoint.save_dir}: starting fresh")
+            if cfg.checkpoint.initial_optimizer:
+                self.load_initial_optimizer(cfg.checkpoint.initial_optimizer)
             self.iterator.set_epoch(state.epoch)
             return
         state_dict, path = self.checkpoints.load_newest(path, self.log.info)
         fresh = self.checkpoints.restore(state_dict, path)
         del state_dict
-        if cfg.reset_meters:
+        if cfg.checkpoint.reset_meters:
             state.reset_meters()
         if "iterator" in fresh:  # --reset-dataloader: a new pass from the start, same update count
             state.epoch, state.updates_in_epoch = 1, 0
@@ -678,7 +678,7 @@ class Trainer:
                 self.reseed("--reset-dataloader")
         else:
             state.epoch = self.iterator.epoch
-        overrides = cfg.optimizer_overrides or {}
+        overrides = cfg.checkpoint.optimizer_overrides or {}
         for group in self.optimizer.param_groups:
             group.update({k: v for k, v in overrides.items() if not (k == "weight_decay" and group.get("no_decay"))})
         if overrides.get("lr") is not None:  # an override of lr moves the schedule's base
@@ -720,7 +720,7 @@ class Trainer:
                                                          self.iterator.offset),
                     "training samples": len(self.train_data),
                     "precision": self.accelerator.mixed_precision}
-        for key, value in yaml.safe_load(to_yaml(cfg, self.keys)).items():
+        for key, value in yaml.safe_load(to_yaml(cfg)).items():
             if key not in distributed.PER_NODE_SETTINGS:
                 settings[f"--{key.replace('_', '-')}"] = value
         return settings
@@ -731,21 +731,21 @@ class Trainer:
         # numbers or the order of collectives must agree, or the replicas
         # drift apart or hang
         distributed.check_ranks_agree(acc, self.agreed_settings())
-        if self.is_main and not cfg.no_save:
+        if self.is_main and not cfg.checkpoint.no_save:
             from .config import write_config
-            write_config(cfg, self.keys, cfg.save_dir)
+            write_config(cfg, cfg.checkpoint.save_dir)
         if acc.log_with:
             import yaml
 
             from .trackers import hyperparameters
-            acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg, self.keys))))
+            acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
         sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
-        self.log.info(f"task {cfg.task} | {self.n_params:,} parameters | world size {self.world} | "
+        self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
                       f"device {acc.device} | precision {acc.mixed_precision}"
                       + (f" ({sources})" if sources else "")
                       + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples"
                       + (" (in memory: read inline, --num-workers not needed)"
-                         if cfg.num_workers and not self.iterator.num_workers else ""))
+                         if cfg.data.num_workers and not self.iterator.num_workers else ""))
         state = self.state
         state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
         # fused optimizers take a found_inf flag and skip a non-finite step in
@@ -761,12 +761,12 @@ class Trainer:
         self.settle()
         cfg, state, acc = self.cfg, self.state, self.accelerator
         reason = self.stop_reason() or "completed"
-        results = {"task": cfg.task, "num_updates": state.num_updates, "epochs_completed": state.epoch - 1,
+        results = {"task": cfg.data.task, "num_updates": state.num_updates, "epochs_completed": state.epoch - 1,
                    "wall_time": state.clock.elapsed(),
                    "best_metric": state.best_metric, "best": state.best_valid, "final": state.last_valid,
                    "stopped": "preempted" if reason == "preempted" else "completed", "world_size": self.world}
-        if self.is_main and not cfg.no_save:
-            atomic_write_text(Path(cfg.save_dir) / "results.json", json.dumps(results, indent=2))
+        if self.is_main and not cfg.checkpoint.no_save:
+            atomic_write_text(Path(cfg.checkpoint.save_dir) / "results.json", json.dumps(results, indent=2))
         if state.last_valid:
             self.log.info("done | " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
                           + f" | updates {state.num_updates} | wall {state.clock.elapsed():.1f}s")
@@ -774,11 +774,11 @@ class Trainer:
         self.preemption.close()
         acc.wait_for_everyone()
         acc.end_training()
-        if self.is_main and not cfg.no_save:
+        if self.is_main and not cfg.checkpoint.no_save:
             self.plot_curves()
         distributed.cleanup()
         if reason == "preempted":
-            print(self.preemption.message(self.checkpoints.enabled and not cfg.no_last_checkpoints), file=sys.stderr)
+            print(self.preemption.message(self.checkpoints.enabled and not cfg.checkpoint.no_last_checkpoints), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         return 0
 
@@ -787,7 +787,7 @@ class Trainer:
             from .plot import plot_runs
         except ImportError:  # matplotlib missing: curves are a convenience
             return
-        plot_runs([self.cfg.save_dir], Path(self.cfg.save_dir) / "curves.png")
+        plot_runs([self.cfg.checkpoint.save_dir], Path(self.cfg.checkpoint.save_dir) / "curves.png")
 
 
 def crosses(before: int, after: int, interval: int) -> bool:
@@ -795,8 +795,8 @@ def crosses(before: int, after: int, interval: int) -> bool:
     return interval > 0 and after // interval > before // interval
 
 
-def train(cfg, keys) -> int:
-    trainer = Trainer(cfg, keys)
+def train(cfg) -> int:
+    trainer = Trainer(cfg)
     try:
         return trainer.train()
     except RunStopped as exc:

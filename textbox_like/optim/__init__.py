@@ -13,19 +13,6 @@ from ..errors import UserError, closest
 from ..registry import Registry
 
 
-class _AnyCaseRegistry(Registry):
-    """Names in any case: ESPnet2 writes adam, sgd, adadelta; torch Adam, SGD."""
-
-    def canonical(self, name):
-        if isinstance(name, str):
-            lowered = {n.lower(): n for n in self.choices()}
-            name = lowered.get(name.lower(), name)
-        return super().canonical(name)
-
-
-OPTIMIZERS = _AnyCaseRegistry("optimizer")
-register_optimizer = OPTIMIZERS.register
-
 #: every optimizer class of torch.optim (a test checks this list against torch)
 TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon",
                     "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
@@ -80,20 +67,12 @@ class OptimizerSpec:
         return links
 
     @classmethod
-    def kwargs(cls, cfg) -> dict:
-        """Constructor keyword arguments from the resolved options (without --optim_conf)."""
-        defaults = cls.defaults()
-        kwargs = dict(defaults)
-        for key, dests in cls.option_links(defaults).items():
-            for dest in dests:
-                value = getattr(cfg, dest, None)
-                if value is not None:
-                    kwargs[key] = _option_value(dest, value)
-        return kwargs
-
-    @classmethod
     def build(cls, param_groups, **kwargs):
         return cls.optimizer_class()(param_groups, **kwargs)
+
+
+OPTIMIZERS = Registry("optimizer", base=OptimizerSpec, any_case=True)
+register_optimizer = OPTIMIZERS.register
 
 
 def _option_value(dest, value):
@@ -157,20 +136,21 @@ def _check_conf_keys(conf, valid, optimizer, flag="--optim_conf"):
                             f"{closest(key, valid)}; valid keys: {', '.join(valid)}")
 
 
-def optimizer_kwargs(cfg) -> dict:
-    """Constructor arguments of the chosen optimizer: its options, then
-    --optim_conf, each key checked and each value typed like the default."""
-    spec = OPTIMIZERS.get(cfg.optimizer)
+def optimizer_kwargs(optim) -> dict:
+    """Constructor arguments of the chosen optimizer (``optim``: the run's
+    optimizer section): every argument, from --optim_conf as resolve_optim_conf
+    completed it, each key checked and each value typed like the default."""
+    spec = OPTIMIZERS.get(optim.optimizer)
     defaults = spec.defaults()
-    kwargs = spec.kwargs(cfg)
-    _check_conf_keys(cfg.optim_conf or {}, list(defaults), cfg.optimizer)
-    for key, value in (cfg.optim_conf or {}).items():
-        kwargs[key] = typed_like(value, defaults[key] if defaults[key] is not None else kwargs[key], key, cfg.optimizer)
+    _check_conf_keys(optim.optim_conf, list(defaults), optim.optimizer)
+    kwargs = dict(defaults)
+    for key, value in optim.optim_conf.items():
+        kwargs[key] = typed_like(value, defaults[key], key, optim.optimizer)
     return kwargs
 
 
-def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimizer="adam"):
-    """Fill ``cfg.optim_conf`` with every constructor argument of the chosen
+def resolve_optim_conf(ns, sources, conf_sources, layer_values, builtin_optimizer="adam"):
+    """Fill ``ns.optim_conf`` with every constructor argument of the chosen
     optimizer and make the options that feed it (--lr, --weight-decay,
     --adam-eps, --epsilon, ...) agree with it.
 
@@ -183,19 +163,19 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
     optimizer's own default applies: 0.1 for sgd, 0.001 for the Adam family
     (adam, adamw, radam, lamb), the class's default for the others."""
     from ..config import CONFIG_FILE
-    spec = OPTIMIZERS.get(cfg.optimizer)
+    spec = OPTIMIZERS.get(ns.optimizer)
     defaults = spec.defaults()
-    user_conf = dict(cfg.optim_conf or {})
-    _check_conf_keys(user_conf, list(defaults), cfg.optimizer)
+    user_conf = dict(ns.optim_conf or {})
+    _check_conf_keys(user_conf, list(defaults), ns.optimizer)
     links = spec.option_links(defaults)
-    if getattr(cfg, "epsilon", None) is not None and "eps" not in links:
-        raise UserError(f"--epsilon: optimizer {cfg.optimizer} has no single epsilon; "
+    if getattr(ns, "epsilon", None) is not None and "eps" not in links:
+        raise UserError(f"--epsilon: optimizer {ns.optimizer} has no single epsilon; "
                         f"leave --epsilon out (its arguments: {', '.join(defaults)})")
     conf = dict(defaults)
     for key, dests in links.items():
         candidates = []
         for order, dest in enumerate(dests):
-            value = getattr(cfg, dest, None)
+            value = getattr(ns, dest, None)
             if value is not None:
                 candidates.append((sources.get(dest, 0), order, _option_value(dest, value),
                                    "--" + dest.replace("_", "-")))
@@ -207,9 +187,9 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
         at_top = sorted(c for c in candidates if c[0] == top)
         if top == CONFIG_FILE:
             # a config file (e.g. an edited config.yaml) saying two things: refuse
-            typed = [(typed_like(c[2], defaults[key], key, cfg.optimizer, c[3]), c[3]) for c in at_top]
+            typed = [(typed_like(c[2], defaults[key], key, ns.optimizer, c[3]), c[3]) for c in at_top]
             if any(t[0] != typed[0][0] for t in typed):
-                raise UserError(f"the --config files set the {cfg.optimizer} argument {key!r} twice, "
+                raise UserError(f"the --config files set the {ns.optimizer} argument {key!r} twice, "
                                 f"{typed[0][1].lstrip('-')}: {typed[0][0]!r} and {typed[-1][1].lstrip('-')}: "
                                 f"{typed[-1][0]!r}; make them agree or delete one")
         conf[key] = at_top[-1][2]  # same layer: --optim_conf, then --epsilon, beat the older options
@@ -218,7 +198,7 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
             conf[key] = value
     for key in set(user_conf) | set(links):
         if key in conf and defaults.get(key) is not None:
-            conf[key] = typed_like(conf[key], defaults[key], key, cfg.optimizer)
+            conf[key] = typed_like(conf[key], defaults[key], key, ns.optimizer)
     if "lr" in conf and sources.get("lr", 0) < CONFIG_FILE and conf_sources.get("lr", 0) < CONFIG_FILE:
         lr_layer = sources.get("lr", 0)
         meant_for = builtin_optimizer
@@ -229,23 +209,24 @@ def resolve_optim_conf(cfg, sources, conf_sources, layer_values, builtin_optimiz
             meant_for = OPTIMIZERS.canonical(meant_for)
         except UserError:
             pass
-        if meant_for != cfg.optimizer:
+        if meant_for != ns.optimizer:
             conf["lr"] = float(spec.default_lr if spec.default_lr is not None else defaults["lr"])
-    cfg.optim_conf = conf
+    ns.optim_conf = conf
     for key, dests in links.items():
         for dest in dests:
             if dest == "lr":
-                if not cfg.lr or float(cfg.lr[0]) != conf["lr"]:
-                    cfg.lr = [conf["lr"]]
-            elif hasattr(cfg, dest):
-                setattr(cfg, dest, list(conf[key]) if isinstance(conf[key], tuple) else conf[key])
+                if not ns.lr or float(ns.lr[0]) != conf["lr"]:
+                    ns.lr = [conf["lr"]]
+            elif hasattr(ns, dest):
+                setattr(ns, dest, list(conf[key]) if isinstance(conf[key], tuple) else conf[key])
     return conf
 
 
-def build_optimizer(cfg, param_groups, fused_default=False):
-    """``fused_default``: fuse where torch can and the user did not choose
+def build_optimizer(optim, param_groups, fused_default=False):
+    """The optimizer of ``optim`` (the run's optimizer section).
+    ``fused_default``: fuse where torch can and the user did not choose
     (the trainer asks for it on CUDA without a loss scaler)."""
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer_kwargs(cfg).items()}
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer_kwargs(optim).items()}
     if fused_default and kwargs.get("fused", False) is None and not kwargs.get("foreach") \
             and not kwargs.get("capturable") and not kwargs.get("differentiable"):
         # one kernel per step on CUDA, which also skips a non-finite update
@@ -268,7 +249,7 @@ def build_optimizer(cfg, param_groups, fused_default=False):
             g.pop("weight_decay", None)
         else:
             g["weight_decay"] = 0.0 if exempt else wd
-    optimizer = OPTIMIZERS.get(cfg.optimizer).build(groups, **kwargs)
+    optimizer = OPTIMIZERS.get(optim.optimizer).build(groups, **kwargs)
     for group, source in zip(optimizer.param_groups, param_groups):
         group["no_decay"] = bool(source.get("no_decay", False))  # kept for --optimizer-overrides
     return optimizer

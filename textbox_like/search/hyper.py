@@ -25,15 +25,15 @@ def resolve_metric(ns, metric=None, maximize=None):
     """(metric, maximize) from --metric/--maximize/--minimize, the configured
     --best-checkpoint-metric, or the task's defaults."""
     from ..tasks import TASKS
-    task = TASKS.get(ns.task)
-    configured = ns.best_checkpoint_metric or task.default_best_metric
+    task = TASKS.get(ns.data.task)
+    configured = ns.validation.best_checkpoint_metric or task.default_best_metric
     metric = metric or configured
     if task.metric_names and metric not in task.metric_names:
-        raise UserError(f"--metric {metric!r} is not a metric of task {ns.task}"
+        raise UserError(f"--metric {metric!r} is not a metric of task {ns.data.task}"
                         f"{closest(metric, task.metric_names)}; choose from: {', '.join(task.metric_names)}")
     if maximize is None:
-        if metric == configured and ns.maximize_best_checkpoint_metric is not None:
-            maximize = bool(ns.maximize_best_checkpoint_metric)
+        if metric == configured and ns.validation.maximize_best_checkpoint_metric is not None:
+            maximize = bool(ns.validation.maximize_best_checkpoint_metric)
         elif metric == task.default_best_metric:
             maximize = task.default_maximize_best_metric
         else:
@@ -88,8 +88,8 @@ class Setup:
         from .space import sample
         drawn = sample(space, [n for n, p in space.items() if not p.finite], np.random.default_rng(0))
         representative = {n: drawn.get(n, v) for n, v in representative.items()}
-        _, ns = validate(self.base_argv + to_argv(options, representative))
-        if ns.disable_validation or ns.no_save:
+        ns = validate(self.base_argv + to_argv(options, representative))
+        if ns.validation.disable_validation or ns.checkpoint.no_save:
             raise UserError("the search needs validation metrics and results.json: "
                             "remove disable_validation / no_save from the configuration")
         self.metric, self.maximize = resolve_metric(ns, metric, maximize)

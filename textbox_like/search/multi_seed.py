@@ -27,8 +27,7 @@ def draw_seeds(n, seed):
 
 def configured_seed(base_argv):
     """The trainer's --seed as configured (command line, --config files, task defaults)."""
-    _, ns = validate(base_argv)
-    return ns.seed
+    return validate(base_argv).numerics.seed
 
 
 def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,
@@ -43,8 +42,8 @@ def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=
                        ("print_config", "run run_hetseq.py --print_config instead")):
         if name in given:
             raise UserError(f"--{name.replace('_', '-')} cannot be used here: {hint}")
-    _, ns = validate(base_argv)
-    if ns.no_save:
+    ns = validate(base_argv)
+    if ns.checkpoint.no_save:
         raise UserError("each run's results.json is needed: remove no_save from the configuration")
     metric, maximize = resolve_metric(ns, metric, maximize)
     output = Path(output)

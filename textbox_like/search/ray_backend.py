@@ -330,9 +330,9 @@ def _ray_search(ray, setup, args, out):
     mode = "max" if setup.maximize else "min"
     scheduler, grace = None, None
     if args.scheduler == "asha":
-        grace = args.grace_updates or setup.ns.validate_interval_updates or 1
+        grace = args.grace_updates or setup.ns.validation.validate_interval_updates or 1
         # max_t beyond the last update: a trial that trains to the end is never stopped at its last validation
-        max_t = (setup.ns.max_update or 10 ** 9) + 1
+        max_t = (setup.ns.schedule.max_update or 10 ** 9) + 1
         scheduler = MarkingASHA(setup.output.resolve(), time_attr="update", grace_period=grace,
                                 max_t=max(max_t, grace + 1), reduction_factor=2)
     if setup.algo == "exhaustive":
@@ -401,7 +401,7 @@ def ray_multi_seed(seeds, args, rest, out=print):
     for name in ("seed", "save_dir", "no_save", "print_config"):
         if name in given:
             raise UserError(f"--{name.replace('_', '-')} cannot be used here (see run_multi_seed.py --help)")
-    _, ns = validate(base_argv)
+    ns = validate(base_argv)
     metric, maximize = resolve_metric(ns, args.metric, args.maximize)
     output = Path(args.output)
     ray = start_ray(args.ray_address, ROOT, out)

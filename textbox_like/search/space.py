@@ -179,15 +179,14 @@ class Param:
 def resolve_label(label, options, where):
     """A label -> the trainer option's dest: any spelling the trainer's parser
     knows (its aliases included), else TextBox's name for it."""
-    parser = options.parser
     for spelling in dict.fromkeys((label, label.replace("_", "-"), label.replace("-", "_"))):
-        action = parser._option_string_actions.get("--" + spelling)
-        if action is not None and action.dest in options.actions:
-            return action.dest
+        dest = options.dest_of("--" + spelling)
+        if dest in options.actions:
+            return dest
     dest = TEXTBOX_ALIASES.get(label.replace("-", "_"))
     if dest is not None and dest in options.actions:
         return dest
-    known = sorted({s[2:] for s in parser._option_string_actions if s.startswith("--")} | set(TEXTBOX_ALIASES))
+    known = sorted({s[2:] for s in options.flags if s.startswith("--")} | set(TEXTBOX_ALIASES))
     import difflib
     near = difflib.get_close_matches(label, known, n=1, cutoff=0.0)     # always name the closest one
     hint = f" (the closest option is {near[0]!r})" if near else ""

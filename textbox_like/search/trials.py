@@ -13,7 +13,6 @@ search leaves no orphan training on.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -26,7 +25,9 @@ from pathlib import Path
 
 import yaml
 
+from ..distributed import die_with_parent
 from ..errors import UserError
+from ..fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TRAINER = "import sys; from textbox_like.cli import main; sys.exit(main())"
@@ -41,29 +42,16 @@ class Outcome:
 
 
 # ====================================================================== argv
-def option_dest(parser, token):
-    if not token.startswith("--"):
-        return None
-    action = parser._option_string_actions.get(token.split("=", 1)[0])
-    return action.dest if action is not None else None
-
-
 def given_dests(options, argv):
-    return {d for d in (option_dest(options.parser, t) for t in argv) if d}
+    """The options a trainer command line names."""
+    return {d for d in (options.dest_of(t) for t in argv if str(t).startswith("--")) if d}
 
 
 def to_argv(options, params):
     """Sampled values -> trainer flags ('--name=value'; a switch: the flag or nothing)."""
     out = []
     for name, value in params.items():
-        action = options.actions[name]
         flag = "--" + name
-        if isinstance(action, argparse._StoreTrueAction):
-            if not isinstance(value, bool):
-                raise UserError(f"option {name} is a switch: use choice [True, False], got {value!r}")
-            if value:
-                out.append(flag)
-            continue
         if isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, dict):
@@ -79,11 +67,12 @@ def to_argv(options, params):
 
 
 def validate(argv):
-    """Parse and check as the trainer does before anything heavy; UserError if bad."""
+    """The resolved configuration of a trainer command line, checked as the
+    trainer checks it before anything heavy; UserError if bad."""
     from .. import cli
-    options, ns, _ = cli.parse(argv)
-    cli.check(options, ns)
-    return options, ns
+    cfg = cli.parse(argv)
+    cli.check(cfg)
+    return cfg
 
 
 def quote_command(argv):
@@ -112,17 +101,11 @@ def read_jsonl(path):
 
 
 def write_json(path, data):
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def write_jsonl(path, records):
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 # ====================================================================== resources
@@ -186,15 +169,6 @@ def plan_slots(parallel, gpus_per_trial, given, out=print):
 
 
 # ====================================================================== the child
-def _die_with_parent():
-    """In the child, before exec: SIGTERM when the search process dies."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def trainer_env(extra=None):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -222,7 +196,7 @@ class Handle:
         self._err = open(self.save_dir / "stderr.log", "a")
         self.child = subprocess.Popen([sys.executable, "-c", TRAINER, *map(str, argv)], stdout=self._out,
                                       stderr=self._err, env=trainer_env(env),
-                                      start_new_session=True, preexec_fn=_die_with_parent)
+                                      start_new_session=True, preexec_fn=die_with_parent)
 
     @property
     def pid(self):

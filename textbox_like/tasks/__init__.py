@@ -3,8 +3,9 @@ import importlib
 import pkgutil
 
 from ..registry import Registry
+from .base import Task
 
-TASKS = Registry("task")
+TASKS = Registry("task", base=Task)
 register_task = TASKS.register
 
 

@@ -36,7 +36,7 @@ class Task:
         """Register task options on an argparse (sub)parser. Keep it import-light."""
 
     @classmethod
-    def resolve_config(cls, cfg) -> None:
+    def resolve_config(cls, ns) -> None:
         """Fill options whose values follow from others (a preset's sizes), so
         that --print_config and config.yaml show what the run will use."""
 

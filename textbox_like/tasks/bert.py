@@ -66,44 +66,44 @@ class BertTask(Task):
 
     # -- checks before anything heavy ---------------------------------------
     @classmethod
-    def resolve_config(cls, cfg):
+    def resolve_config(cls, ns):
         """The preset's sizes as --dimension/--num-heads/--num-layers/--dim-feedforward
         (options given win), so --print_config shows the model; a --config_file
         or a transformers --init-checkpoint directory defines them instead."""
-        if cfg.config_file or (not cfg.model_preset and getattr(cfg, "init_checkpoint", None)):
+        if ns.config_file or (not ns.model_preset and getattr(ns, "init_checkpoint", None)):
             return
         from ..config import PROPERTIES, load_yaml
-        preset = load_yaml(PROPERTIES / "model" / f"{cfg.model_preset or 'base'}.yaml", "model preset")
-        if cfg.dim_feedforward is None:
-            cfg.dim_feedforward = 4 * cfg.dimension if cfg.dimension else preset["intermediate_size"]
-        cfg.dimension = cfg.dimension or preset["hidden_size"]
-        cfg.num_heads = cfg.num_heads or preset["num_attention_heads"]
-        cfg.num_layers = cfg.num_layers or preset["num_hidden_layers"]
+        preset = load_yaml(PROPERTIES / "model" / f"{ns.model_preset or 'base'}.yaml", "model preset")
+        if ns.dim_feedforward is None:
+            ns.dim_feedforward = 4 * ns.dimension if ns.dimension else preset["intermediate_size"]
+        ns.dimension = ns.dimension or preset["hidden_size"]
+        ns.num_heads = ns.num_heads or preset["num_attention_heads"]
+        ns.num_layers = ns.num_layers or preset["num_hidden_layers"]
 
     @classmethod
     def check_config(cls, cfg):
-        data = getattr(cfg, "data", None)
+        data, options = cfg.data.data, cfg.task_options
         if not data:
             raise UserError("BERT needs --data DIR_OR_FILE with HDF5 shards; "
                             "create them with python -m textbox_like.data.prepare_bert")
         if not Path(data).exists():
             raise UserError(f"--data {data!r} does not exist; check the path")
         for flag in ("dict", "config_file"):
-            value = getattr(cfg, flag, None)
+            value = getattr(options, flag)
             if value and not Path(value).is_file():
                 raise UserError(f"--{flag} {value!r} does not exist; check the path")
-        init = getattr(cfg, "init_checkpoint", None)
+        init = options.init_checkpoint
         if init and not Path(init).exists():
             raise UserError(f"--init-checkpoint {init!r} does not exist; check the path")
-        if cfg.dict and cfg.config_file:
-            _check_vocab(cfg.dict, cfg.config_file)
-        unknown = set(getattr(cfg, "model_conf", None) or {}) - _BERT_CONF_KEYS
+        if cfg.task_options.dict and cfg.task_options.config_file:
+            _check_vocab(cfg.task_options.dict, cfg.task_options.config_file)
+        unknown = set(cfg.model.model_conf) - _BERT_CONF_KEYS
         if unknown:
             from ..errors import closest
             key = sorted(unknown)[0]
             raise UserError(f"unknown key {key!r} in --model_conf for bert{closest(key, _BERT_CONF_KEYS)}; "
                             f"valid keys: {', '.join(sorted(_BERT_CONF_KEYS))}")
-        for key, value in (getattr(cfg, "model_conf", None) or {}).items():
+        for key, value in cfg.model.model_conf.items():
             if key == "hidden_act":
                 ok = isinstance(value, str)
             else:
@@ -116,11 +116,11 @@ class BertTask(Task):
     def build_dataset(self, split):
         from ..data.bert_hdf5 import BertHDF5Dataset, find_shards
 
-        files = find_shards(self.cfg.data, split, getattr(self.cfg, "num_file", 0))
+        files = find_shards(self.cfg.data.data, split, self.cfg.task_options.num_file)
         config = self.model_config()
         _check_prepared_vocab(files, config.vocab_size)
-        data = BertHDF5Dataset(files, max_pred_length=self.cfg.max_pred_length,
-                               block=getattr(self.cfg, "shuffle_block", 8192),
+        data = BertHDF5Dataset(files, max_pred_length=self.cfg.task_options.max_pred_length,
+                               block=self.cfg.task_options.shuffle_block,
                                vocab_size=config.vocab_size)
         if data.seq_length > config.max_position_embeddings:
             raise UserError(f"the {split} shards hold sequences of {data.seq_length} tokens but the model has "
@@ -134,16 +134,16 @@ class BertTask(Task):
 
             cfg = self.cfg
             base = None
-            init = getattr(cfg, "init_checkpoint", None)
-            if not cfg.config_file and not cfg.model_preset and is_transformers_dir(init):
+            init = cfg.task_options.init_checkpoint
+            if not cfg.task_options.config_file and not cfg.task_options.model_preset and is_transformers_dir(init):
                 import json
                 base = json.loads((Path(init) / "config.json").read_text())
             config = build_bert_config(
-                config_file=cfg.config_file, preset=cfg.model_preset, vocab_file=cfg.dict,
-                dimension=cfg.dimension, num_heads=cfg.num_heads, dim_feedforward=cfg.dim_feedforward,
-                num_layers=cfg.num_layers, activation=cfg.activation_function, dropout=cfg.dropout,
+                config_file=cfg.task_options.config_file, preset=cfg.task_options.model_preset, vocab_file=cfg.task_options.dict,
+                dimension=cfg.task_options.dimension, num_heads=cfg.task_options.num_heads, dim_feedforward=cfg.task_options.dim_feedforward,
+                num_layers=cfg.task_options.num_layers, activation=cfg.task_options.activation_function, dropout=cfg.task_options.dropout,
                 base=base)
-            for key, value in (getattr(cfg, "model_conf", None) or {}).items():
+            for key, value in cfg.model.model_conf.items():
                 setattr(config, key, value)
             self._config = config
         return self._config
@@ -152,15 +152,15 @@ class BertTask(Task):
         from ..models.bert import BertForPreTrainingMasked, freeze_encoder, load_init_checkpoint
 
         model = BertForPreTrainingMasked(self.model_config())
-        if getattr(self.cfg, "init_checkpoint", None):
-            missing, unexpected = load_init_checkpoint(model, self.cfg.init_checkpoint)
+        if self.cfg.task_options.init_checkpoint:
+            missing, unexpected = load_init_checkpoint(model, self.cfg.task_options.init_checkpoint)
             if missing or unexpected:
                 import sys
                 print(f"| init checkpoint: {len(missing)} missing and {len(unexpected)} unexpected "
                       f"parameters (e.g. {(missing + unexpected)[0]})", file=sys.stderr)
-        if getattr(self.cfg, "freeze_encoder", False):
+        if self.cfg.task_options.freeze_encoder:
             freeze_encoder(model)
-        if getattr(self.cfg, "checkpointing", False):
+        if self.cfg.model.checkpointing:
             # kanachan's --checkpointing: recompute each layer's activations in
             # backward (less memory, the same loss); non-reentrant works under DDP
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name

@@ -16,10 +16,10 @@ class MNISTTask(Task):
     @classmethod
     def check_config(cls, cfg):
         from pathlib import Path
-        if cfg.data and not Path(cfg.data).is_dir():
-            raise UserError(f"--data {cfg.data}: no such directory; give the directory holding the MNIST "
+        if cfg.data.data and not Path(cfg.data.data).is_dir():
+            raise UserError(f"--data {cfg.data.data}: no such directory; give the directory holding the MNIST "
                             f"idx files, or leave --data out to fetch MNIST")
-        for key, value in cfg.model_conf.items():
+        for key, value in cfg.model.model_conf.items():
             if key not in MODEL_OPTIONS:
                 raise UserError(f"unknown key {key!r} in --model_conf for mnist{closest(key, MODEL_OPTIONS)}; "
                                 f"valid keys: {', '.join(MODEL_OPTIONS)}")
@@ -31,23 +31,23 @@ class MNISTTask(Task):
 
     def prepare_data(self):
         from ..data.mnist import ensure_mnist
-        self.data_dir = ensure_mnist(self.cfg.data)
+        self.data_dir = ensure_mnist(self.cfg.data.data)
 
     def build_dataset(self, split):
         from ..data.mnist import FILES, MNISTDataset, ensure_mnist, load_split
         if split not in FILES:
             raise UserError(f"MNIST has no split {split!r}; use one of: {', '.join(FILES)}")
         if not hasattr(self, "data_dir"):
-            self.data_dir = ensure_mnist(self.cfg.data)
+            self.data_dir = ensure_mnist(self.cfg.data.data)
         return MNISTDataset(*load_split(self.data_dir, split))
 
     def build_model(self):
         from ..models.mnist_cnn import MNISTNet
-        if getattr(self.cfg, "checkpointing", False):
+        if self.cfg.model.checkpointing:
             import sys
             print("note: --checkpointing (activation checkpointing) has no use for mnist's 1.2M-parameter CNN, "
                   "whose activations are small; ignored", file=sys.stderr)
-        return MNISTNet(**{**MODEL_OPTIONS, **self.cfg.model_conf})
+        return MNISTNet(**{**MODEL_OPTIONS, **self.cfg.model.model_conf})
 
     def loss(self, model, batch):
         import torch.nn.functional as F

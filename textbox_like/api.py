@@ -1,0 +1,96 @@
+"""The Python API: what the command line does, from a notebook or a script.
+
+    import textbox_like
+    results = textbox_like.train({"task": "mnist", "max_update": 100, "save_dir": "runs/a"})
+    metrics = textbox_like.evaluate("runs/a/checkpoint_best.pt", subset="test")
+
+A configuration is a mapping with the keys ``--print_config`` prints (other
+tools' spellings too), a YAML file's path, or a resolved
+:class:`~textbox_like.settings.RunConfig`. A mapping is one layer above the
+properties files, as the command line is; its ``config`` key may name YAML
+files to read first, like ``--config``. Bad values raise
+:class:`~textbox_like.errors.UserError` with the line the command line prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from .errors import UserError
+
+
+def resolve_config(config=None, **settings):
+    """A RunConfig from a mapping, a YAML path or a RunConfig, with
+    ``settings`` (by name) on top; checked as the command line checks it."""
+    from .cli import check, parse
+    from .settings import RunConfig
+    if isinstance(config, RunConfig):
+        cfg = config.replace(**settings) if settings else config
+    elif config is None or isinstance(config, Mapping):
+        cfg = parse(overrides={**(config or {}), **settings})
+    elif isinstance(config, (str, os.PathLike)):
+        cfg = parse(["--config", str(config)], overrides=settings)
+    else:
+        raise UserError(f"a configuration is a mapping, a YAML file's path or a RunConfig, not "
+                        f"{type(config).__name__}")
+    check(cfg)
+    return cfg
+
+
+def train(config=None, **settings) -> dict:
+    """Train as ``run_hetseq.py`` would with this configuration; returns the
+    results (those of results.json: final and best validation metrics,
+    updates, samples, wall time, exit code). A run that asks for several
+    processes on this node starts them as the command line does."""
+    from .cli import run
+    cfg = resolve_config(config, **settings)
+    code = run(cfg)
+    results = _read_results(cfg) or {}
+    if code not in (0, None):
+        results.setdefault("exit_code", code)
+    else:
+        results.setdefault("exit_code", 0)
+    return results
+
+
+def _read_results(cfg):
+    path = Path(cfg.checkpoint.save_dir) / "results.json"
+    if cfg.checkpoint.no_save or not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False) -> dict:
+    """Loss and metrics of a checkpoint on a split (the run's first valid
+    subset by default), averaged over all samples; ``data``: another data
+    directory than the one the run trained on."""
+    import yaml
+
+    from .checkpoint import load_checkpoint
+    from .cli import parse
+    state = load_checkpoint(checkpoint)
+    saved = yaml.safe_load(state["config"])
+    cfg = parse(overrides={**saved, **({"data": data} if data else {})})
+    if "init_checkpoint" in vars(cfg.task_options):
+        cfg = cfg.replace(init_checkpoint=None)  # the checkpoint's own weights replace it anyway
+    subset = subset or cfg.data.valid_subset[0]
+
+    import torch
+    from accelerate import Accelerator
+
+    from .tasks import TASKS
+    from .validate import evaluate as evaluate_split
+    task = TASKS.get(cfg.data.task)(cfg)
+    task.check_config(cfg)
+    task.prepare_data()
+    split = task.build_dataset(subset)
+    model = task.build_model()
+    model.load_state_dict(state["model"])
+    accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available())
+    model = accelerator.prepare(model)
+    size = batch_size or cfg.data.max_sentences_valid or cfg.data.max_sentences or 64
+    metrics = evaluate_split(task, model, split, size, accelerator)
+    return {"checkpoint": str(checkpoint), "subset": subset, "samples": len(split),
+            "num_updates": state["train"]["num_updates"], **metrics}

@@ -1,0 +1,176 @@
+"""The spellings of other tools, in one place: HetSeq, fairseq, kanachan,
+ESPnet2, TextBox, torch.distributed.launch and Accelerate.
+
+- ``ALIASES``: other names of our settings (``--learning-rate`` for ``--lr``);
+  a config file may use them as keys too.
+- ``environment_settings``: what Accelerate's launcher hands over in the
+  environment, as settings (a layer above the files, below the command line).
+- ``apply_foreign_settings``: settings of other tools that stand for ours
+  (kanachan's ``--training-data``, ESPnet2's ``--ngpu``, Apex levels, ...),
+  rewritten onto ours once, while the configuration is resolved; the start
+  line and ``--print_config`` still show both.
+
+Settings that only another tool has (``--num-epoch-digits``) are declared in
+settings.py like any other, their help naming the tool.
+"""
+from __future__ import annotations
+
+import os
+
+from .errors import UserError, note
+
+#: (flag, our setting, help)
+ALIASES = (
+    ("--batch-size", "max_sentences", None),
+    ("--training-batch-size", "max_sentences", "kanachan: alias of --max-sentences"),
+    ("--train_batch_size", "max_sentences", "TextBox: alias of --max-sentences"),
+    ("--valid_batch_size", "max_sentences_valid", "ESPnet2: alias of --max-sentences-valid"),
+    ("--validation-batch-size", "max_sentences_valid", "kanachan: alias of --max-sentences-valid"),
+    ("--eval_batch_size", "max_sentences_valid", "TextBox: alias of --max-sentences-valid"),
+    ("--optim", "optimizer", "ESPnet2: alias of --optimizer"),
+    ("--learning-rate", "lr", "kanachan: alias of --lr"),
+    ("--wd", "weight_decay", "fairseq: alias of --weight-decay"),
+    ("--scheduler", "lr_scheduler", "ESPnet2: alias of --lr-scheduler"),
+    ("--num-epochs", "max_epoch", "kanachan: alias of --max-epoch"),
+    ("--epochs", "max_epoch", "TextBox: alias of --max-epoch"),
+    ("--accum_grad", "update_freq", "ESPnet2: alias of --update-freq"),
+    ("--gradient-accumulation-steps", "update_freq", "kanachan: alias of --update-freq"),
+    ("--accumulation_steps", "update_freq", "TextBox: alias of --update-freq"),
+    ("--max-gradient-norm", "clip_norm", "kanachan: alias of --clip-norm"),
+    ("--grad_clip", "clip_norm", "TextBox: alias of --clip-norm"),
+    ("--saved_dir", "save_dir", "TextBox: alias of --save-dir"),
+    ("--local_rank", "device_id", "torch.distributed.launch: alias of --device-id"),
+)
+
+#: kanachan's / Apex's --amp-optimization-level -> our --train_dtype
+AMP_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
+
+
+def add_aliases(options):
+    options.group("compatibility", "other tools' spellings")
+    for flag, dest, help in ALIASES:
+        options.add_alias(flag, dest, help=help)
+
+
+def environment_settings(environ=None) -> dict:
+    """Settings that ``accelerate launch`` and ``accelerate config`` pass on:
+    Accelerate's gradient accumulation exists only in its DeepSpeed section,
+    and where the launcher exports it, it sets --update-freq (unless the
+    command line or a config file of ours says otherwise: they rank above)."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    steps = environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").strip()
+    if steps.isdigit() and int(steps) > 0:
+        out["update_freq"] = [int(steps)]
+    return out
+
+
+def apply_foreign_settings(ns, user_gave, rank_of):
+    """Rewrite other tools' settings onto ours, on the namespace being
+    resolved. ``user_gave(dest)``: the user set it (file or command line);
+    ``rank_of(dest)``: the layer it came from."""
+    _precision(ns, user_gave)
+    _devices(ns, user_gave)
+    _data_paths(ns, user_gave, rank_of)
+    _save_dir(ns, user_gave, rank_of)
+    _model(ns)
+
+
+def _precision(ns, user_gave):
+    if ns.amp_optimization_level is not None:
+        dtype = AMP_LEVELS[ns.amp_optimization_level]
+        if user_gave("train_dtype") and ns.train_dtype != dtype:
+            raise UserError(f"--amp-optimization-level {ns.amp_optimization_level} means --train_dtype {dtype}, "
+                            f"but --train_dtype {ns.train_dtype} is given too; keep one")
+        if ns.train_dtype != dtype:
+            ns.train_dtype = dtype
+            note(f"--amp-optimization-level {ns.amp_optimization_level}: training with --train_dtype {dtype}"
+                 + (" (float16 mixed precision; O1, O2 and O3 are all Accelerate's autocast)"
+                    if dtype == "float16" else ""))
+    if ns.train_dtype == "float64" and (ns.fp16 or ns.bf16):
+        raise UserError("--train_dtype float64 excludes --fp16 and --bf16; choose one")
+
+
+def _devices(ns, user_gave):
+    if ns.device is not None:
+        if ns.device == "cpu":
+            ns.cpu = True
+        elif ns.device not in ("cuda",):
+            index = int(ns.device[4:].lstrip(":"))
+            if ns.device_id is not None and ns.device_id != index:
+                raise UserError(f"--device {ns.device} and --device-id {ns.device_id} name different GPUs; keep one")
+            ns.device_id = index
+    if ns.ngpu is not None:
+        if ns.ngpu == 0:
+            ns.cpu = True
+        elif ns.distributed_init_method:
+            if user_gave("distributed_gpus") and ns.distributed_gpus != ns.ngpu:
+                raise UserError(f"--ngpu {ns.ngpu} and --distributed-gpus {ns.distributed_gpus} differ; keep one")
+            ns.distributed_gpus = ns.ngpu
+        elif not user_gave("distributed_world_size"):
+            ns.distributed_world_size = ns.ngpu
+        elif ns.distributed_world_size != ns.ngpu:
+            raise UserError(f"--ngpu {ns.ngpu} (processes on this node) and --distributed-world-size "
+                            f"{ns.distributed_world_size} differ on a single node; give "
+                            f"--distributed-init-method for several nodes, or keep one")
+
+
+def _data_paths(ns, user_gave, rank_of):
+    if ns.training_data is not None:
+        path = os.path.abspath(ns.training_data)
+        if not os.path.exists(path):
+            raise UserError(f"--training-data {ns.training_data}: no such file or directory")
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        if user_gave("data") and ns.data and os.path.abspath(ns.data) != directory \
+                and rank_of("data") >= rank_of("training_data"):
+            raise UserError(f"--data {ns.data} and --training-data {ns.training_data} name different "
+                            f"directories; keep one")
+        ns.data = directory
+    if ns.validation_data is not None:
+        path = os.path.abspath(ns.validation_data)
+        if not os.path.exists(path):
+            raise UserError(f"--validation-data {ns.validation_data}: no such file or directory")
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        if ns.data is None:
+            ns.data = directory
+        elif os.path.abspath(ns.data) != directory:
+            raise UserError(f"--validation-data {ns.validation_data} is not in the data directory {ns.data}: "
+                            f"the {ns.task} task reads every split from one directory (choose the split "
+                            f"with --valid-subset)")
+
+
+def _save_dir(ns, user_gave, rank_of):
+    """kanachan's PREFIX/NAME save directory."""
+    named = [d for d in ("output_prefix", "experiment_name") if getattr(ns, d) is not None]
+    if not named:
+        return
+    rank = max(rank_of(d) for d in named)
+    if rank_of("save_dir") > rank and user_gave("save_dir"):
+        ns.output_prefix = ns.experiment_name = None  # a later --save-dir wins
+        return
+    prefix = ns.output_prefix if ns.output_prefix is not None else ns.save_dir
+    name = ns.experiment_name or os.environ.get("TEXTBOX_LIKE_EXPERIMENT_NAME")
+    if not name:
+        import time
+        name = time.strftime("%Y-%m-%d-%H-%M-%S")
+        os.environ["TEXTBOX_LIKE_EXPERIMENT_NAME"] = name  # the same for spawned ranks
+    ns.output_prefix, ns.experiment_name = prefix, name
+    ns.save_dir = os.path.join(prefix, name)
+
+
+def _model(ns):
+    """kanachan's model options that mean nothing for the chosen task, or
+    stand for ours."""
+    if ns.dim_final_feedforward is not None:
+        what = "BertForPreTraining (its heads have no feed-forward layer)" if ns.task == "bert" else \
+            f"the {ns.task} model"
+        note(f"--dim-final-feedforward {ns.dim_final_feedforward} has no meaning for {what}; ignored")
+    if ns.initial_encoder is not None:
+        if not os.path.exists(ns.initial_encoder):
+            raise UserError(f"--initial-encoder {ns.initial_encoder}: no such file or directory")
+        if hasattr(ns, "init_checkpoint"):
+            if ns.init_checkpoint and ns.init_checkpoint != ns.initial_encoder:
+                raise UserError("--initial-encoder and --init-checkpoint name different files; keep one")
+            ns.init_checkpoint = ns.initial_encoder
+    if ns.initial_optimizer is not None and not os.path.isfile(ns.initial_optimizer):
+        raise UserError(f"--initial-optimizer {ns.initial_optimizer}: no such file")
