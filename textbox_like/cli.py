@@ -191,25 +191,26 @@ def finalize(options, ns):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
+
+    def resolve_and_run():
         cfg, print_config = resolve(argv)
         if print_config:
             sys.stdout.write(C.to_yaml(cfg))
             return 0
         check(cfg)
         return run(cfg)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_code(resolve_and_run)
 
 
 def run_resolved(path):
     """A spawned rank: run the configuration its launcher resolved."""
+    return exit_code(lambda: run(C.read_resolved(path)))
+
+
+def exit_code(work):
+    """``work()``'s exit code; a mistake the user can fix is one line and 2, Ctrl-C 130."""
     try:
-        return run(C.read_resolved(path))
+        return work()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
