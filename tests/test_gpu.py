@@ -14,15 +14,19 @@ test_bert_train.py (tiny BERT shards), test_compile.py.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
+import json
 import math
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import assert_bitwise_equal, base_args, read_jsonl, run_cli
+from conftest import REPO, assert_bitwise_equal, base_args, clean_env, read_jsonl, run_cli
 from test_bert_train import bert_data  # noqa: F401  (fixture: shards, vocab.txt)
 from test_compile import NO_DROPOUT
 from test_faults import build_trainer, mnist_args, poison_batches, record_steps, run_trainer
@@ -30,8 +34,13 @@ from test_resume import command as resume_command
 from test_resume import compare_final, kill_after_checkpoint
 from test_resume import load as load_checkpoint
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")
+
+
+def gpu(test):
+    """Marked cuda (pytest -m cuda) and skipped without a GPU."""
+    return pytest.mark.cuda(needs_cuda(test))
+
 
 # flags -> what the start line says (Accelerate's mixed_precision)
 PRECISIONS = {"float32": ([], "no"), "bf16": (["--bf16"], "bf16"), "fp16": (["--fp16"], "fp16")}
@@ -78,6 +87,7 @@ def bert_args(d, save_dir, *extra, max_update=6):
 
 
 # ---------------------------------------------------------------- training, by precision
+@gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_mnist_trains_on_cuda(small_mnist_dir, tmp_path, precision):
@@ -92,6 +102,7 @@ def test_mnist_trains_on_cuda(small_mnist_dir, tmp_path, precision):
     assert all(torch.isfinite(t).all() for t in state["model"].values() if torch.is_floating_point(t))
 
 
+@gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_tiny_bert_trains_on_cuda(bert_data, tmp_path, precision):  # noqa: F811
@@ -103,6 +114,7 @@ def test_tiny_bert_trains_on_cuda(bert_data, tmp_path, precision):  # noqa: F811
     assert all(r["tokens_per_s"] > 0 for r in records)
 
 
+@gpu
 @pytest.mark.timeout(300)
 def test_peak_mem_gib_in_metrics_jsonl(small_mnist_dir, tmp_path):
     out = tmp_path / "out"
@@ -116,6 +128,7 @@ def test_peak_mem_gib_in_metrics_jsonl(small_mnist_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- skipped updates
+@gpu
 def test_fp16_loss_scaler_skips_are_not_updates(small_mnist_dir, tmp_path):
     """A NaN batch under --fp16: the loss scaler skips the step and lowers its
     scale; weights, optimizer state and the schedule stay, and the skip is
@@ -146,6 +159,7 @@ def test_fp16_loss_scaler_skips_are_not_updates(small_mnist_dir, tmp_path):
         assert torch.isfinite(p).all()
 
 
+@gpu
 def test_fused_optimizer_skips_nan_on_the_device_and_reads_one_update_late(small_mnist_dir, tmp_path, monkeypatch):
     """Fused AdamW is the default on CUDA: a NaN batch is skipped inside the
     kernel (weights and optimizer state bitwise unchanged), and the host reads
@@ -181,6 +195,7 @@ def test_fused_optimizer_skips_nan_on_the_device_and_reads_one_update_late(small
 
 
 # ---------------------------------------------------------------- kill -9 and resume
+@gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 def test_sigkill_then_resume_is_bitwise_identical_on_cuda(mnist_dir, tmp_path, precision):
@@ -206,6 +221,7 @@ def test_sigkill_then_resume_is_bitwise_identical_on_cuda(mnist_dir, tmp_path, p
 
 
 # ---------------------------------------------------------------- --compile
+@gpu
 @pytest.mark.timeout(600)
 def test_compiled_mnist_on_cuda_equals_eager(small_mnist_dir, tmp_path):
     common = ["--log-interval", "1", "--threads", "1", "--disable-validation", "--max-epoch", "0", *NO_DROPOUT,
@@ -221,6 +237,7 @@ def test_compiled_mnist_on_cuda_equals_eager(small_mnist_dir, tmp_path):
     assert compiled == pytest.approx(eager, rel=1e-3)
 
 
+@gpu
 @pytest.mark.timeout(600)
 def test_compiled_tiny_bert_bf16_on_cuda(bert_data, tmp_path):  # noqa: F811
     out = tmp_path / "out"
@@ -231,6 +248,7 @@ def test_compiled_tiny_bert_bf16_on_cuda(bert_data, tmp_path):  # noqa: F811
 
 
 # ---------------------------------------------------------------- checkpoints across devices
+@gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("precision", ["float32", "fp16"])
 def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(small_mnist_dir, tmp_path, precision):
@@ -260,3 +278,85 @@ def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(small_mnist_dir, tmp
     assert all(torch.isfinite(t).all() for t in final["model"].values() if torch.is_floating_point(t))
     # one record per update over the three legs: none repeated, none lost
     assert [r["update"] for r in train_records(out)] == list(range(1, 16))
+
+
+# ---------------------------------------------------------------- scripts/gpu-check.sh (runs anywhere)
+SCRIPT = REPO / "scripts" / "gpu-check.sh"
+
+
+def gpu_check(tmp_path, *args, **env):
+    """The script with CUDA hidden (so the no-GPU path is taken on a GPU machine too)."""
+    full = {k: v for k, v in clean_env().items() if not k.startswith(("WHEELS", "GPU_CHECK_"))}
+    full.update({"CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OUT": str(tmp_path / "report"), **env})
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], cwd=tmp_path, env=full, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.timeout(60)
+def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_3(tmp_path):
+    done = gpu_check(tmp_path, tmp_path)  # a wheels folder that exists: nothing is installed all the same
+    assert done.returncode == 3, done.stderr[-2000:]
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA on this machine"), lines
+    assert "Traceback" not in done.stderr
+    report = json.loads((tmp_path / "report" / "gpu-report.json").read_text())
+    assert report["status"] == "no-cuda" and report["exit_code"] == 3
+    versions = report["versions"]
+    assert versions["cuda_available"] is False and versions["torch"] == torch.__version__
+    assert {"accelerate", "transformers", "driver", "python"} <= set(versions)
+    assert report["tests"] == {} and report["benchmarks"] == [] and report["packages"]["installed"] == []
+    md = (tmp_path / "report" / "gpu-report.md").read_text()
+    assert md.startswith("# GPU check: no-cuda") and "No CUDA on this machine" in md
+    assert f"| torch | {torch.__version__} |" in md
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, env, words", [
+    (["/no/such/wheels"], {}, "the wheels folder '/no/such/wheels' does not exist"),
+    ([], {"WHEELS": "/no/such/wheels"}, "the wheels folder '/no/such/wheels' does not exist"),
+    (["--bogus"], {}, "unknown option '--bogus'"),
+    (["a", "b"], {}, "one wheels folder at most"),
+    ([], {"GPU_CHECK_BATCH": "x"}, "GPU_CHECK_BATCH expects a whole number"),
+    ([], {"PYTHON": "/no/such/python"}, "no Python interpreter /no/such/python"),
+])
+def test_gpu_check_bad_input_is_one_line(tmp_path, args, env, words):
+    if args[:1] == ["a"]:
+        (tmp_path / "a").mkdir()
+    done = gpu_check(tmp_path, *args, **env)
+    assert done.returncode == 2, done.stderr
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
+
+
+def test_gpu_check_report_from_results(tmp_path):
+    """The report of a GPU run, from test counts (junit XML) and bench figures."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite name="pytest" tests="4">'
+                   '<testcase classname="tests.test_gpu" name="a"/>'
+                   '<testcase classname="tests.test_gpu" name="b"><failure message="x"/></testcase>'
+                   '<testcase classname="tests.test_gpu" name="c"><skipped message="s"/></testcase>'
+                   '<testcase classname="tests.test_gpu" name="d"><error message="e"/></testcase>'
+                   '</testsuite></testsuites>')
+    counts = gc.junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (1, 1, 1, 1)
+    assert counts["failed_names"] == ["tests.test_gpu::b", "tests.test_gpu::d"]
+    figures = {"plain_samples_per_s": 900.0, "trainer_samples_per_s": 880.0, "plain_tokens_per_s": 115200.0,
+               "trainer_tokens_per_s": 112640.0, "plain_mfu": 0.41, "trainer_mfu": 0.4, "peak_bf16_tflops": 989.0,
+               "peak_source": "table by GPU name", "plain_peak_mem_gib": 9.5, "trainer_peak_mem_gib": 9.8,
+               "batch": 32, "seq_length": 128, "updates": 100, "warmup": 10, "rounds": 3}
+    report = {"status": "failed", "summary": "Tests: 1 passed, 2 failed, 1 skipped.", "commit": "abc",
+              "versions": {"torch": "2.11.0", "gpus": ["NVIDIA H100 80GB HBM3"], "driver": "580.1"},
+              "packages": {"missing": ["hyperopt"], "wheels": "/w", "installed": ["hyperopt"], "install_failed": {}},
+              "tests": {"tests/test_gpu.py -m cuda": counts},
+              "benchmarks": [{"name": "bert-base bf16, eager", "ok": True, "figures": figures},
+                             {"name": "bert-base bf16, --compile", "ok": False, "error": "boom"}]}
+    gc.write_report(tmp_path / "out", report)
+    md = (tmp_path / "out" / "gpu-report.md").read_text()
+    assert "| GPU | NVIDIA H100 80GB HBM3 |" in md and "| driver | 580.1 |" in md
+    assert "| tests/test_gpu.py -m cuda | 1 | 1 | 1 | 1 |" in md and "failed in tests/test_gpu.py -m cuda: tests.test_gpu::b" in md
+    assert "| bert-base bf16, eager | trainer | 880.0 | 112640.0 | - | 40.0% | 9.8 |" in md
+    assert "| bert-base bf16, --compile | failed: boom |" in md and "installed from /w: hyperopt" in md
+    assert json.loads((tmp_path / "out" / "gpu-report.json").read_text())["tests"]["tests/test_gpu.py -m cuda"] == counts
