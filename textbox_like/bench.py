@@ -22,8 +22,8 @@ by other load on a shared machine). --compile compiles the trainer's side
 
 On CUDA (unless --cpu) both sides run on the GPU: the plain loop moves its
 model and data there, takes the trainer's precision (--bf16, --fp16 with a
-loss scaler, --train_dtype), its fused optimizer and the timings wait for the
-GPU (torch.cuda.synchronize). Each side's peak memory is reported
+loss scaler, --train_dtype) and its fused optimizer; the timings wait for
+the GPU (torch.cuda.synchronize). Each side's peak memory is reported
 (torch.cuda.max_memory_allocated). bert reports tokens/s and model FLOPs/s
 on every device and, on a GPU whose bf16 peak is known (H100 SXM/PCIe, H200,
 A100; --peak-tflops otherwise), MFU: model FLOPs per second over that peak,
@@ -105,7 +105,7 @@ class PlainPrecision:
         self.scaler = torch.amp.GradScaler("cuda") if chosen == "fp16" else None
 
     def dtype_name(self):
-        return {None: "float32"}.get(self.dtype) or str(self.dtype).replace("torch.", "")
+        return "float32" if self.dtype is None else str(self.dtype).replace("torch.", "")
 
     def autocast(self):
         import contextlib
