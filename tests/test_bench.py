@@ -137,8 +137,48 @@ def test_bert_loader_on_shards_loader_only(bert_data):  # noqa: F811
     (["bert-loader", "--bogus"], "--bogus"),
     (["scaling", "--processes", "1"], "--processes"),
     (["mnist", "--updates", "0"], "--updates"),
+    (["mnist", "--peak-tflops", "0"], "--peak-tflops"),
 ])
 def test_bad_command_lines_are_one_line_errors(args, words):
     out = subprocess.run([PY, "-m", "textbox_like.bench", *args], capture_output=True, text=True, cwd=REPO,
                          timeout=120)
     assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------- GPU figures (pure arithmetic)
+def test_model_flops_of_bert_base():
+    """6 x params x tokens + 12 x layers x hidden x seq^2: BERT-base (110M
+    parameters with the pre-training heads) at seq 128 is about 675 MFLOP a
+    token, attention 2% of it."""
+    from transformers import BertConfig, BertForPreTraining
+    with torch.device("meta"):
+        params = sum(p.numel() for p in BertForPreTraining(BertConfig()).parameters())
+    assert 109e6 < params < 111e6
+    per_seq = bench.train_flops_per_sequence(params, 12, 768, 128)
+    assert per_seq == 6 * params * 128 + 12 * 12 * 768 * 128 ** 2
+    assert 670e6 < per_seq / 128 < 680e6
+    assert bench.train_flops_per_sequence(1000, 2, 8, 4) == 6 * 1000 * 4 + 12 * 2 * 8 * 16
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 SXM5 80GB", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA H100 NVL", None), ("NVIDIA GeForce RTX 4090", None), ("", None), (None, None)])
+def test_peak_bf16_by_gpu_name(name, peak):
+    assert bench.peak_bf16_flops(name) == peak
+
+
+def test_mfu_figures_from_samples_per_s():
+    shape = {"params": 110_000_000, "layers": 12, "hidden": 768, "seq_length": 128}
+    report = {"plain_samples_per_s": 2000.0, "trainer_samples_per_s": 1900.0}
+    out = bench.throughput_figures(report, shape, "NVIDIA H100 80GB HBM3")
+    per_sample = bench.train_flops_per_sequence(110_000_000, 12, 768, 128)
+    assert out["trainer_tokens_per_s"] == 1900.0 * 128 and out["model_flops_per_sample"] == per_sample
+    assert out["trainer_mfu"] == round(1900.0 * per_sample / 989e12, 4) and out["peak_bf16_tflops"] == 989.0
+    assert out["plain_mfu"] > out["trainer_mfu"]
+    unknown = bench.throughput_figures(report, shape, "NVIDIA GeForce RTX 4090")
+    assert "trainer_mfu" not in unknown and unknown["trainer_model_tflops_per_s"] > 0
+    assert "no bf16 peak known" in bench.describe_throughput({**report, **unknown, "gpu": "NVIDIA GeForce RTX 4090"})
+    given = bench.throughput_figures(report, shape, None, peak_tflops=500)
+    assert given["trainer_mfu"] == round(1900.0 * per_sample / 500e12, 4) and given["peak_source"] == "--peak-tflops"
+    assert "trainer_mfu" not in bench.throughput_figures(report, shape, None)  # CPU: no MFU

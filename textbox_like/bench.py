@@ -20,6 +20,16 @@ by other load on a shared machine). --compile compiles the trainer's side
 (the trainer's own --compile); the plain loop stays eager unless
 --compile-plain, which wraps its model in torch.compile.
 
+On CUDA (unless --cpu) both sides run on the GPU: the plain loop moves its
+model and data there, takes the trainer's precision (--bf16, --fp16 with a
+loss scaler, --train_dtype) and its fused optimizer; the timings wait for
+the GPU (torch.cuda.synchronize). Each side's peak memory is reported
+(torch.cuda.max_memory_allocated). bert reports tokens/s and model FLOPs/s
+on every device and, on a GPU whose bf16 peak is known (H100 SXM/PCIe, H200,
+A100; --peak-tflops otherwise), MFU: model FLOPs per second over that peak,
+counting 6 x parameters x tokens for a training step plus attention's
+12 x layers x hidden x seq^2 per sequence.
+
 scaling: samples/s of training with 1 process against N processes at one
 thread each (whole trainer runs, subprocesses). Each process keeps its
 batch, so N processes train on N times the samples per update.
@@ -64,10 +74,127 @@ def _cfg_for(args_list):
     return cfg
 
 
-def plain_optimizer(cfg, model):
-    """The same torch.optim class and arguments the trainer uses, one group."""
+def plain_optimizer(cfg, model, fused=False):
+    """The same torch.optim class and arguments the trainer uses, one group
+    (fused where the trainer fuses: on CUDA without a loss scaler)."""
     from .optim import build_optimizer
-    return build_optimizer(cfg.optim, [{"params": list(model.parameters())}])  # the plain loops run on CPU
+    return build_optimizer(cfg.optim, [{"params": list(model.parameters())}], fused_default=fused)
+
+
+# ---------------------------------------------------------------- devices and FLOPs
+def bench_device(cfg):
+    """The device the trainer takes for one process: CUDA when present,
+    unless --cpu / --device cpu; --device cudaN / --device-id N pick the GPU."""
+    import torch
+    if cfg.runtime.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", (cfg.distributed.device_id or 0) % torch.cuda.device_count())
+
+
+class PlainPrecision:
+    """The trainer's precision for the plain loop on CUDA: autocast to bf16 or
+    fp16, a GradScaler with fp16. On CPU the plain loop stays float32, as it
+    always has."""
+
+    def __init__(self, cfg, device):
+        import torch
+        from .accelerator import mixed_precision
+        chosen = mixed_precision(cfg, device.type == "cuda") if device.type == "cuda" else "no"
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(chosen)
+        self.device = device
+        self.scaler = torch.amp.GradScaler("cuda") if chosen == "fp16" else None
+
+    def dtype_name(self):
+        return "float32" if self.dtype is None else str(self.dtype).replace("torch.", "")
+
+    def autocast(self):
+        import contextlib
+
+        import torch
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def step(self, loss, model, optimizer, clip_norm):
+        import torch
+        if self.scaler is None:
+            loss.backward()
+            if clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            if clip_norm > 0:
+                self.scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+
+
+def _clock(device):
+    """(wall, cpu) now, after the device's queued work is done."""
+    _sync(device)
+    return time.perf_counter(), time.process_time()
+
+
+# dense bf16 tensor-core peaks (no sparsity), FLOP/s, by a part of the GPU's name
+PEAK_BF16 = (("H100", "PCIE", 756e12), ("H100", "SXM", 989e12), ("H100", "HBM3", 989e12),
+             ("H200", "", 989e12), ("A100", "", 312e12))
+
+
+def peak_bf16_flops(gpu_name):
+    """The card's dense bf16 peak in FLOP/s from its name, or None when unknown
+    (H100 NVL, consumer cards, ...): MFU is then left out."""
+    name = (gpu_name or "").upper()
+    for model, variant, peak in PEAK_BF16:
+        if model in name and variant in name:
+            return peak
+    return None
+
+
+def train_flops_per_sequence(params, layers, hidden, seq):
+    """Model FLOPs of one training step on one sequence (forward and backward):
+    6 x parameters x tokens for the matrix products with the weights, plus
+    attention's scores and weighted sums, 12 x layers x hidden x seq^2."""
+    return 6 * params * seq + 12 * layers * hidden * seq ** 2
+
+
+def mfu(flops_per_s, peak):
+    return flops_per_s / peak if peak else None
+
+
+def bert_shape(cfg):
+    """Parameters, layers, hidden size and sequence length of the bench's BERT
+    (the parameters counted on the meta device: nothing is allocated)."""
+    import torch
+    from transformers import BertForPreTraining
+
+    from .tasks import TASKS
+    task = TASKS.get("bert")(cfg)
+    config = task.model_config()
+    seq = int(task.build_dataset(cfg.data.train_subset).seq_length)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in BertForPreTraining(config).parameters())
+    return {"params": int(params), "layers": int(config.num_hidden_layers), "hidden": int(config.hidden_size),
+            "seq_length": seq}
+
+
+def _peak_gib(device):
+    import torch
+    return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        import torch
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _maybe_compile(model, compiled, mode):
@@ -88,27 +215,28 @@ def plain_mnist(cfg, warmup, updates, compiled=False):
     from .models.mnist_cnn import MNISTNet
 
     torch.manual_seed(cfg.numerics.seed)
+    device = bench_device(cfg)
     data = MNISTDataset(*load_split(ensure_mnist(cfg.data.data), "train"))
-    model = MNISTNet()
-    optimizer = plain_optimizer(cfg, model)
+    images, labels = data.images.to(device), data.labels.to(device)
+    model = MNISTNet().to(device)
+    amp = PlainPrecision(cfg, device)
+    optimizer = plain_optimizer(cfg, model, fused=device.type == "cuda" and amp.scaler is None)
     forward = _maybe_compile(model, compiled, cfg.runtime.compile_mode)
     bs = cfg.data.max_sentences
-    order = torch.from_numpy(np.random.default_rng(cfg.numerics.seed).permutation(len(data)))
+    order = torch.from_numpy(np.random.default_rng(cfg.numerics.seed).permutation(len(data))).to(device)
     model.train()
     start = None
     for step in range(warmup + updates):
         if step == warmup:
-            start = (time.perf_counter(), time.process_time())
+            start = _clock(device)
         i = (step * bs) % max(len(data) - bs, 1)
         idx = order[i:i + bs]
-        x, y = data.images.index_select(0, idx), data.labels.index_select(0, idx)
-        loss = F.nll_loss(forward(x), y)
-        loss.backward()
-        if cfg.schedule.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.schedule.clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start[0], time.process_time() - start[1]
+        x, y = images.index_select(0, idx), labels.index_select(0, idx)
+        with amp.autocast():
+            loss = F.nll_loss(forward(x), y)
+        amp.step(loss, model, optimizer, cfg.schedule.clip_norm)
+    end = _clock(device)
+    return end[0] - start[0], end[1] - start[1]
 
 
 @plain_loop("bert")
@@ -123,31 +251,32 @@ def plain_bert(cfg, warmup, updates, compiled=False):
     from transformers import BertForPreTraining
 
     torch.manual_seed(cfg.numerics.seed)
+    device = bench_device(cfg)
     task = TASKS.get("bert")(cfg)
     data = task.build_dataset(cfg.data.train_subset)
     n = min(len(data), (warmup + updates) * cfg.data.max_sentences)
-    batch_all = data.get_batch(np.arange(n))  # in memory: no I/O inside the timed loop
-    model = BertForPreTraining(task.model_config())
-    optimizer = plain_optimizer(cfg, model)
+    # in memory (on the GPU with CUDA): no I/O inside the timed loop
+    batch_all = {k: v.to(device) for k, v in data.get_batch(np.arange(n)).items()}
+    model = BertForPreTraining(task.model_config()).to(device)
+    amp = PlainPrecision(cfg, device)
+    optimizer = plain_optimizer(cfg, model, fused=device.type == "cuda" and amp.scaler is None)
     forward = _maybe_compile(model, compiled, cfg.runtime.compile_mode)
     bs = cfg.data.max_sentences
     model.train()
     start = None
     for step in range(warmup + updates):
         if step == warmup:
-            start = (time.perf_counter(), time.process_time())
+            start = _clock(device)
         i = (step * bs) % max(n - bs, 1)
         b = {k: v[i:i + bs] for k, v in batch_all.items()}
         labels = full_labels(b["input_ids"], b["masked_lm_positions"], b["masked_lm_ids"])
-        out = forward(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                      token_type_ids=b["token_type_ids"], labels=labels,
-                      next_sentence_label=b["next_sentence_labels"])
-        out.loss.backward()
-        if cfg.schedule.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.schedule.clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start[0], time.process_time() - start[1]
+        with amp.autocast():
+            out = forward(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                          token_type_ids=b["token_type_ids"], labels=labels,
+                          next_sentence_label=b["next_sentence_labels"])
+        amp.step(out.loss, model, optimizer, cfg.schedule.clip_norm)
+    end = _clock(device)
+    return end[0] - start[0], end[1] - start[1]
 
 
 def trainer_seconds(argv, updates):
@@ -159,7 +288,15 @@ def trainer_seconds(argv, updates):
                             "--log-format", "none", "--save-dir", out, "--no-save", "--max-epoch", "0"])
         if code != 0:
             raise SystemExit(f"trainer exited with {code}")
+        _sync_cuda_if_used()
         return time.perf_counter() - start[0], time.process_time() - start[1]
+
+
+def _sync_cuda_if_used():
+    """Wait for the GPU's queued work, where this process used one (CPU: nothing)."""
+    import torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def trainer_steady_seconds(argv, warmup, updates):
@@ -193,6 +330,10 @@ def compare_main(args, rest):
             raise UserError("the benchmark compares fixed batches: give --max-sentences N")
         if args.updates < 1 or args.warmup < 1 or args.rounds < 1:
             raise UserError("--updates, --warmup and --rounds must be at least 1")
+        if args.peak_tflops is not None and not args.peak_tflops > 0:
+            raise UserError(f"--peak-tflops expects a number of TFLOP/s above 0, got {args.peak_tflops}")
+        device = bench_device(cfg)
+        shape = bert_shape(cfg) if args.mode == "bert" else None
     except UserError as exc:
         return _user_error(exc)
     import torch
@@ -202,13 +343,18 @@ def compare_main(args, rest):
     batch, n = cfg.data.max_sentences, args.updates
     sides = (f"trainer ({'compiled' if args.compile else 'eager'}) / "
              f"plain loop ({'compiled' if args.compile_plain else 'eager'})")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(f"{args.mode}: {sides}, {n} timed updates after {args.warmup}, batch {batch}, {threads} thread(s), "
-          f"{args.rounds} rounds", file=sys.stderr)
+          f"{args.rounds} rounds" + (f", on {device} ({gpu})" if gpu else ""), file=sys.stderr)
     trainer_seconds(trainer_argv, args.warmup)  # untimed: imports, compile caches
-    plain, ours = [], []
+    plain, ours, plain_mem, ours_mem = [], [], [], []
     for r in range(args.rounds):
+        _reset_peak(device)
         plain.append(PLAIN_LOOPS[args.mode](cfg, args.warmup, n, compiled=args.compile_plain))
+        plain_mem.append(_peak_gib(device))
+        _reset_peak(device)
         ours.append(trainer_steady_seconds(trainer_argv, args.warmup, n))
+        ours_mem.append(_peak_gib(device))
         if min(ours[-1]) <= 0 or min(plain[-1]) <= 0:
             raise SystemExit(f"round {r + 1}: {n} updates took no measurable time; raise --updates")
         print(f"round {r + 1}: samples/s plain {n * batch / plain[-1][0]:.1f}, trainer {n * batch / ours[-1][0]:.1f}; "
@@ -226,12 +372,55 @@ def compare_main(args, rest):
         "plain_samples_per_s_rounds": [round(n * batch / p[0], 1) for p in plain],
         "trainer_samples_per_s_rounds": [round(n * batch / o[0], 1) for o in ours],
         "ratio": "trainer samples/s / plain samples/s (plain seconds / trainer seconds)"}
+    if device.type == "cuda":
+        report.update({"device": str(device), "gpu": gpu, "precision": PlainPrecision(cfg, device).dtype_name(),
+                       "plain_peak_mem_gib": round(max(plain_mem), 3), "trainer_peak_mem_gib": round(max(ours_mem), 3)})
+    lines = []
+    if shape is not None:
+        report.update(throughput_figures(report, shape, gpu, args.peak_tflops))
+        lines.append(describe_throughput(report))
+    if device.type == "cuda":
+        lines.append(f"peak memory (max of rounds): plain {report['plain_peak_mem_gib']:.2f} GiB, "
+                     f"trainer {report['trainer_peak_mem_gib']:.2f} GiB")
     print(f"median of {args.rounds} rounds: samples/s plain {report['plain_samples_per_s']}, trainer "
           f"{report['trainer_samples_per_s']}\n{sides}: wall {report['ratio_wall_median']:.3f} "
-          f"(rounds {_fmt_rounds(wall)}), cpu {report['ratio_cpu_median']:.3f} (rounds {_fmt_rounds(cpu)})",
-          file=sys.stderr)
+          f"(rounds {_fmt_rounds(wall)}), cpu {report['ratio_cpu_median']:.3f} (rounds {_fmt_rounds(cpu)})"
+          + "".join("\n" + line for line in lines), file=sys.stderr)
     print(json.dumps(report))
     return 0
+
+
+def throughput_figures(report, shape, gpu, peak_tflops=None):
+    """Tokens/s, model FLOPs/s and (where the peak is known) MFU of both
+    sides, from their median samples/s and the model's shape."""
+    seq = shape["seq_length"]
+    per_sample = train_flops_per_sequence(shape["params"], shape["layers"], shape["hidden"], seq)
+    peak = peak_tflops * 1e12 if peak_tflops else (peak_bf16_flops(gpu) if gpu else None)
+    out = {"params": shape["params"], "layers": shape["layers"], "hidden": shape["hidden"], "seq_length": seq,
+           "model_flops_per_sample": per_sample,
+           "model_flops": "6 x params x tokens + 12 x layers x hidden x seq^2 per sequence (training step)"}
+    if peak:
+        out.update({"peak_bf16_tflops": round(peak / 1e12, 1),
+                    "peak_source": "--peak-tflops" if peak_tflops else "table by GPU name"})
+    for side in ("plain", "trainer"):
+        rate = report[f"{side}_samples_per_s"]
+        out[f"{side}_tokens_per_s"] = round(rate * seq, 1)
+        out[f"{side}_model_tflops_per_s"] = round(rate * per_sample / 1e12, 3)
+        if peak:
+            out[f"{side}_mfu"] = round(mfu(rate * per_sample, peak), 4)
+    return out
+
+
+def describe_throughput(report):
+    text = (f"tokens/s plain {report['plain_tokens_per_s']:,.0f}, trainer {report['trainer_tokens_per_s']:,.0f} "
+            f"(seq {report['seq_length']}); model TFLOP/s plain {report['plain_model_tflops_per_s']:.2f}, "
+            f"trainer {report['trainer_model_tflops_per_s']:.2f}")
+    if "trainer_mfu" in report:
+        text += (f"; MFU plain {100 * report['plain_mfu']:.1f}%, trainer {100 * report['trainer_mfu']:.1f}% "
+                 f"of {report['peak_bf16_tflops']:.0f} TFLOP/s bf16")
+    elif report.get("gpu"):
+        text += f"; MFU left out: no bf16 peak known for {report['gpu']} (give --peak-tflops)"
+    return text
 
 
 # ---------------------------------------------------------------- scaling
@@ -467,6 +656,9 @@ def build_parser():
         common(p)
         p.add_argument("--compile-plain", "--compile_plain", action="store_true",
                        help="wrap the plain loop's model in torch.compile (--compile_mode) too")
+        p.add_argument("--peak-tflops", "--peak_tflops", type=float, default=None,
+                       help="the GPU's dense bf16 peak in TFLOP/s for MFU (default: from a table by GPU name: "
+                            "H100 SXM 989, H100 PCIe 756, H200 989, A100 312)")
     p = modes.add_parser("scaling", allow_abbrev=False, help="1 process vs N processes at one thread each",
                          description="1 process vs N processes (subprocess trainer runs), samples/s and expansion. "
                                      "Other options go to the trainer (--data, --task, --max-sentences 64 ...).")

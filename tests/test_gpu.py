@@ -1,0 +1,362 @@
+"""Every CUDA path once, on a real GPU (issue 24). Marked ``cuda`` and
+skipped where torch sees no GPU; ``scripts/gpu-check.sh`` runs them
+(``pytest -m cuda tests/test_gpu.py``) with tests/test_cuda_paths.py, and the
+GPU benchmarks, and writes a report.
+
+The tests drive the real command line (run_hetseq.py subprocesses) or the
+Trainer as cli.main builds it (where a fault is injected), and check effects:
+the device the run used (its start line, or the parameters' device), finite
+losses, skipped updates not counted, bitwise-equal resumes. Never timings.
+Helpers and fixtures come from the CPU tests of the same paths: conftest.py,
+test_faults.py (NaN batches), test_resume.py (kill -9 and resume),
+test_bert_train.py (tiny BERT shards), test_compile.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, assert_bitwise_equal, base_args, clean_env, read_jsonl, run_cli
+from test_bert_train import bert_data  # noqa: F401  (fixture: shards, vocab.txt)
+from test_compile import NO_DROPOUT
+from test_faults import build_trainer, mnist_args, poison_batches, record_steps, run_trainer
+from test_resume import command as resume_command
+from test_resume import compare_final, kill_after_checkpoint
+from test_resume import load as load_checkpoint
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")
+
+
+def gpu(test):
+    """Marked cuda (pytest -m cuda) and skipped without a GPU."""
+    return pytest.mark.cuda(needs_cuda(test))
+
+
+# flags -> what the start line says (Accelerate's mixed_precision)
+PRECISIONS = {"float32": ([], "no"), "bf16": (["--bf16"], "bf16"), "fp16": (["--fp16"], "fp16")}
+
+
+def run_ok(args, timeout=300):
+    out = run_cli(args, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "Traceback" not in out.stderr, out.stderr[-4000:]
+    return out.stderr
+
+
+def start_line(stderr):
+    lines = [line for line in stderr.splitlines() if line.startswith("task ") and "| device " in line]
+    assert lines, stderr[-3000:]
+    return lines[-1]
+
+
+def assert_on_cuda(stderr, precision="no"):
+    line = start_line(stderr)
+    assert re.search(r"\| device cuda(:\d+)? \|", line), line
+    assert f"| precision {precision}" in line, line
+    assert "needs CUDA" not in stderr  # no fp16 -> bf16 fallback
+
+
+def train_records(save_dir):
+    return [r for r in read_jsonl(save_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def assert_finite_losses(save_dir, n, keys=("loss",)):
+    records = train_records(save_dir)
+    assert [r["update"] for r in records] == list(range(1, n + 1))
+    for r in records:
+        for key in keys:
+            assert math.isfinite(r[key]), (key, r)
+    return records
+
+
+def bert_args(d, save_dir, *extra, max_update=6):
+    """Tiny BERT from its preset (not a config file) on test_bert_train's shards."""
+    return ["--task", "bert", "--data", d / "shards", "--dict", d / "vocab.txt", "--model-preset", "tiny",
+            "--max-sentences", "8", "--max-update", max_update, "--save-dir", save_dir, "--log-format", "simple",
+            "--log-interval", "1", "--threads", "1", "--disable-validation", *extra]
+
+
+# ---------------------------------------------------------------- training, by precision
+@gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_mnist_trains_on_cuda(small_mnist_dir, tmp_path, precision):
+    flags, name = PRECISIONS[precision]
+    out = tmp_path / "out"
+    err = run_ok(base_args(small_mnist_dir, out, "--log-format", "simple", "--log-interval", "1", "--threads", "1",
+                           *flags, max_update=8))
+    assert_on_cuda(err, name)
+    assert_finite_losses(out, 8, ("loss", "accuracy"))
+    state = load_checkpoint(out / "checkpoint_last.pt")
+    assert state["train"]["num_updates"] == 8
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if torch.is_floating_point(t))
+
+
+@gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_tiny_bert_trains_on_cuda(bert_data, tmp_path, precision):  # noqa: F811
+    flags, name = PRECISIONS[precision]
+    out = tmp_path / "out"
+    err = run_ok(bert_args(bert_data, out, *flags))
+    assert_on_cuda(err, name)
+    records = assert_finite_losses(out, 6, ("loss", "mlm_loss", "nsp_loss"))
+    assert all(r["tokens_per_s"] > 0 for r in records)
+
+
+@gpu
+@pytest.mark.timeout(300)
+def test_peak_mem_gib_in_metrics_jsonl(small_mnist_dir, tmp_path):
+    out = tmp_path / "out"
+    run_ok(base_args(small_mnist_dir, out, "--log-interval", "2", "--threads", "1", max_update=6))
+    records = train_records(out)
+    assert len(records) == 3
+    total = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    for r in records:
+        (peak,) = r["peak_mem_gib"]  # one figure per rank
+        assert 0 < peak < total, r
+
+
+# ---------------------------------------------------------------- skipped updates
+@gpu
+def test_fp16_loss_scaler_skips_are_not_updates(small_mnist_dir, tmp_path):
+    """A NaN batch under --fp16: the loss scaler skips the step and lowers its
+    scale; weights, optimizer state and the schedule stay, and the skip is
+    not counted as an update (the run still makes --max-update updates)."""
+    trainer, _, _ = build_trainer(mnist_args(small_mnist_dir, tmp_path / "out", "--fp16", "--optimizer", "adam",
+                                             "--log-interval", "1", "--no-save", "--disable-validation",
+                                             max_update=8))
+    acc = trainer.accelerator
+    assert acc.device.type == "cuda" and acc.scaler is not None and not trainer.skips_on_device
+    module = acc.unwrap_model(trainer.model)
+    assert all(p.device.type == "cuda" for p in module.parameters())
+    calls = poison_batches(trainer, {3})
+    record = record_steps(trainer, calls)
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        rc = run_trainer(trainer)
+    assert rc == 0, err.getvalue()[-3000:]
+    skipped = [r for r in record if not r[2]]
+    assert 3 in [r[0] for r in skipped], [(r[0], r[2]) for r in record]  # the NaN batch (others may overflow)
+    for _, before, _, after in skipped:
+        assert_bitwise_equal(after["model"], before["model"], "model")
+        assert_bitwise_equal(after["optimizer"]["state"], before["optimizer"]["state"], "optimizer state")
+        assert after["num_updates"] == before["num_updates"]
+        assert after["scheduler_updates"] == before["scheduler_updates"]
+    assert trainer.state.num_updates == 8 and len(record) == 8 + len(skipped)
+    assert trainer.state.skipped_updates == len(skipped)
+    assert acc.scaler.get_scale() < 2.0 ** 16  # lowered at each skip (from GradScaler's 65536)
+    for p in module.parameters():
+        assert torch.isfinite(p).all()
+
+
+@gpu
+def test_fused_optimizer_skips_nan_on_the_device_and_reads_one_update_late(small_mnist_dir, tmp_path, monkeypatch):
+    """Fused AdamW is the default on CUDA: a NaN batch is skipped inside the
+    kernel (weights and optimizer state bitwise unchanged), and the host reads
+    each update's gradient norm after the next update's forward and backward."""
+    from textbox_like import faults
+    trainer, _, _ = build_trainer(mnist_args(small_mnist_dir, tmp_path / "out", "--optimizer", "adamw",
+                                             "--log-interval", "100", "--no-save", "--disable-validation",
+                                             max_update=8))
+    assert trainer.accelerator.device.type == "cuda"
+    assert all(g["fused"] for g in trainer.optimizer.optimizer.param_groups)  # the default, not asked for
+    events = []
+    real_value = faults.HostCopy.value
+    monkeypatch.setattr(faults.HostCopy, "value", lambda self: (events.append("read"), real_value(self))[1])
+    calls = poison_batches(trainer, {3}, events)
+    record = record_steps(trainer, calls)
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        rc = run_trainer(trainer)
+    assert rc == 0, err.getvalue()[-3000:]
+    assert trainer.skips_on_device
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    losses = {e: i for i, e in enumerate(events) if e.startswith("loss")}
+    for k in range(2, 8):  # the first step (it creates the optimizer's state) is checked on the host
+        assert any(losses[f"loss {k + 1}"] < r < losses.get(f"loss {k + 2}", len(events)) for r in reads), events
+    _, before, _, after = record[2]  # the NaN batch
+    assert_bitwise_equal(after["model"], before["model"], "model")
+    assert_bitwise_equal(after["optimizer"]["state"], before["optimizer"]["state"], "optimizer state")
+    assert record[3][3]["num_updates"] == 3 and record[3][2]
+    assert "update 3: gradient norm nan is not finite; update skipped (1 in a row)" in err.getvalue()
+    assert trainer.state.num_updates == 8 and trainer.state.skipped_updates == 1 and len(record) == 9
+    assert trainer.scheduler.num_updates == 8
+    for p in trainer.accelerator.unwrap_model(trainer.model).parameters():
+        assert p.device.type == "cuda" and torch.isfinite(p).all()
+
+
+# ---------------------------------------------------------------- kill -9 and resume
+@gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_sigkill_then_resume_is_bitwise_identical_on_cuda(mnist_dir, tmp_path, precision):
+    """test_resume.py's check on the GPU: with --cudnn_deterministic a run
+    killed with SIGKILL and resumed ends bitwise equal to one never stopped
+    (dropout on: the CUDA RNG state is restored too)."""
+    extra = ["--cudnn_deterministic", *PRECISIONS[precision][0]]
+    ref_dir, save_dir = tmp_path / "ref", tmp_path / "run"
+    ref = run_cli(resume_command(mnist_dir, ref_dir, *extra, "--log-format", "simple")[2:], timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert_on_cuda(ref.stderr, PRECISIONS[precision][1])
+    cmd = resume_command(mnist_dir, save_dir, *extra)
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=24)
+    assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
+    killed_at = load_checkpoint(save_dir / "checkpoint_last.pt")["train"]["num_updates"]
+    assert 5 <= killed_at < 60
+    resumed = run_cli(cmd[2:] + ["--log-format", "simple", "--resume"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"update {killed_at}" in resumed.stderr and "resumed from" in resumed.stderr
+    final = load_checkpoint(save_dir / "checkpoint_last.pt")
+    assert "cuda" in final["rng"][0]
+    compare_final(final, load_checkpoint(ref_dir / "checkpoint_last.pt"))
+
+
+# ---------------------------------------------------------------- --compile
+@gpu
+@pytest.mark.timeout(600)
+def test_compiled_mnist_on_cuda_equals_eager(small_mnist_dir, tmp_path):
+    common = ["--log-interval", "1", "--threads", "1", "--disable-validation", "--max-epoch", "0", *NO_DROPOUT,
+              "--log-format", "simple"]
+    run_ok(base_args(small_mnist_dir, tmp_path / "eager", *common, max_update=10))
+    err = run_ok(base_args(small_mnist_dir, tmp_path / "compiled", *common, "--compile", max_update=10), timeout=600)
+    assert_on_cuda(err)
+    # on CUDA the whole net compiles (no regions), and it did compile
+    assert "compile from --compile (mode default)" in err and "regions" not in err, err[-3000:]
+    assert err.count("compiled: the first update took") == 1 and "did not compile" not in err
+    eager = [r["loss"] for r in train_records(tmp_path / "eager")]
+    compiled = [r["loss"] for r in assert_finite_losses(tmp_path / "compiled", 10)]
+    assert compiled == pytest.approx(eager, rel=1e-3)
+
+
+@gpu
+@pytest.mark.timeout(600)
+def test_compiled_tiny_bert_bf16_on_cuda(bert_data, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    err = run_ok(bert_args(bert_data, out, "--bf16", "--compile"), timeout=600)
+    assert_on_cuda(err, "bf16")
+    assert err.count("compiled: the first update took") == 1 and "did not compile" not in err, err[-3000:]
+    assert_finite_losses(out, 6, ("loss", "mlm_loss", "nsp_loss"))
+
+
+# ---------------------------------------------------------------- checkpoints across devices
+@gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["float32", "fp16"])
+def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(small_mnist_dir, tmp_path, precision):
+    """CUDA (fused Adam's state on the GPU) -> --cpu -> CUDA, one save dir:
+    each leg resumes where the last one stopped, on its own device."""
+    flags, name = PRECISIONS[precision]
+    out = tmp_path / "out"
+    common = ["--optimizer", "adam", "--log-format", "simple", "--log-interval", "1", "--threads", "1",
+              "--disable-validation", "--max-epoch", "0", *flags]  # 8 updates an epoch: two epochs
+    err = run_ok(base_args(small_mnist_dir, out, *common, max_update=5))
+    assert_on_cuda(err, name)
+    cuda_state = load_checkpoint(out / "checkpoint_last.pt")
+    assert cuda_state["train"]["num_updates"] == 5 and "cuda" in cuda_state["rng"][0]
+
+    err = run_ok(base_args(small_mnist_dir, out, *common, "--cpu", "--resume", max_update=10))
+    assert re.search(r"\| device cpu \|", start_line(err)), start_line(err)
+    assert re.search(r"resumed from \S*checkpoint_last\.pt: epoch 1, update 5\b", err), err[-3000:]
+    cpu_state = load_checkpoint(out / "checkpoint_last.pt")
+    assert cpu_state["train"]["num_updates"] == 10
+    assert any(not torch.equal(cpu_state["model"][k], cuda_state["model"][k]) for k in cuda_state["model"])
+
+    err = run_ok(base_args(small_mnist_dir, out, *common, "--resume", max_update=15))
+    assert_on_cuda(err, name)
+    assert re.search(r"resumed from \S*checkpoint_last\.pt: epoch 2, update 10\b", err), err[-3000:]
+    final = load_checkpoint(out / "checkpoint_last.pt")
+    assert final["train"]["num_updates"] == 15
+    assert all(torch.isfinite(t).all() for t in final["model"].values() if torch.is_floating_point(t))
+    # one record per update over the three legs: none repeated, none lost
+    assert [r["update"] for r in train_records(out)] == list(range(1, 16))
+
+
+# ---------------------------------------------------------------- scripts/gpu-check.sh (runs anywhere)
+SCRIPT = REPO / "scripts" / "gpu-check.sh"
+
+
+def gpu_check(tmp_path, *args, **env):
+    """The script with CUDA hidden (so the no-GPU path is taken on a GPU machine too)."""
+    full = {k: v for k, v in clean_env().items() if not k.startswith(("WHEELS", "GPU_CHECK_"))}
+    full.update({"CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OUT": str(tmp_path / "report"), **env})
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], cwd=tmp_path, env=full, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.timeout(60)
+def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_3(tmp_path):
+    done = gpu_check(tmp_path, tmp_path)  # a wheels folder that exists: nothing is installed all the same
+    assert done.returncode == 3, done.stderr[-2000:]
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA on this machine"), lines
+    assert "Traceback" not in done.stderr
+    report = json.loads((tmp_path / "report" / "gpu-report.json").read_text())
+    assert report["status"] == "no-cuda" and report["exit_code"] == 3
+    versions = report["versions"]
+    assert versions["cuda_available"] is False and versions["torch"] == torch.__version__
+    assert {"accelerate", "transformers", "driver", "python"} <= set(versions)
+    assert report["tests"] == {} and report["benchmarks"] == [] and report["packages"]["installed"] == []
+    md = (tmp_path / "report" / "gpu-report.md").read_text()
+    assert md.startswith("# GPU check: no-cuda") and "No CUDA on this machine" in md
+    assert f"| torch | {torch.__version__} |" in md
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, env, words", [
+    (["/no/such/wheels"], {}, "the wheels folder '/no/such/wheels' does not exist"),
+    ([], {"WHEELS": "/no/such/wheels"}, "the wheels folder '/no/such/wheels' does not exist"),
+    (["--bogus"], {}, "unknown option '--bogus'"),
+    (["a", "b"], {}, "one wheels folder at most"),
+    ([], {"GPU_CHECK_BATCH": "x"}, "GPU_CHECK_BATCH expects a whole number"),
+    ([], {"PYTHON": "/no/such/python"}, "no Python interpreter /no/such/python"),
+])
+def test_gpu_check_bad_input_is_one_line(tmp_path, args, env, words):
+    if args[:1] == ["a"]:
+        (tmp_path / "a").mkdir()
+    done = gpu_check(tmp_path, *args, **env)
+    assert done.returncode == 2, done.stderr
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
+
+
+def test_gpu_check_report_from_results(tmp_path):
+    """The report of a GPU run, from test counts (junit XML) and bench figures."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite name="pytest" tests="4">'
+                   '<testcase classname="tests.test_gpu" name="a"/>'
+                   '<testcase classname="tests.test_gpu" name="b"><failure message="x"/></testcase>'
+                   '<testcase classname="tests.test_gpu" name="c"><skipped message="s"/></testcase>'
+                   '<testcase classname="tests.test_gpu" name="d"><error message="e"/></testcase>'
+                   '</testsuite></testsuites>')
+    counts = gc.junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (1, 1, 1, 1)
+    assert counts["failed_names"] == ["tests.test_gpu::b", "tests.test_gpu::d"]
+    figures = {"plain_samples_per_s": 900.0, "trainer_samples_per_s": 880.0, "plain_tokens_per_s": 115200.0,
+               "trainer_tokens_per_s": 112640.0, "plain_mfu": 0.41, "trainer_mfu": 0.4, "peak_bf16_tflops": 989.0,
+               "peak_source": "table by GPU name", "plain_peak_mem_gib": 9.5, "trainer_peak_mem_gib": 9.8,
+               "batch": 32, "seq_length": 128, "updates": 100, "warmup": 10, "rounds": 3}
+    report = {"status": "failed", "summary": "Tests: 1 passed, 2 failed, 1 skipped.", "commit": "abc",
+              "versions": {"torch": "2.11.0", "gpus": ["NVIDIA H100 80GB HBM3"], "driver": "580.1"},
+              "packages": {"missing": ["hyperopt"], "wheels": "/w", "installed": ["hyperopt"], "install_failed": {}},
+              "tests": {"tests/test_gpu.py -m cuda": counts},
+              "benchmarks": [{"name": "bert-base bf16, eager", "ok": True, "figures": figures},
+                             {"name": "bert-base bf16, --compile", "ok": False, "error": "boom"}]}
+    gc.write_report(tmp_path / "out", report)
+    md = (tmp_path / "out" / "gpu-report.md").read_text()
+    assert "| GPU | NVIDIA H100 80GB HBM3 |" in md and "| driver | 580.1 |" in md
+    assert "| tests/test_gpu.py -m cuda | 1 | 1 | 1 | 1 |" in md and "failed in tests/test_gpu.py -m cuda: tests.test_gpu::b" in md
+    assert "| bert-base bf16, eager | trainer | 880.0 | 112640.0 | - | 40.0% | 9.8 |" in md
+    assert "| bert-base bf16, --compile | failed: boom |" in md and "installed from /w: hyperopt" in md
+    assert json.loads((tmp_path / "out" / "gpu-report.json").read_text())["tests"]["tests/test_gpu.py -m cuda"] == counts
