@@ -46,12 +46,10 @@ def write_vocab(path, n=V):
 
 
 def task_cfg(tmp_path, **kw):
-    values = dict(data=str(tmp_path), dict=None, config_file=None, model_preset="tiny", dimension=None,
-                  num_heads=None, dim_feedforward=None, num_layers=None, activation_function=None,
-                  dropout=None, max_pred_length=512, num_file=0, init_checkpoint=None,
-                  freeze_encoder=False, shuffle_block=64, model_conf={})
-    values.update(kw)
-    return argparse.Namespace(**values)
+    """A resolved bert configuration (tiny unless a config file is given) with these settings."""
+    from textbox_like.cli import parse
+    preset = {} if kw.get("config_file") else {"model_preset": "tiny"}
+    return parse(overrides={"task": "bert", "data": str(tmp_path), "shuffle_block": 64, **preset, **kw})
 
 
 @pytest.mark.parametrize("name,layers,hidden,heads", [

@@ -21,11 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cfg(**kw):
-    base = dict(cpu=False, device=None, device_id=None, distributed_world_size=1, distributed_init_method=None,
-                distributed_gpus=0, distributed_rank=0, distributed_port=-1, distributed_backend=None,
-                distributed_timeout=60, cudnn_deterministic=False)
-    base.update(kw)
-    return SimpleNamespace(**base)
+    """A resolved configuration with these settings (distributed_timeout 60 unless given)."""
+    from textbox_like.cli import parse
+    return parse(["--task", "mnist"]).replace(**{"distributed_timeout": 60, **kw})
 
 
 @pytest.fixture
@@ -231,12 +229,11 @@ def test_long_barrier_outlasts_the_training_timeout(tmp_path):
     the others wait in long_barrier() instead of failing."""
     script = textwrap.dedent(f"""
         import sys, time
-        from types import SimpleNamespace
         import torch, torch.distributed as dist
         from textbox_like import distributed
+        from textbox_like.cli import parse
         rank = int(sys.argv[1])
-        cfg = SimpleNamespace(cpu=True, device=None, device_id=None, distributed_backend=None,
-                              distributed_timeout=1, cudnn_deterministic=False)
+        cfg = parse(["--task", "mnist", "--cpu", "--distributed-timeout", "1"])
         p = distributed.Placement(rank=rank, world_size=2, local_rank=rank, local_world_size=2,
                                   init_method="file://{tmp_path}/rdzv")
         distributed.init_process_group(p, cfg)
@@ -305,9 +302,8 @@ def test_cudnn_deterministic_is_applied_before_the_trainer(monkeypatch):
     seen = []
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: seen.append("determinism"))
     monkeypatch.setattr(trainer, "train", lambda ns: seen.append("train") or 0)
-    ns = SimpleNamespace(distributed_no_spawn=False, distributed_init_method=None, distributed_world_size=1,
-                         cudnn_deterministic=True, distributed_port=-1)
-    assert cli.run(ns, []) == 0 and seen == ["determinism", "train"]
+    ns = cfg(cudnn_deterministic=True)
+    assert cli.run(ns) == 0 and seen == ["determinism", "train"]
 
 
 # ----------------------------------------------------------- item 10
@@ -351,9 +347,8 @@ def test_no_deterministic_kernel_is_one_line(monkeypatch, capsys):
         raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
                            "'torch.use_deterministic_algorithms(True)'.\nmore")
     monkeypatch.setattr(trainer, "train", fail)
-    ns = SimpleNamespace(distributed_no_spawn=False, distributed_init_method=None, distributed_world_size=1,
-                         cudnn_deterministic=True, distributed_port=-1)
-    assert cli.run(ns, []) == 2
+    ns = cfg(cudnn_deterministic=True)
+    assert cli.run(ns) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --cudnn_deterministic: index_add_cuda_")
 

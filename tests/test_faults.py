@@ -221,7 +221,7 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
         fused_default) or torch.optim.SGD(groups[0]["params"], lr=0.1))
     for device, scaler, expected in (("cuda", None, True), ("cuda", object(), False), ("cpu", None, False)):
         fake = Trainer.__new__(Trainer)
-        fake.cfg = SimpleNamespace(train_dtype="float32", weight_decay=0.0)
+        fake.cfg = parse(["--task", "mnist"])
         fake.accelerator = SimpleNamespace(device=torch.device(device), scaler=scaler, prepare=lambda m, o: (m, o),
                                            state=SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend="no")))
         fake.task = SimpleNamespace(build_model=lambda: torch.nn.Linear(2, 2),

@@ -24,14 +24,15 @@ def warn(message):
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def precision(cfg, cuda: bool):
-    """(Accelerate's mixed_precision, where the choice came from)."""
-    if cfg.numerics.fp16:
+def precision(numerics, cuda: bool):
+    """(Accelerate's mixed_precision, where the choice came from), from the
+    run's numerics section."""
+    if numerics.fp16:
         chosen, source = "fp16", "--fp16"
-    elif cfg.numerics.bf16:
+    elif numerics.bf16:
         chosen, source = "bf16", "--bf16"
-    elif cfg.numerics.train_dtype != "float32":
-        chosen, source = PRECISIONS[cfg.numerics.train_dtype], f"--train_dtype {cfg.numerics.train_dtype}"
+    elif numerics.train_dtype != "float32":
+        chosen, source = PRECISIONS[numerics.train_dtype], f"--train_dtype {numerics.train_dtype}"
     elif os.environ.get("ACCELERATE_MIXED_PRECISION", "no") not in ("", "no"):
         chosen, source = os.environ["ACCELERATE_MIXED_PRECISION"], "accelerate launch / accelerate config"
     else:
@@ -50,8 +51,8 @@ def precision(cfg, cuda: bool):
     return chosen, source
 
 
-def mixed_precision(cfg, cuda: bool) -> str:
-    return precision(cfg, cuda)[0]
+def mixed_precision(numerics, cuda: bool) -> str:
+    return precision(numerics, cuda)[0]
 
 
 def update_freq_source(cfg):
@@ -69,17 +70,17 @@ def add_args(o, bool_type):
           help="torch.compile mode with --compile")
 
 
-def compile_plugin(cfg, cuda: bool):
+def compile_plugin(runtime, cuda: bool):
     """(TorchDynamoPlugin or None, source): --compile, else accelerate launch's
     --dynamo_backend; None where this platform cannot compile."""
     import importlib.util
     import shutil
 
     launched = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() not in ("", "no")
-    if not (cfg.runtime.compile or launched):
+    if not (runtime.compile or launched):
         return None, "default"
-    source = "--compile" if cfg.runtime.compile else "accelerate launch --dynamo_backend"
-    mode = cfg.runtime.compile_mode if cfg.runtime.compile or cfg.runtime.compile_mode != "default" else \
+    source = "--compile" if runtime.compile else "accelerate launch --dynamo_backend"
+    mode = runtime.compile_mode if runtime.compile or runtime.compile_mode != "default" else \
         os.environ.get("ACCELERATE_DYNAMO_MODE") or "default"
     missing = None
     if cuda and importlib.util.find_spec("triton") is None:
@@ -90,7 +91,7 @@ def compile_plugin(cfg, cuda: bool):
         warn(f"{source}: compiling here needs {missing}; training eager")
         return None, "default"
     from accelerate.utils import TorchDynamoPlugin
-    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "inductor") if launched and not cfg.runtime.compile \
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "inductor") if launched and not runtime.compile \
         else "inductor"
     return TorchDynamoPlugin(backend=backend.lower(), mode=mode), f"{source} (mode {mode})"
 
@@ -156,8 +157,8 @@ def build_accelerator(cfg, placement, log_with=None):
         # under torchrun --nproc_per_node 1, where Accelerate would take
         # cuda:LOCAL_RANK), else the node-local rank modulo them
         bind_device(placement, cfg)
-    chosen, precision_source = precision(cfg, cuda)
-    plugin, compile_source = compile_plugin(cfg, cuda)
+    chosen, precision_source = precision(cfg.numerics, cuda)
+    plugin, compile_source = compile_plugin(cfg.runtime, cuda)
     sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters,
                                         bucket_cap_mb=cfg.distributed.bucket_cap_mb or (25 if cuda else 4),

@@ -99,7 +99,7 @@ class PlainPrecision:
     def __init__(self, cfg, device):
         import torch
         from .accelerator import mixed_precision
-        chosen = mixed_precision(cfg, device.type == "cuda") if device.type == "cuda" else "no"
+        chosen = mixed_precision(cfg.numerics, device.type == "cuda") if device.type == "cuda" else "no"
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(chosen)
         self.device = device
         self.scaler = torch.amp.GradScaler("cuda") if chosen == "fp16" else None
