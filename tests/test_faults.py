@@ -56,7 +56,7 @@ def build_trainer(argv):
     check(ns)
     assert distributed.placement_from_env(ns) is None and distributed.local_plan(ns) is None
     distributed.apply_determinism(ns)
-    return Trainer(ns), ns, keys
+    return Trainer(ns), ns, ns.keys
 
 
 def run_trainer(trainer):
