@@ -47,8 +47,8 @@ def quiet(*_a, **_k):
 
 # ---------------------------------------------------------------- a fake trial runner
 class FakeHandle:
-    def __init__(self, runner, argv, save_dir, polls):
-        self.runner, self.argv, self.save_dir, self.left = runner, argv, Path(save_dir), polls
+    def __init__(self, runner, cfg, save_dir, polls):
+        self.runner, self.cfg, self.save_dir, self.left = runner, cfg, Path(save_dir), polls
         self.stopping = False
         runner.running += 1
         runner.max_running = max(runner.max_running, runner.running)
@@ -65,10 +65,10 @@ class FakeHandle:
     def _finish(self):
         self.runner.running -= 1
         n = len(self.runner.finished) + 1
-        self.runner.finished.append(self.argv)
+        self.runner.finished.append(self.cfg)
         if n in self.runner.fail:
             return S.Outcome(1, "error: boom")
-        value = self.runner.score(self.argv)
+        value = self.runner.score(self.cfg)
         (self.save_dir / "results.json").write_text(json.dumps(
             {"best": {"accuracy": value, "loss": 1 - value}, "final": {"accuracy": value, "loss": 1 - value},
              "num_updates": 1}))
@@ -82,17 +82,18 @@ class FakeHandle:
 
 
 class FakeRunner:
-    """Writes a results.json whose accuracy is score(argv); trial n fails if n in fail."""
+    """Writes a results.json whose accuracy is score(cfg), cfg the trial's
+    resolved configuration; trial n fails if n in fail."""
 
     def __init__(self, score=None, fail=(), polls=1, interrupt_at=None):
-        self.score = score or (lambda argv: float(flag(argv, "lr") or 0.5) % 1)
+        self.score = score or (lambda cfg: float(flag(cfg, "lr") or 0.5) % 1)
         self.fail, self.polls, self.interrupt_at = set(fail), polls, interrupt_at
         self.started, self.finished, self.running, self.max_running = [], [], 0, 0
 
-    def start(self, argv, save_dir, env=None):
-        self.started.append(list(argv))
+    def start(self, cfg, save_dir, env=None):
+        self.started.append(cfg)
         if self.interrupt_at is not None and len(self.started) == self.interrupt_at:
-            handle = FakeHandle(self, argv, save_dir, self.polls)
+            handle = FakeHandle(self, cfg, save_dir, self.polls)
             raise_after = handle.poll
 
             def poll():
@@ -100,12 +101,13 @@ class FakeRunner:
             handle.poll = poll
             handle._real_poll = raise_after
             return handle
-        return FakeHandle(self, argv, save_dir, self.polls)
+        return FakeHandle(self, cfg, save_dir, self.polls)
 
 
-def flag(argv, name):
-    values = [a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")]
-    return values[-1] if values else None
+def flag(cfg, name):
+    """A trial's setting as the trainer gets it (--lr: the first of its list)."""
+    value = cfg.get(name)
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
 def params_of(out):
@@ -234,7 +236,7 @@ def test_exhaustive_runs_each_combination_once_and_yaml_gives_the_same_trials(tm
                                      tmp_path / name.replace(".", "_"), runner=runner, out=quiet)
         assert code == 0 and summary["n_trials"] == 9 and len(runner.started) == 9
         combos = {(flag(a, "optimizer"), flag(a, "max_sentences")) for a in runner.started}
-        assert combos == {(o, str(b)) for o in ("adam", "adamw", "sgd") for b in (512, 1024, 2048)}
+        assert combos == {(o, b) for o in ("adam", "adamw", "sgd") for b in (512, 1024, 2048)}
         ran.append(params_of(tmp_path / name.replace(".", "_")))
     assert ran[0] == ran[1]                                   # same seed, same trials
     assert all(math.exp(-8) <= p["lr"] <= 1 for p in ran[0])
@@ -303,7 +305,8 @@ def test_parallel_runs_n_trials_at_once(tmp_path, options):
     runner = FakeRunner(polls=3)
     code, summary = S.run_search(space, "tpe", 5, 1, BASE, tmp_path, runner=runner, out=quiet, parallel=2)
     assert code == 0 and summary["n_trials"] == 5 and runner.max_running == 2
-    assert all("--threads=1" in a for a in runner.started)   # 2 cores split between 2 trials (or 1 each)
+    assert all(c.get("threads") == 1 for c in runner.started)   # 2 cores split between 2 trials (or 1 each)
+    assert all(c.source("threads") == "the search" and c.source("lr") == "the search" for c in runner.started)
 
 
 def test_gpus_per_trial_without_cuda_is_one_line(tmp_path, options):
@@ -317,7 +320,7 @@ def test_gpu_slots_give_each_trial_its_own_devices(monkeypatch):
     monkeypatch.setattr(T, "gpu_ids", lambda: ["0", "1", "2", "3"])
     slots = T.plan_slots(2, 2, set(), quiet)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1", "2,3"]
-    assert all(s.argv == ["--distributed-world-size=2"] for s in slots)
+    assert all(s.settings == {"distributed_world_size": 2} for s in slots)
     with pytest.raises(UserError, match="needs 6 GPUs"):
         T.plan_slots(3, 2, set(), quiet)
 

@@ -82,6 +82,13 @@ def test_resume_after_kill_9_in_the_middle_of_trial_2(tmp_path, tiny_mnist):
     assert rec[1]["attempts"] == 1 and (out / "trial_1" / "stdout.log").stat().st_mtime_ns == trial1_log
     assert rec[2]["attempts"] == 2 and "--resume" in (out / "trial_2" / "command.txt").read_text()
     assert rec[2]["num_updates"] == 24
+    # each trial ran the configuration the search resolved for it, not a command line to re-parse
+    from textbox_like.config import read_resolved
+    for k in (1, 2):
+        cfg = read_resolved(out / f"trial_{k}" / "trial_config.yaml")
+        assert cfg.optim.lr == [rec[k]["params"]["lr"]] and cfg.optim.optimizer == rec[k]["params"]["optimizer"]
+        assert cfg.source("lr") == "the search" and cfg.source("max_update") == "command line"
+        assert cfg.checkpoint.save_dir == str(out / f"trial_{k}") and cfg.checkpoint.resume == (k == 2)
     updates = [r["update"] for r in S.hyper.read_jsonl(out / "trial_2" / "metrics.jsonl") if r["kind"] == "train"]
     assert updates == sorted(set(updates))            # continued, not restarted
     # the same trials as an uninterrupted search with the same seed (TPE's first trials depend on the seed only)

@@ -131,13 +131,15 @@ def uncompile(model, regions):
     """The eager model back, after a failed compilation: the module under
     Accelerate's torch.compile wrapper, or ``model`` with its regions restored."""
     import torch
+
+    from .internals import compiled_original, drop_module_compilation
     if regions is None:
-        return getattr(model, "_orig_mod", model)
+        return compiled_original(model)
     inner = getattr(model, "module", model)  # under DDP
     for name in regions:
         part = getattr(inner, name)
         if isinstance(part, torch.nn.Module):
-            part._compiled_call_impl = None  # what nn.Module.compile sets
+            drop_module_compilation(part)
         else:
             delattr(inner, name)  # the class's own method again
     return model

@@ -133,15 +133,17 @@ def _check_optimizer_values(optim):
             from None
 
 
-def resolve(argv=(), overrides=None, environ=None):
+def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.train()"):
     """(the resolved RunConfig, whether --print_config was asked for).
-    ``overrides``: settings by name, from Python (textbox_like.train)."""
+    ``overrides``: settings by name, from Python (textbox_like.train, a
+    search's trial), at the command line's rank; ``overrides_name`` says
+    where they came from."""
     from .compat import environment_settings
     from .settings import RunConfig
     from .tasks import TASKS
     options = build_options()
     ns, keys = C.resolve(options, list(argv), TASKS, groups_for, overrides=overrides,
-                         environment=environment_settings(environ))
+                         environment=environment_settings(environ), overrides_name=overrides_name)
     finalize(options, ns)
     plugin_keys = {"task_options": options.groups.get(f"task:{ns.task}", []),
                    "optimizer_options": options.groups.get(f"optimizer:{ns.optimizer}", []),
@@ -150,9 +152,9 @@ def resolve(argv=(), overrides=None, environ=None):
     return cfg, bool(ns.print_config)
 
 
-def parse(argv=(), overrides=None):
+def parse(argv=(), overrides=None, overrides_name="textbox_like.train()"):
     """The resolved configuration of a command line (and Python overrides)."""
-    return resolve(argv, overrides)[0]
+    return resolve(argv, overrides, overrides_name=overrides_name)[0]
 
 
 def finalize(options, ns):

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
 import re
 from pathlib import Path
 
 import yaml
 
 from .errors import UserError, closest
+from .internals import appends, parser_actions
 
 # properties/: inside the package when installed from a wheel, else beside it (source tree, pip install -e)
 PROPERTIES = next((d for d in (Path(__file__).resolve().parent / "properties",
@@ -343,12 +343,12 @@ _UNSET = _Unset()
 def _given_on_command_line(parser, argv):
     """{dest: value} of the options named in ``argv`` (dict options: only
     the keys given there)."""
-    appends = {a.dest for a in parser._actions if isinstance(a, argparse._AppendAction)}
-    probe = argparse.Namespace(**{a.dest: None if a.dest in appends else _UNSET for a in parser._actions
+    lists = {a.dest for a in parser_actions(parser) if appends(a)}
+    probe = argparse.Namespace(**{a.dest: None if a.dest in lists else _UNSET for a in parser_actions(parser)
                                   if a.dest not in (None, argparse.SUPPRESS, "help")})
     parser.parse_args(argv, namespace=probe)
     return {dest: value for dest, value in vars(probe).items()
-            if value is not _UNSET and not (dest in appends and value is None)}
+            if value is not _UNSET and not (dest in lists and value is None)}
 
 
 def _prescan(argv, names):
@@ -380,7 +380,7 @@ def raise_user_errors(parser):
         if message.startswith("unrecognized arguments"):
             bad = message.split(":", 1)[1].split()[0]
             flag = bad.split("=")[0]
-            known = [s for a in parser._actions for s in a.option_strings]
+            known = [s for a in parser_actions(parser) for s in a.option_strings]
             raise UserError(f"unknown option {flag}{closest(flag, known)}; run with --help for the valid options")
         raise UserError(message)
 

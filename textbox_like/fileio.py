@@ -9,6 +9,7 @@ disk, a removed directory) leaves no temporary file behind and re-raises.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -33,15 +34,28 @@ def fsync_dir(directory) -> None:
 
 def atomic_write(path, write) -> Path:
     """Call ``write(binary_file)`` on a temporary file and move it to ``path``."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        write(handle)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """For a library that writes by file name (h5py, matplotlib): yields a
+    temporary path beside ``path``; on success the file is synced and moved
+    to ``path``, on failure removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would make results unreadable to the group
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would make results unreadable to the group
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -50,7 +64,6 @@ def atomic_write(path, write) -> Path:
             pass
         raise
     fsync_dir(path.parent)
-    return path
 
 
 def atomic_write_text(path, text: str) -> Path:

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from .errors import UserError
+from .fileio import atomic_write
 
 # keys of a log record that are not metrics to plot against updates
 NOT_METRICS = {"kind", "epoch", "update", "updates", "wall", "samples", "num_updates", "lr", "gnorm"}
@@ -210,12 +211,9 @@ def plot(run_dirs, output):
     output = Path(output)
     if output.parent and not output.parent.is_dir():
         raise UserError(f"cannot write {str(output)!r}: directory {str(output.parent)!r} does not exist")
-    tmp = output.with_name(f".{output.name}.tmp{os.getpid()}")
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, output)
+        atomic_write(output, lambda handle: fig.savefig(handle, format="png"))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {str(output)!r} ({exc.strerror or exc})") from None
     return output
 

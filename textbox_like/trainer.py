@@ -357,17 +357,13 @@ class Trainer:
         compile trains eager after one line."""
         import copy
 
-        # imported here, not looked up in the except clause: an unrelated
-        # error under a backend that never loaded inductor must not turn into
-        # an AttributeError
-        from torch._dynamo.exc import TorchDynamoException
-        from torch._inductor.exc import InductorError
+        from .internals import compile_errors
         started = time.perf_counter()
         self.compile_pending = False
         window = copy.deepcopy(self.window)
         try:
             stepped = self.train_step(micro_batches, totals)
-        except (TorchDynamoException, InductorError) as e:
+        except compile_errors() as e:
             from .accelerator import uncompile, warn
             cause = getattr(e, "inner_exception", None) or e  # the backend's own error
             reason = f"{type(cause).__name__}: " + (str(cause).strip().splitlines() or [""])[0][:200]

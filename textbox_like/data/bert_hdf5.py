@@ -335,10 +335,10 @@ def write_shard(path, arrays, chunk_rows=1024, compression_level=1):
     the same size."""
     import h5py
 
+    from ..fileio import atomic_path
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     n = len(arrays["input_ids"])
-    with h5py.File(tmp, "w") as handle:
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as handle:
         for key in KEYS:
             arr = np.ascontiguousarray(arrays[key], dtype=DTYPES[key])
             if len(arr) != n:
@@ -348,5 +348,4 @@ def write_shard(path, arrays, chunk_rows=1024, compression_level=1):
                                       shuffle=True, chunks=(min(chunk_rows, n),) + arr.shape[1:])
             else:
                 handle.create_dataset(key, data=arr)
-    os.replace(tmp, path)
     return path

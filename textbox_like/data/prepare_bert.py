@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from ..fileio import atomic_write_text
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
@@ -465,7 +466,7 @@ def prepare(args):
         "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
         "seconds": round(time.time() - t0, 2),
     }
-    (output / "prepare_bert.json").write_text(json.dumps(info, indent=1) + "\n")
+    atomic_write_text(output / "prepare_bert.json", json.dumps(info, indent=1) + "\n")
     return info
 
 

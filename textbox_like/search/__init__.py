@@ -13,9 +13,9 @@ from .hyper import INTERRUPTED, Search, Setup, resolve_metric, run_search
 from .multi_seed import draw_seeds, run_multi_seed
 from .report import describe, summarize_runs
 from .space import KINDS, Param, detect_format, grid, load_space, parse_space, parse_textbox, parse_yaml
-from .trials import Outcome, SubprocessRunner, to_argv, validate
+from .trials import Outcome, SubprocessRunner, TrialConfigs, TrialRecord
 
 __all__ = ["ALGO_NAMES", "INTERRUPTED", "KINDS", "Outcome", "Param", "Sampler", "Search", "Setup",
            "SubprocessRunner", "canonical_algo", "describe", "detect_format", "draw_seeds", "grid",
            "hyper_main", "load_space", "multi_seed_main", "parse_space", "parse_textbox", "parse_yaml",
-           "resolve_metric", "run_multi_seed", "run_search", "summarize_runs", "to_argv", "validate"]
+           "TrialConfigs", "TrialRecord", "resolve_metric", "run_multi_seed", "run_search", "summarize_runs"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import UserError, closest
+from ..internals import hyperopt_trial_documents
 from .space import grid, sample
 
 # name -> canonical algorithm
@@ -109,7 +110,7 @@ class Sampler:
         if self.algo == "exhaustive":
             return
         from hyperopt import JOB_STATE_DONE, STATUS_FAIL, STATUS_OK
-        for doc in self.trials._dynamic_trials:
+        for doc in hyperopt_trial_documents(self.trials):
             if doc["tid"] == k:
                 doc["state"] = JOB_STATE_DONE
                 doc["result"] = {"status": STATUS_OK, "loss": float(loss)} if loss is not None \

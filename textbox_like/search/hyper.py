@@ -12,8 +12,8 @@ from pathlib import Path
 from ..errors import UserError, closest
 from .algos import DEFAULT_EVALS, Sampler, canonical_algo
 from .report import format_params, search_png, search_table, write_search_csv
-from .trials import (Job, SubprocessRunner, given_dests, plan_slots, read_json, read_jsonl, run_pool, to_argv,
-                     validate, write_json, write_jsonl)
+from .trials import (Job, SubprocessRunner, TrialConfigs, TrialRecord, plan_slots, read_json, read_jsonl, run_pool,
+                     write_json, write_jsonl)
 
 INTERRUPTED = 130
 DONE = ("ok", "fail", "stopped")
@@ -55,14 +55,13 @@ class Setup:
 
     def __init__(self, space, algo, max_evals, seed, base_argv, output, metric, maximize, parallel=1,
                  gpus_per_trial=0, resume=False, out=print):
-        from .. import cli
         self.space, self.algo, self.seed = space, canonical_algo(algo), int(seed)
         self.base_argv, self.output = list(base_argv), Path(output)
         self.parallel, self.gpus_per_trial, self.resume, self.out = parallel, gpus_per_trial, resume, out
         if max_evals is not None and max_evals < 1:
             raise UserError(f"--max_evals expects a positive integer, got {max_evals}")
-        self.options = options = cli.build_options()
-        self.given = given = given_dests(options, self.base_argv)
+        self.configs = TrialConfigs(self.base_argv)
+        self.given = given = self.configs.given
         for name in ("save_dir", "no_save", "print_config", "disable_validation", "resume", "restore_file"):
             if name in given:
                 hint = {"save_dir": "the search sets it per trial: use --output DIR",
@@ -88,26 +87,25 @@ class Setup:
         from .space import sample
         drawn = sample(space, [n for n, p in space.items() if not p.finite], np.random.default_rng(0))
         representative = {n: drawn.get(n, v) for n, v in representative.items()}
-        ns = validate(self.base_argv + to_argv(options, representative))
+        ns = self.configs.resolve(representative)
         if ns.validation.disable_validation or ns.checkpoint.no_save:
             raise UserError("the search needs validation metrics and results.json: "
                             "remove disable_validation / no_save from the configuration")
         self.metric, self.maximize = resolve_metric(ns, metric, maximize)
         self.ns = ns
-        # every finite value must be one the trainer accepts
+        # the space, checked once: every finite value must be one the trainer accepts
         for name, p in space.items():
             if p.finite:
                 for v in p.values()[:50]:
                     try:
-                        validate(self.base_argv + to_argv(options, {**representative, name: v}))
+                        self.configs.resolve({**representative, name: v})
                     except UserError as exc:
                         raise UserError(f"{p.where}: {p.label} = {v!r}: {exc}") from None
 
-    def trial_argv(self, params, save_dir, resume=False):
-        return self.base_argv + to_argv(self.options, params) + [
-            f"--save-dir={save_dir}", f"--best-checkpoint-metric={self.metric}",
-            f"--maximize-best-checkpoint-metric={'true' if self.maximize else 'false'}"] + \
-            (["--resume"] if resume else [])
+    def trial_settings(self, params, save_dir, resume=False):
+        """A trial's own trainer settings, on top of the base command line."""
+        return {**params, "save_dir": str(save_dir), "best_checkpoint_metric": self.metric,
+                "maximize_best_checkpoint_metric": self.maximize, **({"resume": True} if resume else {})}
 
     def state(self):
         return {"algo": self.algo, "seed": self.seed, "metric": self.metric, "maximize": self.maximize,
@@ -153,30 +151,24 @@ class Search:
     # ------------------------------------------------------------ records
     def save(self):
         self.s.output.mkdir(parents=True, exist_ok=True)
-        write_jsonl(self.s.output / "hyper_results.jsonl", [self.records[k] for k in sorted(self.records)])
+        write_jsonl(self.s.output / "hyper_results.jsonl", [self.records[k].as_dict() for k in sorted(self.records)])
 
     def load(self, previous):
         """Resume: finished trials teach the sampler; unfinished ones are continued."""
-        for rec in sorted(previous, key=lambda r: r["trial"]):
-            k = rec["trial"]
+        for rec in sorted(map(TrialRecord.from_dict, previous), key=lambda r: r.trial):
+            k = rec.trial
             self.records[k] = rec
-            if rec.get("status") in DONE:
-                self.s.sampler.replay(k, rec.get("vals") or {}, rec.get("loss"))
+            if rec.status in DONE:
+                self.s.sampler.replay(k, rec.vals or {}, rec.loss)
             else:
-                self.s.sampler.replay(k, rec.get("vals") or {}, None, running=True)
+                self.s.sampler.replay(k, rec.vals or {}, None, running=True)
                 self.queue.append(k)
         self.next_k = max(self.records, default=0) + 1
-        done = sum(r.get("status") in DONE for r in self.records.values())
+        done = sum(r.status in DONE for r in self.records.values())
         if self.records:
             self.out(f"--resume: {done} finished trial(s) kept, {len(self.queue)} to continue "
                      f"({', '.join(map(str, self.queue)) or 'none'}), {max(0, self.s.max_evals - len(self.records))} "
                      f"new")
-
-    def new_record(self, k, params, vals):
-        save_dir = self.s.output / f"trial_{k}"
-        return {"trial": k, "params": params, "vals": vals, "status": "running", "metric": self.s.metric,
-                "value": None, "loss": None, "returncode": None, "error": "", "save_dir": str(save_dir),
-                "wall_time": None, "attempts": 0}
 
     # ------------------------------------------------------------ pool callbacks
     def next_job(self):
@@ -188,75 +180,63 @@ class Search:
             k = self.next_k
             self.next_k += 1
             params, vals = self.s.sampler.ask(k)
-            rec = self.records[k] = self.new_record(k, params, vals)
+            rec = self.records[k] = TrialRecord(k, params, str(self.s.output / f"trial_{k}"), self.s.metric, vals)
             resume = False
         else:
             return None
-        rec["status"] = "running"
-        save_dir = Path(rec["save_dir"])
+        rec.status = "running"
+        save_dir = Path(rec.save_dir)
         resume = resume and (save_dir / "checkpoint_last.pt").exists()
-        argv = self.s.trial_argv(rec["params"], save_dir, resume=resume)
-        try:
-            validate(argv)
-        except Exception as exc:                     # a sampled value the trainer rejects
-            message = f"error: {exc}" if isinstance(exc, UserError) else f"error: {type(exc).__name__}: {exc}"
-            rec.update(status="fail", returncode=2, error=message, wall_time=0.0)
-            self.s.sampler.tell(k, None)
-            self.save()
-            self._line(rec)
-            return self.next_job()
         for stale in ["results.json"] + ([] if resume else ["metrics.jsonl"]):
             if (save_dir / stale).exists():
                 (save_dir / stale).unlink()
         self.save()
-        return Job(k, argv, save_dir)
+        return Job(k, self.s.trial_settings(rec.params, save_dir, resume=resume), save_dir)
 
     def on_start(self, job, handle):
         rec = self.records[job.key]
-        rec["attempts"] = rec.get("attempts", 0) + 1
+        rec.attempts += 1
         self.starts[job.key] = time.time()
         self.save()
 
     def on_done(self, job, outcome):
         rec = self.records[job.key]
         elapsed = time.time() - self.starts.pop(job.key, time.time())
-        rec["wall_time"] = round((rec.get("wall_time") or 0.0) + elapsed, 3)
-        rec["returncode"] = outcome.returncode
+        rec.update(wall_time=round((rec.wall_time or 0.0) + elapsed, 3), returncode=outcome.returncode)
         if outcome.interrupted:
             rec.update(status="interrupted", error="interrupted; continue with --resume")
             self.save()
             self._line(rec)
             return
         results = read_json(Path(job.save_dir) / "results.json") if outcome.returncode == 0 else None
-        if results is not None:
-            rec.update(best=results.get("best") or {}, final=results.get("final") or {},
-                       num_updates=results.get("num_updates"))
+        rec.take_results(results)
         value = objective(results, self.s.metric)
+        rec.score(value, self.s.maximize)
         if value is not None:
-            rec.update(status="ok", value=value, loss=-value if self.s.maximize else value, error="")
+            rec.update(status="ok", error="")
         else:
-            rec.update(status="fail", value=None, loss=None,
+            rec.update(status="fail",
                        error=outcome.error or (f"results.json has no finite best[{self.s.metric!r}]"
                                                if results is not None else "the run wrote no results.json"))
-        self.s.sampler.tell(job.key, rec["loss"])
+        self.s.sampler.tell(job.key, rec.loss)
         self.save()
         self._line(rec)
 
     def _line(self, rec):
-        head = f"trial {rec['trial']}/{self.s.max_evals} | {format_params(rec['params'])} | "
-        if rec["status"] in ("ok", "stopped"):
-            tail = f"{self.s.metric} {rec['value']:.4f}" + (" (stopped early)" if rec["status"] == "stopped" else "")
-            self.out(head + f"{tail} | {rec['wall_time']:.1f}s")
-        elif rec["status"] == "interrupted":
+        head = f"trial {rec.trial}/{self.s.max_evals} | {format_params(rec.params)} | "
+        if rec.status in ("ok", "stopped"):
+            tail = f"{self.s.metric} {rec.value:.4f}" + (" (stopped early)" if rec.status == "stopped" else "")
+            self.out(head + f"{tail} | {rec.wall_time:.1f}s")
+        elif rec.status == "interrupted":
             self.out(head + "interrupted")
         else:
-            self.out(head + f"FAILED (exit {rec['returncode']}): {rec['error']}")
+            self.out(head + f"FAILED (exit {rec.returncode}): {rec.error}")
 
     # ------------------------------------------------------------ run
     def run(self, slots):
         """Returns True if interrupted."""
         try:
-            run_pool(self.next_job, self.on_start, self.on_done, slots, self.runner)
+            run_pool(self.s.configs, self.next_job, self.on_start, self.on_done, slots, self.runner)
         except KeyboardInterrupt:
             return True
         return False
@@ -273,7 +253,7 @@ def best_record(records, maximize):
 def finish(setup, records, interrupted, backend="local"):
     """Writes hyper_results.jsonl/.csv, hyper_best.json, hyper_report.png; prints the table."""
     out, output = setup.out, setup.output
-    records = sorted(records, key=lambda r: r["trial"])
+    records = sorted((r.as_dict() for r in records), key=lambda r: r["trial"])
     best = best_record(records, setup.maximize)
     count = {s: sum(r.get("status") == s for r in records) for s in ("ok", "fail", "stopped", "interrupted")}
     data = {"metric": setup.metric, "maximize": setup.maximize, "algo": setup.algo, "seed": setup.seed,

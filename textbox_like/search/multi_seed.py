@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import UserError
 from .hyper import INTERRUPTED, resolve_metric
 from .report import describe, fmt, seed_png, seed_table, summarize_runs, write_seed_csv
-from .trials import Job, SubprocessRunner, given_dests, plan_slots, read_json, run_pool, validate, write_json
+from .trials import Job, SubprocessRunner, TrialConfigs, TrialRecord, plan_slots, read_json, run_pool, write_json
 
 SEED_MAX = 2 ** 32 - 1
 
@@ -27,30 +27,28 @@ def draw_seeds(n, seed):
 
 def configured_seed(base_argv):
     """The trainer's --seed as configured (command line, --config files, task defaults)."""
-    return validate(base_argv).numerics.seed
+    return TrialConfigs(base_argv).resolve().numerics.seed
 
 
 def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,
                    runner=None, out=print, parallel=1, gpus_per_trial=0):
     """Runs every seed; returns (exit code, summary dict)."""
-    from .. import cli
     base_argv = list(base_argv)
-    options = cli.build_options()
-    given = given_dests(options, base_argv)
+    configs = TrialConfigs(base_argv)
+    given = configs.given
     for name, hint in (("seed", "use --seed S with --multi_seed N (seeds drawn from S), or --seeds 3,7,11"),
                        ("save_dir", "use --output DIR"), ("no_save", "each run's results.json is needed"),
                        ("print_config", "run run_hetseq.py --print_config instead")):
         if name in given:
             raise UserError(f"--{name.replace('_', '-')} cannot be used here: {hint}")
-    ns = validate(base_argv)
+    ns = configs.resolve()
     if ns.checkpoint.no_save:
         raise UserError("each run's results.json is needed: remove no_save from the configuration")
     metric, maximize = resolve_metric(ns, metric, maximize)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     slots = plan_slots(parallel, gpus_per_trial, given, out)
-    extra = [f"--best-checkpoint-metric={metric}",
-             f"--maximize-best-checkpoint-metric={'true' if maximize else 'false'}"]
+    chosen = {"best_checkpoint_metric": metric, "maximize_best_checkpoint_metric": maximize}
     out(f"multi-seed: {len(seeds)} seeds {', '.join(map(str, seeds))} | {metric} "
         f"({'max' if maximize else 'min'}) | {parallel} at a time | output {output}")
     todo = list(seeds)
@@ -64,33 +62,33 @@ def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=
         for stale in ("results.json", "metrics.jsonl"):
             if (save_dir / stale).exists():
                 (save_dir / stale).unlink()
-        return Job(seed, base_argv + [f"--save-dir={save_dir}", f"--seed={seed}"] + extra, save_dir)
+        return Job(seed, {"save_dir": str(save_dir), "seed": seed, **chosen}, save_dir)
 
     def on_start(job, handle):
         starts[job.key] = time.time()
 
     def on_done(job, outcome):
         seed = job.key
-        run = {"seed": seed, "save_dir": str(job.save_dir), "returncode": outcome.returncode,
-               "error": outcome.error, "wall_time": round(time.time() - starts.pop(seed), 3)}
+        run = TrialRecord(None, {}, str(job.save_dir), metric, seed=seed, returncode=outcome.returncode,
+                          error=outcome.error, wall_time=round(time.time() - starts.pop(seed, time.time()), 3))
         results = read_json(Path(job.save_dir) / "results.json") if outcome.returncode == 0 else None
         i = len(runs) + 1
         if outcome.interrupted:
             run.update(status="interrupted", error="interrupted")
             out(f"seed {seed} | interrupted")
         elif results is not None:
-            run.update(status="ok", final=results.get("final") or {}, best=results.get("best") or {},
-                       num_updates=results.get("num_updates"))
-            out(f"seed {seed} ({i}/{len(seeds)}) | final {metric} {fmt(run['final'].get(metric))} | best {metric} "
-                f"{fmt(run['best'].get(metric))} | {run['wall_time']:.1f}s")
+            run.update(status="ok")
+            run.take_results(results)
+            out(f"seed {seed} ({i}/{len(seeds)}) | final {metric} {fmt(run.final.get(metric))} | best {metric} "
+                f"{fmt(run.best.get(metric))} | {run.wall_time:.1f}s")
         else:
             run.update(status="fail", error=outcome.error or "the run wrote no results.json")
-            out(f"seed {seed} ({i}/{len(seeds)}) | FAILED (exit {outcome.returncode}): {run['error']}")
-        runs[seed] = run
+            out(f"seed {seed} ({i}/{len(seeds)}) | FAILED (exit {outcome.returncode}): {run.error}")
+        runs[seed] = run.as_dict()
 
     interrupted = False
     try:
-        run_pool(next_job, on_start, on_done, slots, runner or SubprocessRunner())
+        run_pool(configs, next_job, on_start, on_done, slots, runner or SubprocessRunner())
     except KeyboardInterrupt:
         interrupted = True
     ordered = [runs[s] for s in seeds if s in runs]

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
+from ..fileio import atomic_write_text
 from .hyper import Setup, finish, objective
-from .trials import (Handle, cpu_count, quote_command, read_json, read_jsonl, to_argv, validate,
+from .trials import (Handle, TrialConfigs, TrialRecord, cpu_count, read_json, read_jsonl,
                      write_json)
 
 INSTALL = 'pip install -e ".[ray]"  (or: pip install "ray[tune]")'
@@ -115,19 +116,17 @@ def claim_dir(output, trial_id, fixed=None):
             except FileExistsError:
                 k += 1
         name = f"trial_{k}"
-    tmp = ids / f".{trial_id}.tmp"
-    tmp.write_text(name + "\n")
-    tmp.replace(mine)
+    atomic_write_text(mine, name + "\n")
     return Path(output) / name
 
 
 def make_trainable(spec):
-    """spec: plain data (output, cwd, base_argv, metric, maximize, names, threads, gpus)."""
+    """spec: plain data (output, cwd, base_argv, metric, maximize, names, threads, settings)."""
+    configs = []          # built once per worker process, on its first trial
 
     def trainable(config):
         import ray
         from ray import tune
-        from ..cli import build_options
         ctx = tune.get_context()
         trial_id = ctx.get_trial_id()
         save_dir = claim_dir(spec["output"], trial_id, config.get("__dir__"))
@@ -135,8 +134,7 @@ def make_trainable(spec):
         params = {n: config[n] for n in spec["names"]}
         resume = (save_dir / "checkpoint_last.pt").exists()
         (save_dir / "ray_stopped").unlink(missing_ok=True)  # an earlier attempt's, stopped with its search
-        argv = spec["base_argv"] + to_argv(build_options(), params) + spec["extra_argv"] + [
-            f"--save-dir={save_dir}"] + (["--resume"] if resume else [])
+        settings = {**params, **spec["settings"], "save_dir": str(save_dir), **({"resume": True} if resume else {})}
         if not resume:
             for stale in ("results.json", "metrics.jsonl"):
                 if (save_dir / stale).exists():
@@ -147,10 +145,19 @@ def make_trainable(spec):
                                  "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
                                  "start": time.time(), "resume": resume})
         write_json(save_dir / "ray_trial.json", info)
-        (save_dir / "command.txt").write_text(quote_command(argv) + "\n")
         env = {"OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])}
         os.chdir(spec["cwd"])                       # relative --data etc. mean what they meant to the user
-        handle = Handle(argv, save_dir, env)
+        if not configs:
+            configs.append(TrialConfigs(spec["base_argv"]))
+        atomic_write_text(save_dir / "command.txt", configs[0].command(settings) + "\n")
+        try:
+            cfg = configs[0].resolve(settings)
+        except UserError as exc:                    # a sampled value the trainer refuses
+            atomic_write_text(save_dir / "stderr.log", f"error: {exc}\n")
+            info["attempts"][-1].update(end=time.time(), returncode=2)
+            write_json(save_dir / "ray_trial.json", info)
+            raise RuntimeError(f"trainer refused its configuration (exit 2): error: {exc}") from None
+        handle = Handle(cfg, save_dir, env)
         metric, seen, best = spec["metric"], 0, None
         stopped = True
         try:
@@ -174,7 +181,7 @@ def make_trainable(spec):
                     handle.wait(timeout=60)
                 except Exception:
                     handle.kill()
-                (save_dir / "ray_stopped").write_text("stopped by Ray Tune\n")
+                atomic_write_text(save_dir / "ray_stopped", "stopped by Ray Tune\n")
         info["attempts"][-1].update(end=time.time(), returncode=outcome.returncode)
         write_json(save_dir / "ray_trial.json", info)
         if outcome.returncode != 0:                  # crashed or killed: Tune retries (--max-failures)
@@ -200,7 +207,8 @@ def tune_outcomes(grid):
         if result.error is not None:
             lines = str(result.error).strip().splitlines() or ["error"]
             hints[tid] = ("error", next((line.strip() for line in lines if "exited with code" in line
-                                         or "no finite best" in line), lines[-1])[:300])
+                                         or "refused its configuration" in line or "no finite best" in line),
+                                        lines[-1])[:300])
         elif metrics.get("done_training"):
             hints[tid] = ("done", None)
         else:
@@ -209,31 +217,28 @@ def tune_outcomes(grid):
 
 
 def record_of(save_dir, k, metric, maximize, hint=None):
+    """The TrialRecord of a Tune trial, from its directory and Tune's outcome."""
     info = read_json(save_dir / "ray_trial.json") or {}
     results = read_json(save_dir / "results.json")
-    rec = {"trial": k, "params": info.get("params") or {}, "vals": {}, "status": "fail", "metric": metric,
-           "value": None, "loss": None, "returncode": None, "error": "", "save_dir": str(save_dir),
-           "wall_time": None, "attempts": len(info.get("attempts", [])), "trial_id": info.get("trial_id"),
-           "nodes": [a.get("node_id") for a in info.get("attempts", [])]}
     attempts = info.get("attempts", [])
+    rec = TrialRecord(k, info.get("params") or {}, str(save_dir), metric, status="fail", attempts=len(attempts),
+                      trial_id=info.get("trial_id"), nodes=[a.get("node_id") for a in attempts])
     if attempts:
-        rec["returncode"] = attempts[-1].get("returncode")
+        rec.returncode = attempts[-1].get("returncode")
         last_write = max((f.stat().st_mtime for f in (save_dir / "metrics.jsonl", save_dir / "stderr.log")
                           if f.exists()), default=time.time())   # a stopped trial's process has no "end"
-        rec["wall_time"] = round(sum((a.get("end") or max(last_write, a["start"])) - a["start"]
-                                     for a in attempts), 3)
+        rec.wall_time = round(sum((a.get("end") or max(last_write, a["start"])) - a["start"]
+                                  for a in attempts), 3)
     value = objective(results, metric)
     completed = results is not None and results.get("stopped") == "completed"
-    if results is not None:
-        rec.update(best=results.get("best") or {}, final=results.get("final") or {},
-                   num_updates=results.get("num_updates"))
+    rec.take_results(results)
     # Tune records a trial stopped by ASHA and one stopped with its search
     # (Ctrl+C) alike; ASHA marks its own (see ray_asha)
-    by_asha = bool(rec["trial_id"]) and (save_dir.parent / "ray_trials" / f"{rec['trial_id']}.asha_stopped").exists()
+    by_asha = bool(rec.trial_id) and (save_dir.parent / "ray_trials" / f"{rec.trial_id}.asha_stopped").exists()
     stopped = (hint or ("",))[0] == "stopped" or (hint is None and ((save_dir / "ray_stopped").exists() or
                                                                     (results is not None and not completed)))
     if completed and value is not None:
-        rec["status"] = "ok"
+        rec.status = "ok"
     elif stopped and not by_asha:
         rec.update(status="interrupted", error="interrupted: continue with --resume")
         value = None
@@ -251,11 +256,10 @@ def record_of(save_dir, k, metric, maximize, hint=None):
         err = (save_dir / "stderr.log")
         lines = [line for line in err.read_text(errors="replace").splitlines() if line.strip()] \
             if err.exists() else []
-        rec["error"] = (hint[1] if hint and hint[1] else None) or next((line for line in reversed(lines) if line.startswith("error:")),
-                                           lines[-1][:300] if lines else "no result")
+        rec.error = (hint[1] if hint and hint[1] else None) or next(
+            (line for line in reversed(lines) if line.startswith("error:")), lines[-1][:300] if lines else "no result")
         value = None
-    if value is not None:
-        rec.update(value=float(value), loss=-float(value) if maximize else float(value))
+    rec.score(value, maximize)
     return rec
 
 
@@ -290,13 +294,14 @@ def ray_search(space, args, rest, out=print):
         ray.shutdown()
 
 
-def _common_spec(setup_output, base_argv, metric, maximize, names, resources, extra):
+def _common_spec(setup_output, base_argv, metric, maximize, names, resources):
+    """What every trial function needs, as plain data (Ray pickles it to its workers)."""
     threads = max(1, int(resources["cpu"]))
-    extra = list(extra)
+    settings = {"best_checkpoint_metric": metric, "maximize_best_checkpoint_metric": maximize}
     if resources["gpu"] and resources["gpu"] > 1:
-        extra.append(f"--distributed-world-size={int(resources['gpu'])}")
+        settings["distributed_world_size"] = int(resources["gpu"])
     return {"output": str(Path(setup_output).resolve()), "cwd": os.getcwd(), "base_argv": list(base_argv),
-            "metric": metric, "maximize": maximize, "names": list(names), "threads": threads, "extra_argv": extra}
+            "metric": metric, "maximize": maximize, "names": list(names), "threads": threads, "settings": settings}
 
 
 def _tune_run(ray, trainable, resources, param_space, tune_config, output, max_failures, resume, out):
@@ -324,9 +329,7 @@ def _ray_search(ray, setup, args, out):
     setup.print_space()
     setup.output.mkdir(parents=True, exist_ok=True)
     write_json(setup.output / "hyper_search.json", setup.state())
-    extra = [f"--best-checkpoint-metric={setup.metric}",
-             f"--maximize-best-checkpoint-metric={'true' if setup.maximize else 'false'}"]
-    spec = _common_spec(setup.output, setup.base_argv, setup.metric, setup.maximize, setup.space, resources, extra)
+    spec = _common_spec(setup.output, setup.base_argv, setup.metric, setup.maximize, setup.space, resources)
     mode = "max" if setup.maximize else "min"
     scheduler, grace = None, None
     if args.scheduler == "asha":
@@ -368,13 +371,13 @@ def _ray_search(ray, setup, args, out):
         rec = record_of(d, int(d.name.split("_")[1]), setup.metric, setup.maximize,
                         hints.get(info.get("trial_id")))
         records.append(rec)
-    interrupted = interrupted or any(rec["status"] == "interrupted" for rec in records)
+    interrupted = interrupted or any(rec.status == "interrupted" for rec in records)
     for rec in records:
-        if interrupted and rec["status"] == "fail" and not (Path(rec["save_dir"]) / "results.json").exists():
-            rec["status"] = "interrupted"
-        line = f"trial {rec['trial']} | {' '.join(f'{k}={v}' for k, v in rec['params'].items())} | {rec['status']}"
-        out(line + (f" | {setup.metric} {rec['value']:.4f}" if rec["value"] is not None else f" | {rec['error']}")
-            + (f" | attempts {rec['attempts']}" if rec["attempts"] > 1 else ""))
+        if interrupted and rec.status == "fail" and not (Path(rec.save_dir) / "results.json").exists():
+            rec.status = "interrupted"
+        line = f"trial {rec.trial} | {' '.join(f'{k}={v}' for k, v in rec.params.items())} | {rec.status}"
+        out(line + (f" | {setup.metric} {rec.value:.4f}" if rec.value is not None else f" | {rec.error}")
+            + (f" | attempts {rec.attempts}" if rec.attempts > 1 else ""))
     code, data = finish(setup, records, interrupted, backend="ray")
     return code, data
 
@@ -391,26 +394,23 @@ def _unpack_point(trainable, names):
 def ray_multi_seed(seeds, args, rest, out=print):
     from ray import tune
 
-    from .. import cli
     from .hyper import resolve_metric
     from .multi_seed import summarize_and_report
-    from .trials import ROOT, given_dests
+    from .trials import ROOT
     require_ray()
     base_argv = list(rest)
-    given = given_dests(cli.build_options(), base_argv)
+    configs = TrialConfigs(base_argv)
+    given = configs.given
     for name in ("seed", "save_dir", "no_save", "print_config"):
         if name in given:
             raise UserError(f"--{name.replace('_', '-')} cannot be used here (see run_multi_seed.py --help)")
-    ns = validate(base_argv)
-    metric, maximize = resolve_metric(ns, args.metric, args.maximize)
+    metric, maximize = resolve_metric(configs.resolve(), args.metric, args.maximize)
     output = Path(args.output)
     ray = start_ray(args.ray_address, ROOT, out)
     try:
         resources = trial_resources(ray, args.parallel, args.cpus_per_trial, args.gpus_per_trial)
         output.mkdir(parents=True, exist_ok=True)
-        extra = [f"--best-checkpoint-metric={metric}",
-                 f"--maximize-best-checkpoint-metric={'true' if maximize else 'false'}"]
-        spec = _common_spec(output, base_argv, metric, maximize, ["seed"], resources, extra)
+        spec = _common_spec(output, base_argv, metric, maximize, ["seed"], resources)
         points = [{"seed": s, "__dir__": f"seed_{s}", "__key__": s} for s in seeds]
         trainable = _unpack_point(make_trainable(spec), ["seed"])
         mode = "max" if maximize else "min"
@@ -432,16 +432,18 @@ def ray_multi_seed(seeds, args, rest, out=print):
         info = read_json(d / "ray_trial.json") or {}
         attempts = info.get("attempts", [])
         wall = round(sum((a.get("end") or time.time()) - a["start"] for a in attempts), 3) if attempts else None
+        run = TrialRecord(None, {}, str(d), metric, seed=s, wall_time=wall, attempts=len(attempts))
         if results is not None and results.get("stopped") == "completed":
-            runs.append({"seed": s, "status": "ok", "save_dir": str(d), "returncode": 0, "error": "",
-                         "wall_time": wall, "final": results.get("final") or {}, "best": results.get("best") or {},
-                         "num_updates": results.get("num_updates"), "attempts": len(attempts)})
-            out(f"seed {s} | final {metric} {runs[-1]['final'].get(metric)} | {wall}s")
+            run.update(status="ok", returncode=0)
+            run.take_results(results)
+            out(f"seed {s} | final {metric} {run.final.get(metric)} | {wall}s")
         elif attempts:
-            runs.append({"seed": s, "status": "interrupted" if interrupted else "fail", "save_dir": str(d),
-                         "returncode": attempts[-1].get("returncode"), "wall_time": wall,
-                         "error": "interrupted" if interrupted else "the run did not complete"})
-            out(f"seed {s} | FAILED: {runs[-1]['error']}")
+            run.update(status="interrupted" if interrupted else "fail", returncode=attempts[-1].get("returncode"),
+                       error="interrupted" if interrupted else "the run did not complete")
+            out(f"seed {s} | FAILED: {run.error}")
+        else:
+            continue
+        runs.append(run.as_dict())
     code, summary = summarize_and_report(seeds, runs, output, metric, maximize, interrupted, out)
     return code, summary
 

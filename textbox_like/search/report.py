@@ -2,10 +2,13 @@
 PNG figures (matplotlib, Agg backend)."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import math
 from pathlib import Path
 
+from ..fileio import atomic_write, atomic_write_text
 from .trials import read_jsonl
 
 
@@ -91,8 +94,16 @@ def search_table(records, names, metric, best_trial):
         ("\n(* best)" if best_trial is not None else "")
 
 
+@contextlib.contextmanager
+def csv_file(path):
+    """A CSV written in memory, then to ``path`` at once (atomic, synced)."""
+    buffer = io.StringIO(newline="")
+    yield buffer
+    atomic_write_text(path, buffer.getvalue())
+
+
 def write_search_csv(path, records, names, metric):
-    with open(path, "w", newline="") as handle:
+    with csv_file(path) as handle:
         w = csv.writer(handle)
         w.writerow(["trial", *names, metric, "status", "wall_time", "num_updates", "returncode", "error",
                     "save_dir"])
@@ -177,7 +188,7 @@ def search_png(path, records, space, metric, maximize):
     for ax in axes[n:]:
         ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=100))
     plt.close(fig)
 
 
@@ -194,7 +205,7 @@ def seed_table(stats):
 
 
 def write_seed_csv(path, stats):
-    with open(path, "w", newline="") as handle:
+    with csv_file(path) as handle:
         w = csv.writer(handle)
         w.writerow(["part", "metric", "n", "mean", "std", "ci95_low", "ci95_high", "min", "median", "max"])
         for part in ("final", "best"):
@@ -268,5 +279,5 @@ def seed_png(path, save_dirs, metric, seeds):
         ax.grid(alpha=0.3)
     fig.suptitle(f"{n} seeds: {', '.join(map(str, seeds))}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=100))
     plt.close(fig)

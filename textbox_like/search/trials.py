@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -30,7 +30,8 @@ from ..errors import UserError
 from ..fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-TRAINER = "import sys; from textbox_like.cli import main; sys.exit(main())"
+TRAINER = "import sys; from textbox_like.cli import run_resolved; sys.exit(run_resolved(sys.argv[1]))"
+TRIAL_CONFIG = "trial_config.yaml"
 PREEMPTED = 75
 
 
@@ -41,17 +42,46 @@ class Outcome:
     interrupted: bool = False
 
 
-# ====================================================================== argv
+# ====================================================================== trial configurations
+#: where a trial's own settings (sampled values, save directory, share of the
+#: machine) come from, in its config.yaml's provenance and --print_config
+SOURCE = "the search"
+
+
 def given_dests(options, argv):
     """The options a trainer command line names."""
     return {d for d in (options.dest_of(t) for t in argv if str(t).startswith("--")) if d}
 
 
-def to_argv(options, params):
-    """Sampled values -> trainer flags ('--name=value'; a switch: the flag or nothing)."""
+class TrialConfigs:
+    """Each trial's trainer configuration, resolved once, here, from the base
+    command line and the trial's own settings, and checked as the trainer
+    checks it; the trial's process runs it as it is (``cli.run_resolved``)."""
+
+    def __init__(self, base_argv):
+        from .. import cli
+        self.base_argv = [str(a) for a in base_argv]
+        self.options = cli.build_options()
+        self.given = given_dests(self.options, self.base_argv)
+
+    def resolve(self, settings=None):
+        """The RunConfig of the base command line with ``settings`` (by name)
+        on top; UserError if the trainer would refuse it."""
+        from .. import cli
+        cfg = cli.parse(self.base_argv, overrides=settings or {}, overrides_name=SOURCE)
+        cli.check(cfg)
+        return cfg
+
+    def command(self, settings):
+        """The equivalent trainer command line, for people (command.txt,
+        hyper_best.json): the trial itself never re-parses it."""
+        return quote_command(self.base_argv + as_flags(settings))
+
+
+def as_flags(settings):
+    """Settings -> '--name=value' flags (a switch: true/false)."""
     out = []
-    for name, value in params.items():
-        flag = "--" + name
+    for name, value in settings.items():
         if isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, dict):
@@ -62,17 +92,8 @@ def to_argv(options, params):
             text = repr(value)
         else:
             text = str(value)
-        out.append(f"{flag}={text}")
+        out.append(f"--{name}={text}")
     return out
-
-
-def validate(argv):
-    """The resolved configuration of a trainer command line, checked as the
-    trainer checks it before anything heavy; UserError if bad."""
-    from .. import cli
-    cfg = cli.parse(argv)
-    cli.check(cfg)
-    return cfg
 
 
 def quote_command(argv):
@@ -108,6 +129,58 @@ def write_jsonl(path, records):
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
+# ====================================================================== records
+#: fields left out of a record's JSON while unset (results not read yet; not Ray)
+_OPTIONAL = ("seed", "best", "final", "num_updates", "trial_id", "nodes")
+
+
+@dataclass
+class TrialRecord:
+    """One trial of a search, or one seed's run: a line of
+    hyper_results.jsonl, the same for the local and the Ray backend."""
+    trial: int | None
+    params: dict
+    save_dir: str
+    metric: str | None = None
+    vals: dict = field(default_factory=dict)      # hyperopt's raw draw (choice indices), for resuming
+    status: str = "running"                       # running | ok | fail | stopped | interrupted
+    value: float | None = None
+    loss: float | None = None                     # what hyperopt minimises: -value when maximising
+    returncode: int | None = None
+    error: str = ""
+    wall_time: float | None = None
+    attempts: int = 0
+    seed: int | None = None                       # run_multi_seed's key
+    best: dict | None = None
+    final: dict | None = None
+    num_updates: int | None = None
+    trial_id: str | None = None                   # Ray Tune's trial id
+    nodes: list | None = None                     # Ray: the node of each attempt
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in _OPTIONAL}
+
+    @classmethod
+    def from_dict(cls, data) -> "TrialRecord":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def update(self, **changes):
+        for key, value in changes.items():
+            setattr(self, key, value)
+
+    def take_results(self, results):
+        """A run's results.json (or None): its best and final metrics."""
+        if results is not None:
+            self.update(best=results.get("best") or {}, final=results.get("final") or {},
+                        num_updates=results.get("num_updates"))
+
+    def score(self, value, maximize):
+        """The objective's value (None: no score)."""
+        self.value = None if value is None else float(value)
+        self.loss = None if value is None else (-self.value if maximize else self.value)
+
+
 # ====================================================================== resources
 def cpu_count():
     try:
@@ -134,7 +207,7 @@ def gpu_ids():
 class Slot:
     index: int
     env: dict
-    argv: list
+    settings: dict       # the trainer settings this share of the machine implies
 
 
 def plan_slots(parallel, gpus_per_trial, given, out=print):
@@ -151,9 +224,9 @@ def plan_slots(parallel, gpus_per_trial, given, out=print):
                             f"this machine has {len(ids)} ({','.join(ids)}); lower one of them")
         for i in range(parallel):
             mine = ids[i * gpus_per_trial:(i + 1) * gpus_per_trial]
-            argv = [] if gpus_per_trial == 1 or "distributed_world_size" in given else \
-                [f"--distributed-world-size={gpus_per_trial}"]
-            slots.append(Slot(i, {"CUDA_VISIBLE_DEVICES": ",".join(mine)}, argv))
+            settings = {} if gpus_per_trial == 1 or "distributed_world_size" in given else \
+                {"distributed_world_size": gpus_per_trial}
+            slots.append(Slot(i, {"CUDA_VISIBLE_DEVICES": ",".join(mine)}, settings))
         out(f"resources: {parallel} trial(s) at once, GPUs " +
             "; ".join(s.env["CUDA_VISIBLE_DEVICES"] for s in slots))
         return slots
@@ -161,8 +234,7 @@ def plan_slots(parallel, gpus_per_trial, given, out=print):
     threads = max(1, cores // parallel)
     for i in range(parallel):
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        argv = [] if "threads" in given else [f"--threads={threads}"]
-        slots.append(Slot(i, env, argv))
+        slots.append(Slot(i, env, {} if "threads" in given else {"threads": threads}))
     out(f"resources: {parallel} trial(s) at once on {cores} CPU core(s), {threads} thread(s) each"
         + (" (--threads given: kept)" if "threads" in given else ""))
     return slots
@@ -188,13 +260,18 @@ def last_error(save_dir):
 
 
 class Handle:
-    def __init__(self, argv, save_dir, env=None):
+    """One trial's trainer process, running the configuration resolved for
+    it (written to the trial's directory as trial_config.yaml)."""
+
+    def __init__(self, cfg, save_dir, env=None):
+        from ..config import write_resolved
         self.save_dir = Path(save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
         self.stopping = False
+        resolved = write_resolved(cfg, self.save_dir / TRIAL_CONFIG)
         self._out = open(self.save_dir / "stdout.log", "a")
         self._err = open(self.save_dir / "stderr.log", "a")
-        self.child = subprocess.Popen([sys.executable, "-c", TRAINER, *map(str, argv)], stdout=self._out,
+        self.child = subprocess.Popen([sys.executable, "-c", TRAINER, str(resolved)], stdout=self._out,
                                       stderr=self._err, env=trainer_env(env),
                                       start_new_session=True, preexec_fn=die_with_parent)
 
@@ -226,20 +303,23 @@ class Handle:
 
 
 class SubprocessRunner:
-    def start(self, argv, save_dir, env=None):
-        return Handle(argv, save_dir, env)
+    def start(self, cfg, save_dir, env=None):
+        return Handle(cfg, save_dir, env)
 
 
 # ====================================================================== the pool
 @dataclass
 class Job:
+    """A trial to start: its own trainer settings (on top of the base
+    command line); the pool adds its slot's and resolves them."""
     key: object           # trial number or seed
-    argv: list
+    settings: dict
     save_dir: Path
 
 
-def run_pool(next_job, on_start, on_done, slots, runner, poll_interval=0.2, stop_timeout=120):
-    """Keep len(slots) jobs running. next_job() -> Job or None (nothing more);
+def run_pool(configs, next_job, on_start, on_done, slots, runner, poll_interval=0.2, stop_timeout=120):
+    """Keep len(slots) jobs running, each with its configuration resolved by
+    ``configs`` (TrialConfigs). next_job() -> Job or None (nothing more);
     on_start(job, handle); on_done(job, outcome). Ctrl-C: every running job is
     asked to stop (it saves checkpoint_last.pt), waited for, reported through
     on_done with outcome.interrupted, then KeyboardInterrupt is raised again."""
@@ -255,11 +335,18 @@ def run_pool(next_job, on_start, on_done, slots, runner, poll_interval=0.2, stop
                     break
                 slot = free.pop(0)
                 Path(job.save_dir).mkdir(parents=True, exist_ok=True)
-                argv = list(job.argv) + slot.argv
-                (Path(job.save_dir) / "command.txt").write_text(
-                    " ".join(f"{k}={v}" for k, v in slot.env.items() if k == "CUDA_VISIBLE_DEVICES")
-                    + (" " if "CUDA_VISIBLE_DEVICES" in slot.env else "") + quote_command(argv) + "\n")
-                handle = runner.start(argv, job.save_dir, slot.env)
+                settings = {**job.settings, **slot.settings}
+                try:
+                    cfg = configs.resolve(settings)
+                except UserError as exc:            # a sampled value the trainer refuses
+                    free.insert(0, slot)
+                    on_done(job, Outcome(2, f"error: {exc}"))
+                    continue
+                devices = slot.env.get("CUDA_VISIBLE_DEVICES")
+                atomic_write_text(Path(job.save_dir) / "command.txt",
+                                  (f"CUDA_VISIBLE_DEVICES={devices} " if devices else "")
+                                  + configs.command(settings) + "\n")
+                handle = runner.start(cfg, job.save_dir, slot.env)
                 running[slot.index] = (job, handle, slot)
                 on_start(job, handle)
             if not running:

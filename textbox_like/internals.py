@@ -1,0 +1,57 @@
+"""The few places where we reach into another library's private parts.
+
+Each is version-dependent, so each lives here as one small function with a
+test of its own (tests/test_internals.py): an upgrade of torch, hyperopt or
+Python that moves one fails there, by name, not deep inside a run.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+# ---------------------------------------------------------------- torch.compile
+def compile_errors() -> tuple:
+    """The exception types torch.compile raises when a model does not
+    compile: dynamo's (unsupported code) and inductor's (code generation).
+    Empty where torch has neither: nothing is taken for a compile error."""
+    found = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+        found.append(TorchDynamoException)
+    except ImportError:
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+        found.append(InductorError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def compiled_original(model):
+    """The module under torch.compile's wrapper (OptimizedModule), or ``model``."""
+    return getattr(model, "_orig_mod", model)
+
+
+def drop_module_compilation(module):
+    """Undo ``nn.Module.compile()`` on ``module``: its forward runs eager again."""
+    module._compiled_call_impl = None
+
+
+# ---------------------------------------------------------------- hyperopt
+def hyperopt_trial_documents(trials):
+    """All trial documents of a ``hyperopt.Trials``, the unfinished ones too
+    (``trials.trials`` lists only those seen by the last ``refresh()``): the
+    search marks a trial done in its document, then refreshes."""
+    return trials._dynamic_trials
+
+
+# ---------------------------------------------------------------- argparse
+def parser_actions(parser: argparse.ArgumentParser):
+    """Every option of a parser, as argparse.Action objects."""
+    return parser._actions
+
+
+def appends(action) -> bool:
+    """Whether an option collects its values in a list (``action='append'``)."""
+    return isinstance(action, argparse._AppendAction)
