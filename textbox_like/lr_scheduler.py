@@ -40,6 +40,11 @@ class Scheduler:
     def add_args(options):
         pass
 
+    def rebase(self, lr):
+        """--optimizer-overrides' lr on a restore: the schedule's base LR
+        from now on (the configured --lr stays what config.yaml says)."""
+        self.lrs = [lr]
+
     def base_lr(self):
         """HetSeq/fairseq: --lr 'a,b,c' gives a per-epoch base LR; after
         --force-anneal epochs the last one is kept."""

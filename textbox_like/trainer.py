@@ -677,8 +677,8 @@ class Trainer:
         overrides = cfg.checkpoint.optimizer_overrides or {}
         for group in self.optimizer.param_groups:
             group.update({k: v for k, v in overrides.items() if not (k == "weight_decay" and group.get("no_decay"))})
-        if overrides.get("lr") is not None:  # an override of lr moves the schedule's base
-            self.scheduler.lrs = [float(overrides["lr"])]
+        if overrides.get("lr") is not None:
+            self.scheduler.rebase(float(overrides["lr"]))
         if "scheduler" in fresh:
             self.scheduler.step_update(state.num_updates)  # the schedule at the restored update, not at 0
         if self.end_of_epoch():
