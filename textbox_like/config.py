@@ -191,7 +191,7 @@ def gpu_ids(text):
 
 
 def seed_int(text):
-    value = nonneg_int(text)
+    value = _int(text, 0, "an integer from 0 to 2**32 - 1")
     if value >= 2 ** 32:
         raise argparse.ArgumentTypeError(f"expects an integer from 0 to 2**32 - 1, got {text!r}")
     return value

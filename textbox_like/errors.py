@@ -14,7 +14,9 @@ def _norm(text):
 
 
 def _distance(a, b):
-    """Edit distance with transpositions (optimal string alignment)."""
+    """Edit distance with transpositions (optimal string alignment). Not
+    difflib's ratio: that one takes --end-learning-rate for a near miss of
+    --learning-rate, because they share a long run of letters."""
     prev2, prev = None, list(range(len(b) + 1))
     for i in range(1, len(a) + 1):
         cur = [i] + [0] * len(b)
@@ -60,6 +62,14 @@ def closest_match(word, choices):
         if len(prefixed) == 1:
             return next(iter(prefixed.values()))
     return None
+
+
+def nearest(word, choices):
+    """The choice with the fewest typing mistakes from ``word`` (None when
+    there are no choices): for messages that always name one."""
+    choices = [str(c) for c in choices]
+    target = _norm(word)
+    return min(choices, key=lambda c: (_distance(target, _norm(c)), c), default=None)
 
 
 def closest(word, choices):

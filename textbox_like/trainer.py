@@ -553,8 +553,7 @@ class Trainer:
         first = results[self.cfg.data.valid_subset[0]]
         value = self.validator.value(first)
         state.last_valid = first
-        if hasattr(self.scheduler, "step_valid"):
-            self.scheduler.step_valid(value)  # ReduceLROnPlateau and kin
+        self.scheduler.step_valid(value)  # ReduceLROnPlateau and kin step here; the others ignore it
         if self.validator.is_better(value, state.best):
             state.best, state.best_valid = value, dict(first)
             return True

@@ -42,16 +42,6 @@ def _positive_float(text):
     return value
 
 
-def _seed(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2 ** 32:
-        raise argparse.ArgumentTypeError(f"expects an integer from 0 to 2**32 - 1, got {text!r}")
-    return value
-
-
 def _seed_list(text):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -125,8 +115,8 @@ def _hyper(argv):
                    help="exhaustive, random (rand), bayes (tpe), anneal, atpe, or tpe.suggest etc. (default random)")
     p.add_argument(*_both("--max_evals"), dest="max_evals", type=_positive, default=None, metavar="N",
                    help="number of trials (default 10; exhaustive: the whole grid)")
-    p.add_argument(*_both("--seed"), dest="seed", type=_seed, default=1, help="seed of the sampler (default 1)")
-    p.add_argument(*_both("--train_seed"), dest="train_seed", type=_seed, default=None,
+    p.add_argument(*_both("--seed"), dest="seed", type=C.seed_int, default=1, help="seed of the sampler (default 1)")
+    p.add_argument(*_both("--train_seed"), dest="train_seed", type=C.seed_int, default=None,
                    help="--seed of every trial's training run (default: the configured one)")
     p.add_argument(*_both("--output"), dest="output", default="checkpoints/hyper", metavar="DIR",
                    help="where trial_<k>/ and the reports go (default checkpoints/hyper)")
@@ -177,7 +167,7 @@ def _multi_seed(argv):
                        help="run N seeds drawn from a generator seeded with --seed (as TextBox)")
     seeds.add_argument(*_both("--seeds"), dest="seeds", type=_seed_list, default=None, metavar="LIST",
                        help="run these seeds, e.g. 3,7,11")
-    p.add_argument(*_both("--seed"), dest="seed", type=_seed, default=None,
+    p.add_argument(*_both("--seed"), dest="seed", type=C.seed_int, default=None,
                    help="with --multi_seed: seeds the generator of the N seeds (default: the configured --seed)")
     p.add_argument(*_both("--output"), dest="output", default="checkpoints/multi_seed", metavar="DIR",
                    help="where seed_<s>/ and the summaries go (default checkpoints/multi_seed)")

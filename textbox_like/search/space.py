@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from ..config import with_numbers
-from ..errors import UserError, closest
+from ..errors import UserError, closest, nearest
 
 # kind -> argument names (hyperopt's order)
 KINDS = {
@@ -187,9 +187,8 @@ def resolve_label(label, options, where):
     if dest is not None and dest in options.actions:
         return dest
     known = sorted({s[2:] for s in options.flags if s.startswith("--")} | set(TEXTBOX_ALIASES))
-    import difflib
-    near = difflib.get_close_matches(label, known, n=1, cutoff=0.0)     # always name the closest one
-    hint = f" (the closest option is {near[0]!r})" if near else ""
+    near = nearest(label, known)     # always name the closest one
+    hint = f" (the closest option is {near!r})" if near else ""
     raise UserError(f"{where}: {label!r} is not an option of run_hetseq.py{hint}; "
                     f"labels are trainer options (run_hetseq.py --help) or TextBox names "
                     f"({', '.join(sorted(TEXTBOX_ALIASES))})")
