@@ -19,6 +19,10 @@ from textbox_like import cli
 GOLDEN = Path(__file__).resolve().parent / "data" / "print_config"
 CASES = yaml.safe_load((GOLDEN / "cases.yaml").read_text())
 
+#: settings declared after the files were saved, with the value each prints
+#: when not given: the rest of the output must not move
+ADDED = {"initial_decoder": None, "model_path": None, "metrics": None}
+
 
 def printed(argv):
     out = io.StringIO()
@@ -27,12 +31,26 @@ def printed(argv):
     return out.getvalue()
 
 
+def without_added(text):
+    """The printed configuration less the ADDED settings' lines (a dict's
+    indented lines go with its key)."""
+    kept, dropping = [], False
+    for line in text.splitlines(keepends=True):
+        if not line.startswith(" "):
+            dropping = line.split(":", 1)[0] in ADDED
+        if not dropping:
+            kept.append(line)
+    return "".join(kept)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_print_config_is_unchanged(name):
-    assert printed(CASES[name]) == (GOLDEN / f"{name}.yaml").read_text()
+    text = printed(CASES[name])
+    assert without_added(text) == (GOLDEN / f"{name}.yaml").read_text()
+    assert {k: v for k, v in yaml.safe_load(text).items() if k in ADDED} == ADDED
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_an_old_config_yaml_loads_and_reproduces_itself(name):
     saved = GOLDEN / f"{name}.yaml"
-    assert printed(["--config", str(saved)]) == saved.read_text()
+    assert without_added(printed(["--config", str(saved)])) == saved.read_text()

@@ -69,6 +69,10 @@ def groups_for(ns):
     from .optim import OPTIMIZERS
     from .tasks import TASKS
     ns.task = TASKS.canonical(ns.task)
+    if ns.optimizer not in OPTIMIZERS and ns.optimizer in SCHEDULERS:
+        # HetSeq's docs list PolynomialDecayScheduler under --optimizer
+        raise UserError(f"--optimizer {ns.optimizer} is a learning-rate scheduler: pass --lr-scheduler "
+                        f"{ns.optimizer} (and an optimizer, e.g. --optimizer adam)")
     ns.optimizer = OPTIMIZERS.canonical(ns.optimizer)
     ns.lr_scheduler = SCHEDULERS.canonical(ns.lr_scheduler)
     return ["common", "optimization", "validation", "checkpoint", "logging", "distributed",

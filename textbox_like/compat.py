@@ -40,10 +40,23 @@ ALIASES = (
     ("--grad_clip", "clip_norm", "TextBox: alias of --clip-norm"),
     ("--saved_dir", "save_dir", "TextBox: alias of --save-dir"),
     ("--local_rank", "device_id", "torch.distributed.launch: alias of --device-id"),
+    ("--metrics_for_best_model", "best_checkpoint_metric",
+     "TextBox: alias of --best-checkpoint-metric (a one-name list like ['accuracy'] too)"),
 )
 
 #: kanachan's / Apex's --amp-optimization-level -> our --train_dtype
 AMP_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
+
+
+def dtype_name(text):
+    """--train_dtype's value; an Apex level (O1) names the option that takes it."""
+    text = str(text).strip()
+    if text in AMP_LEVELS:
+        import argparse
+        raise argparse.ArgumentTypeError(f"{text} is an Apex optimization level, not a dtype: pass "
+                                         f"--amp-optimization-level {text} (it means --train_dtype "
+                                         f"{AMP_LEVELS[text]})")
+    return text
 
 
 def add_aliases(options):
@@ -74,6 +87,10 @@ def apply_foreign_settings(ns, user_gave, rank_of):
     _data_paths(ns, user_gave, rank_of)
     _save_dir(ns, user_gave, rank_of)
     _model(ns)
+    _metrics(ns)
+    if ns.fast_stat_sync:
+        note("--fast-stat-sync changes nothing here: the statistics of all ranks are always summed in one "
+             "all-reduce per log interval, which is what it asks for")
 
 
 def _precision(ns, user_gave):
@@ -91,16 +108,37 @@ def _precision(ns, user_gave):
         raise UserError("--train_dtype float64 excludes --fp16 and --bf16; choose one")
 
 
+def _cuda_devices():
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _devices(ns, user_gave):
     if ns.device is not None:
         if ns.device == "cpu":
             ns.cpu = True
-        elif ns.device not in ("cuda",):
-            index = int(ns.device[4:].lstrip(":"))
-            if ns.device_id is not None and ns.device_id != index:
-                raise UserError(f"--device {ns.device} and --device-id {ns.device_id} name different GPUs; keep one")
-            ns.device_id = index
+        else:
+            index = None if ns.device == "cuda" else int(ns.device[4:].lstrip(":"))
+            count = _cuda_devices()
+            if count == 0:
+                raise UserError(f"--device {ns.device}: this machine has no CUDA GPU; pass --device cpu "
+                                f"(or leave --device out)")
+            if index is not None and index >= count:
+                raise UserError(f"--device {ns.device}: this machine has {count} CUDA GPU(s), numbered from 0")
+            if index is not None:
+                if ns.device_id is not None and ns.device_id != index:
+                    raise UserError(f"--device {ns.device} and --device-id {ns.device_id} name different GPUs; "
+                                    f"keep one")
+                ns.device_id = index
+    if ns.device_id is not None and user_gave("device_id") and not ns.cpu and "LOCAL_RANK" not in os.environ \
+            and _cuda_devices() == 0:
+        note(f"--device-id {ns.device_id}: this machine has no CUDA GPU; training on CPU")
     if ns.ngpu is not None:
+        if ns.ngpu > 0 and not ns.cpu and _cuda_devices() == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            note(f"--ngpu {ns.ngpu}: this machine has no CUDA GPU"
+                 + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
+                 + f"; running {ns.ngpu} process(es) on CPU")
         if ns.ngpu == 0:
             ns.cpu = True
         elif ns.distributed_init_method:
@@ -165,12 +203,50 @@ def _model(ns):
         what = "BertForPreTraining (its heads have no feed-forward layer)" if ns.task == "bert" else \
             f"the {ns.task} model"
         note(f"--dim-final-feedforward {ns.dim_final_feedforward} has no meaning for {what}; ignored")
-    if ns.initial_encoder is not None:
-        if not os.path.exists(ns.initial_encoder):
-            raise UserError(f"--initial-encoder {ns.initial_encoder}: no such file or directory")
-        if hasattr(ns, "init_checkpoint"):
-            if ns.init_checkpoint and ns.init_checkpoint != ns.initial_encoder:
-                raise UserError("--initial-encoder and --init-checkpoint name different files; keep one")
-            ns.init_checkpoint = ns.initial_encoder
+    for flag, path in (("--initial-encoder", ns.initial_encoder), ("--model_path", ns.model_path)):
+        if path is not None:
+            _initial_weights(ns, flag, path)
+    if ns.initial_decoder is not None:
+        encoder = ns.initial_encoder or ns.model_path or getattr(ns, "init_checkpoint", None)
+        if encoder is None or os.path.abspath(encoder) != os.path.abspath(ns.initial_decoder):
+            raise UserError(f"--initial-decoder {ns.initial_decoder}: our checkpoints and save_pretrained "
+                            f"directories hold the heads with the encoder; pass that file as --initial-encoder "
+                            f"(alone, or with the same --initial-decoder)")
     if ns.initial_optimizer is not None and not os.path.isfile(ns.initial_optimizer):
         raise UserError(f"--initial-optimizer {ns.initial_optimizer}: no such file")
+    given = [f for f, v in (("--initial-encoder", ns.initial_encoder), ("--initial-decoder", ns.initial_decoder),
+                            ("--initial-optimizer", ns.initial_optimizer)) if v is not None]
+    if given and ns.resume:
+        raise UserError(f"{' and '.join(given)} and --resume exclude each other (kanachan: mutually exclusive): "
+                        f"--resume continues checkpoint_last.pt with its own weights and optimizer; leave one out")
+
+
+def _initial_weights(ns, flag, path):
+    """kanachan's --initial-encoder, TextBox's --model_path: the task's
+    initial weights (BERT: --init-checkpoint)."""
+    from .tasks import TASKS
+    setting = TASKS.get(ns.task).initial_weights_setting
+    if setting is None:
+        raise UserError(f"{flag}: the {ns.task} model starts from random weights only (initial weights are for "
+                        f"--task bert); leave {flag} out")
+    if not os.path.exists(path):
+        raise UserError(f"{flag} {path}: no such file or directory; nothing can be downloaded here: pass a local "
+                        f"save_pretrained directory (python -m textbox_like.export makes one) or a checkpoint of "
+                        f"ours")
+    current = getattr(ns, setting)
+    if current and os.path.abspath(current) != os.path.abspath(path):
+        raise UserError(f"{flag} and --{setting.replace('_', '-')} name different files; keep one")
+    setattr(ns, setting, path)
+
+
+def _metrics(ns):
+    """TextBox's --metrics: we report every metric of the task; a name it
+    does not report is a mistake worth one line."""
+    if not ns.metrics:
+        return
+    from .tasks import TASKS
+    ours = TASKS.get(ns.task).metric_names
+    unknown = [m for m in ns.metrics if ours and m not in ours]
+    if unknown:
+        raise UserError(f"--metrics {', '.join(unknown)}: not reported by task {ns.task}; it reports "
+                        f"{', '.join(ours)} (all of them, always)")

@@ -174,6 +174,29 @@ LITERAL_DICT = _described(_literal_dict, "a Python dict literal like \"{'lr': 0.
 BOOL = _described(str2bool, "true or false")
 
 
+def metric_names(text):
+    """Metric names: 'a,b', or TextBox's list literal "['a', 'b']"."""
+    if isinstance(text, (list, tuple)):
+        return [str(v) for v in text]
+    text = str(text).strip()
+    if text.startswith(("[", "(")):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"expects metric names like accuracy,loss or ['accuracy'], "
+                                             f"got {text!r}") from None
+        return [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def metric_name(text):
+    """One metric name (TextBox's one-name list "['accuracy']" too)."""
+    names = metric_names(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError(f"expects one metric name, got {text!r}")
+    return names[0]
+
+
 def device_name(text):
     """cpu, cuda, cudaN or cuda:N (kanachan's --device)."""
     text = str(text).strip().lower()

@@ -1,6 +1,6 @@
 """Name -> class registries for tasks, optimizers and LR schedulers (fairseq's
 pattern): a new one is a decorated class in its package, nothing else."""
-from .errors import unknown
+from .errors import UserError, unknown
 
 
 class Registry:
@@ -46,6 +46,14 @@ class Registry:
 
     def get(self, name):
         return self._entries[self.canonical(name)]
+
+    def __contains__(self, name):
+        """Whether ``name`` (any of its spellings) is registered."""
+        try:
+            self.canonical(name)
+        except UserError:
+            return False
+        return True
 
     def names(self):
         return list(self._entries)

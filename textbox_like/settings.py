@@ -28,8 +28,9 @@ import types
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping
 
-from .config import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, device_name, float_list, gpu_ids, nonneg_int,
-                     positive_int, seed_int)
+from .compat import dtype_name
+from .config import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, device_name, float_list, gpu_ids, metric_name,
+                     metric_names, nonneg_int, positive_int, seed_int)
 from .errors import UserError, closest
 
 #: the printed groups, in order; a plugin's options follow them (task, optimizer, LR scheduler)
@@ -95,6 +96,8 @@ class ModelConfig(Section):
     dim_final_feedforward: int | None = setting(None, "kanachan: size of the feed-forward layer of the final head (no such layer in mnist's CNN or BertForPreTraining: a note says so)", type=positive_int)
     checkpointing: bool = setting(False, 'kanachan: activation (gradient) checkpointing: recompute activations in backward, less memory, the same loss', switch=True)
     initial_encoder: str | None = setting(None, 'kanachan: start from these encoder weights (BERT: sets --init-checkpoint)', metavar='PATH')
+    initial_decoder: str | None = setting(None, "kanachan: start from these decoder weights (BERT: its heads; our checkpoints and save_pretrained directories hold them with the encoder: give the same file as --initial-encoder)", metavar='PATH')
+    model_path: str | None = setting(None, 'TextBox: initial weights, a local save_pretrained directory or a checkpoint of ours (BERT: sets --init-checkpoint; nothing is downloaded)', metavar='PATH')
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class NumericsConfig(Section):
 
     fp16: bool = setting(False, 'float16 mixed precision (CUDA; bfloat16 on CPU)', switch=True)
     bf16: bool = setting(False, 'bfloat16 mixed precision', switch=True)
-    train_dtype: str = setting('float32', 'training precision (float16/bfloat16: mixed precision; float64: the whole model in float64)', choices=['float32', 'float16', 'bfloat16', 'float64'])
+    train_dtype: str = setting('float32', 'training precision (float16/bfloat16: mixed precision; float64: the whole model in float64)', type=dtype_name, choices=['float32', 'float16', 'bfloat16', 'float64'])
     amp_optimization_level: str | None = setting(None, "kanachan/Apex: O0 is float32, O1-O3 float16 mixed precision (Accelerate's; bfloat16 on CPU); sets --train_dtype and says so", choices=['O0', 'O1', 'O2', 'O3'])
     seed: int = setting(1, 'seed of python, numpy, torch and the batch order', type=seed_int)
     cudnn_deterministic: bool = setting(False, 'deterministic cuDNN kernels', switch=True)
@@ -145,7 +148,8 @@ class ValidationConfig(Section):
     validate_interval: int = setting(1, 'validate every N epochs', type=positive_int)
     validate_interval_updates: int = setting(0, 'validate every N updates (0: off)', type=nonneg_int)
     disable_validation: bool = setting(False, 'never validate', switch=True)
-    best_checkpoint_metric: str | None = setting(None, 'metric for checkpoint_best.pt (task default if unset)')
+    best_checkpoint_metric: str | None = setting(None, 'metric for checkpoint_best.pt (task default if unset)', type=metric_name)
+    metrics: list | None = setting(None, "TextBox: the metrics to report, like ['accuracy']: every metric of the task is reported; a name it does not report is refused", type=metric_names)
     maximize_best_checkpoint_metric: bool | None = setting(None, 'higher is better for --best-checkpoint-metric (task default if unset)', type=BOOL, optional_value=True)
 
 

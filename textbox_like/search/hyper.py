@@ -69,6 +69,7 @@ class Setup:
                         "restore_file": "trials start fresh or continue their own checkpoint_last.pt"}.get(
                     name, "the search needs each trial's results.json and validation metrics")
                 raise UserError(f"--{name.replace('_', '-')} cannot be used here: {hint}")
+        self.check_widths(space)
         both = sorted(given & set(space))
         if both:
             raise UserError(f"{', '.join(both)} {'is' if len(both) == 1 else 'are'} both in the space file and on "
@@ -101,6 +102,21 @@ class Setup:
                         self.configs.resolve({**representative, name: v})
                     except UserError as exc:
                         raise UserError(f"{p.where}: {p.label} = {v!r}: {exc}") from None
+
+    def check_widths(self, space):
+        """TextBox's embedding_size is the model width: one line where the
+        task's model has none."""
+        task = None
+        for name, p in space.items():
+            if name.startswith("model_conf.") and p.label.replace("-", "_") == "embedding_size":
+                task = task or self.configs.task()
+                if task.width_key is None:
+                    raise UserError(f"{p.where}: embedding_size: the {task.name} model has no embedding or width "
+                                    f"to search (TextBox's embedding_size is the model width of --task bert, its "
+                                    f"hidden_size); remove the line")
+                if name != f"model_conf.{task.width_key}":
+                    raise UserError(f"{p.where}: embedding_size: the {task.name} model's width is "
+                                    f"model_conf.{task.width_key}; use that label")
 
     def trial_settings(self, params, save_dir, resume=False):
         """A trial's own trainer settings, on top of the base command line."""

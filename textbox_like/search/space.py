@@ -62,6 +62,7 @@ TEXTBOX_ALIASES = {
     "valid_steps": "validate_interval_updates",
     "valid_intervals": "validate_interval",
     "weight_decay": "weight_decay",
+    "embedding_size": "model_conf.hidden_size",     # the model width (tasks with a width_key: BERT)
 }
 
 
@@ -178,14 +179,22 @@ class Param:
 # ====================================================================== labels
 def resolve_label(label, options, where):
     """A label -> the trainer option's dest: any spelling the trainer's parser
-    knows (its aliases included), else TextBox's name for it."""
+    knows (its aliases included), else TextBox's name for it. ``OPTION.KEY``
+    names one key of a dict option (``model_conf.hidden_size``)."""
     for spelling in dict.fromkeys((label, label.replace("_", "-"), label.replace("-", "_"))):
         dest = options.dest_of("--" + spelling)
         if dest in options.actions:
             return dest
     dest = TEXTBOX_ALIASES.get(label.replace("-", "_"))
-    if dest is not None and dest in options.actions:
+    if dest is not None and dest.split(".")[0] in options.actions:
         return dest
+    option, dot, key = label.partition(".")
+    if dot and key:
+        dest = resolve_label(option, options, where)
+        if not isinstance(options.actions[dest].default, dict):
+            raise UserError(f"{where}: {label!r}: {option} is not a dict option, so it has no key {key!r}; "
+                            f"OPTION.KEY labels are for model_conf, optim_conf and scheduler_conf")
+        return f"{dest}.{key}"
     known = sorted({s[2:] for s in options.flags if s.startswith("--")} | set(TEXTBOX_ALIASES))
     near = nearest(label, known)     # always name the closest one
     hint = f" (the closest option is {near!r})" if near else ""

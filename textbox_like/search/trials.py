@@ -65,17 +65,36 @@ class TrialConfigs:
         self.given = given_dests(self.options, self.base_argv)
 
     def resolve(self, settings=None):
-        """The RunConfig of the base command line with ``settings`` (by name)
-        on top; UserError if the trainer would refuse it."""
+        """The RunConfig of the base command line with ``settings`` (by name;
+        ``OPTION.KEY`` for one key of a dict option) on top; UserError if the
+        trainer would refuse it."""
         from .. import cli
-        cfg = cli.parse(self.base_argv, overrides=settings or {}, overrides_name=SOURCE)
+        cfg = cli.parse(self.base_argv, overrides=nested(settings or {}), overrides_name=SOURCE)
         cli.check(cfg)
         return cfg
+
+    def task(self):
+        """The task class of the base command line."""
+        from .. import cli
+        from ..tasks import TASKS
+        return TASKS.get(cli.parse(self.base_argv).data.task)
 
     def command(self, settings):
         """The equivalent trainer command line, for people (command.txt,
         hyper_best.json): the trial itself never re-parses it."""
-        return quote_command(self.base_argv + as_flags(settings))
+        return quote_command(self.base_argv + as_flags(nested(settings)))
+
+
+def nested(settings):
+    """{'model_conf.hidden_size': 64} -> {'model_conf': {'hidden_size': 64}}."""
+    out = {}
+    for name, value in settings.items():
+        option, dot, key = name.partition(".")
+        if dot:
+            out.setdefault(option, {})[key] = value
+        else:
+            out[name] = value
+    return out
 
 
 def as_flags(settings):

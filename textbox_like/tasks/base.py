@@ -23,6 +23,15 @@ class Task:
     #: communication: every rank knows it from the batch plan.
     denominators: tuple = ()
 
+    #: the task's own setting for initial weights, which kanachan's
+    #: --initial-encoder and TextBox's --model_path set (None: the model
+    #: starts from random weights only)
+    initial_weights_setting: str | None = None
+
+    #: the --model_conf key of the model's width, which TextBox's
+    #: ``embedding_size`` stands for in a search space (None: no such width)
+    width_key: str | None = None
+
     #: names of the metrics ``metrics()`` returns (checked against
     #: --best-checkpoint-metric before training starts)
     metric_names: tuple = ("loss",)

@@ -35,6 +35,8 @@ def _probability(text):
 @register_task("bert")
 class BertTask(Task):
     denominators = ("masked_tokens",)
+    initial_weights_setting = "init_checkpoint"
+    width_key = "hidden_size"
     default_best_metric = "loss"
     default_maximize_best_metric = False
 

@@ -1,0 +1,161 @@
+"""The first hour of users from other tools (issue 23): their documented
+commands run, or stop with one line naming our counterpart."""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from textbox_like import search as S
+from textbox_like.cli import build_options, check, main, parse
+from textbox_like.errors import UserError
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+def one_error_line(capsys, *args):
+    """Run the command line; its exit code and its one stderr line."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    return code, err[0]
+
+
+def notes(capsys, *args):
+    capsys.readouterr()
+    assert main([str(a) for a in args] + ["--print_config"]) == 0
+    out = capsys.readouterr()
+    return yaml.safe_load(out.out), [line for line in out.err.splitlines() if line.startswith("note:")]
+
+
+MNIST = ["--task", "mnist", "--max-update", "1", "--max-sentences", "8"]
+
+
+# ------------------------------------------------------------------ TextBox
+TEXTBOX_SPACE = "learning_rate loguniform (-8, 0)\nembedding_size choice [64, 96, 128]\n" \
+                "train_batch_size choice [512, 1024, 2048]\n"
+
+
+class RecordingRunner:
+    """A trial runner that records each trial's resolved configuration and
+    writes the results a finished trial would."""
+
+    def __init__(self):
+        self.configs = []
+
+    def start(self, cfg, save_dir, env=None):
+        import json
+        self.configs.append(cfg)
+        (save_dir / "results.json").write_text(json.dumps({"best": {"loss": 1.0}, "final": {"loss": 1.0},
+                                                           "num_updates": 1}))
+        return self
+
+    def poll(self):
+        return S.Outcome(0)
+
+
+def test_textbox_example_space_searches_the_bert_width(tmp_path):
+    (tmp_path / "hyperopt_example.test").write_text(TEXTBOX_SPACE)
+    space = S.load_space(tmp_path / "hyperopt_example.test", build_options())
+    runner = RecordingRunner()
+    base = ["--task", "bert", "--model-preset", "tiny", "--data", str(tmp_path), "--max-update", "1",
+            "--metrics", "['mlm_accuracy']",
+            "--metrics_for_best_model", "['loss']"]
+    code, summary = S.run_search(space, "exhaustive", 3, 1, base, tmp_path / "out", runner=runner,
+                                 out=lambda *a: None)
+    assert code == 0 and summary["n_trials"] == 3
+    from textbox_like.tasks import TASKS
+    for cfg, record in zip(runner.configs, S.hyper.read_jsonl(tmp_path / "out" / "hyper_results.jsonl")):
+        width = record["params"]["model_conf.hidden_size"]
+        assert width in (64, 96, 128)
+        assert TASKS.get("bert")(cfg).model_config().hidden_size == width      # the model built is that wide
+        assert cfg.validation.best_checkpoint_metric == "loss" and cfg.validation.metrics == ["mlm_accuracy"]
+
+
+def test_textbox_embedding_size_for_mnist_is_one_line(tmp_path):
+    (tmp_path / "s.test").write_text(TEXTBOX_SPACE)
+    space = S.load_space(tmp_path / "s.test", build_options())
+    with pytest.raises(UserError, match=r"s.test line 2: embedding_size: the mnist model has no embedding"):
+        S.run_search(space, "exhaustive", 1, 1, MNIST, tmp_path / "out", runner=RecordingRunner(),
+                     out=lambda *a: None)
+
+
+def test_textbox_metrics_we_do_not_report_are_one_line(capsys):
+    code, line = one_error_line(capsys, *MNIST, "--metrics=['rouge']")
+    assert code == 2 and "--metrics rouge: not reported by task mnist; it reports loss, accuracy" in line
+    code, line = one_error_line(capsys, *MNIST, "--metrics_for_best_model=['ROUGE-1']")
+    assert code == 2 and "'ROUGE-1' is not a metric of task mnist" in line and "accuracy" in line
+    cfg = parse(MNIST + ["--metrics_for_best_model=['accuracy']", "--metrics", "['accuracy', 'loss']"])
+    assert cfg.validation.best_checkpoint_metric == "accuracy" and cfg.validation.metrics == ["accuracy", "loss"]
+
+
+def test_textbox_model_path(capsys, tmp_path):
+    code, line = one_error_line(capsys, "--task", "bert", "--max-update", "1", "--model_path", "bert-base-uncased")
+    assert code == 2 and "nothing can be downloaded here" in line and "save_pretrained" in line
+    code, line = one_error_line(capsys, *MNIST, "--model_path", tmp_path)
+    assert code == 2 and "the mnist model starts from random weights only" in line
+    weights = tmp_path / "exported"
+    weights.mkdir()
+    cfg = parse(["--task", "bert", "--max-update", "1", "--model_path", str(weights)])
+    assert cfg.task_options.init_checkpoint == str(weights)
+
+
+# ------------------------------------------------------------------ kanachan
+@pytest.mark.skipif(not NO_CUDA, reason="the machine has a GPU: --device cuda is valid there")
+@pytest.mark.parametrize("device", ["cuda", "cuda1", "cuda:0"])
+def test_kanachan_device_cuda_without_cuda_is_refused(capsys, device):
+    code, line = one_error_line(capsys, *MNIST, "--device", device)
+    assert code == 2 and f"--device {device}: this machine has no CUDA GPU; pass --device cpu" in line
+
+
+@pytest.mark.parametrize("flag", ["--initial-encoder", "--initial-optimizer"])
+def test_kanachan_initial_weights_and_resume_exclude_each_other(capsys, tmp_path, flag):
+    path = tmp_path / "w.pt"
+    path.write_bytes(b"x")
+    task = ["--task", "bert", "--max-update", "1"] if flag == "--initial-encoder" else MNIST
+    code, line = one_error_line(capsys, *task, flag, path, "--resume")
+    assert code == 2 and f"{flag} and --resume exclude each other" in line
+
+
+def test_kanachan_initial_decoder(capsys, tmp_path):
+    path = tmp_path / "w.pt"
+    path.write_bytes(b"x")
+    bert = ["--task", "bert", "--max-update", "1"]
+    cfg = parse(bert + ["--initial-encoder", str(path), "--initial-decoder", str(path)])
+    assert cfg.task_options.init_checkpoint == str(path)
+    code, line = one_error_line(capsys, *bert, "--initial-decoder", path)
+    assert code == 2 and "hold the heads with the encoder; pass that file as --initial-encoder" in line
+
+
+# ------------------------------------------------------------------ ESPnet2
+@pytest.mark.skipif(not NO_CUDA, reason="needs a machine without CUDA")
+def test_espnet2_ngpu_without_gpus_says_so(capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    data, lines = notes(capsys, *MNIST, "--ngpu", "2")
+    assert data["distributed_world_size"] == 2
+    assert lines == ["note: --ngpu 2: this machine has no CUDA GPU (CUDA_VISIBLE_DEVICES=2,3); running 2 "
+                     "process(es) on CPU"]
+
+
+def test_espnet2_apex_level_as_train_dtype_names_the_option(capsys):
+    code, line = one_error_line(capsys, *MNIST, "--train_dtype", "O1")
+    assert code == 2 and "pass --amp-optimization-level O1 (it means --train_dtype float16)" in line
+
+
+# ------------------------------------------------------------------ HetSeq
+def test_hetseq_fast_stat_sync_says_it_changes_nothing(capsys):
+    data, lines = notes(capsys, *MNIST, "--fast-stat-sync")
+    assert data["fast_stat_sync"] is True and len(lines) == 1 and "--fast-stat-sync changes nothing" in lines[0]
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="needs a machine without CUDA")
+def test_hetseq_device_id_on_cpu_says_so(capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    data, lines = notes(capsys, *MNIST, "--device-id", "1")
+    assert lines == ["note: --device-id 1: this machine has no CUDA GPU; training on CPU"]
+
+
+def test_hetseq_scheduler_given_as_optimizer_points_at_lr_scheduler(capsys):
+    code, line = one_error_line(capsys, *MNIST, "--optimizer", "PolynomialDecayScheduler")
+    assert code == 2 and "is a learning-rate scheduler: pass --lr-scheduler PolynomialDecayScheduler" in line
