@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from textbox_like import search as S
-from textbox_like.cli import build_options, check, main, parse
+from textbox_like.cli import build_options, main, parse
 from textbox_like.errors import UserError
 
 NO_CUDA = not torch.cuda.is_available()
@@ -159,3 +159,53 @@ def test_hetseq_device_id_on_cpu_says_so(capsys, monkeypatch):
 def test_hetseq_scheduler_given_as_optimizer_points_at_lr_scheduler(capsys):
     code, line = one_error_line(capsys, *MNIST, "--optimizer", "PolynomialDecayScheduler")
     assert code == 2 and "is a learning-rate scheduler: pass --lr-scheduler PolynomialDecayScheduler" in line
+
+
+# ------------------------------------------------------------------ frictions
+def test_threads_follow_the_cpus_this_process_may_use(small_mnist_dir, tmp_path):
+    """Under taskset -c 0 the run takes 1 thread and says so (not the machine's count)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+    if not shutil.which("taskset"):
+        pytest.fail("taskset (util-linux) is needed for this test")
+    proc = subprocess.run(["taskset", "-c", "0", sys.executable, str(REPO / "run_hetseq.py"), "--task", "mnist",
+                           "--data", str(small_mnist_dir), "--max-update", "1", "--max-sentences", "8",
+                           "--no-save", "--disable-validation", "--log-format", "simple"],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "device cpu (1 thread)" in proc.stdout + proc.stderr
+
+
+def test_usable_cpus_is_the_affinity(monkeypatch):
+    import os
+
+    from textbox_like import distributed
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3})
+    assert distributed.usable_cpus() in (1, 2)      # 1 only where a cgroup quota allows less
+
+
+def test_accelerate_launch_without_multi_gpu_says_it_started_one_process(capsys):
+    from textbox_like.compat import launcher_note
+    one = {"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert launcher_note(one) is True
+    assert "accelerate launch started one process" in capsys.readouterr().err
+    assert launcher_note({**one, "RANK": "0", "WORLD_SIZE": "2"}) is False      # --multi_gpu: ranks are set
+    assert launcher_note({"ACCELERATE_MIXED_PRECISION": "no"}) is False          # --num_processes 1
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="on a GPU machine the launcher may start GPU processes")
+def test_accelerate_launch_num_processes_2_on_cpu_warns(small_mnist_dir, tmp_path):
+    import shutil
+    import subprocess
+
+    from conftest import REPO, clean_env
+    accelerate = shutil.which("accelerate") or str(REPO / ".venv" / "bin" / "accelerate")
+    proc = subprocess.run([accelerate, "launch", "--num_processes", "2", "--cpu", str(REPO / "run_hetseq.py"),
+                           "--task", "mnist", "--data", str(small_mnist_dir), "--max-update", "1",
+                           "--max-sentences", "8", "--no-save", "--disable-validation"],
+                          env=clean_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "note: accelerate launch started one process" in proc.stderr

@@ -229,6 +229,8 @@ def run(cfg):
     """Start the processes this configuration asks for on this node, or train
     in this one."""
     from . import distributed
+    from .compat import launcher_note
+    launcher_note()
     dist = cfg.distributed
     if dist.gpu_id is not None:
         # TextBox's --gpu_id: the GPUs this run may use (set before CUDA

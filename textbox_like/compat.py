@@ -78,6 +78,19 @@ def environment_settings(environ=None) -> dict:
     return out
 
 
+def launcher_note(environ=None):
+    """One line where ``accelerate launch --num_processes N`` started one
+    process: its simple launcher (no --multi_gpu) exports MASTER_ADDR/PORT
+    for N > 1 but starts a single process without RANK or WORLD_SIZE."""
+    environ = os.environ if environ is None else environ
+    if "ACCELERATE_MIXED_PRECISION" in environ and "MASTER_PORT" in environ \
+            and "WORLD_SIZE" not in environ and "RANK" not in environ:
+        note("accelerate launch started one process: several local processes need --multi_gpu, on CPU too "
+             "(accelerate launch --multi_gpu --num_processes N run_hetseq.py ...)")
+        return True
+    return False
+
+
 def apply_foreign_settings(ns, user_gave, rank_of):
     """Rewrite other tools' settings onto ours, on the namespace being
     resolved. ``user_gave(dest)``: the user set it (file or command line);

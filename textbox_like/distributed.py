@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 from .errors import UserError
@@ -251,6 +252,34 @@ def apply_determinism(cfg):
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, Slurm's
+    --cpus-per-task, a container's cpuset) and its cgroup's CPU quota, not
+    the whole machine that os.cpu_count() counts."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        count = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(count, quota) if quota else count)
+
+
+def _cgroup_cpu_quota():
+    """CPUs the cgroup's quota allows (rounded up), or None where unlimited."""
+    import math
+    try:                            # cgroup v2: "max 100000" or "200000 100000"
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else math.ceil(int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    try:                            # cgroup v1
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else math.ceil(quota / period)
+    except (OSError, ValueError):
+        return None
 
 
 def die_with_parent():

@@ -166,7 +166,7 @@ class Trainer:
         placement = distributed.placement_from_env(cfg) or distributed.Placement()
         # processes sharing a node share its cores; Accelerate would otherwise
         # set 2 threads each, whatever the machine
-        threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // max(placement.local_world_size, 1))
+        threads = cfg.runtime.threads or max(1, distributed.usable_cpus() // max(placement.local_world_size, 1))
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
         # before any data or model is allocated: updates reuse freed heap
@@ -182,6 +182,7 @@ class Trainer:
         self.preemption = Preemption(self.host_group, self.world)
         self.log = Logger(cfg, self.is_main, acc)
         torch.set_num_threads(threads)
+        self.threads = threads
 
     def build_data(self):
         cfg, task = self.cfg, self.task
@@ -736,7 +737,8 @@ class Trainer:
             acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
         sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
         self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
-                      f"device {acc.device} | precision {acc.mixed_precision}"
+                      f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})" if acc.device.type == "cpu" else "")
+                      + f" | precision {acc.mixed_precision}"
                       + (f" ({sources})" if sources else "")
                       + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples"
                       + (" (in memory: read inline, --num-workers not needed)"

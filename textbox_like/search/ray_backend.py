@@ -18,10 +18,11 @@ import socket
 import time
 from pathlib import Path
 
+from ..distributed import usable_cpus
 from ..errors import UserError
 from ..fileio import atomic_write_text
 from .hyper import Setup, finish, objective
-from .trials import (Handle, TrialConfigs, TrialRecord, cpu_count, read_json, read_jsonl,
+from .trials import (Handle, TrialConfigs, TrialRecord, read_json, read_jsonl,
                      write_json)
 
 INSTALL = 'pip install -e ".[ray]"  (or: pip install "ray[tune]")'
@@ -73,7 +74,7 @@ def start_ray(address, root, out=print):
         else:
             temp = os.environ.get("TEXTBOX_LIKE_RAY_TMP", f"/tmp/ray_tbl_{os.getuid()}")
             # address="local": a new instance even when `ray start` runs a cluster on this machine
-            ray.init(address="local", num_cpus=cpu_count(), _temp_dir=temp, include_dashboard=False, **kwargs)
+            ray.init(address="local", num_cpus=usable_cpus(), _temp_dir=temp, include_dashboard=False, **kwargs)
     except Exception as exc:                  # ConnectionError, AuthenticationError, RuntimeError ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         if "auth" in first.lower():

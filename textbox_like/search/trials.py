@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from ..distributed import die_with_parent
+from ..distributed import die_with_parent, usable_cpus
 from ..errors import UserError
 from ..fileio import atomic_write_text
 
@@ -201,13 +201,6 @@ class TrialRecord:
 
 
 # ====================================================================== resources
-def cpu_count():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def gpu_ids():
     """The GPUs this process may use (CUDA_VISIBLE_DEVICES honoured)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -249,7 +242,7 @@ def plan_slots(parallel, gpus_per_trial, given, out=print):
         out(f"resources: {parallel} trial(s) at once, GPUs " +
             "; ".join(s.env["CUDA_VISIBLE_DEVICES"] for s in slots))
         return slots
-    cores = cpu_count()
+    cores = usable_cpus()
     threads = max(1, cores // parallel)
     for i in range(parallel):
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
