@@ -209,3 +209,44 @@ def test_accelerate_launch_num_processes_2_on_cpu_warns(small_mnist_dir, tmp_pat
                           env=clean_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "note: accelerate launch started one process" in proc.stderr
+
+
+def test_patience_stops_after_n_validations_without_improvement(small_mnist_dir, tmp_path, capfd):
+    import json
+
+    from conftest import base_args, read_jsonl, run_main
+    out = tmp_path / "o"
+    # lr 0: nothing moves, so only the first validation improves on "none yet"
+    code = run_main(base_args(small_mnist_dir, out, "--lr", "0", "--validate-interval-updates", "1",
+                              "--patience", "2", "--log-format", "simple", max_update=20))
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["stop_reason"] == "patience" and results["num_updates"] == 3
+    assert len([r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "valid"]) == 3
+    captured = capfd.readouterr()
+    last = [line for line in (captured.out + captured.err).splitlines() if line.startswith(("done", "stopped"))][-1]
+    assert last.startswith("done: no better accuracy in 2 validations (--patience) at update 3 | last validation:")
+
+
+def test_the_last_line_of_a_stopped_run_says_stopped_and_whose_figures():
+    from types import SimpleNamespace
+
+    from textbox_like.trainer import Trainer
+    fake = SimpleNamespace(state=SimpleNamespace(num_updates=15, last_valid={"loss": 0.5, "accuracy": 0.9},
+                                                 best_metric="accuracy",
+                                                 clock=SimpleNamespace(elapsed=lambda: 12.0)),
+                           cfg=SimpleNamespace(validation=SimpleNamespace(patience=-1)))
+    line = Trainer.last_line(fake, "preempted")
+    assert line == "stopped by a signal at update 15 | last validation: loss 0.5000 | accuracy 0.9000 | wall 12.0s"
+    assert Trainer.last_line(fake, "max_update").startswith("done | updates 15 | last validation: loss 0.5000")
+
+
+def test_console_command_help_names_itself():
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+    for command, usage in (("train", "usage: textbox-like train "), ("hyper", "usage: textbox-like hyper ")):
+        proc = subprocess.run([sys.executable, "-m", "textbox_like", command, "--help"], env=clean_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.startswith(usage), proc.stdout[:200]

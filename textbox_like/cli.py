@@ -26,7 +26,7 @@ def build_options():
     from .tasks import TASKS
     from .trackers import TRACKERS
 
-    o = C.Options("run_hetseq.py", "Train a task on one process, one node or several unlike nodes.")
+    o = C.Options(C.program_name("run_hetseq.py"), "Train a task on one process, one node or several unlike nodes.")
     o.group("meta", "configuration files")
     o.add("--config", action="append", default=[], metavar="FILE",
           help="YAML file of option: value (repeatable; later files win; the command line wins over all)")

@@ -56,6 +56,7 @@ def main(argv=None):
         print(f"error: {unknown('command', argv[0], COMMANDS)}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[name]
+    sys.argv[0] = f"textbox-like {name}"   # what the tool's --help names as its usage (config.program_name)
     entry = getattr(importlib.import_module(module), function)
     return entry(argv[1:])
 

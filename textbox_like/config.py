@@ -233,6 +233,14 @@ class MergeDict(argparse.Action):
         setattr(namespace, self.dest, current)
 
 
+def program_name(script):
+    """The name --help shows: ``textbox-like train`` when the console command
+    started this tool, else its script (``run_hetseq.py``)."""
+    import sys
+    started_as = sys.argv[0] if sys.argv else ""
+    return started_as if started_as.startswith("textbox-like ") else script
+
+
 # ---------------------------------------------------------------- registration
 class Options:
     """The parser plus the record of which option belongs to which group."""

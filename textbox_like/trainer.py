@@ -50,11 +50,13 @@ class TrainState:
         self.best_metric, self.maximize = best_metric, maximize
         self.best = None            # best value of best_metric so far
         self.last_valid, self.best_valid = {}, {}
+        self.validations_since_best = 0   # validations in a row without improvement (--patience)
         self.epoch_sums = StatSums()  # this epoch's training stats, summed over ranks
         self.clock = TrainClock()
 
     def reset_meters(self):
         self.best, self.last_valid, self.best_valid = None, {}, {}
+        self.validations_since_best = 0
         self.epoch_sums.reset()
         self.clock = TrainClock()
 
@@ -62,6 +64,7 @@ class TrainState:
         return {"epoch": self.epoch, "num_updates": self.num_updates, "updates_in_epoch": self.updates_in_epoch,
                 "samples_seen": self.samples_seen, "samples_trained": self.samples_trained, "skipped_updates": self.skipped_updates, "best": self.best, "best_metric": self.best_metric,
                 "maximize": self.maximize, "last_valid": self.last_valid, "best_valid": self.best_valid,
+                "validations_since_best": self.validations_since_best,
                 "epoch_sums": self.epoch_sums.state_dict(), "clock": self.clock.state_dict()}
 
     def load_state_dict(self, state):
@@ -74,6 +77,7 @@ class TrainState:
         # the best so far only means something for the same metric and direction
         if (state["best_metric"], state["maximize"]) == (self.best_metric, self.maximize):
             self.best, self.best_valid = state["best"], dict(state["best_valid"])
+            self.validations_since_best = int(state.get("validations_since_best", 0))  # older checkpoints: 0
 
 
 class _Model:
@@ -284,6 +288,7 @@ class Trainer:
                 # validates its final weights (unless preempted: leave fast)
                 improved = self.validate() if (self.every(cfg.validation.validate_interval_updates) or saving or (
                     stopping and not self.preemption.agreed)) else False
+                stopping = stopping or self.stop_reason() is not None  # --patience ran out at this validation
                 if saving or improved or stopping:
                     self.save(end_of_epoch=False, is_best=improved, final=stopping, snapshot=snapshot)
                 if stopping:
@@ -307,6 +312,8 @@ class Trainer:
             return "max_update"
         if cfg.schedule.max_epoch and state.epoch + int(next_epoch) > cfg.schedule.max_epoch:
             return "max_epoch"
+        if cfg.validation.patience > 0 and state.validations_since_best >= cfg.validation.patience:
+            return "patience"
         return None
 
     def train_step(self, micro_batches, totals) -> bool:
@@ -557,7 +564,9 @@ class Trainer:
         self.scheduler.step_valid(value)  # ReduceLROnPlateau and kin step here; the others ignore it
         if self.validator.is_better(value, state.best):
             state.best, state.best_valid = value, dict(first)
+            state.validations_since_best = 0
             return True
+        state.validations_since_best += 1
         return False
 
     def save(self, end_of_epoch, is_best, final=False, snapshot=False):
@@ -761,12 +770,11 @@ class Trainer:
         results = {"task": cfg.data.task, "num_updates": state.num_updates, "epochs_completed": state.epoch - 1,
                    "wall_time": state.clock.elapsed(),
                    "best_metric": state.best_metric, "best": state.best_valid, "final": state.last_valid,
-                   "stopped": "preempted" if reason == "preempted" else "completed", "world_size": self.world}
+                   "stopped": "preempted" if reason == "preempted" else "completed", "stop_reason": reason,
+                   "world_size": self.world}
         if self.is_main and not cfg.checkpoint.no_save:
             atomic_write_text(Path(cfg.checkpoint.save_dir) / "results.json", json.dumps(results, indent=2))
-        if state.last_valid:
-            self.log.info("done | " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
-                          + f" | updates {state.num_updates} | wall {state.clock.elapsed():.1f}s")
+        self.log.info(self.last_line(reason))
         self.log.close()
         self.preemption.close()
         acc.wait_for_everyone()
@@ -778,6 +786,16 @@ class Trainer:
             print(self.preemption.message(self.checkpoints.enabled and not cfg.checkpoint.no_last_checkpoints), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         return 0
+
+    def last_line(self, reason):
+        """How the run ended, and whose the figures are (the last validation's)."""
+        state, cfg = self.state, self.cfg
+        head = {"preempted": f"stopped by a signal at update {state.num_updates}",
+                "patience": f"done: no better {state.best_metric} in {cfg.validation.patience} validations "
+                            f"(--patience) at update {state.num_updates}"}.get(reason, f"done | updates {state.num_updates}")
+        figures = (" | last validation: " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
+                   if state.last_valid else " | not validated")
+        return head + figures + f" | wall {state.clock.elapsed():.1f}s"
 
     def plot_curves(self):
         try:

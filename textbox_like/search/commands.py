@@ -12,7 +12,7 @@ SCHEDULERS = ("none", "asha")
 
 
 def _parser(prog, description, epilog):
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog=C.program_name(prog), description=description, epilog=epilog, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def error(message):
