@@ -116,7 +116,8 @@ class BertTask(Task):
     def build_dataset(self, split):
         from ..data.bert_hdf5 import BertHDF5Dataset, find_shards
 
-        files = find_shards(self.cfg.data.data, split, self.cfg.task_options.num_file)
+        files = find_shards(self.cfg.data.data, split, self.cfg.task_options.num_file,
+                            training=split == self.cfg.data.train_subset)
         config = self.model_config()
         _check_prepared_vocab(files, config.vocab_size)
         data = BertHDF5Dataset(files, max_pred_length=self.cfg.task_options.max_pred_length,
