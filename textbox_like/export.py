@@ -182,11 +182,13 @@ def export_bert(checkpoint, target, vocab=None) -> dict:
         first = (missing + unexpected)[0]
         raise UserError(f"the weights in {str(checkpoint)!r} do not fit a BertForPreTraining built from the "
                         f"run's configuration ({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first})")
-    model.eval()
-    tokenizer = BertTokenizer(vocab_file=str(vocab_file), do_lower_case=lower_case(vocab_file),
-                              model_max_length=config.max_position_embeddings)
     with directory_in_place(target) as tmp:
         model.save_pretrained(str(tmp))
+        shutil.copyfile(vocab_file, tmp / "vocab.txt")
+        # read back from the directory: the one way to hand BertTokenizer a
+        # vocab.txt that transformers 4 and 5 share (their constructors differ)
+        tokenizer = BertTokenizer.from_pretrained(str(tmp), do_lower_case=lower_case(vocab_file),
+                                                  model_max_length=config.max_position_embeddings)
         tokenizer.save_pretrained(str(tmp))
         shutil.copyfile(vocab_file, tmp / "vocab.txt")  # the run's own file, byte for byte
     return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),

@@ -174,11 +174,19 @@ def read_init_state(path):
     check_init_checkpoint(path)
     path = Path(path)
     if path.is_dir():
+        from transformers.utils import logging as transformers_logging
+
+        # its per-tensor progress bar would sit among the run's log lines
+        bar = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
         try:
             model = BertForPreTraining.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
             raise UserError(f"--init-checkpoint {str(path)!r} is not a transformers BERT save directory: "
                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        finally:
+            if bar:
+                transformers_logging.enable_progress_bar()
         return model.state_dict()
     try:
         data = torch.load(str(path), map_location="cpu", weights_only=True)
