@@ -183,6 +183,10 @@ def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir):
     (tmp_path / "file").write_text("x")
     assert_one_line_error(run([*export, checkpoint, "--to", tmp_path / "file"]), "is a file")
     assert_one_line_error(run([*export, checkpoint]), "--to")
+    small = tmp_path / "small_vocab.txt"
+    small.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    assert_one_line_error(run([*export, checkpoint, "--to", tmp_path / "a", "--dict", small]),
+                          "has 5 tokens", "vocab_size 38")
     assert not (tmp_path / "a").exists() and (tmp_path / "file").read_text() == "x"
 
     out = run(["run_hetseq.py", *base_args(small_mnist_dir, tmp_path / "mnist", "--threads", "1", max_update=2)])
