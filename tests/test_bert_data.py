@@ -74,6 +74,23 @@ def test_find_shards_by_name(shards):
         find_shards(str(empty), "train")
 
 
+def test_one_named_file_is_the_training_data(shards):
+    """--data FILE: the file trains whatever its name; validating needs a
+    shard of the split, and the message names --disable-validation."""
+    path, _ = shards
+    one = path / "my_shard.hdf5"
+    (path / "bert_train_1.hdf5").rename(one)
+    assert find_shards(str(one), "train", training=True) == [one]
+    with pytest.raises(UserError, match="one file, the training data.*--disable-validation") as info:
+        find_shards(str(one), "test")
+    assert "\n" not in str(info.value)
+    # a directory without the validation split: the same way out is named
+    with pytest.raises(UserError, match="no file name contains 'valid'.*--disable-validation"):
+        find_shards(str(path), "valid")
+    with pytest.raises(UserError, match="no file name contains 'dev'.*--train-subset"):
+        find_shards(str(path), "dev", training=True)
+
+
 def test_batches_match_rows_across_files(shards):
     path, parts = shards
     ds = BertHDF5Dataset(find_shards(str(path), "train"), block=32)

@@ -127,3 +127,19 @@ def test_corrupt_shard_is_one_line(bert_data, tmp_path):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith("error:") and "x_train_0.hdf5" in lines[-1] and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_data_one_named_file_trains_on_it(bert_data, tmp_path):
+    """--data path/to/one_shard.hdf5: the named file is the training data;
+    with no shard to validate on, the one line names --disable-validation."""
+    shard = next((bert_data / "shards").glob("*_train_0.hdf5"))
+    args = train_args(bert_data, tmp_path / "out", "--max-sentences", "8", "--max-update", "2")
+    args[args.index("--data") + 1] = str(shard)
+    out = subprocess.run([PY, "run_hetseq.py", *args], capture_output=True, text=True, cwd=REPO, timeout=200)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "--disable-validation" in last and "no file name contains" not in last
+    run([*args, "--disable-validation"])
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["num_updates"] == 2

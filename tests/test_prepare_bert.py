@@ -233,3 +233,113 @@ def test_cli_errors(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     assert_one_line_error(cli("--input", text, "--vocab", vocab, "--output", not_a_dir), "cannot write")
+
+
+# ---------------------------------------------------------------- NSP labels and the test split
+def write_marked_corpus(path, n_docs, sentences=12):
+    """Document d uses only the words WORDS[2d] and WORDS[2d+1], so a
+    token tells which document it came from."""
+    docs = []
+    for d in range(n_docs):
+        a, b = WORDS[2 * d], WORDS[2 * d + 1]
+        docs.append(" ".join(f"{a.capitalize()} {b} {a} {b}." for _ in range(sentences)))
+    path.write_text("\n\n".join(docs) + "\n")
+
+
+def segment_documents(d, tokens):
+    """Per instance: (documents of A's words, documents of B's words, label)."""
+    word_doc = {tokens.index(w): i // 2 for i, w in enumerate(WORDS[:12])}
+    out = []
+    for r in range(len(d["input_ids"])):
+        length = int(d["input_mask"][r].sum())
+        ids = [int(original_token(d, r, p)) for p in range(length)]
+        seg = d["segment_ids"][r, :length]
+        docs_a = {word_doc[t] for t, s in zip(ids, seg) if s == 0 and t in word_doc}
+        docs_b = {word_doc[t] for t, s in zip(ids, seg) if s == 1 and t in word_doc}
+        out.append((docs_a, docs_b, int(d["next_sentence_labels"][r])))
+    return out
+
+
+def test_random_next_never_from_its_own_document(tmp_path):
+    """Label 1 (NVIDIA's is_random_next) exactly when B comes from another
+    document, and 0 when B continues A (the rare case of ten draws all
+    hitting A's own document is the next test's)."""
+    vocab = tmp_path / "vocab.txt"
+    tokens = write_vocab(vocab)
+    write_marked_corpus(tmp_path / "corpus.txt", n_docs=3)
+    run(["--input", tmp_path / "corpus.txt", "--vocab", vocab, "--output", tmp_path / "out",
+         "--max-seq-length", 24, "--dupe-factor", 20, "--valid-fraction", 0, "--num-proc", 1])
+    rows = segment_documents(load(tmp_path / "out" / "bert_seq24_train_0.hdf5"), tokens)
+    assert {label for _, _, label in rows} == {0, 1}
+    for docs_a, docs_b, label in rows:
+        assert len(docs_a) == 1 and len(docs_b) == 1
+        assert label == int(docs_a != docs_b), (docs_a, docs_b, label)
+
+
+def test_random_other_document_after_ten_failed_draws():
+    """NVIDIA keeps the 10th draw even when it is A's own document (and
+    still labels B random); ours then draws among the other documents."""
+    import random
+
+    from textbox_like.data.prepare_bert import random_other_document
+
+    class Stubborn(random.Random):
+        def randint(self, a, b):
+            self.calls = getattr(self, "calls", 0) + 1
+            return 1 if self.calls <= 10 else b  # ten draws of document 1, then the last choice
+
+    assert random_other_document(2, 1, Stubborn()) == 0
+    assert random_other_document(5, 1, Stubborn()) == 4
+    rng = random.Random(0)
+    assert all(random_other_document(2, 0, rng) == 1 for _ in range(2000))
+
+
+def test_one_document_corpus_has_no_random_next(tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    tokens = write_vocab(vocab)
+    write_marked_corpus(tmp_path / "corpus.txt", n_docs=1, sentences=40)
+    result = cli("--input", tmp_path / "corpus.txt", "--vocab", vocab, "--output", tmp_path / "out",
+                 "--max-seq-length", 24, "--dupe-factor", 5, "--num-proc", 1, "--no-progress-bar")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "1 document" in warnings[0]
+    rows = segment_documents(load(tmp_path / "out" / "bert_seq24_train_0.hdf5"), tokens)
+    assert len(rows) > 20 and all(label == 0 for _, _, label in rows)
+    assert not (tmp_path / "out" / "bert_seq24_test_0.hdf5").exists()
+
+
+def test_test_split_takes_at_least_two_documents(tmp_path):
+    from textbox_like.data.prepare_bert import split_documents
+
+    for n_docs in (4, 10, 40, 74, 75, 200):
+        train, test = split_documents(n_docs, 0.02, seed=1)
+        assert len(test) == max(2, round(n_docs * 0.02)) and len(train) == n_docs - len(test)
+        assert not set(train) & set(test)
+    assert len(split_documents(5, 0.9, seed=1)[0]) == 2  # the training split keeps 2 as well
+    assert split_documents(10, 0, seed=1) == (list(range(10)), [])
+    # the default --valid-fraction on a 40-document corpus: 2 whole test documents, no warning
+    vocab = tmp_path / "vocab.txt"
+    write_vocab(vocab)
+    write_corpus(tmp_path / "corpus.txt", n_docs=40)
+    result = cli("--input", tmp_path / "corpus.txt", "--vocab", vocab, "--output", tmp_path / "out",
+                 "--max-seq-length", 32, "--num-proc", 1, "--no-progress-bar")
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
+    info = json.loads((tmp_path / "out" / "prepare_bert.json").read_text())
+    assert info["documents"] == {"train": 38, "test": 2}
+    d = load(tmp_path / "out" / "bert_seq32_test_0.hdf5")
+    assert set(d["next_sentence_labels"].tolist()) == {0, 1}
+
+
+def test_three_document_corpus_warns_in_one_line(tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    write_vocab(vocab)
+    write_corpus(tmp_path / "corpus.txt", n_docs=3)
+    result = cli("--input", tmp_path / "corpus.txt", "--vocab", vocab, "--output", tmp_path / "out",
+                 "--max-seq-length", 32, "--num-proc", 1, "--no-progress-bar")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "only 3 documents" in warnings[0] and "--valid-fraction 0" in warnings[0]
+    info = json.loads((tmp_path / "out" / "prepare_bert.json").read_text())
+    assert info["documents"] == {"train": 2, "test": 1}
+    d = load(tmp_path / "out" / "bert_seq32_test_0.hdf5")
+    assert set(d["next_sentence_labels"].tolist()) == {0}

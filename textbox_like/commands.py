@@ -7,6 +7,7 @@
     textbox-like eval --model_ckpt PATH ...    # = python -m textbox_like.eval ...
     textbox-like plot RUN_DIR ... [-o F.png]   # = python -m textbox_like.plot ...
     textbox-like bench mnist ...               # = python -m textbox_like.bench ...
+    textbox-like export CKPT --to DIR          # = python -m textbox_like.export ...
 
 Each subcommand hands the rest of the command line to that tool's own
 ``main(argv)`` (imported only when chosen, so ``--help`` answers at once) and
@@ -27,6 +28,8 @@ COMMANDS = {
     "eval": ("textbox_like.eval", "main", "evaluate a checkpoint on a data split"),
     "plot": ("textbox_like.plot", "main", "training and validation curves of runs to a PNG"),
     "bench": ("textbox_like.bench", "main", "trainer vs. a plain PyTorch loop, samples/s"),
+    "export": ("textbox_like.export", "main",
+               "a BERT checkpoint to a transformers save_pretrained directory (from_pretrained loads it)"),
 }
 ALIASES = {"multi_seed": "multi-seed", "prepare_bert": "prepare-bert"}
 

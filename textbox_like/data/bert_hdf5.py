@@ -45,26 +45,42 @@ SUFFIXES = (".hdf5", ".h5", ".hdf")
 IGNORE_INDEX = -100
 
 
-def find_shards(data, split, num_file=0):
+def find_shards(data, split, num_file=0, training=False):
     """The shard files of ``split`` under ``data`` (a directory or one file),
-    sorted by name; ``num_file`` > 0 keeps the first ``num_file``."""
+    sorted by name; ``num_file`` > 0 keeps the first ``num_file``.
+
+    In a directory a split is the shards whose names contain it. One named
+    file is the training data whatever its name (``training``: ``split`` is
+    the split trained on): the user chose it, so its name is not checked
+    against ``--train-subset``. Another split of one file is that file only
+    when its name contains the split; else there is nothing to validate on,
+    and the message says how to go on.
+    """
     if not data:
         raise UserError("no data given; pass --data DIR_OR_FILE with the BERT HDF5 shards")
     path = Path(data)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
-        if not files:
-            raise UserError(f"--data {str(path)!r} holds no HDF5 shard (*.hdf5); "
-                            f"create them with python -m textbox_like.data.prepare_bert")
-    elif path.is_file():
-        files = [path]
-    else:
+    if path.is_file():
+        if training or split in path.name:
+            return [path]
+        raise UserError(f"--data {str(path)!r} is one file, the training data; no {split!r} shard to validate "
+                        f"on: pass --disable-validation, or --data the directory holding it and a shard whose "
+                        f"name contains {split!r}")
+    if not path.is_dir():
         raise UserError(f"--data {str(path)!r} does not exist; check the path")
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
+    if not files:
+        raise UserError(f"--data {str(path)!r} holds no HDF5 shard (*.hdf5); "
+                        f"create them with python -m textbox_like.data.prepare_bert")
     chosen = [p for p in files if split in p.name]
     if not chosen:
         names = ", ".join(p.name for p in files[:5]) + (", ..." if len(files) > 5 else "")
+        if training:
+            fix = "set --train-subset to a part of the training shards' names, or give --data one shard file"
+        else:
+            fix = ("set --valid-subset to a part of the validation shards' names (prepare_bert names them "
+                   "'_test_'), or pass --disable-validation")
         raise UserError(f"no shard of split {split!r} in {str(path)!r}: no file name contains {split!r} "
-                        f"(found {names}); set --train-subset/--valid-subset to a part of the names")
+                        f"(found {names}); {fix}")
     if num_file and num_file > 0:
         chosen = chosen[:num_file]
     return chosen

@@ -8,13 +8,15 @@ Sentences are WordPiece-tokenized with a fast tokenizer, in parallel through
 ``datasets.map(num_proc=...)``. Instances are built with Google's
 create_pretraining_data algorithm: sentence pairs filling ``max_seq_length``
 (a shorter target with ``--short-seq-prob``), B a random sentence of another
-document half of the time, ``--masked-lm-prob`` of the tokens (at most
-``--max-predictions-per-seq``) masked 80% [MASK] / 10% random / 10% kept,
-optionally by whole words; ``--dupe-factor`` passes with different masks.
+document half of the time (label 1, as NVIDIA's; never from A's own
+document, so a one-document corpus has no random B), ``--masked-lm-prob`` of
+the tokens (at most ``--max-predictions-per-seq``) masked 80% [MASK] / 10%
+random / 10% kept, optionally by whole words; ``--dupe-factor`` passes with
+different masks.
 
 The documents are split before building instances: ``--valid-fraction`` of
-them (at least one) make the validation shard, built once (dupe factor 1), so
-no sentence of it is trained on. Output files::
+them (at least two, from a 4-document corpus on) make the validation shard,
+built once (dupe factor 1), so no sentence of it is trained on. Output files::
 
     DIR/<prefix>_train_<i>.hdf5   (--shards of them)
     DIR/<prefix>_test_<i>.hdf5    (HetSeq's documented --valid-subset is "test")
@@ -243,6 +245,22 @@ def _mask(tokens, rng, p):
     return output, [m[0] for m in masked], [m[1] for m in masked]
 
 
+def random_other_document(n_documents, doc_index, rng):
+    """The index of a document other than ``doc_index`` (``n_documents`` >= 2).
+
+    NVIDIA's create_pretraining_data draws up to 10 times and, should every
+    draw hit the same document, keeps it while still labelling B random (the
+    label then lies). The same 10 draws here, so a seed gives NVIDIA's
+    choice; after them one draw among the other documents, so B never comes
+    from A's own document."""
+    for _ in range(10):
+        index = rng.randint(0, n_documents - 1)
+        if index != doc_index:
+            return index
+    index = rng.randint(0, n_documents - 2)
+    return index + 1 if index >= doc_index else index
+
+
 def _instances_from_document(documents, doc_index, rng, p):
     document = documents[doc_index]
     max_num_tokens = p["max_seq_length"] - 3
@@ -260,14 +278,19 @@ def _instances_from_document(documents, doc_index, rng, p):
                 a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
                 tokens_a = [t for j in range(a_end) for t in chunk[j]]
                 tokens_b = []
-                if len(chunk) == 1 or rng.random() < 0.5:
-                    is_random_next = 1
-                    target_b_length = target_seq_length - len(tokens_a)
-                    random_index = doc_index
-                    for _ in range(10):
-                        random_index = rng.randint(0, len(documents) - 1)
-                        if random_index != doc_index:
+                target_b_length = target_seq_length - len(tokens_a)
+                if len(documents) == 1 and len(chunk) == 1:
+                    # no other document to draw a random B from: B is what
+                    # truly follows A (labelled is-next), its segments left
+                    # for the next chunk
+                    is_random_next = 0
+                    for j in range(i + 1, len(document)):
+                        tokens_b.extend(document[j])
+                        if len(tokens_b) >= target_b_length:
                             break
+                elif len(documents) > 1 and (len(chunk) == 1 or rng.random() < 0.5):
+                    is_random_next = 1
+                    random_index = random_other_document(len(documents), doc_index, rng)
                     random_document = documents[random_index]
                     start = rng.randint(0, len(random_document) - 1)
                     for j in range(start, len(random_document)):
@@ -358,11 +381,33 @@ def create_instances(splits, params, dupes, num_proc, progress):
 
 # ---------------------------------------------------------------- main
 def split_documents(n_docs, valid_fraction, seed):
+    """(train, test) document indices: ``valid_fraction`` of the documents,
+    whole, for the test split.
+
+    A split's random next sentences come from its other documents, so a
+    one-document split has none and its NSP figures mean nothing: from 4
+    documents on, each split keeps at least 2 (a 40-document corpus at the
+    default 0.02 gets 2 test documents, not round(0.8) = 1). A smaller corpus
+    gets one test document (callers warn)."""
     if valid_fraction <= 0 or n_docs < 2:
         return list(range(n_docs)), []
-    k = min(n_docs - 1, max(1, int(round(n_docs * valid_fraction))))
+    k = max(1, int(round(n_docs * valid_fraction)))
+    k = min(n_docs - 2, max(2, k)) if n_docs >= 4 else 1
     chosen = set(np.random.default_rng([seed, 1]).permutation(n_docs)[:k].tolist())
     return [d for d in range(n_docs) if d not in chosen], sorted(chosen)
+
+
+def few_documents_warning(n_docs, n_test):
+    """One line when the corpus is too small for meaningful NSP labels, else None."""
+    if n_docs == 1:
+        return ("warning: the corpus holds 1 document (documents are separated by blank lines): no test split, "
+                "and no next sentence can come from another document, so every NSP label is 0 (is-next); "
+                "give at least 4 documents")
+    if n_test == 1:
+        return (f"warning: the corpus holds only {n_docs} documents (separated by blank lines), so the test split "
+                f"has 1, whose next sentences cannot be random: its NSP figures mean nothing; give at least "
+                f"4 documents or --valid-fraction 0")
+    return None
 
 
 def _check(args):
@@ -420,6 +465,9 @@ def prepare(args):
         print(f"warning: {unknown / total:.0%} of the tokens are [UNK]; is --vocab the right vocabulary "
               f"(and --do-lower-case right for it)?", file=sys.stderr)
     train_idx, valid_idx = split_documents(len(token_docs), args.valid_fraction, args.seed)
+    warning = few_documents_warning(len(token_docs), len(valid_idx))
+    if warning:
+        print(warning, file=sys.stderr)
     splits = {"train": [token_docs[d] for d in train_idx]}
     if valid_idx:
         splits["test"] = [token_docs[d] for d in valid_idx]

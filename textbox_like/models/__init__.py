@@ -56,3 +56,35 @@ def checked_vocab_size(vocab_file, declared=None, source="the model configuratio
         raise UserError(f"vocabulary {str(vocab_file)!r} has {size} tokens but {source} says "
                         f"vocab_size {declared}; give the vocab.txt the model was configured for")
     return int(declared)
+
+
+def check_init_checkpoint(init):
+    """--init-checkpoint names a local file or transformers save directory
+    (checked without importing torch): nothing is downloaded here, so a hub
+    name is one line saying what to pass instead."""
+    path = Path(init)
+    if not path.exists():
+        raise UserError(f"--init-checkpoint {init!r} is no file or directory here, and no model can be downloaded "
+                        f"here: pass a local transformers save_pretrained directory (textbox-like export writes "
+                        f"one) or one of our checkpoints (.pt); check the path")
+    if path.is_dir() and not (path / "config.json").is_file():
+        inside = path / "checkpoint_last.pt"
+        hint = f" (did you mean {str(inside)!r}?)" if inside.is_file() else ""
+        raise UserError(f"--init-checkpoint {init!r} is a directory without config.json, so not a transformers "
+                        f"save_pretrained directory{hint}; pass such a directory or one of our checkpoints (.pt)")
+
+
+def saved_model_sizes(init):
+    """The BERT sizes in a transformers save directory's config.json, or None
+    when ``init`` is not such a directory or its config.json holds no sizes."""
+    config = Path(init) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    keys = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+    if not isinstance(values, dict) or not all(isinstance(values.get(k), int) for k in keys):
+        return None
+    return {k: values[k] for k in keys}

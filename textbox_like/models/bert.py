@@ -22,7 +22,7 @@ from transformers import BertConfig, BertForPreTraining
 
 from ..config import PROPERTIES, load_yaml
 from ..errors import UserError
-from . import PRESETS, checked_vocab_size, read_bert_json
+from . import PRESETS, check_init_checkpoint, checked_vocab_size, read_bert_json
 IGNORE_INDEX = -100
 
 
@@ -171,16 +171,23 @@ def _strip_prefix(state):
 def read_init_state(path):
     """State dict of ``--init-checkpoint``: one of our checkpoints (a
     torch.save'd dict with key "model") or a transformers save directory."""
+    check_init_checkpoint(path)
     path = Path(path)
     if path.is_dir():
+        from transformers.utils import logging as transformers_logging
+
+        # its per-tensor progress bar would sit among the run's log lines
+        bar = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
         try:
             model = BertForPreTraining.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
             raise UserError(f"--init-checkpoint {str(path)!r} is not a transformers BERT save directory: "
                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        finally:
+            if bar:
+                transformers_logging.enable_progress_bar()
         return model.state_dict()
-    if not path.is_file():
-        raise UserError(f"--init-checkpoint {str(path)!r} does not exist; check the path")
     try:
         data = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file

@@ -69,18 +69,27 @@ class BertTask(Task):
     # -- checks before anything heavy ---------------------------------------
     @classmethod
     def resolve_config(cls, ns):
-        """The preset's sizes as --dimension/--num-heads/--num-layers/--dim-feedforward
-        (options given win), so --print_config shows the model; a --config_file
-        or a transformers --init-checkpoint directory defines them instead."""
-        if ns.config_file or (not ns.model_preset and getattr(ns, "init_checkpoint", None)):
+        """The model's sizes as --dimension/--num-heads/--num-layers/--dim-feedforward
+        (options given win), so --print_config and config.yaml show the model:
+        from the preset, or, with no preset, from the config.json of a
+        transformers --init-checkpoint directory. A --config_file defines them
+        instead."""
+        if ns.config_file:
             return
-        from ..config import PROPERTIES, load_yaml
-        preset = load_yaml(PROPERTIES / "model" / f"{ns.model_preset or 'base'}.yaml", "model preset")
+        init = getattr(ns, "init_checkpoint", None)
+        if not ns.model_preset and init:
+            from ..models import saved_model_sizes
+            sizes = saved_model_sizes(init)
+            if sizes is None:  # one of our checkpoints, or a bad directory (check_config says so)
+                return
+        else:
+            from ..config import PROPERTIES, load_yaml
+            sizes = load_yaml(PROPERTIES / "model" / f"{ns.model_preset or 'base'}.yaml", "model preset")
         if ns.dim_feedforward is None:
-            ns.dim_feedforward = 4 * ns.dimension if ns.dimension else preset["intermediate_size"]
-        ns.dimension = ns.dimension or preset["hidden_size"]
-        ns.num_heads = ns.num_heads or preset["num_attention_heads"]
-        ns.num_layers = ns.num_layers or preset["num_hidden_layers"]
+            ns.dim_feedforward = 4 * ns.dimension if ns.dimension else sizes["intermediate_size"]
+        ns.dimension = ns.dimension or sizes["hidden_size"]
+        ns.num_heads = ns.num_heads or sizes["num_attention_heads"]
+        ns.num_layers = ns.num_layers or sizes["num_hidden_layers"]
 
     @classmethod
     def check_config(cls, cfg):
@@ -95,8 +104,9 @@ class BertTask(Task):
             if value and not Path(value).is_file():
                 raise UserError(f"--{flag} {value!r} does not exist; check the path")
         init = options.init_checkpoint
-        if init and not Path(init).exists():
-            raise UserError(f"--init-checkpoint {init!r} does not exist; check the path")
+        if init:
+            from ..models import check_init_checkpoint
+            check_init_checkpoint(init)
         if cfg.task_options.dict and cfg.task_options.config_file:
             _check_vocab(cfg.task_options.dict, cfg.task_options.config_file)
         unknown = set(cfg.model.model_conf) - _BERT_CONF_KEYS
@@ -118,7 +128,8 @@ class BertTask(Task):
     def build_dataset(self, split):
         from ..data.bert_hdf5 import BertHDF5Dataset, find_shards
 
-        files = find_shards(self.cfg.data.data, split, self.cfg.task_options.num_file)
+        files = find_shards(self.cfg.data.data, split, self.cfg.task_options.num_file,
+                            training=split == self.cfg.data.train_subset)
         config = self.model_config()
         _check_prepared_vocab(files, config.vocab_size)
         data = BertHDF5Dataset(files, max_pred_length=self.cfg.task_options.max_pred_length,

@@ -1,0 +1,207 @@
+"""Models leave as transformers models: a tiny BERT pre-trained here, exported
+with ``python -m textbox_like.export``, loads with ``from_pretrained`` and
+gives our own eval's MLM loss; a new run starts from the exported directory."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import base_args
+from test_prepare_bert import write_corpus, write_vocab
+from textbox_like.data.prepare_bert import main as prepare
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def run(argv, timeout=300):
+    return subprocess.run([PY, *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=timeout)
+
+
+def assert_one_line_error(out, *fragments):
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Tiny BERT (--model-preset tiny) pre-trained 30 updates on synthetic
+    shards, and its export."""
+    root = tmp_path_factory.mktemp("export")
+    write_vocab(root / "vocab.txt")
+    write_corpus(root / "corpus.txt", n_docs=60)
+    assert prepare(["--input", str(root / "corpus.txt"), "--vocab", str(root / "vocab.txt"),
+                    "--output", str(root / "shards"), "--max-seq-length", "32", "--max-predictions-per-seq", "5",
+                    "--dupe-factor", "2", "--valid-fraction", "0.1", "--no-progress-bar"]) == 0
+    out = run(["run_hetseq.py", "--task", "bert", "--model-preset", "tiny", "--data", root / "shards",
+               "--dict", root / "vocab.txt", "--max-sentences", "8", "--max-update", "30", "--lr", "0.001",
+               "--warmup-updates", "5", "--save-dir", root / "run", "--log-format", "none", "--threads", "1"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    checkpoint = root / "run" / "checkpoint_last.pt"
+    out = run(["-m", "textbox_like.export", checkpoint, "--to", root / "hf"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("\n") == 1 and "from_pretrained" in out.stdout
+    return root, checkpoint, root / "hf"
+
+
+def fixed_batch(root):
+    from textbox_like.data.bert_hdf5 import BertHDF5Dataset, find_shards
+    data = BertHDF5Dataset(find_shards(str(root / "shards"), "test"))
+    return data.get_batch(list(range(min(16, len(data)))))
+
+
+def our_model(checkpoint):
+    """The checkpoint's model as our trainer and eval build it."""
+    from textbox_like.checkpoint import load_checkpoint
+    from textbox_like.export import run_config
+    from textbox_like.tasks import TASKS
+    state = load_checkpoint(checkpoint)
+    task = TASKS.get("bert")(run_config(state))
+    model = task.build_model()
+    model.load_state_dict(state["model"])
+    return task, model.eval(), state
+
+
+def hf_mlm_sums(model, batch):
+    """(summed MLM cross-entropy, masked tokens) of transformers' own forward."""
+    from textbox_like.models.bert import IGNORE_INDEX, full_labels
+    labels = full_labels(batch["input_ids"], batch["masked_lm_positions"], batch["masked_lm_ids"])
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    token_type_ids=batch["token_type_ids"], labels=labels,
+                    next_sentence_label=batch["next_sentence_labels"])
+    logits = out.prediction_logits.reshape(-1, model.config.vocab_size).double()
+    total = F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum").item()
+    return total, int((labels != IGNORE_INDEX).sum())
+
+
+@pytest.mark.timeout(600)
+def test_round_trip_gives_the_same_mlm_loss(exported):
+    from transformers import AutoModel, AutoTokenizer, BertForPreTraining
+
+    root, checkpoint, target = exported
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= {p.name for p in target.iterdir()}
+    assert (target / "vocab.txt").read_bytes() == (root / "vocab.txt").read_bytes()
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(".hf.")]  # no temporary left
+    config = json.loads((target / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (2, 128, 38)
+
+    task, ours, state = our_model(checkpoint)
+    hf = BertForPreTraining.from_pretrained(str(target)).eval()
+    for key, value in state["model"].items():
+        assert torch.equal(hf.state_dict()[key], value), key
+
+    # a fixed batch: our task's loss vs transformers' forward
+    batch = fixed_batch(root)
+    with torch.no_grad():
+        _, stats = task.loss(ours, batch)
+    ours_mlm = stats["mlm_loss_sum"].item() / int(stats["masked_tokens"])
+    total, masked = hf_mlm_sums(hf, batch)
+    print(f"fixed batch MLM loss: ours {ours_mlm:.7f}, from_pretrained {total / masked:.7f}")
+    assert abs(ours_mlm - total / masked) < 1e-5
+
+    # our eval over the whole test split vs transformers over the same rows
+    from textbox_like.api import evaluate
+    from textbox_like.data.bert_hdf5 import BertHDF5Dataset, find_shards
+    ours_eval = evaluate(checkpoint, cpu=True)
+    data = BertHDF5Dataset(find_shards(str(root / "shards"), "test"))
+    total, masked = hf_mlm_sums(hf, data.get_batch(list(range(len(data)))))
+    print(f"test split MLM loss: our eval {ours_eval['mlm_loss']:.7f}, from_pretrained {total / masked:.7f}")
+    assert abs(ours_eval["mlm_loss"] - total / masked) < 1e-5
+
+    # AutoModel: the encoder alone, the same hidden states
+    encoder = AutoModel.from_pretrained(str(target)).eval()
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.no_grad():
+        assert torch.allclose(encoder(**inputs).last_hidden_state, ours.bert(**inputs).last_hidden_state, atol=1e-6)
+    tokens = (root / "vocab.txt").read_text().split("\n")
+    ids = AutoTokenizer.from_pretrained(str(target))("the cat sat")["input_ids"]
+    assert [tokens[i] for i in ids] == ["[CLS]", "the", "cat", "sat", "[SEP]"]
+
+
+@pytest.mark.timeout(600)
+def test_new_run_starts_from_the_exported_directory(exported, tmp_path):
+    """--init-checkpoint DIR without a preset: the model's size comes from
+    DIR/config.json and its weights at update 0 are the exported ones."""
+    from safetensors.torch import load_file
+
+    from textbox_like.cli import parse
+    from textbox_like.tasks import TASKS
+
+    root, _, target = exported
+    cfg = parse(["--task", "bert", "--data", str(root / "shards"), "--init-checkpoint", str(target),
+                 "--max-sentences", "8", "--max-update", "2"])
+    assert (cfg.task_options.dimension, cfg.task_options.num_layers, cfg.task_options.num_heads) == (128, 2, 2)
+    task = TASKS.get("bert")(cfg)
+    task.check_config(cfg)
+    model = task.build_model()  # what the trainer starts from
+    saved = load_file(str(target / "model.safetensors"))
+    own = model.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(own[key], value), key
+    assert own["cls.predictions.decoder.weight"].data_ptr() == own["bert.embeddings.word_embeddings.weight"].data_ptr()
+
+    out = run(["run_hetseq.py", "--task", "bert", "--data", root / "shards", "--init-checkpoint", target,
+               "--max-sentences", "8", "--max-update", "2", "--save-dir", tmp_path / "again", "--threads", "1",
+               "--log-format", "none"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "again" / "results.json").read_text())["num_updates"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_console_command_exports(exported, tmp_path):
+    _, checkpoint, target = exported
+    (tmp_path / "empty").mkdir()  # an empty directory is filled
+    out = run(["-m", "textbox_like", "export", checkpoint, "--to", tmp_path / "empty"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "empty" / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
+    out = run(["-m", "textbox_like", "--help"])
+    assert "\n  export " in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir):
+    root, checkpoint, target = exported
+    export = ["-m", "textbox_like.export"]
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    assert_one_line_error(run([*export, junk, "--to", tmp_path / "a"]), "junk.pt")
+    assert_one_line_error(run([*export, tmp_path / "missing.pt", "--to", tmp_path / "a"]), "does not exist")
+    assert_one_line_error(run([*export, root / "run", "--to", tmp_path / "a"]),
+                          "is a directory", "checkpoint_last.pt")
+    assert_one_line_error(run([*export, checkpoint, "--to", target]), "not empty")
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(run([*export, checkpoint, "--to", tmp_path / "file"]), "is a file")
+    assert_one_line_error(run([*export, checkpoint]), "--to")
+    small = tmp_path / "small_vocab.txt"
+    small.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    assert_one_line_error(run([*export, checkpoint, "--to", tmp_path / "a", "--dict", small]),
+                          "has 5 tokens", "vocab_size 38")
+    assert not (tmp_path / "a").exists() and (tmp_path / "file").read_text() == "x"
+
+    out = run(["run_hetseq.py", *base_args(small_mnist_dir, tmp_path / "mnist", "--threads", "1", max_update=2)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_one_line_error(run([*export, tmp_path / "mnist" / "checkpoint_last.pt", "--to", tmp_path / "a"]),
+                          "task 'mnist'", "only BERT")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.timeout(300)
+def test_init_checkpoint_that_is_no_local_path_is_one_line(exported, tmp_path):
+    root, _, _ = exported
+    common = ["run_hetseq.py", "--task", "bert", "--data", root / "shards", "--max-sentences", "8",
+              "--max-update", "1", "--save-dir", tmp_path / "out"]
+    assert_one_line_error(run([*common, "--init-checkpoint", "bert-base-uncased"]),
+                          "'bert-base-uncased'", "no model can be downloaded", "save_pretrained directory")
+    assert_one_line_error(run([*common, "--init-checkpoint", root / "run"]),
+                          "without config.json", "checkpoint_last.pt")

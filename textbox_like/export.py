@@ -1,0 +1,231 @@
+"""A BERT checkpoint of ours to a transformers ``save_pretrained`` directory.
+
+    python -m textbox_like.export CKPT --to DIR [--dict VOCAB]
+    textbox-like export CKPT --to DIR
+
+``DIR`` receives ``config.json``, ``model.safetensors`` and the tokenizer
+files (``vocab.txt`` first among them), so that
+``transformers.BertForPreTraining.from_pretrained(DIR)`` (and ``AutoModel``,
+``AutoTokenizer``) load the model where researchers use it, and a new run
+starts from it with ``--init-checkpoint DIR``.
+
+The model's configuration is rebuilt from the run's own resolved
+configuration stored in the checkpoint (preset sizes, ``--config_file``,
+overrides, ``--model_conf``), with the vocabulary size the weights have. The
+vocabulary is the run's ``--dict``, else the ``vocab.txt`` that
+``prepare_bert`` left beside the shards, else the initial weights' directory's;
+``--dict`` here names another.
+
+The directory appears whole or not at all: everything is written into a
+temporary sibling directory that is renamed into place.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+# mkdtemp makes a 0700 directory; an exported model is for others to read,
+# so it gets the mode a plain mkdir would give (read once: umask is process-wide)
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+# ---------------------------------------------------------------- checks
+def check_target(target) -> Path:
+    """``target`` may be new or an empty directory; anything else is refused
+    before the checkpoint is read."""
+    target = Path(target)
+    if target.is_file() or (target.exists() and not target.is_dir()):
+        raise UserError(f"--to {str(target)!r} is a file; give a new or empty directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise UserError(f"--to {str(target)!r} exists and is not empty; give a new or empty directory "
+                        f"(nothing is overwritten)")
+    return target
+
+
+def read_bert_checkpoint(checkpoint) -> dict:
+    """Our checkpoint of a BERT run, or one line saying what it is instead."""
+    from .checkpoint import load_checkpoint
+
+    path = Path(checkpoint)
+    if path.is_dir():
+        inside = path / "checkpoint_last.pt"
+        hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
+        raise UserError(f"{str(path)!r} is a directory, not a checkpoint file{hint}")
+    state = load_checkpoint(path)
+    if state.get("task") != "bert":
+        raise UserError(f"{str(path)!r} is a checkpoint of task {state.get('task')!r}; only BERT checkpoints "
+                        f"export to transformers")
+    if not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), str):
+        raise UserError(f"{str(path)!r} holds no model weights or run configuration to export")
+    return state
+
+
+# ---------------------------------------------------------------- the model's parts
+def run_config(state):
+    """The run's resolved configuration, as the checkpoint stored it."""
+    import yaml
+
+    from .cli import parse
+    return parse(overrides=yaml.safe_load(state["config"]))
+
+
+def model_config(cfg, weights):
+    """The run's ``BertConfig``; the vocabulary size is the one the weights have
+    (the run's --dict need not exist any more)."""
+    from .tasks import TASKS
+
+    options = cfg.task_options
+    if options.config_file and not Path(options.config_file).is_file():
+        raise UserError(f"the run's --config_file {options.config_file!r} no longer exists and it defines the "
+                        f"model; put it back at that path")
+    task = TASKS.get("bert")(cfg.replace(dict=None))
+    config = task.model_config()
+    embeddings = weights.get("bert.embeddings.word_embeddings.weight")
+    if embeddings is not None:
+        config.vocab_size = int(embeddings.shape[0])
+    return config
+
+
+def find_vocab(cfg, given=None) -> Path:
+    """The vocab.txt to ship: ``given``, else the run's --dict, else the one
+    beside its data, else its initial weights' directory's."""
+    if given:
+        if not Path(given).is_file():
+            raise UserError(f"--dict {given!r} does not exist; check the path")
+        return Path(given)
+    options = cfg.task_options
+    if options.dict:
+        if not Path(options.dict).is_file():
+            raise UserError(f"the run's --dict {options.dict!r} no longer exists; give export --dict VOCAB")
+        return Path(options.dict)
+    places = []
+    if cfg.data.data:
+        data = Path(cfg.data.data)
+        places.append(data if data.is_dir() else data.parent)
+    if options.init_checkpoint and Path(options.init_checkpoint).is_dir():
+        places.append(Path(options.init_checkpoint))
+    for place in places:
+        if (place / "vocab.txt").is_file():
+            return place / "vocab.txt"
+    raise UserError("the run named no vocabulary (--dict) and no vocab.txt lies beside its data; "
+                    "give export --dict VOCAB (the vocab.txt the shards were prepared with)")
+
+
+def lower_case(vocab) -> bool:
+    """Whether the shards were prepared lower-cased (prepare_bert.json beside
+    the vocabulary says so); BERT's uncased default otherwise."""
+    info = Path(vocab).parent / "prepare_bert.json"
+    try:
+        return bool(json.loads(info.read_text())["settings"]["do_lower_case"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+# ---------------------------------------------------------------- writing
+@contextlib.contextmanager
+def directory_in_place(target: Path):
+    """Yields a temporary directory beside ``target``; on success its files
+    are synced and it is renamed to ``target`` (an empty directory there is
+    replaced), on failure it is removed. So ``target`` is never half written."""
+    from .fileio import fsync_dir
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                os.chmod(path, 0o666 & ~_UMASK)  # safetensors writes 0600
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        fsync_dir(tmp)
+        os.chmod(tmp, 0o777 & ~_UMASK)
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
+                            f"was it filled meanwhile?") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def export_bert(checkpoint, target, vocab=None) -> dict:
+    """Write ``checkpoint`` (a BERT run's) to ``target`` as transformers'
+    ``save_pretrained`` output; returns what was written."""
+    target = check_target(target)
+    state = read_bert_checkpoint(checkpoint)
+    cfg = run_config(state)
+    vocab_file = find_vocab(cfg, vocab)
+    config = model_config(cfg, state["model"])
+
+    from transformers import BertForPreTraining, BertTokenizer
+
+    from .models import checked_vocab_size
+    checked_vocab_size(vocab_file, config.vocab_size, f"the weights in {str(checkpoint)!r}")
+    # the plain transformers class: config.json then names BertForPreTraining,
+    # which AutoModel and from_pretrained know (our subclass only adds a forward)
+    model = BertForPreTraining(config)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        first = (missing + unexpected)[0]
+        raise UserError(f"the weights in {str(checkpoint)!r} do not fit a BertForPreTraining built from the "
+                        f"run's configuration ({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first})")
+    with directory_in_place(target) as tmp:
+        model.save_pretrained(str(tmp))
+        shutil.copyfile(vocab_file, tmp / "vocab.txt")
+        # read back from the directory: the one way to hand BertTokenizer a
+        # vocab.txt that transformers 4 and 5 share (their constructors differ)
+        tokenizer = BertTokenizer.from_pretrained(str(tmp), do_lower_case=lower_case(vocab_file),
+                                                  model_max_length=config.max_position_embeddings)
+        tokenizer.save_pretrained(str(tmp))
+        shutil.copyfile(vocab_file, tmp / "vocab.txt")  # the run's own file, byte for byte
+    return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
+            "vocab": str(vocab_file), "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+            "vocab_size": config.vocab_size, "files": sorted(p.name for p in target.iterdir())}
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m textbox_like.export", allow_abbrev=False,
+        description="Write a BERT checkpoint as a transformers save_pretrained directory (config.json, "
+                    "model.safetensors, vocab.txt) for BertForPreTraining/AutoModel.from_pretrained.")
+    parser.add_argument("checkpoint", metavar="CKPT", help="a BERT run's checkpoint, e.g. OUT/checkpoint_best.pt")
+    parser.add_argument("--to", required=True, metavar="DIR", help="new or empty output directory")
+    parser.add_argument("--dict", default=None, metavar="VOCAB",
+                        help="vocab.txt to ship (default: the run's --dict, or the vocab.txt beside its data)")
+    return parser
+
+
+def main(argv=None):
+    from .config import raise_user_errors
+
+    parser = build_parser()
+    raise_user_errors(parser)
+    try:
+        args = parser.parse_args(argv)
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.disable_progress_bar()  # a bar for one shard is noise beside our one line
+        info = export_bert(args.checkpoint, args.to, args.dict)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {info['checkpoint']} (update {info['num_updates']}: {info['layers']} layers, hidden "
+          f"{info['hidden']}, vocabulary {info['vocab_size']}) to {info['to']}; load it with "
+          f"transformers.BertForPreTraining.from_pretrained({info['to']!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
