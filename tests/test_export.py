@@ -156,6 +156,10 @@ def test_new_run_starts_from_the_exported_directory(exported, tmp_path):
                "--log-format", "none"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tmp_path / "again" / "results.json").read_text())["num_updates"] == 2
+    # its checkpoints evaluate (the model's sizes come from the exported directory again)
+    from textbox_like import evaluate
+    metrics = evaluate(tmp_path / "again" / "checkpoint_last.pt", subset="test")
+    assert metrics["num_updates"] == 2 and metrics["mlm_loss"] > 0
 
 
 @pytest.mark.timeout(300)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ["train", "hyper", "multi-seed", "prepare-bert", "eval", "plot", "bench"]
+COMMANDS = ["train", "hyper", "multi-seed", "prepare-bert", "eval", "plot", "bench", "export"]
 
 
 def run(argv, cwd, timeout=120, check=True):

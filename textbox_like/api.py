@@ -73,8 +73,11 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False) -> 
     state = load_checkpoint(checkpoint)
     saved = yaml.safe_load(state["config"])
     cfg = parse(overrides={**saved, **({"data": data} if data else {})})
-    if "init_checkpoint" in vars(cfg.task_options):
-        cfg = cfg.replace(init_checkpoint=None)  # the checkpoint's own weights replace it anyway
+    init = vars(cfg.task_options).get("init_checkpoint")
+    if init and not (Path(init) / "config.json").is_file():
+        # the checkpoint's own weights replace it anyway; a save_pretrained
+        # directory stays: its config.json gives the model's sizes
+        cfg = cfg.replace(init_checkpoint=None)
     subset = subset or cfg.data.valid_subset[0]
 
     import torch
