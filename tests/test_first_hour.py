@@ -250,3 +250,41 @@ def test_console_command_help_names_itself():
         proc = subprocess.run([sys.executable, "-m", "textbox_like", command, "--help"], env=clean_env(),
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.startswith(usage), proc.stdout[:200]
+
+
+# ------------------------------------------------------------------ kanachan's data files
+def test_kanachan_training_and_validation_data_files_are_those_files(tmp_path):
+    """--training-data FILE trains on that shard only (not its directory's
+    other shards); --validation-data FILE validates on that file."""
+    import shutil
+
+    from test_prepare_bert import write_corpus, write_vocab
+    from textbox_like.data.prepare_bert import main as prepare
+
+    from textbox_like.tasks import TASKS
+    vocab = tmp_path / "vocab.txt"
+    write_vocab(vocab)
+    write_corpus(tmp_path / "corpus.txt", n_docs=20)
+    assert prepare(["--input", str(tmp_path / "corpus.txt"), "--vocab", str(vocab), "--output",
+                    str(tmp_path / "shards"), "--max-seq-length", "32", "--max-predictions-per-seq", "5",
+                    "--valid-fraction", "0.2", "--no-progress-bar"]) == 0
+    shards = tmp_path / "shards"
+    train = next(shards.glob("*_train_0.hdf5"))
+    shutil.copy(train, shards / "more_train_1.hdf5")                 # the directory holds twice the rows
+    held_out = tmp_path / "held_out.hdf5"
+    shutil.copy(next(shards.glob("*_test_0.hdf5")), held_out)
+    base = ["--task", "bert", "--model-preset", "tiny", "--dict", str(vocab), "--max-update", "1",
+            "--max-sentences", "8"]
+    cfg = parse(base + ["--training-data", str(train), "--validation-data", str(held_out)])
+    task = TASKS.get("bert")(cfg)
+    assert cfg.data.data == str(shards) and cfg.data.training_data == str(train)
+    assert task.build_dataset("train").files == [str(train)]
+    assert task.build_dataset(cfg.data.valid_subset[0]).files == [str(held_out)]
+    whole = TASKS.get("bert")(parse(base + ["--training-data", str(shards)]))
+    assert len(whole.build_dataset("train")) == 2 * len(task.build_dataset("train"))
+
+
+def test_hetseq_data_file_for_mnist_means_its_directory(capsys, small_mnist_dir):
+    data, lines = notes(capsys, *MNIST, "--data", next(small_mnist_dir.glob("train-images*")))
+    assert data["data"] == str(small_mnist_dir)
+    assert len(lines) == 1 and "MNIST reads its splits from its directory" in lines[0]

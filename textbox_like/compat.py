@@ -167,11 +167,24 @@ def _devices(ns, user_gave):
 
 
 def _data_paths(ns, user_gave, rank_of):
+    """kanachan's --training-data/--validation-data: a directory is --data;
+    a file is that split's data where the task reads a split from one file
+    (BERT's shards), else its directory (MNIST's splits are fixed names)."""
+    from .tasks import TASKS
+    split_files = TASKS.get(ns.task).split_files
+    for flag, dest in (("--training-data", "training_data"), ("--validation-data", "validation_data")):
+        value = getattr(ns, dest)
+        if value is not None and not os.path.exists(value):
+            raise UserError(f"{flag} {value}: no such file or directory")
     if ns.training_data is not None:
         path = os.path.abspath(ns.training_data)
-        if not os.path.exists(path):
-            raise UserError(f"--training-data {ns.training_data}: no such file or directory")
         directory = path if os.path.isdir(path) else os.path.dirname(path)
+        if os.path.isfile(path) and split_files:
+            ns.training_data = path                     # the task trains on this file only
+            directory = ns.data or directory            # the other splits: --data, else beside it
+        elif os.path.isfile(path):
+            note(f"--training-data {ns.training_data}: the {ns.task} task reads its splits from a directory; "
+                 f"training on its {ns.train_subset!r} split in {directory}")
         if user_gave("data") and ns.data and os.path.abspath(ns.data) != directory \
                 and rank_of("data") >= rank_of("training_data"):
             raise UserError(f"--data {ns.data} and --training-data {ns.training_data} name different "
@@ -179,8 +192,11 @@ def _data_paths(ns, user_gave, rank_of):
         ns.data = directory
     if ns.validation_data is not None:
         path = os.path.abspath(ns.validation_data)
-        if not os.path.exists(path):
-            raise UserError(f"--validation-data {ns.validation_data}: no such file or directory")
+        if os.path.isfile(path) and split_files:
+            ns.validation_data = path                   # the task validates on this file only
+            if ns.data is None:
+                raise UserError("--validation-data FILE needs the training data too: --training-data or --data")
+            return
         directory = path if os.path.isdir(path) else os.path.dirname(path)
         if ns.data is None:
             ns.data = directory

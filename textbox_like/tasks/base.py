@@ -28,6 +28,10 @@ class Task:
     #: starts from random weights only)
     initial_weights_setting: str | None = None
 
+    #: whether one split can be read from one named file (kanachan's
+    #: --training-data FILE / --validation-data FILE: that file is the split)
+    split_files: bool = False
+
     #: the --model_conf key of the model's width, which TextBox's
     #: ``embedding_size`` stands for in a search space (None: no such width)
     width_key: str | None = None

@@ -36,6 +36,7 @@ def _probability(text):
 class BertTask(Task):
     denominators = ("masked_tokens",)
     initial_weights_setting = "init_checkpoint"
+    split_files = True
     width_key = "hidden_size"
     default_best_metric = "loss"
     default_maximize_best_metric = False
@@ -128,8 +129,13 @@ class BertTask(Task):
     def build_dataset(self, split):
         from ..data.bert_hdf5 import BertHDF5Dataset, find_shards
 
-        files = find_shards(self.cfg.data.data, split, self.cfg.task_options.num_file,
-                            training=split == self.cfg.data.train_subset)
+        data = self.cfg.data
+        training = split == data.train_subset
+        named = data.training_data if training else data.validation_data   # kanachan's FILE for this split
+        if named and Path(named).is_file():
+            files = find_shards(named, split, training=True)
+        else:
+            files = find_shards(data.data, split, self.cfg.task_options.num_file, training=training)
         config = self.model_config()
         _check_prepared_vocab(files, config.vocab_size)
         data = BertHDF5Dataset(files, max_pred_length=self.cfg.task_options.max_pred_length,

@@ -1,5 +1,5 @@
 """MNIST digit classification with HetSeq's CNN."""
-from ..errors import UserError, closest
+from ..errors import UserError, closest, note
 from . import register_task
 from .base import Task
 
@@ -12,6 +12,20 @@ class MNISTTask(Task):
     metric_names = ("loss", "accuracy")
     default_best_metric = "accuracy"
     default_maximize_best_metric = True
+
+    @classmethod
+    def resolve_config(cls, ns):
+        """HetSeq's --data may name an MNIST file: its directory holds the splits."""
+        import os
+
+        from ..data.mnist import has_mnist_files
+        if ns.data and os.path.isfile(ns.data):
+            directory = os.path.dirname(os.path.abspath(ns.data))
+            if not has_mnist_files(directory):
+                raise UserError(f"--data {ns.data} is a file, and its directory holds no MNIST idx files; give the "
+                                f"directory holding them, or leave --data out to fetch MNIST")
+            note(f"--data {ns.data} is a file: MNIST reads its splits from its directory, {directory}")
+            ns.data = directory
 
     @classmethod
     def check_config(cls, cfg):
