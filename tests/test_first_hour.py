@@ -288,3 +288,11 @@ def test_hetseq_data_file_for_mnist_means_its_directory(capsys, small_mnist_dir)
     data, lines = notes(capsys, *MNIST, "--data", next(small_mnist_dir.glob("train-images*")))
     assert data["data"] == str(small_mnist_dir)
     assert len(lines) == 1 and "MNIST reads its splits from its directory" in lines[0]
+
+
+def test_a_short_run_logs_progress_about_ten_times(small_mnist_dir, tmp_path):
+    from conftest import base_args, read_jsonl, run_main
+    out = tmp_path / "o"
+    assert run_main(base_args(small_mnist_dir, out, "--disable-validation", max_update=20)) == 0   # --log-interval 100
+    updates = [r["update"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(updates) >= 5 and updates == sorted(set(updates)), updates

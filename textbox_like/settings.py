@@ -298,6 +298,14 @@ class RunConfig:
     def source(self, key) -> str:
         return self.sources.get(key, "default")
 
+    def given(self, key) -> bool:
+        """Whether the user set it (command line, --config, Python, the
+        environment), not a built-in default or one of our properties files."""
+        from .config import PROPERTIES
+        source = self.source(key)
+        return source != "default" and source != "properties/overall.yaml" \
+            and not source.startswith(str(PROPERTIES))
+
     def as_dict(self) -> dict:
         """{setting: value} in printed order: what --print_config prints."""
         return {key: self.get(key) for key in self.keys}

@@ -395,7 +395,7 @@ class Trainer:
             return self.accelerator.clip_grad_norm_(self.grad_params, self.cfg.schedule.clip_norm)
         if self.accelerator.scaler is not None:  # the scaler guards: the norm only for the log
             return self.accelerator.clip_grad_norm_(self.grad_params, float("inf")) \
-                if self.every(self.cfg.logging.log_interval, ahead=1) else None
+                if self.every(self.log_interval(), ahead=1) else None
         if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: no clipping pass
             return torch.nn.utils.get_total_norm([p.grad for p in self.grad_params if p.grad is not None])
         return self.accelerator.clip_grad_norm_(self.grad_params, float("inf"))
@@ -448,7 +448,7 @@ class Trainer:
         """Whether the loop does anything after this update beyond the next one."""
         cfg, state = self.cfg, self.state
         n = cfg.checkpoint.snapshot_interval
-        return (any(self.every(i) for i in (cfg.logging.log_interval, cfg.checkpoint.save_interval_updates,
+        return (any(self.every(i) for i in (self.log_interval(), cfg.checkpoint.save_interval_updates,
                                            cfg.validation.validate_interval_updates))
                 or self.preemption.due(state.num_updates) or self.end_of_epoch()
                 or self.stop_reason() is not None
@@ -604,8 +604,26 @@ class Trainer:
         self.state.samples_seen += int(sums.get("nsamples", 0))
         return sums
 
+    def target_updates(self) -> int:
+        """The update the run will stop at (0: not known)."""
+        known = [n for n in (self.cfg.schedule.max_update, self.planned_updates) if n]
+        return min(known) if known else 0
+
+    def log_interval(self) -> int:
+        """--log-interval, shortened so that a short run still logs about ten
+        times (a 20-update run with the default 100 would print nothing). A
+        count of updates, not seconds: every rank must agree on when to log,
+        since logging sums the window over ranks."""
+        target = self.target_updates()
+        if getattr(self, "_log_interval", (None,))[0] != target:   # asked every update: worked out once
+            interval = self.cfg.logging.log_interval
+            if not (self.cfg.given("log_interval") or not target or interval <= 0):
+                interval = min(interval, max(1, target // 10))
+            self._log_interval = (target, interval)
+        return self._log_interval[1]
+
     def log_train(self):
-        if not self.every(self.cfg.logging.log_interval):
+        if not self.every(self.log_interval()):
             return
         state = self.state
         sums = self.fold_log_window()
@@ -614,8 +632,7 @@ class Trainer:
                   "gnorm": float(self.gnorm) if self.gnorm is not None else None, **rates}
         if "ntokens" in sums:
             record["tokens_per_s"] = rates["samples_per_s"] * sums["ntokens"] / max(sums.get("nsamples", 0), 1)
-        target = min(n for n in (self.cfg.schedule.max_update, self.planned_updates) if n) \
-            if (self.cfg.schedule.max_update or self.planned_updates) else 0
+        target = self.target_updates()
         if target and rates["updates_per_s"] > 0:
             record["eta_s"] = max(target - state.num_updates, 0) / rates["updates_per_s"]
         if self.accelerator.device.type == "cuda":
