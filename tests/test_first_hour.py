@@ -296,3 +296,9 @@ def test_a_short_run_logs_progress_about_ten_times(small_mnist_dir, tmp_path):
     assert run_main(base_args(small_mnist_dir, out, "--disable-validation", max_update=20)) == 0   # --log-interval 100
     updates = [r["update"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert len(updates) >= 5 and updates == sorted(set(updates)), updates
+
+
+def test_validation_batches_default_to_four_times_the_training_batch():
+    from textbox_like.trainer import valid_batch_size
+    assert valid_batch_size(parse(MNIST).data) == 32                               # --max-sentences 8
+    assert valid_batch_size(parse(MNIST + ["--max-sentences-valid", "5"]).data) == 5

@@ -93,7 +93,8 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False) -> 
     model.load_state_dict(state["model"])
     accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available())
     model = accelerator.prepare(model)
-    size = batch_size or cfg.data.max_sentences_valid or cfg.data.max_sentences or 64
+    from .trainer import valid_batch_size
+    size = batch_size or valid_batch_size(cfg.data)
     metrics = evaluate_split(task, model, split, size, accelerator)
     return {"checkpoint": str(checkpoint), "subset": subset, "samples": len(split),
             "num_updates": state["train"]["num_updates"], **metrics}

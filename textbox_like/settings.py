@@ -78,7 +78,7 @@ class DataConfig(Section):
     training_data: str | None = setting(None, 'kanachan: the training data: a directory (sets --data), or a file (BERT: that shard only; MNIST: its directory)', metavar='PATH')
     validation_data: str | None = setting(None, 'kanachan: the validation data: a file (BERT: that shard only) or, for MNIST, the --data directory (its split: --valid-subset)', metavar='PATH')
     max_sentences: int | None = setting(None, 'batch size per process', type=positive_int)
-    max_sentences_valid: int | None = setting(None, 'validation batch size per process', type=positive_int)
+    max_sentences_valid: int | None = setting(None, 'validation batch size per process (default: 4x --max-sentences: forward-only work needs far less memory per sample)', type=positive_int)
     max_tokens: int | None = setting(None, 'limit of real tokens per batch and process', type=positive_int)
     required_batch_size_multiple: int = setting(1, 'batch sizes are rounded down to a multiple of this (a batch smaller than it is kept)', type=positive_int)
     num_workers: int = setting(0, 'batches read ahead in a background thread, for data read from disk or pinned for CUDA (0: inline)', type=nonneg_int)
