@@ -5,8 +5,9 @@ training progress, loss scaler, RNG streams) is a *part*: an object with
 ``state_dict()`` and ``load_state_dict(state)``. The manager gathers them into
 one plain dict of tensors, numbers, strings, lists and dicts, so
 ``torch.load(weights_only=True)`` reads it back, writes it atomically
-(:mod:`textbox_like.fileio`) and links the other names of the same state to it
-(``checkpoint_last.pt``, ``checkpoint3.pt``, ...). On restore it applies the
+(:mod:`textbox_like.fileio`) and copies it to the other names of the same state
+(``checkpoint_last.pt``, ``checkpoint3.pt``, ...): copies, not hard links, so
+damage at rest to one file leaves the others readable. On restore it applies the
 ``--reset-*`` policy in one place: a reset part keeps its fresh state.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
-from .faults import SaveFailed, os_reason
-from .fileio import atomic_link, atomic_write
+from .faults import SaveFailed, failed_writing, os_reason
+from .fileio import atomic_copy, atomic_write
 
 FORMAT = "textbox_like-checkpoint-2"
 
@@ -91,11 +92,13 @@ def digest(obj) -> str:
     return h.hexdigest()
 
 
-def atomic_save(state: dict, path) -> None:
-    """Write a checkpoint dict with its digest, atomically."""
+def atomic_save(state: dict, path, make_parents=True) -> None:
+    """Write a checkpoint dict with its digest, atomically. On a full disk
+    torch's writer raises an OSError, then a RuntimeError while closing:
+    :func:`~textbox_like.faults.failed_writing` tells them from a bug."""
     import torch
     state = {**state, "digest": digest(state)}
-    atomic_write(path, lambda handle: torch.save(state, handle))
+    atomic_write(path, lambda handle: torch.save(state, handle), make_parents=make_parents)
 
 
 def load_checkpoint(path, verify=True) -> dict:
@@ -129,8 +132,9 @@ class CheckpointManager:
     every rank (parts may gather over ranks); only the main process writes.
     """
 
-    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool):
+    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool, lock=None):
         self.cfg = cfg
+        self.lock = lock  # savelock.SaveDirLock of this run (main process), checked before each save
         self.parts = parts
         self.metadata = metadata
         self.dir = Path(cfg.save_dir)
@@ -172,12 +176,22 @@ class CheckpointManager:
         if not self.is_main:
             return []
         target = self.dir / names[0]
+        lost = self.lock.lost() if self.lock is not None else None
+        if lost:
+            raise SaveFailed(f"not writing {target}: {lost}; stopping")
         try:
-            atomic_save(state, target)
+            # never recreated: a save directory removed under a run is a fault, not a fresh start
+            atomic_save(state, target, make_parents=False)
             for name in names[1:]:
                 target = self.dir / name
-                atomic_link(self.dir / names[0], target)
-        except OSError as exc:
+                atomic_copy(self.dir / names[0], target, make_parents=False)
+        except Exception as exc:
+            if not failed_writing(exc):
+                raise
+            if not self.dir.is_dir():
+                raise SaveFailed(f"could not write {target}: the save directory {self.dir} was removed during the "
+                                 f"run, with its checkpoints, config.yaml and metrics.jsonl; stopping (nothing "
+                                 f"is recreated)") from None
             last = self.newest_good()
             raise SaveFailed(f"could not write {target} ({os_reason(exc)}); "
                              + (f"the last good checkpoint is {last}: free space or fix the directory, then "
@@ -245,17 +259,20 @@ class CheckpointManager:
         except UserError as exc:
             if self.cfg.restore_file:
                 raise
+            skipped = [str(exc)]  # each names its file
             for other in self.candidates():
                 if other.samefile(path):
                     continue
                 try:
                     state = load_checkpoint(other)
-                except UserError:
+                except UserError as also:
+                    skipped.append(str(also))
                     continue
-                log(f"warning: {exc}; resuming from {other}, the newest checkpoint that verifies")
+                log(f"warning: skipped {len(skipped)} checkpoint(s): {'; '.join(skipped)}; resuming from {other}, "
+                    f"the newest checkpoint that verifies")
                 return state, other
-            raise UserError(f"{exc}; no other checkpoint in {self.dir} verifies: start without --resume") \
-                from None
+            raise UserError(f"{'; '.join(skipped)}; no other checkpoint in {self.dir} verifies: start without "
+                            f"--resume") from None
 
     def restore(self, state, path) -> list:
         """Load every part that the reset policy keeps; returns the names of

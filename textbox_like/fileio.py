@@ -31,10 +31,13 @@ def fsync_dir(directory) -> None:
         os.close(fd)
 
 
-def atomic_write(path, write) -> Path:
-    """Call ``write(binary_file)`` on a temporary file and move it to ``path``."""
+def atomic_write(path, write, make_parents=True) -> Path:
+    """Call ``write(binary_file)`` on a temporary file and move it to ``path``.
+    ``make_parents=False``: a missing directory is an error (FileNotFoundError),
+    not recreated: a run's save directory removed under it is a fault."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would make results unreadable to the group
@@ -53,24 +56,14 @@ def atomic_write(path, write) -> Path:
     return path
 
 
-def atomic_write_text(path, text: str) -> Path:
-    return atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
+def atomic_write_text(path, text: str, make_parents=True) -> Path:
+    return atomic_write(path, lambda handle: handle.write(text.encode("utf-8")), make_parents=make_parents)
 
 
-def atomic_link(source, target) -> None:
-    """``target`` becomes the same content as ``source``, atomically (a hard
-    link where the file system has them, else a copy)."""
-    source, target = Path(source), Path(target)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.lnk"
-    try:
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(target.parent)
+def atomic_copy(source, target, make_parents=True) -> Path:
+    """``target`` becomes a copy of ``source``, atomically: its own bytes, not a
+    hard link, so damage at rest to one leaves the other readable."""
+    def copy(handle):
+        with open(source, "rb") as src:
+            shutil.copyfileobj(src, handle, 1 << 22)
+    return atomic_write(target, copy, make_parents=make_parents)
