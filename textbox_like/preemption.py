@@ -23,7 +23,26 @@ PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def leaving(code):
+    """The process exits with ``code`` now: from here SIGTERM/SIGUSR1 are
+    ignored. (While shutting down, Python restores the default action, and a
+    second signal a second after the first would turn the 75 of a saved stop
+    into death by the signal, 143, which a requeue script does not retry.)"""
+    for sig in SIGNALS:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:
+            pass
+    return code
+
+
+def _ignore(_signum, _frame):
+    pass
+
+
 def _stop_now(signum, _frame):
+    for sig in SIGNALS:  # a second signal must not interrupt the way out
+        signal.signal(sig, _ignore)
     raise StoppedEarly(f"stopped by {signal.Signals(signum).name} during start-up, before training began; "
                        f"nothing to save: rerun the same command")
 
