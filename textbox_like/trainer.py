@@ -251,7 +251,7 @@ class Trainer:
     def build_iterator(self):
         from .data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
         cfg, acc = self.cfg, self.accelerator
-        self.batch_sizes = distributed.gather_per_rank(acc, cfg.data.max_sentences or 0)
+        self.batch_sizes = distributed.gather_per_rank(acc, self.clamped_batch_size(cfg.data.max_sentences, self.train_data, "--max-sentences"))
         max_tokens = distributed.gather_per_rank(acc, cfg.data.max_tokens or 0)
         if not any(max_tokens) and not all(self.batch_sizes):
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
@@ -263,13 +263,24 @@ class Trainer:
                                            pin_memory=pin_memory)
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.schedule.max_epoch or 0)
 
+    def clamped_batch_size(self, size, dataset, what) -> int:
+        """A batch larger than the dataset holds nothing more, but its
+        buffers are allocated in full: clamped, with a note."""
+        if size and dataset is not None and 0 < len(dataset) < size:
+            from .errors import note
+            note(f"{what} {size} is larger than the {len(dataset):,} samples of the data: using {len(dataset)}")
+            return len(dataset)
+        return size or 0
+
     def build_components(self):
         cfg, acc, task = self.cfg, self.accelerator, self.task
         best_metric = cfg.validation.best_checkpoint_metric or task.default_best_metric
         maximize = cfg.validation.maximize_best_checkpoint_metric if cfg.validation.maximize_best_checkpoint_metric is not None \
             else task.default_maximize_best_metric
         self.state = TrainState(best_metric, maximize)
-        valid_batch_sizes = distributed.gather_per_rank(acc, cfg.data.max_sentences_valid or cfg.data.max_sentences or 64)
+        valid_batch_sizes = distributed.gather_per_rank(acc, self.clamped_batch_size(
+            cfg.data.max_sentences_valid or cfg.data.max_sentences or 64,
+            max(self.valid_data.values(), key=len, default=None), "the validation batch size"))
         self.validator = Validator(task, self.valid_data, valid_batch_sizes, acc, best_metric, maximize,
                                    self.to_device)
         self.checkpoints = CheckpointManager(
