@@ -395,3 +395,22 @@ def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(da
     assert f"resuming from {out / 'checkpoint_1_4.pt'}" in warnings[0], warnings[0]
     assert "update 4" in resumed.stderr
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 8
+
+
+# ------------------------------------------- --resume continues the same run
+def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(mnist_args(data, out, "--lr", "0.001", max_update=2)).returncode == 0
+    other = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", max_update=4))
+    assert other.returncode == 2, other.stderr[-3000:]
+    errors = error_lines(other.stderr)
+    assert len(errors) == 1 and "--lr" in errors[0] and "0.001" in errors[0] and "0.5" in errors[0], errors
+    assert "--reset-lr-scheduler" in errors[0], errors[0]
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 2  # nothing written
+    clip = run_cli(mnist_args(data, out, "--lr", "0.001", "--clip-norm", "1.0", "--resume", max_update=4))
+    assert clip.returncode == 2 and "--clip-norm" in clip.stderr and "--restore-file" in clip.stderr, \
+        clip.stderr[-3000:]
+    # the change allowed by the reset option that says so; a longer run is no change of numbers
+    reset = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4))
+    assert reset.returncode == 0, reset.stderr[-3000:]
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4

@@ -33,6 +33,32 @@ MISFIT_HINTS = {"model": "use the model options it was trained with",
                 "iterator": "pass --reset-dataloader"}
 
 
+# Settings that change the numbers of a resumed run, and the --reset-* options
+# under which --resume may change them (none: the same value, or --restore-file
+# to start a new run from the weights). Extending a run (--max-update,
+# --max-epoch), another batch size or world size (re-planned from the same
+# offset), logging, saving and paths may change.
+CHANGES_NUMBERS = {
+    "seed": ("reset_dataloader",), "no_shuffle": ("reset_dataloader",), "shuffle_block": ("reset_dataloader",),
+    "optimizer": ("reset_optimizer",), "weight_decay": ("reset_optimizer",), "epsilon": ("reset_optimizer",),
+    "optim_conf": ("reset_optimizer",), "lr": ("reset_optimizer", "reset_lr_scheduler"),
+    "lr_scheduler": ("reset_lr_scheduler",), "warmup_updates": ("reset_lr_scheduler",),
+    "total_num_update": ("reset_lr_scheduler",), "scheduler_conf": ("reset_lr_scheduler",),
+    "update_freq": (), "clip_norm": (), "train_dtype": (), "model_conf": (), "dim_final_feedforward": (),
+    "dimension": (), "num_heads": (), "dim_feedforward": (), "num_layers": (), "activation_function": (),
+    "dropout": (), "max_pred_length": (), "freeze_encoder": (),
+}
+
+
+def changes_numbers(cfg) -> dict:
+    """setting -> the --reset-* options that allow changing it on --resume,
+    for this run's settings (its optimizer's and scheduler's own options too)."""
+    found = {key: resets for key, resets in CHANGES_NUMBERS.items() if key in cfg.keys}
+    found.update((key, ("reset_optimizer",)) for key in vars(cfg.optimizer_options))
+    found.update((key, ("reset_lr_scheduler",)) for key in vars(cfg.scheduler_options))
+    return found
+
+
 # --------------------------------------------------------------------- RNG
 def rng_state() -> dict:
     import torch
@@ -248,6 +274,12 @@ class CheckpointManager:
             return path
         if cfg.resume:
             path = self.dir / "checkpoint_last.pt"
+            found = self.candidates()
+            # checkpoint_last.pt is copied from the save's first name: a run
+            # killed in between leaves that one newer (or last missing)
+            if found and not cfg.no_last_checkpoints and found[0].name != path.name and (
+                    not path.is_file() or found[0].stat().st_mtime_ns > path.stat().st_mtime_ns):
+                return found[0]
             return path if path.is_file() else None
         return None
 
@@ -273,6 +305,28 @@ class CheckpointManager:
                 return state, other
             raise UserError(f"{'; '.join(skipped)}; no other checkpoint in {self.dir} verifies: start without "
                             f"--resume") from None
+
+    def check_resumed_config(self, state, path, settings: dict) -> None:
+        """--resume continues the same run: refuse a checkpoint whose
+        configuration differs in a setting that changes the numbers (``settings``:
+        see :func:`changes_numbers`), naming it, unless a --reset-* option
+        given allows the change."""
+        import yaml
+        saved, now = state.get("config"), self.metadata.get("config")
+        if not isinstance(saved, str) or not isinstance(now, str):
+            return  # a checkpoint of an older version: nothing to compare
+        saved, now = yaml.safe_load(saved) or {}, yaml.safe_load(now) or {}
+        overrides = self.cfg.optimizer_overrides or {}
+        for key, resets in settings.items():
+            if key not in saved or key not in now or saved[key] == now[key]:
+                continue
+            if any(getattr(self.cfg, flag) for flag in resets) or key in overrides:
+                continue
+            flag = f"--{key.replace('_', '-')}"
+            fix = (" or pass " + " or ".join(f"--{r.replace('_', '-')}" for r in resets)) if resets else \
+                ", or start a new run from its weights with --restore-file and another --save-dir"
+            raise UserError(f"--resume: {path} was trained with {flag} {saved[key]!r}, this run has {now[key]!r}, "
+                            f"which changes the numbers; use the same value{fix}")
 
     def restore(self, state, path) -> list:
         """Load every part that the reset policy keeps; returns the names of

@@ -273,8 +273,11 @@ def run(cfg):
         if not _lost_peer(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or dist.distributed_init_method or ""
+        stale = (f"; if the rendezvous file {init[len('file://'):]} was left by an earlier run, delete it and "
+                 f"rerun") if init.startswith("file://") else ""
         print(f"error: rank {os.environ.get('RANK', '?')}: another process of this run died or is "
-              f"unreachable ({first}); stopping", file=sys.stderr)
+              f"unreachable ({first}){stale}; stopping", file=sys.stderr)
         return 1
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from . import distributed
-from .checkpoint import CheckpointManager, rng_state, set_rng_state
+from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_state
 from .config import to_yaml
 from .errors import UserError
 from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, RunStopped, SaveFailed, check_writable,
@@ -715,6 +715,8 @@ class Trainer:
             self.iterator.set_epoch(state.epoch)
             return
         state_dict, path = self.checkpoints.load_newest(path, self.log.info)
+        if cfg.checkpoint.resume:  # the same run, continued (--restore-file may start another)
+            self.checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg))
         fresh = self.checkpoints.restore(state_dict, path)
         self.previous_data_failure = state_dict.get("data_failure")
         del state_dict
