@@ -45,6 +45,8 @@ def _process_start(pid: int):
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # kill(0 or -1) would ask about whole process groups
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -84,7 +86,10 @@ def stale_reason(holder, mtime, now=None):
     now = time.time() if now is None else now
     age = now - mtime
     if holder and holder.get("host") == socket.gethostname():
-        pid = int(holder.get("pid", -1))
+        try:
+            pid = int(holder.get("pid", -1))
+        except (TypeError, ValueError):
+            pid = -1
         if pid == os.getpid():
             return "this process's own earlier run"
         if not _pid_alive(pid):
