@@ -237,7 +237,8 @@ def test_second_run_on_a_save_dir_is_refused_then_a_dead_runs_lock_is_taken_over
         first.kill()
     lock = json.loads((out / "run.lock").read_text())
     assert lock["pid"] == first.proc.pid
-    third = run_cli(mnist_args(data, out, "--resume", "--reset-dataloader", max_update=4), timeout=200)
+    third = run_cli(mnist_args(data, out, "--resume", "--reset-dataloader", "--lr", "0.001", max_update=4),
+                    timeout=200)
     assert third.returncode == 0, third.stderr[-3000:]
     notes = [line for line in third.stderr.splitlines() if "took over" in line]
     assert len(notes) == 1 and f"pid {first.proc.pid}" in notes[0] and "no longer running" in notes[0], \
@@ -410,6 +411,9 @@ def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
     clip = run_cli(mnist_args(data, out, "--lr", "0.001", "--clip-norm", "1.0", "--resume", max_update=4))
     assert clip.returncode == 2 and "--clip-norm" in clip.stderr and "--restore-file" in clip.stderr, \
         clip.stderr[-3000:]
+    betas = run_cli(mnist_args(data, out, "--lr", "0.001", "--optim_conf", "amsgrad=true", "--resume",
+                               max_update=4))
+    assert betas.returncode == 2 and "--optim-conf amsgrad=False" in betas.stderr, betas.stderr[-3000:]
     # the change allowed by the reset option that says so; a longer run is no change of numbers
     reset = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4))
     assert reset.returncode == 0, reset.stderr[-3000:]

@@ -49,6 +49,9 @@ CHANGES_NUMBERS = {
     "dropout": (), "max_pred_length": (), "freeze_encoder": (),
 }
 
+#: entries of a dict setting that mirror a setting compared on its own
+MIRRORED = {"optim_conf": ("lr", "weight_decay", "eps")}
+
 
 def changes_numbers(cfg) -> dict:
     """setting -> the --reset-* options that allow changing it on --resume,
@@ -318,15 +321,26 @@ class CheckpointManager:
         saved, now = yaml.safe_load(saved) or {}, yaml.safe_load(now) or {}
         overrides = self.cfg.optimizer_overrides or {}
         for key, resets in settings.items():
-            if key not in saved or key not in now or saved[key] == now[key]:
+            if key not in saved or key not in now:
                 continue
-            if any(getattr(self.cfg, flag) for flag in resets) or key in overrides:
-                continue
+            was, is_ = saved[key], now[key]
             flag = f"--{key.replace('_', '-')}"
+            if isinstance(was, dict) and isinstance(is_, dict):
+                # one entry at a time; the entries that mirror a setting of their own are compared there
+                mirrored = MIRRORED.get(key, ())
+                entry = next((k for k in sorted(set(was) | set(is_), key=str)
+                              if k not in mirrored and was.get(k) != is_.get(k)), None)
+                if entry is None:
+                    continue
+                flag, was, is_ = f"{flag} {entry}=", was.get(entry), is_.get(entry)
+            elif was == is_:
+                continue
+            if any(getattr(self.cfg, reset) for reset in resets) or key in overrides:
+                continue
             fix = (" or pass " + " or ".join(f"--{r.replace('_', '-')}" for r in resets)) if resets else \
                 ", or start a new run from its weights with --restore-file and another --save-dir"
-            raise UserError(f"--resume: {path} was trained with {flag} {saved[key]!r}, this run has {now[key]!r}, "
-                            f"which changes the numbers; use the same value{fix}")
+            raise UserError(f"--resume: {path} was trained with {flag}{'' if flag.endswith('=') else ' '}{was!r}, "
+                            f"this run has {is_!r}, which changes the numbers; use the same value{fix}")
 
     def restore(self, state, path) -> list:
         """Load every part that the reset policy keeps; returns the names of
