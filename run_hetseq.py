@@ -3,6 +3,7 @@
 import sys
 
 from textbox_like.cli import main
+from textbox_like.preemption import leaving
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leaving(main()))

@@ -344,15 +344,15 @@ def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, mon
     real_write = ckpt.atomic_write
     calls = {"n": 0}
 
-    def atomic_write(path, write):
+    def atomic_write(path, write, **kwargs):
         calls["n"] += 1
         if calls["n"] != 2:
-            return real_write(path, write)
+            return real_write(path, write, **kwargs)
 
         def partial(handle):  # some bytes reach the temporary file, then the disk is full
             handle.write(b"PK\x03\x04" + b"\0" * 4096)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(path, partial)
+        return real_write(path, partial, **kwargs)
 
     monkeypatch.setattr(ckpt, "atomic_write", atomic_write)
     trainer, ns, keys = build_trainer(mnist_args(data, out, "--save-interval-updates", "2", "--disable-validation",

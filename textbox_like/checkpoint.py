@@ -5,8 +5,9 @@ training progress, loss scaler, RNG streams) is a *part*: an object with
 ``state_dict()`` and ``load_state_dict(state)``. The manager gathers them into
 one plain dict of tensors, numbers, strings, lists and dicts, so
 ``torch.load(weights_only=True)`` reads it back, writes it atomically
-(:mod:`textbox_like.fileio`) and links the other names of the same state to it
-(``checkpoint_last.pt``, ``checkpoint3.pt``, ...). On restore it applies the
+(:mod:`textbox_like.fileio`) and copies it to the other names of the same state
+(``checkpoint_last.pt``, ``checkpoint3.pt``, ...): copies, not hard links, so
+damage at rest to one file leaves the others readable. On restore it applies the
 ``--reset-*`` policy in one place: a reset part keeps its fresh state.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
-from .faults import SaveFailed, os_reason
-from .fileio import atomic_link, atomic_write
+from .faults import SaveFailed, failed_writing, os_reason
+from .fileio import atomic_copy, atomic_write
 
 FORMAT = "textbox_like-checkpoint-2"
 
@@ -30,6 +31,35 @@ MISFIT_HINTS = {"model": "use the model options it was trained with",
                 "optimizer": "pass --reset-optimizer to start the optimizer afresh",
                 "scheduler": "pass --reset-lr-scheduler",
                 "iterator": "pass --reset-dataloader"}
+
+
+# Settings that change the numbers of a resumed run, and the --reset-* options
+# under which --resume may change them (none: the same value, or --restore-file
+# to start a new run from the weights). Extending a run (--max-update,
+# --max-epoch), another batch size or world size (re-planned from the same
+# offset), logging, saving and paths may change.
+CHANGES_NUMBERS = {
+    "seed": ("reset_dataloader",), "no_shuffle": ("reset_dataloader",), "shuffle_block": ("reset_dataloader",),
+    "optimizer": ("reset_optimizer",), "weight_decay": ("reset_optimizer",), "epsilon": ("reset_optimizer",),
+    "optim_conf": ("reset_optimizer",), "lr": ("reset_optimizer", "reset_lr_scheduler"),
+    "lr_scheduler": ("reset_lr_scheduler",), "warmup_updates": ("reset_lr_scheduler",),
+    "total_num_update": ("reset_lr_scheduler",), "scheduler_conf": ("reset_lr_scheduler",),
+    "update_freq": (), "clip_norm": (), "train_dtype": (), "model_conf": (), "dim_final_feedforward": (),
+    "dimension": (), "num_heads": (), "dim_feedforward": (), "num_layers": (), "activation_function": (),
+    "dropout": (), "max_pred_length": (), "freeze_encoder": (),
+}
+
+#: entries of a dict setting that mirror a setting compared on its own
+MIRRORED = {"optim_conf": ("lr", "weight_decay", "eps")}
+
+
+def changes_numbers(cfg) -> dict:
+    """setting -> the --reset-* options that allow changing it on --resume,
+    for this run's settings (its optimizer's and scheduler's own options too)."""
+    found = {key: resets for key, resets in CHANGES_NUMBERS.items() if key in cfg.keys}
+    found.update((key, ("reset_optimizer",)) for key in vars(cfg.optimizer_options))
+    found.update((key, ("reset_lr_scheduler",)) for key in vars(cfg.scheduler_options))
+    return found
 
 
 # --------------------------------------------------------------------- RNG
@@ -91,11 +121,13 @@ def digest(obj) -> str:
     return h.hexdigest()
 
 
-def atomic_save(state: dict, path) -> None:
-    """Write a checkpoint dict with its digest, atomically."""
+def atomic_save(state: dict, path, make_parents=True) -> None:
+    """Write a checkpoint dict with its digest, atomically. On a full disk
+    torch's writer raises an OSError, then a RuntimeError while closing:
+    :func:`~textbox_like.faults.failed_writing` tells them from a bug."""
     import torch
     state = {**state, "digest": digest(state)}
-    atomic_write(path, lambda handle: torch.save(state, handle))
+    atomic_write(path, lambda handle: torch.save(state, handle), make_parents=make_parents)
 
 
 def load_checkpoint(path, verify=True) -> dict:
@@ -129,8 +161,9 @@ class CheckpointManager:
     every rank (parts may gather over ranks); only the main process writes.
     """
 
-    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool):
+    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool, lock=None):
         self.cfg = cfg
+        self.lock = lock  # savelock.SaveDirLock of this run (main process), checked before each save
         self.parts = parts
         self.metadata = metadata
         self.dir = Path(cfg.save_dir)
@@ -172,12 +205,22 @@ class CheckpointManager:
         if not self.is_main:
             return []
         target = self.dir / names[0]
+        lost = self.lock.lost() if self.lock is not None else None
+        if lost:
+            raise SaveFailed(f"not writing {target}: {lost}; stopping")
         try:
-            atomic_save(state, target)
+            # never recreated: a save directory removed under a run is a fault, not a fresh start
+            atomic_save(state, target, make_parents=False)
             for name in names[1:]:
                 target = self.dir / name
-                atomic_link(self.dir / names[0], target)
-        except OSError as exc:
+                atomic_copy(self.dir / names[0], target, make_parents=False)
+        except Exception as exc:
+            if not failed_writing(exc):
+                raise
+            if not self.dir.is_dir():
+                raise SaveFailed(f"could not write {target}: the save directory {self.dir} was removed during the "
+                                 f"run, with its checkpoints, config.yaml and metrics.jsonl; stopping (nothing "
+                                 f"is recreated)") from None
             last = self.newest_good()
             raise SaveFailed(f"could not write {target} ({os_reason(exc)}); "
                              + (f"the last good checkpoint is {last}: free space or fix the directory, then "
@@ -234,6 +277,12 @@ class CheckpointManager:
             return path
         if cfg.resume:
             path = self.dir / "checkpoint_last.pt"
+            found = self.candidates()
+            # checkpoint_last.pt is copied from the save's first name: a run
+            # killed in between leaves that one newer (or last missing)
+            if found and not cfg.no_last_checkpoints and found[0].name != path.name and (
+                    not path.is_file() or found[0].stat().st_mtime_ns > path.stat().st_mtime_ns):
+                return found[0]
             return path if path.is_file() else None
         return None
 
@@ -245,17 +294,53 @@ class CheckpointManager:
         except UserError as exc:
             if self.cfg.restore_file:
                 raise
+            skipped = [str(exc)]  # each names its file
             for other in self.candidates():
                 if other.samefile(path):
                     continue
                 try:
                     state = load_checkpoint(other)
-                except UserError:
+                except UserError as also:
+                    skipped.append(str(also))
                     continue
-                log(f"warning: {exc}; resuming from {other}, the newest checkpoint that verifies")
+                log(f"warning: skipped {len(skipped)} checkpoint(s): {'; '.join(skipped)}; resuming from {other}, "
+                    f"the newest checkpoint that verifies")
                 return state, other
-            raise UserError(f"{exc}; no other checkpoint in {self.dir} verifies: start without --resume") \
-                from None
+            raise UserError(f"{'; '.join(skipped)}; no other checkpoint in {self.dir} verifies: start without "
+                            f"--resume") from None
+
+    def check_resumed_config(self, state, path, settings: dict) -> None:
+        """--resume continues the same run: refuse a checkpoint whose
+        configuration differs in a setting that changes the numbers (``settings``:
+        see :func:`changes_numbers`), naming it, unless a --reset-* option
+        given allows the change."""
+        import yaml
+        saved, now = state.get("config"), self.metadata.get("config")
+        if not isinstance(saved, str) or not isinstance(now, str):
+            return  # a checkpoint of an older version: nothing to compare
+        saved, now = yaml.safe_load(saved) or {}, yaml.safe_load(now) or {}
+        overrides = self.cfg.optimizer_overrides or {}
+        for key, resets in settings.items():
+            if key not in saved or key not in now:
+                continue
+            was, is_ = saved[key], now[key]
+            flag = f"--{key.replace('_', '-')}"
+            if isinstance(was, dict) and isinstance(is_, dict):
+                # one entry at a time; the entries that mirror a setting of their own are compared there
+                mirrored = MIRRORED.get(key, ())
+                entry = next((k for k in sorted(set(was) | set(is_), key=str)
+                              if k not in mirrored and was.get(k) != is_.get(k)), None)
+                if entry is None:
+                    continue
+                flag, was, is_ = f"{flag} {entry}=", was.get(entry), is_.get(entry)
+            elif was == is_:
+                continue
+            if any(getattr(self.cfg, reset) for reset in resets) or key in overrides:
+                continue
+            fix = (" or pass " + " or ".join(f"--{r.replace('_', '-')}" for r in resets)) if resets else \
+                ", or start a new run from its weights with --restore-file and another --save-dir"
+            raise UserError(f"--resume: {path} was trained with {flag}{'' if flag.endswith('=') else ' '}{was!r}, "
+                            f"this run has {is_!r}, which changes the numbers; use the same value{fix}")
 
     def restore(self, state, path) -> list:
         """Load every part that the reset policy keeps; returns the names of

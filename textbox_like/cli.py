@@ -11,6 +11,8 @@ import sys
 
 from . import config as C
 from .errors import UserError, closest, note
+from .faults import RunStopped, StoppedEarly
+from .preemption import guard_startup
 
 
 def build_options():
@@ -197,6 +199,7 @@ def finalize(options, ns):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    guard_startup()
 
     def resolve_and_run():
         cfg, print_config = resolve(argv)
@@ -210,16 +213,21 @@ def main(argv=None):
 
 def run_resolved(path):
     """A spawned rank: run the configuration its launcher resolved."""
+    guard_startup()
     return exit_code(lambda: run(C.read_resolved(path)))
 
 
 def exit_code(work):
-    """``work()``'s exit code; a mistake the user can fix is one line and 2, Ctrl-C 130."""
+    """``work()``'s exit code; a mistake the user can fix is one line and 2, Ctrl-C 130,
+    a fault its own code (faults.py: 75 for a signal before training began)."""
     try:
         return work()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:
+        print(str(exc) if isinstance(exc, StoppedEarly) else f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -257,7 +265,7 @@ def run(cfg):
     from .trainer import train
     try:
         return train(cfg)
-    except UserError:
+    except (UserError, RunStopped):
         # leave the process group before exiting: a group torn down by the
         # interpreter at exit, with its peer already gone, can abort the
         # process ("terminate called without an active exception") and turn
@@ -273,8 +281,11 @@ def run(cfg):
         if not _lost_peer(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or dist.distributed_init_method or ""
+        stale = (f"; if the rendezvous file {init[len('file://'):]} was left by an earlier run, delete it and "
+                 f"rerun") if init.startswith("file://") else ""
         print(f"error: rank {os.environ.get('RANK', '?')}: another process of this run died or is "
-              f"unreachable ({first}); stopping", file=sys.stderr)
+              f"unreachable ({first}){stale}; stopping", file=sys.stderr)
         return 1
 
 

@@ -323,13 +323,35 @@ class Options:
 
 
 # ---------------------------------------------------------------- YAML layers
+def read_text_file(path, what, kind) -> str:
+    """A text file a user named, as a string; one line naming the file and
+    what it is when it is empty, binary (a checkpoint, an archive) or not
+    UTF-8, instead of a decoder's traceback."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{what} {str(path)!r} cannot be read ({exc.strerror or exc}); check the path") from None
+    if not raw:
+        raise UserError(f"{what} {str(path)!r} is empty (0 bytes); expected {kind} text")
+    if raw.startswith(b"PK\x03\x04") or raw.startswith(b"\x80") or b"\0" in raw[:8192]:
+        kind_of = "a zip archive (a torch checkpoint?)" if raw.startswith(b"PK\x03\x04") else \
+            "a pickle (a checkpoint?)" if raw.startswith(b"\x80") else "binary data"
+        raise UserError(f"{what} {str(path)!r} is {kind_of}, not {kind} text; pass the {kind} file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise UserError(f"{what} {str(path)!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line}); "
+                        f"save it as UTF-8") from None
+
+
 def load_yaml(path, what="config file"):
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {str(path)!r} does not exist; check the path")
     try:
-        with open(path) as handle:
-            data = yaml.safe_load(handle)
+        data = yaml.safe_load(read_text_file(path, what, "YAML"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

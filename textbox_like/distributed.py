@@ -303,7 +303,8 @@ def spawn(placements, cfg):
     os.close(fd)
     write_resolved(cfg, resolved)
     argv = [sys.executable, "-c", "import sys; from textbox_like.cli import run_resolved; "
-                                  "sys.exit(run_resolved(sys.argv[1]))", resolved]
+                                  "from textbox_like.preemption import leaving; "
+                                  "sys.exit(leaving(run_resolved(sys.argv[1])))", resolved]
     try:
         return _supervise(placements, argv, timeout)
     finally:
@@ -339,6 +340,10 @@ def _supervise(placements, argv, timeout):
                 code = rc if rc > 0 else 128 - rc
                 failed_at = time.monotonic()
         if not alive:
+            # the children are gone: nothing to forward, and a late signal must
+            # not kill this process by the signal while it exits with theirs
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_IGN)
             break
         if failed_at is not None and time.monotonic() - failed_at > min(timeout, 30):
             for child in alive:

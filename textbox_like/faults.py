@@ -24,12 +24,49 @@ class DataUnavailable(RunStopped):
     exit_code = 75  # EX_TEMPFAIL: a requeue script retries
 
 
+class DataCorrupt(RunStopped):
+    """A data file failed again at the very position where the previous
+    attempt failed: damage at rest, not a transient outage; a retry loop
+    would never end."""
+    exit_code = 65  # EX_DATAERR
+
+
+class StoppedEarly(RunStopped):
+    """A SIGTERM/SIGUSR1 arrived before training started: nothing to save."""
+    exit_code = 75  # EX_TEMPFAIL
+
+
+def _chain(exc):
+    """``exc`` and the exceptions it was raised from or during, newest first."""
+    seen = []
+    while exc is not None and exc not in seen and len(seen) < 16:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
 def os_reason(exc: BaseException) -> str:
-    """'No space left on device' rather than a serializer's traceback."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
+    """'No space left on device' rather than a serializer's traceback: the
+    operating system's words where an OSError is anywhere in the chain."""
+    for link in _chain(exc):
+        if isinstance(link, OSError) and link.strerror:
+            return link.strerror
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def failed_writing(exc: BaseException) -> bool:
+    """Whether ``exc`` is how a file write fails for reasons of the system
+    (full disk, I/O error, permissions, a removed directory): an OSError, or
+    torch's zip writer's RuntimeError ('unexpected pos', 'PytorchStreamWriter
+    failed writing file') that it raises while closing after one."""
+    if isinstance(exc, OSError):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)
+        return any(isinstance(link, OSError) for link in _chain(exc)) or any(
+            s in text for s in ("inline_container", "PytorchStreamWriter", "unexpected pos", "iostream error"))
+    return False
 
 
 class HostCopy:

@@ -32,20 +32,23 @@ def fsync_dir(directory) -> None:
         os.close(fd)
 
 
-def atomic_write(path, write) -> Path:
-    """Call ``write(binary_file)`` on a temporary file and move it to ``path``."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+def atomic_write(path, write, make_parents=True) -> Path:
+    """Call ``write(binary_file)`` on a temporary file and move it to ``path``.
+    ``make_parents=False``: a missing directory is an error (FileNotFoundError),
+    not recreated: a run's save directory removed under it is a fault."""
+    with atomic_path(path, make_parents) as tmp, open(tmp, "wb") as handle:
         write(handle)
     return Path(path)
 
 
 @contextlib.contextmanager
-def atomic_path(path):
+def atomic_path(path, make_parents=True):
     """For a library that writes by file name (h5py, matplotlib): yields a
     temporary path beside ``path``; on success the file is synced and moved
     to ``path``, on failure removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -66,24 +69,14 @@ def atomic_path(path):
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path, text: str) -> Path:
-    return atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
+def atomic_write_text(path, text: str, make_parents=True) -> Path:
+    return atomic_write(path, lambda handle: handle.write(text.encode("utf-8")), make_parents=make_parents)
 
 
-def atomic_link(source, target) -> None:
-    """``target`` becomes the same content as ``source``, atomically (a hard
-    link where the file system has them, else a copy)."""
-    source, target = Path(source), Path(target)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.lnk"
-    try:
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(target.parent)
+def atomic_copy(source, target, make_parents=True) -> Path:
+    """``target`` becomes a copy of ``source``, atomically: its own bytes, not a
+    hard link, so damage at rest to one leaves the other readable."""
+    def copy(handle):
+        with open(source, "rb") as src:
+            shutil.copyfileobj(src, handle, 1 << 22)
+    return atomic_write(target, copy, make_parents=make_parents)

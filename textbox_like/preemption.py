@@ -2,7 +2,11 @@
 
 SIGTERM and SIGUSR1 (what Slurm and SGE send before a kill) set a flag; the
 loop finishes the current update, saves and exits with 75 (EX_TEMPFAIL, "try
-again": a requeue script reruns the command with ``--resume``).
+again": a requeue script reruns the command with ``--resume``). A second
+signal during the stop (Slurm and torchrun send SIGTERM again) only sets the
+flag again: the save completes. A signal before training starts (loading
+data, building the model) stops at once with 75: there is nothing to save yet
+(:func:`guard_startup` covers the moments before the trainer exists).
 
 Every rank must stop at the same update, whichever got the signal. The flags
 are summed on the host (a CPU tensor over a gloo group, never a CUDA tensor,
@@ -13,7 +17,44 @@ from __future__ import annotations
 
 import signal
 
+from .faults import StoppedEarly
+
 PREEMPTED_EXIT_CODE = 75
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def leaving(code):
+    """The process exits with ``code`` now: from here SIGTERM/SIGUSR1 are
+    ignored. (While shutting down, Python restores the default action, and a
+    second signal a second after the first would turn the 75 of a saved stop
+    into death by the signal, 143, which a requeue script does not retry.)"""
+    for sig in SIGNALS:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:
+            pass
+    return code
+
+
+def _ignore(_signum, _frame):
+    pass
+
+
+def _stop_now(signum, _frame):
+    for sig in SIGNALS:  # a second signal must not interrupt the way out
+        signal.signal(sig, _ignore)
+    raise StoppedEarly(f"stopped by {signal.Signals(signum).name} during start-up, before training began; "
+                       f"nothing to save: rerun the same command")
+
+
+def guard_startup():
+    """Until a Preemption takes over: SIGTERM/SIGUSR1 stop with 75 and a
+    line, not by the signal (which a requeue script does not recognise)."""
+    for sig in SIGNALS:
+        try:
+            signal.signal(sig, _stop_now)
+        except ValueError:  # not the main thread: its caller's handlers stay
+            pass
 
 
 class Preemption:
@@ -25,15 +66,19 @@ class Preemption:
         self.world_size = world_size
         self.every = max(1, every)
         self._pending = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self.started = False     # set when training begins
+        for sig in SIGNALS:
             try:
                 signal.signal(sig, self._handler)
             except ValueError:  # not the main thread
                 pass
 
-    def _handler(self, signum, _frame):
-        self.requested = True
-        self.signal = signal.Signals(signum).name
+    def _handler(self, signum, frame):
+        if not self.started:
+            _stop_now(signum, frame)
+        if not self.requested:  # a second signal changes nothing: the stop under way completes
+            self.requested = True
+            self.signal = signal.Signals(signum).name
 
     def poll(self, num_updates: int) -> bool:
         """Called once after every update on every rank; True once all ranks agree to stop."""

@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 
 from . import distributed
-from .checkpoint import CheckpointManager, rng_state, set_rng_state
+from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_state
 from .config import to_yaml
 from .errors import UserError
-from .faults import DataUnavailable, Diverged, HostCopy, RunStopped, SaveFailed, check_writable
+from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, RunStopped, SaveFailed, check_writable,
+                     os_reason)
 from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -153,13 +154,39 @@ class Trainer:
         if not cfg.checkpoint.no_save:
             check_writable(cfg.checkpoint.save_dir)  # before minutes of data loading, not at the first save
         self.setup_processes()
-        from accelerate.utils import set_seed
-        set_seed(cfg.numerics.seed)
-        self.task = TASKS.get(cfg.data.task)(cfg)
-        self.build_data()
-        self.build_model()
-        self.build_iterator()
-        self.build_components()
+        self.claim_save_dir()
+        try:
+            from accelerate.utils import set_seed
+            set_seed(cfg.numerics.seed)
+            self.task = TASKS.get(cfg.data.task)(cfg)
+            self.build_data()
+            self.build_model()
+            self.build_iterator()
+            self.build_components()
+        except BaseException:
+            self.release_save_dir()
+            raise
+
+    def claim_save_dir(self):
+        """One run per save directory: the main process takes its lock
+        (savelock.py) before any data is read; every rank learns whether it
+        got it, so a refusal ends all of them alike."""
+        from .savelock import SaveDirLock
+        self.save_lock, refusal = None, None
+        if self.is_main and not self.cfg.checkpoint.no_save:
+            try:
+                self.save_lock = SaveDirLock.acquire(self.cfg.checkpoint.save_dir)
+            except UserError as exc:
+                refusal = exc
+        if self.world > 1 and self.sum_over_ranks([float(refusal is not None)])[0] and refusal is None:
+            refusal = UserError("rank 0 could not take the save directory (see its message)")
+        if refusal is not None:
+            raise refusal
+
+    def release_save_dir(self):
+        lock, self.save_lock = getattr(self, "save_lock", None), None
+        if lock is not None:
+            lock.release()
 
     def setup_processes(self):
         from .accelerator import build_accelerator
@@ -229,7 +256,7 @@ class Trainer:
     def build_iterator(self):
         from .data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
         cfg, acc = self.cfg, self.accelerator
-        self.batch_sizes = distributed.gather_per_rank(acc, cfg.data.max_sentences or 0)
+        self.batch_sizes = distributed.gather_per_rank(acc, self.clamped_batch_size(cfg.data.max_sentences, self.train_data, "--max-sentences"))
         max_tokens = distributed.gather_per_rank(acc, cfg.data.max_tokens or 0)
         if not any(max_tokens) and not all(self.batch_sizes):
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
@@ -241,13 +268,27 @@ class Trainer:
                                            pin_memory=pin_memory)
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.schedule.max_epoch or 0)
 
+    def clamped_batch_size(self, size, dataset, what) -> int:
+        """A batch larger than the dataset holds nothing more, but its
+        buffers are allocated in full: clamped, with a note."""
+        if size and dataset is not None and 0 < len(dataset) < size:
+            from .errors import note
+            note(f"{what} {size} is larger than the {len(dataset):,} samples of the data: using {len(dataset)}")
+            return len(dataset)
+        return size or 0
+
     def build_components(self):
         cfg, acc, task = self.cfg, self.accelerator, self.task
         best_metric = cfg.validation.best_checkpoint_metric or task.default_best_metric
         maximize = cfg.validation.maximize_best_checkpoint_metric if cfg.validation.maximize_best_checkpoint_metric is not None \
             else task.default_maximize_best_metric
         self.state = TrainState(best_metric, maximize)
-        valid_batch_sizes = distributed.gather_per_rank(acc, valid_batch_size(cfg.data))
+        largest = max(self.valid_data.values(), key=len, default=None)
+        size = valid_batch_size(cfg.data)
+        if not cfg.data.max_sentences_valid and largest is not None and len(largest):
+            size = min(size, len(largest))   # our default, not the user's: no note
+        valid_batch_sizes = distributed.gather_per_rank(acc, self.clamped_batch_size(
+            size, largest, "the validation batch size"))
         self.validator = Validator(task, self.valid_data, valid_batch_sizes, acc, best_metric, maximize,
                                    self.to_device)
         self.checkpoints = CheckpointManager(
@@ -256,7 +297,7 @@ class Trainer:
                                                                             not cfg.checkpoint.no_save_optimizer_state),
                    "scheduler": self.scheduler, "iterator": self.iterator, "train": self.state,
                    "scaler": _Scaler(acc), "rng": _RNG(acc, self.reseed)},
-            is_main=self.is_main)
+            is_main=self.is_main, lock=self.save_lock)
         self.window = StatSums()  # the open log window's stats, this rank only
         self.lr = self.scheduler.get_lr()
         self.gnorm = None
@@ -265,6 +306,7 @@ class Trainer:
         self.unsettled = None  # the last update's gradient norm, not read on the host yet
         self.unsettled_samples = 0
         self.compile_pending = self.sources["compile"] != "default"
+        self.previous_data_failure = None  # where the attempt resumed from failed to read data, if it did
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
@@ -518,12 +560,21 @@ class Trainer:
                         failure = DataUnavailable("another rank could not read its data (see its message)")
             if failure is not None:
                 self.iterator.offset = offset
+                if self.previous_data_failure == self.data_position():
+                    failure = DataCorrupt(f"{failure}; the previous attempt failed at this same position "
+                                          f"(update {self.state.num_updates + 1}): the data is damaged, not "
+                                          f"unavailable, and a retry would fail again; repair or regenerate it")
                 raise failure
             if not micro_batches:
                 return
             totals = {"nsamples": sum(count for _, count in micro_batches)}
             totals.update((name, max(count, 1)) for name, count in zip(task.denominators, counts))
             yield micro_batches, totals
+
+    def data_position(self) -> dict:
+        """Where the next update's data starts (the same on every rank)."""
+        return {"epoch": int(self.iterator.epoch), "offset": int(self.iterator.offset),
+                "update": int(self.state.num_updates)}
 
     def end_of_epoch(self) -> bool:
         cap = self.cfg.data.num_iters_per_epoch
@@ -689,7 +740,10 @@ class Trainer:
             self.iterator.set_epoch(state.epoch)
             return
         state_dict, path = self.checkpoints.load_newest(path, self.log.info)
+        if cfg.checkpoint.resume:  # the same run, continued (--restore-file may start another)
+            self.checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg))
         fresh = self.checkpoints.restore(state_dict, path)
+        self.previous_data_failure = state_dict.get("data_failure")
         del state_dict
         if cfg.checkpoint.reset_meters:
             state.reset_meters()
@@ -779,6 +833,7 @@ class Trainer:
         groups = self.optimizer.optimizer.param_groups
         self.skips_on_device = acc.scaler is None and all(g.get("fused") for g in groups)
         self.model.train()
+        self.preemption.started = True  # from here a signal saves and stops; before, it stops at once
 
     def finish(self) -> int:
         self.settle()
@@ -790,7 +845,7 @@ class Trainer:
                    "stopped": "preempted" if reason == "preempted" else "completed", "stop_reason": reason,
                    "world_size": self.world}
         if self.is_main and not cfg.checkpoint.no_save:
-            atomic_write_text(Path(cfg.checkpoint.save_dir) / "results.json", json.dumps(results, indent=2))
+            self.write_results(results)
         self.log.info(self.last_line(reason))
         self.log.close()
         self.preemption.close()
@@ -798,6 +853,7 @@ class Trainer:
         acc.end_training()
         if self.is_main and not cfg.checkpoint.no_save:
             self.plot_curves()
+        self.release_save_dir()
         distributed.cleanup()
         if reason == "preempted":
             print(self.preemption.message(self.checkpoints.enabled and not cfg.checkpoint.no_last_checkpoints), file=sys.stderr)
@@ -813,6 +869,16 @@ class Trainer:
         figures = (" | last validation: " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
                    if state.last_valid else " | not validated")
         return head + figures + f" | wall {state.clock.elapsed():.1f}s"
+
+    def write_results(self, results):
+        path = Path(self.cfg.checkpoint.save_dir) / "results.json"
+        lost = self.save_lock.lost() if self.save_lock is not None else None
+        try:
+            if lost:
+                raise SaveFailed(f"not writing {path}: {lost}")
+            atomic_write_text(path, json.dumps(results, indent=2), make_parents=False)
+        except OSError as exc:
+            raise SaveFailed(f"could not write {path} ({os_reason(exc)}); the checkpoints are kept") from None
 
     def plot_curves(self):
         try:
@@ -842,8 +908,11 @@ def train(cfg) -> int:
         message = str(exc)
         if isinstance(exc, DataUnavailable):
             # the position was rewound to the failing update's start: save it, and
-            # a rerun with --resume (a requeue) continues without skipping a sample
+            # a rerun with --resume (a requeue) continues without skipping a sample;
+            # the position is kept in the checkpoint, so that a retry failing at
+            # the same place is known for damage at rest (DataCorrupt, exit 65)
             try:
+                trainer.checkpoints.metadata["data_failure"] = trainer.data_position()
                 trainer.save(end_of_epoch=False, is_best=False, final=True)
                 message += "; saved the state before it: rerun with --resume once the data is back"
             except RunStopped as stop:  # the save found divergence, or could not write
@@ -852,3 +921,5 @@ def train(cfg) -> int:
         distributed.cleanup()
         print(f"error: {message}", file=sys.stderr)
         return exc.exit_code
+    finally:
+        trainer.release_save_dir()

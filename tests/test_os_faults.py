@@ -1,0 +1,420 @@
+"""Faults as the operating system delivers them (issue 25): a really full
+disk, a save directory removed under a run, two runs on one save directory,
+two signals a second apart, a signal during start-up, a corrupt HDF5 chunk,
+bad files. Real processes, real files and real signals sent at a real moment
+(a line in the log, a file appearing); no fault is raised from Python.
+
+The full disk is a small tmpfs (root can mount one here and in CI); where
+mounting is refused, RLIMIT_FSIZE with SIGXFSZ ignored makes the kernel
+refuse the write instead (EFBIG).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, run_cli, write_mnist
+from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
+from textbox_like.checkpoint import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_os_faults")
+    write_mnist(directory, n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=12)
+    return directory
+
+
+def mnist_args(data, out, *extra, max_update=6):
+    return ["--task", "mnist", "--data", str(data), "--max-sentences", "8", "--max-update", str(max_update),
+            "--save-dir", str(out), "--threads", "1", "--log-format", "simple", "--report_to", "none",
+            "--disable-validation", *map(str, extra)]
+
+
+LONG = ["--max-epoch", "100000"]  # with --max-update 1000000: runs until stopped
+
+
+def error_lines(stderr):
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+class Run:
+    """run_hetseq.py in a subprocess, its stderr collected line by line."""
+
+    def __init__(self, args, preexec_fn=None):
+        self.lines = []
+        self.proc = subprocess.Popen([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=clean_env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=preexec_fn)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def stderr(self):
+        return "\n".join(self.lines)
+
+    def wait_for(self, condition, timeout=150, what="it"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            if self.proc.poll() is not None:
+                self.reader.join(5)
+                pytest.fail(f"the run ended (rc {self.proc.returncode}) before {what}:\n{self.stderr[-3000:]}")
+            time.sleep(0.01)
+        self.kill()
+        pytest.fail(f"no {what} within {timeout}s:\n{self.stderr[-3000:]}")
+
+    def wait_for_update(self, n, timeout=150):
+        pattern = re.compile(r"^train \|.*\| update (\d+) \|")
+
+        def reached():
+            return any(int(m.group(1)) >= n for m in map(pattern.match, list(self.lines)) if m)
+        self.wait_for(reached, timeout, f"update {n}")
+
+    def finish(self, timeout=150):
+        rc = self.proc.wait(timeout)
+        self.reader.join(10)
+        return rc
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------- a full disk
+@contextlib.contextmanager
+def small_disk(path: Path, size_mb: int):
+    """A directory on a file system of ``size_mb`` MiB: ("tmpfs", path), or
+    ("rlimit", path) where mounting is refused (the caller then limits file
+    sizes with :func:`file_size_limit`)."""
+    path.mkdir(parents=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+                                 capture_output=True, text=True).returncode == 0
+    except OSError:  # no mount command
+        mounted = False
+    if not mounted:
+        yield "rlimit"
+        return
+    try:
+        yield "tmpfs"
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def file_size_limit(limit_bytes):
+    def preexec():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return preexec
+
+
+def fill(directory: Path, leave_bytes: int) -> Path:
+    """Fill the file system of ``directory`` up to ``leave_bytes`` free, for real."""
+    filler = directory / "filler.bin"
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    with open(filler, "wb") as handle:
+        chunk = b"\0" * (1 << 20)
+        left = free - leave_bytes
+        while left > 0:
+            handle.write(chunk[:min(left, len(chunk))])
+            left -= len(chunk)
+    st = os.statvfs(directory)
+    assert st.f_bavail * st.f_frsize <= leave_bytes + (1 << 20)
+    return filler
+
+
+@pytest.mark.timeout(600)
+def test_really_full_disk_exits_74_keeps_the_last_checkpoint_and_resumes(data, tmp_path):
+    out = tmp_path / "disk"
+    common = ["--save-interval-updates", "2", "--log-interval", "1"]
+    with small_disk(out, 64) as kind:
+        first = run_cli(mnist_args(data, out, *common, max_update=2), timeout=200)
+        assert first.returncode == 0, first.stderr[-3000:]
+        size = (out / "checkpoint_1_2.pt").stat().st_size
+        assert size > 4 << 20  # the room left below is less than one checkpoint
+        if kind == "tmpfs":
+            filler, preexec, reason = fill(out, size // 3), None, "No space left on device"
+        else:
+            filler, preexec, reason = None, file_size_limit(size // 3), "File too large"
+        full = Run(mnist_args(data, out, *common, "--resume", max_update=6), preexec_fn=preexec)
+        rc = full.finish(200)
+        assert rc == 74, full.stderr[-3000:]
+        errors = error_lines(full.stderr)
+        assert len(errors) == 1, full.stderr[-3000:]
+        line = errors[0]
+        assert str(out / "checkpoint_1_4.pt") in line and reason in line, line
+        assert re.search(r"last good checkpoint is \S*(checkpoint_last|checkpoint_1_2)\.pt", line), line
+        # no partial file, nothing half-written; what was saved before still verifies
+        assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".checkpoint")]
+        assert not (out / "checkpoint_1_4.pt").exists()
+        for name in ("checkpoint_1_2.pt", "checkpoint_last.pt"):
+            assert load_checkpoint(out / name)["train"]["num_updates"] == 2, name
+        assert not (out / "run.lock").exists()  # released on the way out
+        if filler is not None:
+            filler.unlink()  # space freed
+        resumed = run_cli(mnist_args(data, out, *common, "--resume", max_update=4), timeout=200)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "update 2" in resumed.stderr
+        assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
+
+
+def test_torch_writer_full_disk_is_recognised():
+    """What torch's zip writer raises on a full disk: an OSError, then a
+    RuntimeError while closing; both are a failed write, a plain bug is not."""
+    from textbox_like.faults import failed_writing, os_reason
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as exc:
+        assert failed_writing(exc) and os_reason(exc) == "No space left on device"
+    assert not failed_writing(RuntimeError("a bug")) and not failed_writing(ValueError("x"))
+
+
+# ------------------------------------------------------ the save dir removed
+@pytest.mark.timeout(300)
+def test_save_dir_removed_mid_run_exits_74_and_is_not_recreated(data, tmp_path):
+    out = tmp_path / "out"
+    run = Run(mnist_args(data, out, "--save-interval-updates", "3", "--log-interval", "1", *LONG,
+                         max_update=1000000))
+    try:
+        run.wait_for(lambda: (out / "checkpoint_1_3.pt").exists(), what="the first checkpoint")
+        while out.exists():
+            shutil.rmtree(out, ignore_errors=True)
+        rc = run.finish(200)
+    finally:
+        run.kill()
+    assert rc == 74, run.stderr[-3000:]
+    errors = error_lines(run.stderr)
+    assert len(errors) == 1 and "removed" in errors[0] and str(out) in errors[0], run.stderr[-3000:]
+    assert not out.exists()  # not silently recreated
+
+
+# ------------------------------------------------ two runs, one save directory
+@pytest.mark.timeout(400)
+def test_second_run_on_a_save_dir_is_refused_then_a_dead_runs_lock_is_taken_over(data, tmp_path):
+    out = tmp_path / "out"
+    first = Run(mnist_args(data, out, "--save-interval-updates", "4", "--log-interval", "1", "--lr", "0.001",
+                           *LONG, max_update=1000000))
+    try:
+        first.wait_for_update(2)
+        config_before = (out / "config.yaml").read_text()
+        second = run_cli(mnist_args(data, out, "--lr", "0.5", max_update=4), timeout=200)
+        assert second.returncode == 2, second.stderr[-3000:]
+        errors = error_lines(second.stderr)
+        assert len(errors) == 1, second.stderr[-3000:]
+        assert f"pid {first.proc.pid}" in errors[0] and socket.gethostname() in errors[0], errors[0]
+        assert "--save-dir" in errors[0]
+        assert first.proc.poll() is None  # the first run goes on, untouched
+        assert (out / "config.yaml").read_text() == config_before
+        first.proc.send_signal(signal.SIGKILL)  # dies without a word: its lock stays behind
+        first.finish()
+    finally:
+        first.kill()
+    lock = json.loads((out / "run.lock").read_text())
+    assert lock["pid"] == first.proc.pid
+    third = run_cli(mnist_args(data, out, "--resume", "--reset-dataloader", "--lr", "0.001", max_update=4),
+                    timeout=200)
+    assert third.returncode == 0, third.stderr[-3000:]
+    notes = [line for line in third.stderr.splitlines() if "took over" in line]
+    assert len(notes) == 1 and f"pid {first.proc.pid}" in notes[0] and "no longer running" in notes[0], \
+        third.stderr[-3000:]
+    assert not (out / "run.lock").exists()
+
+
+def test_lock_of_another_host_refused_while_fresh_taken_over_when_stale(tmp_path, capsys):
+    from textbox_like import savelock
+    from textbox_like.errors import UserError
+    lock_file = tmp_path / savelock.LOCK_NAME
+    holder = {"host": "other-node-17", "pid": 4242, "started": time.time() - 50, "token": "x"}
+    lock_file.write_text(json.dumps(holder))
+    with pytest.raises(UserError) as refused:
+        savelock.SaveDirLock.acquire(tmp_path)
+    assert "other-node-17" in str(refused.value) and "pid 4242" in str(refused.value)
+    old = time.time() - 2 * savelock.STALE_AFTER_S
+    os.utime(lock_file, (old, old))
+    lock = savelock.SaveDirLock.acquire(tmp_path)
+    try:
+        assert "took over" in capsys.readouterr().err
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+        assert lock.lost() is None
+        lock_file.unlink()  # the directory emptied under the run
+        assert "removed" in lock.lost()
+    finally:
+        lock.release()
+    # garbage in the lock file: judged by its age alone
+    lock_file.write_bytes(b"\xff\x00garbage")
+    with pytest.raises(UserError, match="unknown run"):
+        savelock.SaveDirLock.acquire(tmp_path)
+
+
+# -------------------------------------------------------------------- signals
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [1, 2])
+def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
+    out = tmp_path / "out"
+    run = Run(mnist_args(data, out, "--log-interval", "1", "--distributed-world-size", world, *LONG,
+                         max_update=1000000))
+    try:
+        run.wait_for_update(3)
+        run.proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        if run.proc.poll() is None:
+            run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish()
+    finally:
+        run.kill()
+    assert rc == 75, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert "stopped by SIGTERM; checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] >= 3
+
+
+@pytest.mark.timeout(300)
+def test_signal_during_start_up_exits_75_at_once(data, tmp_path):
+    out = tmp_path / "out"
+    run = Run(mnist_args(data, out, *LONG, max_update=1000000))
+    try:
+        run.wait_for(lambda: (out / "run.lock").exists(), what="the save directory's lock")
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish()
+    finally:
+        run.kill()
+    assert rc == 75, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert "during start-up" in run.stderr or "checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
+    if "during start-up" in run.stderr:
+        assert not list(out.glob("checkpoint*.pt"))
+    assert not (out / "run.lock").exists()
+
+
+# ------------------------------------------------------ a corrupt HDF5 chunk
+def corrupt_a_chunk(shard: Path, key="input_ids"):
+    import h5py
+    with h5py.File(shard, "r") as f:
+        ds = f[key]
+        assert ds.compression, "the shards are compressed"
+        info = ds.id.get_chunk_info(ds.id.get_num_chunks() // 2)
+    with open(shard, "r+b") as handle:
+        handle.seek(info.byte_offset + info.size // 4)
+        handle.write(os.urandom(max(info.size // 2, 1)))
+
+
+@pytest.mark.timeout(600)
+def test_corrupt_chunk_retry_at_the_same_position_exits_65(bert_data, tmp_path):  # noqa: F811
+    copy = tmp_path / "copy"
+    shutil.copytree(bert_data, copy)
+    for shard in sorted((copy / "shards").glob("*train*.hdf5")):
+        corrupt_a_chunk(shard)
+    out = tmp_path / "out"
+    first = run_cli(bert_args(copy, out, max_update=40), timeout=300)
+    assert first.returncode == 75, first.stderr[-3000:]
+    line = error_lines(first.stderr)[0]
+    assert ".hdf5" in line and "rows" in line, line
+    saved = load_checkpoint(out / "checkpoint_last.pt")
+    again = run_cli(bert_args(copy, out, "--resume", max_update=40), timeout=300)
+    assert again.returncode == 65, again.stderr[-3000:]
+    errors = error_lines(again.stderr)
+    assert len(errors) == 1, again.stderr[-3000:]
+    assert ".hdf5" in errors[0] and "rows" in errors[0] and "same position" in errors[0], errors[0]
+    # nothing lost: the checkpoint of the first attempt is still the newest state
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == saved["train"]["num_updates"]
+
+
+# ------------------------------------------------------------------ bad files
+@pytest.mark.parametrize("content, says", [
+    (b"PK\x03\x04\x14\x00binary", "zip archive"),
+    (b"lr: 0.1\nname: caf\xe9\n", "not UTF-8 text (byte 0xe9 on line 2)"),
+    (b"", "empty"),
+    (b"\x00\x01\x02\x03", "binary data"),
+])
+def test_bad_config_file_is_one_line(data, tmp_path, content, says):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    proc = run_cli(mnist_args(data, tmp_path / "out", "--config", bad, max_update=2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-3000:]
+    assert str(bad) in lines[0] and says in lines[0], lines[0]
+
+
+def test_checkpoint_passed_as_config_is_named(data, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(mnist_args(data, out, max_update=1)).returncode == 0
+    proc = run_cli(mnist_args(data, tmp_path / "o2", "--config", out / "checkpoint_last.pt", max_update=1))
+    assert proc.returncode == 2 and "zip archive (a torch checkpoint?)" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_batch_larger_than_the_data_is_clamped_with_a_note(data, tmp_path):
+    proc = run_cli(mnist_args(data, tmp_path / "out", "--max-sentences", "100000", max_update=1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--max-sentences 100000 is larger than the {N_SMALL_TRAIN} samples" in proc.stderr, proc.stderr
+    assert f"batch sizes per rank [{N_SMALL_TRAIN}]" in proc.stderr
+
+
+# ------------------------------------ checkpoint_last.pt damaged at rest
+def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(data, tmp_path):
+    out = tmp_path / "out"
+    common = ["--save-interval-updates", "2", "--log-interval", "1"]
+    assert run_cli(mnist_args(data, out, *common, max_update=6)).returncode == 0
+    # copies, not hard links: one file's damage is not the other's
+    assert (out / "checkpoint_last.pt").stat().st_ino != (out / "checkpoint_1_6.pt").stat().st_ino
+    for name in ("checkpoint_last.pt", "checkpoint_1_6.pt"):
+        path = out / name
+        with open(path, "r+b") as handle:
+            handle.truncate(path.stat().st_size // 2)
+    resumed = run_cli(mnist_args(data, out, *common, "--resume", max_update=8))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, resumed.stderr[-3000:]
+    assert "skipped 2 checkpoint(s)" in warnings[0], warnings[0]
+    assert "checkpoint_last.pt" in warnings[0] and "checkpoint_1_6.pt" in warnings[0], warnings[0]
+    assert f"resuming from {out / 'checkpoint_1_4.pt'}" in warnings[0], warnings[0]
+    assert "update 4" in resumed.stderr
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 8
+
+
+# ------------------------------------------- --resume continues the same run
+def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(mnist_args(data, out, "--lr", "0.001", max_update=2)).returncode == 0
+    other = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", max_update=4))
+    assert other.returncode == 2, other.stderr[-3000:]
+    errors = error_lines(other.stderr)
+    assert len(errors) == 1 and "--lr" in errors[0] and "0.001" in errors[0] and "0.5" in errors[0], errors
+    assert "--reset-lr-scheduler" in errors[0], errors[0]
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 2  # nothing written
+    clip = run_cli(mnist_args(data, out, "--lr", "0.001", "--clip-norm", "1.0", "--resume", max_update=4))
+    assert clip.returncode == 2 and "--clip-norm" in clip.stderr and "--restore-file" in clip.stderr, \
+        clip.stderr[-3000:]
+    betas = run_cli(mnist_args(data, out, "--lr", "0.001", "--optim_conf", "amsgrad=true", "--resume",
+                               max_update=4))
+    assert betas.returncode == 2 and "--optim-conf amsgrad=False" in betas.stderr, betas.stderr[-3000:]
+    # the change allowed by the reset option that says so; a longer run is no change of numbers
+    reset = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4))
+    assert reset.returncode == 0, reset.stderr[-3000:]
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
