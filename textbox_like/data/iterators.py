@@ -142,6 +142,7 @@ class EpochBatchIterator:
         self.num_workers = num_workers
         self.epoch = 1
         self.offset = 0          # samples of this epoch's order already consumed
+        self.plan_version = 0    # changes when set_split re-plans: iterators over the old plan are stale
         self._order = None
         self._bounds = None
         self._start = 0
@@ -159,6 +160,15 @@ class EpochBatchIterator:
         else:
             bounds = plan_fixed(left, self.batch_sizes, self.multiple)
         self._order, self._bounds, self._start = order, bounds + self.offset, self.offset
+
+    def set_split(self, batch_sizes):
+        """Each rank's share of a step from now on (--global-batch-size: the
+        split of the global batch, already a multiple where it must be): the
+        rest of the epoch is planned again from the current offset."""
+        self.batch_sizes = [int(b) for b in batch_sizes]
+        self.plan_version += 1
+        if self._order is not None:
+            self.set_epoch(self.epoch, self.offset)
 
     def set_epoch(self, epoch, offset=0):
         self.epoch, self.offset = epoch, offset
