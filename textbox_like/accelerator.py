@@ -177,9 +177,16 @@ def build_accelerator(cfg, placement, log_with=None):
     chosen, precision_source = precision(cfg.numerics, cuda)
     plugin, compile_source = compile_plugin(cfg.runtime, cuda)
     sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}
+    bucket_cap_mb = cfg.distributed.bucket_cap_mb or (25 if cuda else 4)
+    if cfg.distributed.ddp_comm_hook == "powersgd" and not cuda:
+        # PowerSGD all-reduces twice per bucket, the second from a callback of
+        # the first; gloo runs callbacks in the order its transfers finish,
+        # which differs between ranks, so several buckets mismatch their
+        # collectives ("Received data size doesn't match"): one bucket on gloo
+        bucket_cap_mb = 1 << 20
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters,
-                                        bucket_cap_mb=cfg.distributed.bucket_cap_mb or (25 if cuda else 4),
-                                        gradient_as_bucket_view=True, **comm_hook(cfg.distributed))
+                                        bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+                                        **comm_hook(cfg.distributed))
     if cfg.distributed.ddp_comm_hook != "none":
         sources["ddp-comm-hook"] = f"--ddp-comm-hook {cfg.distributed.ddp_comm_hook}"
     if plugin is None:  # not compiling, whatever ACCELERATE_DYNAMO_* say
