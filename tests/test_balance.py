@@ -362,3 +362,17 @@ def test_comm_hooks_train_on_two_ranks(data, tmp_path, hook):
     assert f"--ddp-comm-hook {hook}" in proc.stderr
     assert yaml.safe_load((out / "config.yaml").read_text())["ddp_comm_hook"] == hook
     assert json.loads((out / "results.json").read_text())["num_updates"] == 6
+
+
+def test_bench_scaling_reports_each_comm_hook(capsys, monkeypatch):
+    from test_bench import bench_in_process
+    from textbox_like import bench
+    rates = iter([100.0, 160.0, 170.0, 100.0, 150.0, 180.0])  # per round: 1 process, none, fp16
+    calls = []
+    monkeypatch.setattr(bench, "scaling_run", lambda base, n, args: (calls.append((base, n)), next(rates))[1])
+    report, err = bench_in_process(capsys, "scaling", "--hooks", "none,fp16", "--rounds", 2, "--updates", 5)
+    assert [n for _, n in calls] == [1, 2, 2] * 2
+    assert [b[b.index("--ddp-comm-hook") + 1] for b, n in calls if n == 2] == ["none", "fp16"] * 2
+    assert report["comm_hooks"]["fp16"]["expansions"] == [0.85, 0.9]
+    assert report["comm_hooks"]["none"]["expansion_median"] == report["expansion_median"] == 0.775
+    assert "--ddp-comm-hook fp16: 0.875" in err
