@@ -376,3 +376,53 @@ def test_bench_scaling_reports_each_comm_hook(capsys, monkeypatch):
     assert report["comm_hooks"]["fp16"]["expansions"] == [0.85, 0.9]
     assert report["comm_hooks"]["none"]["expansion_median"] == report["expansion_median"] == 0.775
     assert "--ddp-comm-hook fp16: 0.875" in err
+
+
+OOM_RANK = '''
+import os, sys, torch
+from textbox_like import balance
+from textbox_like.tasks.mnist import MNISTTask
+
+class Memory:  # mocked CUDA allocator figures: room for anything
+    def capacity(self): return 1 << 40
+    def allocated(self): return 0
+    def reset_peak(self): pass
+    def peak(self): return 0
+    def release(self): pass
+
+balance.memory_probe = lambda device: Memory()
+if os.environ["RANK_UNDER_TEST"] == os.environ["OOM_RANK"]:
+    real = MNISTTask.loss
+    def loss(self, model, batch):
+        if model.training and batch["target"].shape[0] > int(os.environ["OOM_ABOVE"]):
+            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+        return real(self, model, batch)
+    MNISTTask.loss = loss
+from textbox_like.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.timeout(400)
+def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64):
+    """Two ranks, mocked CUDA memory; rank 1 runs out of memory above 16
+    samples. Both ranks redo the update (rank 0 never waits in a lone
+    all-reduce), and the run equals one process of 64."""
+    script = tmp_path / "oom_rank.py"
+    script.write_text(OOM_RANK)
+    out, rdzv = tmp_path / "out", tmp_path / "rdzv"
+    procs = []
+    for rank in (0, 1):
+        argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--max-update", "20",
+                          "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+                          "--distributed-gpus", "1", "--distributed-rank", rank, "--distributed-no-spawn")
+        env = {**os.environ, "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1", "OOM_ABOVE": "16"}
+        procs.append(subprocess.Popen([PY, str(script), *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    assert "rank 1: out of memory on a micro-batch of 32 at update 1" in errs[1]
+    assert "out of memory" not in errs[0]
+    assert "Traceback" not in errs[0] + errs[1]
+    assert_params_close(params(out), at_update(one_process_64, 20))
+    assert json.loads((out / "results.json").read_text())["num_updates"] == 20
