@@ -11,6 +11,9 @@ jobs are components with one job each:
   dict of stateful parts under the ``--reset-*`` policy;
 - :class:`~textbox_like.preemption.Preemption`: stopping on SIGTERM/SIGUSR1;
 - :mod:`~textbox_like.distributed`: process groups and the ranks' agreement;
+- :mod:`~textbox_like.balance`: the split of ``--global-batch-size`` over the
+  ranks, its re-splits by measured speed (``--balance``), per-rank timing and
+  the micro-batch cap under a device's memory;
 - :mod:`~textbox_like.accelerator`, :mod:`~textbox_like.trackers`,
   :class:`~textbox_like.meters.Logger`: Accelerate, trackers and logs.
 """

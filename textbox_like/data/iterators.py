@@ -12,7 +12,9 @@ own contiguous slice of the order, of its own size (ranks may have different
   update over all ranks, without communication;
 * the position in an epoch is one number, the offset into the order. A
   restart rebuilds the plan from that offset, with the same or a different
-  world size or batch size, and skips nothing and repeats nothing.
+  world size or batch size, and skips nothing and repeats nothing. For the
+  same reason the ranks' sizes may change mid-epoch (``set_split``: a re-split
+  of ``--global-batch-size``), planned again from the current offset.
 """
 from __future__ import annotations
 
