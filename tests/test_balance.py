@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -66,6 +67,29 @@ def test_micro_batches_under_a_cap():
     assert micro_batch_sizes(33, 16) == [11, 11, 11]
     assert micro_batch_sizes(5, 64) == [5]
     assert micro_batch_sizes(0, 16) == [0]  # still one (empty) micro-batch: every rank all-reduces
+
+
+def test_a_re_split_mid_epoch_uses_every_sample_once():
+    """Both ranks re-split after 3 steps (as after a balance exchange): every
+    step still takes the next 64 samples of the order, and the epoch covers
+    the order exactly once."""
+    from test_iterators import Toy
+    from textbox_like.data.iterators import EpochBatchIterator
+    iterators = [EpochBatchIterator(Toy(700), 5, rank, 2, [32, 32]) for rank in (0, 1)]
+    for it in iterators:
+        it.set_split([32, 32])
+        it.set_epoch(1)
+    streams = [iter(it) for it in iterators]
+    steps = [[next(s) for s in streams] for _ in range(3)]
+    for it in iterators:
+        it.set_split([40, 24])
+    streams = [iter(it) for it in iterators]
+    steps += [list(step) for step in zip(*streams)]
+    assert [[len(b) for b, _ in step] for step in steps[2:5]] == [[32, 32], [40, 24], [40, 24]]
+    assert all(count == 64 for step in steps[:-1] for _, count in step)
+    seen = np.concatenate([b for step in steps for b, _ in step])
+    assert sorted(seen.tolist()) == list(range(700))
+    assert (seen == Toy(700).epoch_order(5, 1)).all()  # contiguous slices, in order
 
 
 def test_balancer_hysteresis_schedule_and_state():
