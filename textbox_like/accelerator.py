@@ -147,6 +147,23 @@ def uncompile(model, regions):
 
 
 
+#: --ddp-comm-hook -> Accelerate's DDPCommunicationHookType member
+COMM_HOOKS = {"fp16": "FP16", "bf16": "BF16", "powersgd": "POWER_SGD"}
+
+
+def comm_hook(distributed) -> dict:
+    """Accelerate's DDP arguments for --ddp-comm-hook: gradients all-reduced
+    in float16 or bfloat16 (half the bytes), or PowerSGD's rank-1
+    approximation with error feedback, from the first update."""
+    if distributed.ddp_comm_hook == "none":
+        return {}
+    from accelerate.utils import DDPCommunicationHookType
+    kwargs = {"comm_hook": getattr(DDPCommunicationHookType, COMM_HOOKS[distributed.ddp_comm_hook])}
+    if distributed.ddp_comm_hook == "powersgd":
+        kwargs["comm_state_option"] = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+    return kwargs
+
+
 def build_accelerator(cfg, placement, log_with=None):
     """The Accelerator for this process; (accelerator, {setting: source})."""
     from accelerate import Accelerator
@@ -162,9 +179,18 @@ def build_accelerator(cfg, placement, log_with=None):
     chosen, precision_source = precision(cfg.numerics, cuda)
     plugin, compile_source = compile_plugin(cfg.runtime, cuda)
     sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}
+    bucket_cap_mb = cfg.distributed.bucket_cap_mb or (25 if cuda else 4)
+    if cfg.distributed.ddp_comm_hook == "powersgd" and not cuda:
+        # PowerSGD all-reduces twice per bucket, the second from a callback of
+        # the first; gloo runs callbacks in the order its transfers finish,
+        # which differs between ranks, so several buckets mismatch their
+        # collectives ("Received data size doesn't match"): one bucket on gloo
+        bucket_cap_mb = 1 << 20
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters,
-                                        bucket_cap_mb=cfg.distributed.bucket_cap_mb or (25 if cuda else 4),
-                                        gradient_as_bucket_view=True)
+                                        bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+                                        **comm_hook(cfg.distributed))
+    if cfg.distributed.ddp_comm_hook != "none":
+        sources["ddp-comm-hook"] = f"--ddp-comm-hook {cfg.distributed.ddp_comm_hook}"
     if plugin is None:  # not compiling, whatever ACCELERATE_DYNAMO_* say
         from accelerate.utils import TorchDynamoPlugin
         plugin = TorchDynamoPlugin(backend="no")

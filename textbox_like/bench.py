@@ -3,7 +3,7 @@
     python -m textbox_like.bench mnist [--data DIR] [--updates 300] [--rounds 5] [--threads 1]
     python -m textbox_like.bench bert --model-preset tiny --data DIR --dict vocab.txt --max-sentences 32
     python -m textbox_like.bench mnist --compile [--compile_mode MODE] [--compile-plain]
-    python -m textbox_like.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300]
+    python -m textbox_like.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300] [--hooks none,fp16,bf16,powersgd]
     python -m textbox_like.bench bert-loader [--data DIR] [--batch 32] [--no-train]
 
 mnist, bert: the trainer against a plain loop of the same work. Both sides
@@ -32,7 +32,8 @@ counting 6 x parameters x tokens for a training step plus attention's
 
 scaling: samples/s of training with 1 process against N processes at one
 thread each (whole trainer runs, subprocesses). Each process keeps its
-batch, so N processes train on N times the samples per update.
+batch, so N processes train on N times the samples per update. --hooks
+none,fp16,bf16,powersgd runs the N processes once per --ddp-comm-hook.
 Figures come from the trainer's own metrics.jsonl after its first log window
 (start-up and compilation excluded). expansion = N-process samples/s /
 (N x 1-process samples/s); 1.0 is perfect. Trainer options pass through
@@ -468,17 +469,25 @@ def scaling_main(args, rest):
     except UserError as exc:
         return _user_error(exc)
     n = args.processes
+    hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
+    bad = [h for h in hooks if h not in ("none", "fp16", "bf16", "powersgd")]
+    if bad or not hooks:
+        return _user_error(f"--hooks {args.hooks}: choose from none, fp16, bf16, powersgd")
     update_freq = cfg.schedule.update_freq[0] if isinstance(cfg.schedule.update_freq, (list, tuple)) else cfg.schedule.update_freq
     print(f"scaling {cfg.data.task}: 1 process vs {n}, {args.threads} thread(s) each, batch {cfg.data.max_sentences} per "
-          f"process, --update-freq {update_freq}, {args.updates} updates after {args.warmup}, {args.rounds} rounds",
-          file=sys.stderr)
-    one, many = [], []
+          f"process, --update-freq {update_freq}, {args.updates} updates after {args.warmup}, {args.rounds} rounds"
+          + (f", DDP comm hooks {', '.join(hooks)}" if hooks != ["none"] else ""), file=sys.stderr)
+    one, by_hook = [], {h: [] for h in hooks}
     for r in range(args.rounds):
         one.append(scaling_run(base, 1, args))
-        many.append(scaling_run(base, n, args))
-        print(f"round {r + 1}: samples/s 1 process {one[-1]:.1f}, {n} processes {many[-1]:.1f}; "
-              f"speed-up {many[-1] / one[-1]:.3f}, expansion {many[-1] / (n * one[-1]):.3f}", file=sys.stderr)
+        for hook in hooks:  # alternating with the 1-process run, so drift in load hits all alike
+            by_hook[hook].append(scaling_run(base + ["--ddp-comm-hook", hook], n, args))
+        print(f"round {r + 1}: samples/s 1 process {one[-1]:.1f}; " + "; ".join(
+            f"{n} processes ({hook}) {by_hook[hook][-1]:.1f}, expansion {by_hook[hook][-1] / (n * one[-1]):.3f}"
+            for hook in hooks), file=sys.stderr)
+    many = by_hook[hooks[0]]
     expansion = [m / (n * o) for o, m in zip(one, many)]
+    hook_expansion = {h: [m / (n * o) for o, m in zip(one, by_hook[h])] for h in hooks}
     report = {
         "mode": "scaling", "task": cfg.data.task, "processes": n, "threads_per_process": args.threads,
         "batch_per_process": cfg.data.max_sentences, "update_freq": update_freq, "compiled": args.compile,
@@ -490,10 +499,15 @@ def scaling_main(args, rest):
         "expansions": [_r(x) for x in expansion],
         "one_process_samples_per_s_rounds": [round(x, 1) for x in one],
         "n_processes_samples_per_s_rounds": [round(x, 1) for x in many],
-        "expansion": f"{n}-process samples/s / ({n} x 1-process samples/s)"}
+        "expansion": f"{n}-process samples/s / ({n} x 1-process samples/s)",
+        "comm_hooks": {h: {"expansion_median": _r(statistics.median(e)), "expansions": [_r(x) for x in e],
+                           "n_processes_samples_per_s": round(statistics.median(by_hook[h]), 1)}
+                       for h, e in hook_expansion.items()}}
     print(f"median of {args.rounds} rounds: samples/s 1 process {report['one_process_samples_per_s']}, {n} processes "
           f"{report['n_processes_samples_per_s']}\nexpansion ({n}-process / ({n} x 1-process)): "
-          f"{report['expansion_median']:.3f} (rounds {_fmt_rounds(expansion)})", file=sys.stderr)
+          f"{report['expansion_median']:.3f} (rounds {_fmt_rounds(expansion)})"
+          + "".join(f"\n  --ddp-comm-hook {h}: {statistics.median(e):.3f} (rounds {_fmt_rounds(e)})"
+                    for h, e in hook_expansion.items() if len(hooks) > 1), file=sys.stderr)
     print(json.dumps(report))
     return 0
 
@@ -664,6 +678,9 @@ def build_parser():
                                      "Other options go to the trainer (--data, --task, --max-sentences 64 ...).")
     common(p)
     p.add_argument("--processes", type=int, default=2, help="N (default 2)")
+    p.add_argument("--hooks", default="none",
+                   help="the N-process run once per DDP comm hook, comma-separated: none, fp16, bf16, powersgd "
+                        "(default none; the first is the headline expansion)")
     p.add_argument("--update-freq", "--update_freq", default=None, help="the trainer's --update-freq K")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p = modes.add_parser("bert-loader", aliases=["bert_loader"], allow_abbrev=False,

@@ -89,8 +89,9 @@ def check(cfg):
     from .tasks import TASKS
 
     data, optim, ckpt = cfg.data, cfg.optim, cfg.checkpoint
-    if data.max_sentences is None and data.max_tokens is None:
-        raise UserError("give a batch size: --max-sentences N (or --max-tokens N)")
+    if data.max_sentences is None and data.max_tokens is None and data.global_batch_size is None:
+        raise UserError("give a batch size: --max-sentences N (or --max-tokens N, or --global-batch-size N)")
+    _check_global_batch(cfg)
     if not cfg.schedule.max_epoch and not cfg.schedule.max_update:
         raise UserError("training would never stop: set --max-epoch or --max-update")
     if cfg.numerics.fp16 and cfg.numerics.bf16:
@@ -123,6 +124,21 @@ def check(cfg):
         raise UserError(f"--best-checkpoint-metric {metric!r} is not a metric of task "
                         f"{data.task}{closest(metric, task.metric_names)}; "
                         f"choose from: {', '.join(task.metric_names)}")
+
+
+def _check_global_batch(cfg):
+    """--global-batch-size and what goes with it."""
+    data, dist = cfg.data, cfg.distributed
+    if dist.balance and not data.global_batch_size:
+        raise UserError("--balance re-splits a fixed global batch by the ranks' speed: give --global-batch-size N")
+    if not data.global_batch_size:
+        return
+    if data.max_tokens:
+        raise UserError("--global-batch-size counts samples; it does not combine with --max-tokens yet: "
+                        "use --max-sentences as each rank's micro-batch cap")
+    if any(k != 1 for k in cfg.schedule.update_freq):
+        raise UserError("--global-batch-size sets the samples of an update; leave --update-freq out (a rank runs "
+                        "as many micro-batches of --max-sentences as its share needs)")
 
 
 def _check_optimizer_values(optim):

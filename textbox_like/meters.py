@@ -128,8 +128,9 @@ class Logger:
         atomic_write_text(path, "".join(line + "\n" for line in kept))
         self.jsonl = open(path, "a", buffering=1)
 
-    def info(self, message):
-        if self.is_main and self.format != "none":
+    def info(self, message, everywhere=False):
+        """A line for people (rank 0's; ``everywhere``: any rank's, for what only that rank knows)."""
+        if (self.is_main or everywhere) and self.format != "none":
             if self.bar is not None:
                 self.bar.write(message, file=sys.stderr)
             else:
@@ -170,6 +171,18 @@ class Logger:
             return
         text = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items())
         self.info(f"{kind} | {text}")
+
+    def event(self, kind, record: dict, line: str):
+        """Something that happened once (a re-split): ``line`` in every log
+        format, ``record`` in metrics.jsonl and the trackers."""
+        if not self.is_main:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+        if self.accelerator is not None and self.accelerator.trackers:
+            from .trackers import scalars
+            self.accelerator.log(scalars(kind, record), step=record.get("update"))
+        self.info(line)
 
     def close(self):
         self.end_epoch()

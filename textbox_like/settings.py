@@ -77,9 +77,10 @@ class DataConfig(Section):
     valid_subset: list = setting('valid', 'comma-separated splits to validate on', type=STR_LIST)
     training_data: str | None = setting(None, 'kanachan: the training data: a directory (sets --data), or a file (BERT: that shard only; MNIST: its directory)', metavar='PATH')
     validation_data: str | None = setting(None, 'kanachan: the validation data: a file (BERT: that shard only) or, for MNIST, the --data directory (its split: --valid-subset)', metavar='PATH')
-    max_sentences: int | None = setting(None, 'batch size per process', type=positive_int)
+    max_sentences: int | None = setting(None, 'batch size per process (with --global-batch-size: the most samples of one micro-batch on this process, for its memory)', type=positive_int)
     max_sentences_valid: int | None = setting(None, 'validation batch size per process (default: 4x --max-sentences: forward-only work needs far less memory per sample)', type=positive_int)
     max_tokens: int | None = setting(None, 'limit of real tokens per batch and process', type=positive_int)
+    global_batch_size: int | None = setting(None, 'samples of one update over all ranks, split over them (evenly; by measured speed with --balance); a share above a rank\'s --max-sentences runs as several micro-batches with one all-reduce (unset: each rank trains --max-sentences per step)', type=positive_int, metavar='N')
     required_batch_size_multiple: int = setting(1, 'batch sizes are rounded down to a multiple of this (a batch smaller than it is kept)', type=positive_int)
     num_workers: int = setting(0, 'batches read ahead in a background thread, for data read from disk or pinned for CUDA (0: inline)', type=nonneg_int)
     no_shuffle: bool = setting(False, 'train in data order', switch=True)
@@ -226,6 +227,9 @@ class DistributedConfig(Section):
     bucket_cap_mb: int | None = setting(None, "DDP gradient bucket size in MiB (default: 25, DDP's own, on CUDA; 4 on CPU, where gloo sums on a CPU thread and smaller buckets start summing during the backward pass)", type=positive_int)
     find_unused_parameters: bool = setting(False, 'DDP: allow parameters without gradient', switch=True)
     distributed_timeout: int = setting(300, 'seconds to wait for a missing rank before failing', type=positive_int)
+    balance: bool = setting(False, 'with --global-batch-size: re-split it over the ranks in proportion to their measured compute speed', switch=True)
+    balance_interval: int = setting(50, 'updates between the ranks\' speed exchanges under --balance (the first after at most 10)', type=positive_int, metavar='UPDATES')
+    ddp_comm_hook: str = setting('none', "compress DDP's gradient all-reduce for slow links (Accelerate's comm_hook; lossy, so opt-in): fp16, bf16 or powersgd (rank-1 PowerSGD)", choices=['none', 'fp16', 'bf16', 'powersgd'])
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "schedule": ScheduleConfig,

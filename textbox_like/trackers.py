@@ -84,7 +84,17 @@ def hyperparameters(config: dict) -> dict:
 
 
 def scalars(kind: str, record: dict) -> dict:
-    """One log record as tracker scalars: numbers only, prefixed by the event kind."""
-    skip = {"epoch", "update"}
-    return {f"{kind}/{k}": float(v) for k, v in record.items()
-            if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """One log record as tracker scalars: numbers only, prefixed by the event
+    kind; a list of numbers (one per rank) as one scalar per rank, ``kind/key/rankN``."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    out = {}
+    for k, v in record.items():
+        if k in ("epoch", "update"):
+            continue
+        if number(v):
+            out[f"{kind}/{k}"] = float(v)
+        elif isinstance(v, list):
+            out.update((f"{kind}/{k}/rank{r}", float(x)) for r, x in enumerate(v) if number(x))
+    return out

@@ -11,6 +11,9 @@ jobs are components with one job each:
   dict of stateful parts under the ``--reset-*`` policy;
 - :class:`~textbox_like.preemption.Preemption`: stopping on SIGTERM/SIGUSR1;
 - :mod:`~textbox_like.distributed`: process groups and the ranks' agreement;
+- :mod:`~textbox_like.balance`: the split of ``--global-batch-size`` over the
+  ranks, its re-splits by measured speed (``--balance``), per-rank timing and
+  the micro-batch cap under a device's memory;
 - :mod:`~textbox_like.accelerator`, :mod:`~textbox_like.trackers`,
   :class:`~textbox_like.meters.Logger`: Accelerate, trackers and logs.
 """
@@ -254,11 +257,20 @@ class Trainer:
             torch.manual_seed(cfg.numerics.seed + self.rank)
 
     def build_iterator(self):
+        from .balance import Balancer
         from .data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
         cfg, acc = self.cfg, self.accelerator
         self.batch_sizes = distributed.gather_per_rank(acc, self.clamped_batch_size(cfg.data.max_sentences, self.train_data, "--max-sentences"))
         max_tokens = distributed.gather_per_rank(acc, cfg.data.max_tokens or 0)
-        if not any(max_tokens) and not all(self.batch_sizes):
+        # --global-batch-size: a step is one update's N samples, split over
+        # the ranks; --max-sentences caps this rank's micro-batches
+        self.balancer = None
+        if cfg.data.global_batch_size:
+            self.balancer = Balancer(cfg.data.global_batch_size, self.world, cfg.data.required_batch_size_multiple,
+                                     cfg.distributed.balance_interval, enabled=cfg.distributed.balance)
+            self.micro_caps = [b or cfg.data.global_batch_size for b in self.batch_sizes]
+            self.micro_cap = self.micro_caps[self.rank]
+        elif not any(max_tokens) and not all(self.batch_sizes):
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
         pin_memory = pin_for(acc.device)
         self.iterator = EpochBatchIterator(self.train_data, cfg.numerics.seed, self.rank, self.world, self.batch_sizes,
@@ -266,6 +278,8 @@ class Trainer:
                                            multiple=cfg.data.required_batch_size_multiple,
                                            num_workers=read_ahead_workers(cfg.data.num_workers, self.train_data, pin_memory),
                                            pin_memory=pin_memory)
+        if self.balancer is not None:
+            self.iterator.set_split(self.balancer.split)
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.schedule.max_epoch or 0)
 
     def clamped_batch_size(self, size, dataset, what) -> int:
@@ -291,13 +305,16 @@ class Trainer:
             size, largest, "the validation batch size"))
         self.validator = Validator(task, self.valid_data, valid_batch_sizes, acc, best_metric, maximize,
                                    self.to_device)
+        parts = {"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optim.optimizer,
+                                                                          not cfg.checkpoint.no_save_optimizer_state),
+                 "scheduler": self.scheduler, "iterator": self.iterator, "train": self.state,
+                 "scaler": _Scaler(acc), "rng": _RNG(acc, self.reseed)}
+        if self.balancer is not None:
+            parts["balance"] = self.balancer
         self.checkpoints = CheckpointManager(
             cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": self.world, "config": to_yaml(cfg)},
-            parts={"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optim.optimizer,
-                                                                            not cfg.checkpoint.no_save_optimizer_state),
-                   "scheduler": self.scheduler, "iterator": self.iterator, "train": self.state,
-                   "scaler": _Scaler(acc), "rng": _RNG(acc, self.reseed)},
-            is_main=self.is_main, lock=self.save_lock)
+            parts=parts, is_main=self.is_main, lock=self.save_lock)
+        self.build_timing()
         self.window = StatSums()  # the open log window's stats, this rank only
         self.lr = self.scheduler.get_lr()
         self.gnorm = None
@@ -307,6 +324,37 @@ class Trainer:
         self.unsettled_samples = 0
         self.compile_pending = self.sources["compile"] != "default"
         self.previous_data_failure = None  # where the attempt resumed from failed to read data, if it did
+
+    def build_timing(self):
+        """Who waits for whom: per-rank compute, all-reduce wait and data
+        seconds where there are ranks to compare (balance.RankTimer), the
+        memory cap of a share's micro-batches on CUDA, and the test-only
+        slow-down (balance.slow_rank)."""
+        from . import balance
+        self.timer = balance.RankTimer(self.grad_params, self.accelerator.device) \
+            if self.world > 1 or self.balancer is not None else None
+        self.timer_marks = {}  # consumer -> RankTimer.totals() when it last looked
+        probe = balance.memory_probe(self.accelerator.device) if self.balancer is not None else None
+        self.memory = balance.MemoryGuard(probe, self.micro_cap) if probe is not None else None
+        self.slow = balance.slow_rank(self.rank)
+        self.all_reducing = False  # in the backward that all-reduces (an out-of-memory there is not retried)
+
+    def timer_window(self, consumer) -> dict:
+        """This rank's timer totals since ``consumer`` last asked."""
+        from .balance import since
+        now = self.timer.totals()
+        window = since(now, self.timer_marks.get(consumer))
+        self.timer_marks[consumer] = now
+        return window
+
+    def per_rank(self, values) -> list:
+        """``values`` (numbers) of every rank, in rank order: one host all-reduce."""
+        if self.world == 1:
+            return [list(values)]
+        flat = [0.0] * (self.world * len(values))
+        flat[self.rank * len(values):(self.rank + 1) * len(values)] = values
+        flat = self.sum_over_ranks(flat)
+        return [flat[r * len(values):(r + 1) * len(values)] for r in range(self.world)]
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
@@ -321,6 +369,7 @@ class Trainer:
                     continue  # skipped (not finite, or the loss scaler's overflow): nothing moved
                 snapshot = self.crossed_snapshot(totals["nsamples"])
                 self.log_train()
+                self.rebalance()
                 self.preemption.poll(state.num_updates)
                 if self.end_of_epoch():
                     break  # the epoch's own validation and save follow
@@ -365,19 +414,19 @@ class Trainer:
         ranks). Each rank scales its summed loss so that DDP's average of
         gradients equals the gradient of the mean over the union of the
         update's samples."""
-        acc, task, state = self.accelerator, self.task, self.state
+        acc, state = self.accelerator, self.state
         if self.compile_pending:
             return self.first_compiled_step(micro_batches, totals)
-        batches = [self.to_device(batch) for batch, _ in micro_batches]
-        for i, batch in enumerate(batches):
-            # gradients are all-reduced once per update, on its last micro-batch
-            with contextlib.nullcontext() if i == len(batches) - 1 else acc.no_sync(self.model):
-                terms, stats = task.loss(self.model, batch)
-                if not isinstance(terms, dict):
-                    terms = {"nsamples": terms}
-                loss = sum(term * (self.world / totals[name]) for name, term in terms.items())
-                acc.backward(loss)
-            self.window.add(stats)
+        if self.balancer is not None:
+            stats = self.backward_share(micro_batches[0][0], totals)
+        else:
+            stats = self.backward([self.to_device(batch) for batch, _ in micro_batches], totals)
+        for one in stats:
+            self.window.add(one)
+        if self.timer is not None:
+            self.timer.count(sum(one["nsamples"] for one in stats))
+            if self.balancer is not None and "balance" not in self.timer_marks:
+                self.timer_marks["balance"] = self.timer.totals()  # the first update warms up: not measured
         self.gnorm = self.gradient_norm()
         # an optimizer's first step creates its state: checked on the host,
         # since a kernel that skips it may leave that state uninitialised
@@ -400,6 +449,73 @@ class Trainer:
         self.lr = self.scheduler.step_update(state.num_updates)
         self.log.advance()
         return True
+
+    def backward(self, batches, totals) -> list:
+        """Forward and backward over this rank's micro-batches of the update,
+        all-reducing the gradients once, on the last; their stats."""
+        acc, task, timer = self.accelerator, self.task, self.timer
+        out = []
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                if timer is not None:
+                    timer.forward_starts()
+                terms, stats = task.loss(self.model, batch)
+                if self.slow is not None and self.state.num_updates + 1 >= self.slow[1]:
+                    time.sleep(self.slow[0] * stats["nsamples"])  # TEXTBOX_LIKE_SLOW_RANK: a slower device
+                if not isinstance(terms, dict):
+                    terms = {"nsamples": terms}
+                loss = sum(term * (self.world / totals[name]) for name, term in terms.items())
+                self.all_reducing = last
+                acc.backward(loss)
+                self.all_reducing = False
+            if last and timer is not None:
+                timer.synced()
+            out.append(stats)
+        return out
+
+    def backward_share(self, batch, totals) -> list:
+        """--global-batch-size: this rank's share of the update, cut into
+        micro-batches of at most its cap. On CUDA a micro-batch that runs out
+        of memory lowers this rank's cap; the rank still takes part in the
+        update's all-reduce (with an empty micro-batch), every rank learns of
+        it in one host all-reduce, and the update is redone from its first
+        micro-batch: nothing lost, nothing counted twice."""
+        from .balance import is_out_of_memory, micro_batch_sizes
+        from .data.base import batch_samples, cut_batch
+        n = batch_samples(batch)
+        update = self.state.num_updates + 1
+        while True:
+            sizes = micro_batch_sizes(n, self.micro_cap)
+            if self.memory is None:
+                return self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals)
+            timed = self.timer.snapshot()
+            self.memory.before(update)
+            failed = None
+            try:
+                stats = self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals)
+                lowered = self.memory.after(update, sizes[0])
+            except Exception as exc:
+                if not is_out_of_memory(exc) or self.all_reducing:
+                    raise  # out of memory in the all-reducing backward: DDP cannot take part again
+                failed, lowered = max(sizes), None
+                self.optimizer.zero_grad(set_to_none=True)
+                self.memory.out_of_memory(failed)
+                # the update's one all-reduce, with nothing of this rank in it
+                self.backward([self.to_device(cut_batch(batch, [0])[0])], totals)
+            if lowered is not None:
+                self.micro_cap = lowered
+                self.log.info(f"rank {self.rank}: micro-batches of at most {lowered} fit in its memory "
+                              f"(measured at update {update})", everywhere=True)
+            if not (self.sum_over_ranks([float(failed is not None)])[0] if self.world > 1 else failed):
+                return stats
+            if failed is not None:
+                self.micro_cap = self.memory.cap
+                self.log.info(f"rank {self.rank}: out of memory on a micro-batch of {failed} at update {update}; "
+                              f"micro-batches of at most {self.micro_cap} from now on, the update redone",
+                              everywhere=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.timer.restore(timed)
 
     def first_compiled_step(self, micro_batches, totals) -> bool:
         """The first update under --compile includes compiling: timed and
@@ -540,15 +656,21 @@ class Trainer:
         fails mid-run rewinds the position to the update's start, so the
         checkpoint saved on the way out skips nothing."""
         k, clock, task = self.update_freq(), self.state.clock, self.task
-        batches = iter(self.iterator)
+        batches, plan = iter(self.iterator), self.iterator.plan_version
         while True:
+            if self.iterator.plan_version != plan:  # re-split: read on from the new plan
+                batches.close()
+                batches, plan = iter(self.iterator), self.iterator.plan_version
             started, offset = time.perf_counter(), self.iterator.offset
             failure = None
             try:
                 micro_batches = list(itertools.islice(batches, k))
             except DataUnavailable as exc:
                 failure, micro_batches = exc, []
-            clock.data_wait += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            clock.data_wait += waited
+            if self.timer is not None:
+                self.timer.data += waited
             # every rank knows the update's sample count from the batch plan;
             # other denominators (BERT's masked tokens) are host numbers summed
             # over ranks, with the data's health, on the host group
@@ -591,6 +713,29 @@ class Trainer:
         if self.unsettled is not None:  # taken back if the update turns out skipped (settle)
             self.unsettled_samples = samples_in_update
         return crosses(before, self.state.samples_trained, self.cfg.checkpoint.snapshot_interval)
+
+    def rebalance(self):
+        """--balance: every interval, the ranks' compute seconds and samples
+        in one host all-reduce, and from them the same new split on every
+        rank (checked: a rank that computed another stops the run)."""
+        balancer, state = self.balancer, self.state
+        if balancer is None or not balancer.due(state.num_updates):
+            return
+        window = self.timer_window("balance")
+        figures = self.per_rank([window["compute"], window["samples"]])
+        was = list(balancer.split)
+        new = balancer.decide([f[0] for f in figures], [f[1] for f in figures], state.num_updates)
+        if new is None:
+            return
+        splits = self.per_rank(new)
+        if any(row != splits[0] for row in splits):
+            raise RuntimeError(f"the ranks computed different splits of the global batch: {splits}")
+        self.iterator.set_split(new)
+        rates = balancer.samples_per_s()
+        self.log.event("balance", {"update": state.num_updates, "batch_sizes": new, "was": was,
+                                   "samples_per_s": rates},
+                       f"update {state.num_updates} | balance: batch sizes per rank {new} (was {was}); "
+                       f"samples/s per rank {rates}")
 
     def every(self, interval, ahead=0) -> bool:
         """True on every ``interval``-th update (``ahead``: for the update about to happen)."""
@@ -688,8 +833,19 @@ class Trainer:
             record["eta_s"] = max(target - state.num_updates, 0) / rates["updates_per_s"]
         if self.accelerator.device.type == "cuda":
             record["peak_mem_gib"] = self.peak_memory_per_rank()
+        if self.world > 1:
+            record.update(self.seconds_per_rank())
         record["wall"] = state.clock.elapsed()
         self.log.log("train", record)
+
+    def seconds_per_rank(self) -> dict:
+        """Each rank's compute, data and all-reduce wait seconds per update
+        in this log window (one host all-reduce)."""
+        window = self.timer_window("log")
+        updates = max(window["updates"], 1)
+        rows = self.per_rank([window["compute"] / updates, window["data"] / updates, window["wait"] / updates])
+        return {f"{name}_s_per_rank": [round(row[i], 5) for row in rows]
+                for i, name in enumerate(("compute", "data", "wait"))}
 
     def log_epoch(self):
         state = self.state
@@ -761,6 +917,8 @@ class Trainer:
             self.scheduler.rebase(float(overrides["lr"]))
         if "scheduler" in fresh:
             self.scheduler.step_update(state.num_updates)  # the schedule at the restored update, not at 0
+        if self.balancer is not None:  # the saved split, or an even one on another world size
+            self.iterator.set_split(self.balancer.split)
         if self.end_of_epoch():
             self.next_epoch()
         self.log.forget_after(state.num_updates)
@@ -816,11 +974,17 @@ class Trainer:
             from .trackers import hyperparameters
             acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
         sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
+        if self.balancer is not None:
+            self.balancer.start(self.state.num_updates)
+            batches = (f"global batch {self.balancer.total}{' (balanced)' if self.balancer.enabled else ''} | "
+                       f"batch sizes per rank {self.balancer.split} | micro-batch caps {self.micro_caps}")
+        else:
+            batches = f"batch sizes per rank {self.batch_sizes}"
         self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
                       f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})" if acc.device.type == "cpu" else "")
                       + f" | precision {acc.mixed_precision}"
                       + (f" ({sources})" if sources else "")
-                      + f" | batch sizes per rank {self.batch_sizes} | train {len(self.train_data):,} samples"
+                      + f" | {batches} | train {len(self.train_data):,} samples"
                       + (" (in memory: read inline, --num-workers not needed)"
                          if cfg.data.num_workers and not self.iterator.num_workers else ""))
         state = self.state
@@ -847,6 +1011,14 @@ class Trainer:
         if self.is_main and not cfg.checkpoint.no_save:
             self.write_results(results)
         self.log.info(self.last_line(reason))
+        if self.world > 1 and self.timer is not None:
+            from .balance import slowest_rank_line
+            totals = self.timer.totals()
+            keys = ("compute", "data", "wait", "updates")
+            rows = self.per_rank([totals[k] for k in keys])
+            self.log.info(slowest_rank_line([dict(zip(keys, row)) for row in rows]))
+        if self.timer is not None:
+            self.timer.close()
         self.log.close()
         self.preemption.close()
         acc.wait_for_everyone()

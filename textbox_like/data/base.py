@@ -57,3 +57,18 @@ def shuffled_blocks(n: int, block: int, seed: int, epoch: int) -> np.ndarray:
         rng.shuffle(part)
         parts.append(part)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def batch_samples(batch: dict) -> int:
+    """The samples in a batch of the protocol above (its tensors' leading dimension)."""
+    return int(next(iter(batch.values())).shape[0]) if batch else 0
+
+
+def cut_batch(batch: dict, sizes) -> list:
+    """A batch of the protocol above cut into consecutive micro-batches of
+    ``sizes`` samples (views: no copy)."""
+    out, start = [], 0
+    for size in sizes:
+        out.append({k: v[start:start + size] for k, v in batch.items()})
+        start += size
+    return out

@@ -12,7 +12,9 @@ own contiguous slice of the order, of its own size (ranks may have different
   update over all ranks, without communication;
 * the position in an epoch is one number, the offset into the order. A
   restart rebuilds the plan from that offset, with the same or a different
-  world size or batch size, and skips nothing and repeats nothing.
+  world size or batch size, and skips nothing and repeats nothing. For the
+  same reason the ranks' sizes may change mid-epoch (``set_split``: a re-split
+  of ``--global-batch-size``), planned again from the current offset.
 """
 from __future__ import annotations
 
@@ -142,6 +144,7 @@ class EpochBatchIterator:
         self.num_workers = num_workers
         self.epoch = 1
         self.offset = 0          # samples of this epoch's order already consumed
+        self.plan_version = 0    # changes when set_split re-plans: iterators over the old plan are stale
         self._order = None
         self._bounds = None
         self._start = 0
@@ -159,6 +162,15 @@ class EpochBatchIterator:
         else:
             bounds = plan_fixed(left, self.batch_sizes, self.multiple)
         self._order, self._bounds, self._start = order, bounds + self.offset, self.offset
+
+    def set_split(self, batch_sizes):
+        """Each rank's share of a step from now on (--global-batch-size: the
+        split of the global batch, already a multiple where it must be): the
+        rest of the epoch is planned again from the current offset."""
+        self.batch_sizes = [int(b) for b in batch_sizes]
+        self.plan_version += 1
+        if self._order is not None:
+            self.set_epoch(self.epoch, self.offset)
 
     def set_epoch(self, epoch, offset=0):
         self.epoch, self.offset = epoch, offset

@@ -1,0 +1,452 @@
+"""Unlike devices in one run (issue 21): a fixed global batch split over the
+ranks, micro-batches under a per-rank cap, re-splits by measured speed, the
+split in checkpoints, out-of-memory retries, DDP communication hooks.
+
+Multi-rank runs are subprocesses on CPU (gloo); a slower rank is made with
+the test-only TEXTBOX_LIKE_SLOW_RANK (balance.py), not a busy loop."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import read_jsonl
+from test_config_golden import GOLDEN, printed
+from test_distributed import NO_DROPOUT, assert_params_close, base, params, run
+from test_faults import build_trainer, run_trainer
+from textbox_like import balance
+from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, proportional_split,
+                                  slowest_rank_line)
+from textbox_like.checkpoint import load_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+NEW_KEYS = ("global_batch_size", "balance", "balance_interval", "ddp_comm_hook")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from conftest import write_mnist
+    directory = tmp_path_factory.mktemp("mnist_balance")
+    write_mnist(directory, n_train=640, n_test=100)
+    return directory
+
+
+# ------------------------------------------------------------------ the split
+@pytest.mark.parametrize("total,weights,multiple", [
+    (64, [1, 1], 1), (64, [2, 1], 1), (64, [1, 3, 5], 8), (65, [1, 1], 8), (7, [1, 1, 1], 4),
+    (64, [1000, 1], 1), (3, [1, 1, 1, 1], 1), (64, [0, 0], 1), (100, [float("inf"), 1], 1)])
+def test_proportional_split_sums_exactly_within_multiples(total, weights, multiple):
+    split = proportional_split(total, weights, multiple)
+    assert sum(split) == total and len(split) == len(weights) and min(split) >= 0
+    if total >= len(weights) * multiple:
+        assert min(split) >= 1  # every rank keeps a share it can be measured on
+        off_multiple = [s for s in split if s % multiple]
+        assert len(off_multiple) <= (1 if total % multiple else 0)
+    assert split == proportional_split(total, list(weights), multiple)  # pure: the same on every rank
+
+
+def test_proportional_split_follows_speed():
+    assert proportional_split(64, [2.0, 1.0]) == [43, 21]
+    assert proportional_split(64, [1.0, 3.0], 8) == [16, 48]
+    assert even_split(64, 2) == [32, 32] and even_split(10, 3) == [4, 3, 3]
+
+
+def test_micro_batches_under_a_cap():
+    assert micro_batch_sizes(32, 16) == [16, 16]
+    assert micro_batch_sizes(40, 32) == [20, 20]
+    assert micro_batch_sizes(33, 16) == [11, 11, 11]
+    assert micro_batch_sizes(5, 64) == [5]
+    assert micro_batch_sizes(0, 16) == [0]  # still one (empty) micro-batch: every rank all-reduces
+
+
+def test_a_re_split_mid_epoch_uses_every_sample_once():
+    """Both ranks re-split after 3 steps (as after a balance exchange): every
+    step still takes the next 64 samples of the order, and the epoch covers
+    the order exactly once."""
+    from test_iterators import Toy
+    from textbox_like.data.iterators import EpochBatchIterator
+    iterators = [EpochBatchIterator(Toy(700), 5, rank, 2, [32, 32]) for rank in (0, 1)]
+    for it in iterators:
+        it.set_split([32, 32])
+        it.set_epoch(1)
+    streams = [iter(it) for it in iterators]
+    steps = [[next(s) for s in streams] for _ in range(3)]
+    for it in iterators:
+        it.set_split([40, 24])
+    streams = [iter(it) for it in iterators]
+    steps += [list(step) for step in zip(*streams)]
+    assert [[len(b) for b, _ in step] for step in steps[2:5]] == [[32, 32], [40, 24], [40, 24]]
+    assert all(count == 64 for step in steps[:-1] for _, count in step)
+    seen = np.concatenate([b for step in steps for b, _ in step])
+    assert sorted(seen.tolist()) == list(range(700))
+    assert (seen == Toy(700).epoch_order(5, 1)).all()  # contiguous slices, in order
+
+
+def test_balancer_hysteresis_schedule_and_state():
+    b = Balancer(64, 2, interval=25)
+    b.start(0)
+    assert not b.due(9) and b.due(10)  # the first exchange within 10 updates
+    # 3% apart: not worth a re-split
+    assert b.decide([1.00, 1.03], [100, 100], 10) is None and b.split == [32, 32]
+    assert b.next_check == 25 and not b.due(24) and b.due(25)
+    # twice as slow: the split follows, in proportion to speed
+    new = b.decide([1.0, 4.0], [100, 100], 25)
+    assert new == b.split and sum(new) == 64 and new[0] > new[1]
+    assert b.next_check == 50
+    state = b.state_dict()
+    same = Balancer(64, 2)
+    same.load_state_dict(state)
+    assert same.split == new and same.seconds_per_sample == [None, None]  # re-measures
+    other = Balancer(64, 3)
+    other.load_state_dict(state)
+    assert other.split == [22, 21, 21]  # another world size: even again
+    off = Balancer(64, 2, enabled=False)
+    off.start(0)
+    assert not off.due(10)
+
+
+def test_slowest_rank_line_names_rank_and_bound():
+    line = slowest_rank_line([{"compute": 1.0, "data": 0.1, "wait": 3.0, "updates": 10},
+                              {"compute": 4.0, "data": 0.1, "wait": 0.1, "updates": 10}])
+    assert line.startswith("slowest rank 1: compute-bound")
+    line = slowest_rank_line([{"compute": 1.0, "data": 5.0, "wait": 0.0, "updates": 10},
+                              {"compute": 1.0, "data": 0.0, "wait": 4.0, "updates": 10}])
+    assert line.startswith("slowest rank 0: data-bound")
+
+
+def test_per_rank_lists_reach_trackers_as_one_scalar_per_rank():
+    from textbox_like.trackers import scalars
+    out = scalars("train", {"update": 5, "loss": 1.0, "compute_s_per_rank": [0.1, 0.2], "name": "x"})
+    assert out == {"train/loss": 1.0, "train/compute_s_per_rank/rank0": 0.1, "train/compute_s_per_rank/rank1": 0.2}
+
+
+# ------------------------------------------------------------------ memory
+class FakeMemory:
+    """The CUDA allocator's figures, made up: ``per_sample`` bytes per sample
+    of the micro-batch the trainer last ran (set by the test's loss)."""
+
+    def __init__(self, capacity, base=1000, per_sample=100):
+        self.capacity_bytes, self.base, self.per_sample, self.last = capacity, base, per_sample, 0
+        self.released = 0
+
+    def capacity(self):
+        return self.capacity_bytes
+
+    def allocated(self):
+        return self.base
+
+    def reset_peak(self):
+        self.last = 0
+
+    def peak(self):
+        return self.base + self.per_sample * self.last
+
+    def release(self):
+        self.released += 1
+
+
+def test_memory_guard_caps_by_measured_peak_and_halves_on_out_of_memory():
+    memory = FakeMemory(capacity=10_000, base=1000, per_sample=100)
+    guard = MemoryGuard(memory, cap=64, measure_at_update=2)
+    guard.before(1)
+    assert guard.after(1, 32) is None  # not the measured update
+    guard.before(2)
+    memory.last = 32
+    # (10000 * 0.9 - 1000) / 100 = 80 samples fit: the cap of 64 stands
+    assert guard.after(2, 32) is None and guard.per_sample == 100
+    small = MemoryGuard(FakeMemory(capacity=5_000), cap=64)
+    small.before(2)
+    small.probe.last = 32
+    assert small.after(2, 32) == 35 and small.cap == 35  # (4500 - 1000) / 100
+    assert small.out_of_memory(30) == 15 and small.probe.released == 1
+
+
+def out_of_memory_above(limit, calls):
+    """A loss that raises CUDA's out-of-memory error for a micro-batch above ``limit``."""
+    from textbox_like.tasks.mnist import MNISTTask
+    real = MNISTTask.loss
+
+    def loss(self, model, batch):
+        n = batch["target"].shape[0]
+        calls.append(n)
+        if n > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (mocked): a micro-batch of {n}")
+        return real(self, model, batch)
+    return loss
+
+
+COMMON = ["--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0",
+          "--threads", "1", "--log-format", "simple", "--report_to", "none", *NO_DROPOUT]
+
+
+def mnist_args(data, out, *extra):
+    return ["--task", "mnist", "--data", str(data), "--save-dir", str(out), *COMMON, *map(str, extra)]
+
+
+@pytest.mark.timeout(300)
+def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monkeypatch):
+    """Mocked CUDA memory: micro-batches above 16 run out of memory. The first
+    update is tried at 64, 32, then 16 and trained once; the run equals one
+    process of 64 without the mock, and counts every sample once."""
+    from textbox_like.tasks.mnist import MNISTTask
+    calls = []
+    monkeypatch.setattr(balance, "memory_probe", lambda device: FakeMemory(capacity=1 << 40))
+    monkeypatch.setattr(MNISTTask, "loss", out_of_memory_above(16, calls))
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "oom", "--global-batch-size", "64",
+                                             "--max-sentences", "64", "--max-sentences-valid", "16",
+                                             "--max-update", "6", "--log-interval", "3"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    # each failed try still takes part in the all-reduce, with an empty micro-batch
+    assert calls[:8] == [64, 0, 32, 0, 16, 16, 16, 16] and trainer.micro_cap == 16
+    assert "out of memory on a micro-batch of 64" in err.getvalue()
+    state = trainer.state
+    assert state.num_updates == 6 and state.samples_trained == 6 * 64 and state.samples_seen == 6 * 64
+    train = [r for r in read_jsonl(tmp_path / "oom" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["update"] for r in train] == [3, 6]
+    assert run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64",
+                                                "--max-update", "6")])
+    assert_params_close(params(tmp_path / "oom"), params(tmp_path / "one"))
+
+
+# ------------------------------------------------------------------ exact maths
+@pytest.mark.timeout(300)
+def test_share_above_the_cap_runs_micro_batches_with_one_all_reduce(data, tmp_path, monkeypatch):
+    """One process, global batch 64, cap 16: 4 micro-batches per update, 3 of
+    them under no_sync; the same parameters as batch 64 in one pass."""
+    from textbox_like.tasks.mnist import MNISTTask
+    sizes = []
+    real = MNISTTask.loss
+    monkeypatch.setattr(MNISTTask, "loss", lambda self, model, batch: (sizes.append(batch["target"].shape[0]),
+                                                                       real(self, model, batch))[1])
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "micro", "--global-batch-size", "64",
+                                             "--max-sentences", "16", "--max-update", "5"))
+    no_sync = []
+    real_no_sync = trainer.accelerator.no_sync
+    monkeypatch.setattr(trainer.accelerator, "no_sync", lambda model: (no_sync.append(1), real_no_sync(model))[1])
+    assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    train_sizes = sizes[:20]
+    assert train_sizes == [16] * 20 and len(no_sync) == 15
+    run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "5")])
+    assert_params_close(params(tmp_path / "micro"), params(tmp_path / "one"))
+
+
+@pytest.fixture(scope="module")
+def one_process_64(data, tmp_path_factory):
+    """The reference: one process, batch 64, 40 updates, a checkpoint every 10."""
+    out = tmp_path_factory.mktemp("one64")
+    run([PY, "run_hetseq.py", *mnist_args(data, out, "--max-sentences", "64", "--max-update", "40",
+                                          "--save-interval-updates", "10")])
+    return out
+
+
+def at_update(save_dir, update):
+    """The weights saved at ``update`` (10 updates an epoch: an epoch's end is checkpointN.pt)."""
+    found = list(Path(save_dir).glob(f"checkpoint_*_{update}.pt"))
+    state = load_checkpoint(found[0] if found else Path(save_dir) / f"checkpoint{update // 10}.pt")
+    assert state["train"]["num_updates"] == update
+    return state["model"]
+
+
+@pytest.mark.timeout(400)
+def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_process_64):
+    out = tmp_path / "two"
+    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "16",
+                                                 "--distributed-world-size", "2", "--max-update", "20",
+                                                 "--log-interval", "10")])
+    assert "global batch 64 | batch sizes per rank [32, 32] | micro-batch caps [16, 16]" in proc.stderr
+    assert_params_close(params(out), at_update(one_process_64, 20))
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    for record in train:  # who waits for whom, in every record
+        for key in ("compute_s_per_rank", "data_s_per_rank", "wait_s_per_rank"):
+            assert len(record[key]) == 2 and min(record[key]) >= 0, record
+    assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank ")
+    assert load_checkpoint(out / "checkpoint_last.pt")["balance"] == {"global_batch_size": 64, "split": [32, 32]}
+
+
+def slow(rank, seconds, from_update=0):
+    return {**os.environ, balance.SLOW_RANK_ENV: f"{rank}:{seconds}@{from_update}"}
+
+
+@pytest.mark.timeout(500)
+def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process_64):
+    """Rank 1 becomes 2 ms/sample slower at update 15; with an interval of 5
+    the split favours rank 0 by update 25 (2 intervals). Every re-split is the
+    same on every rank (checked by the trainer at each re-split) and uneven
+    splits give the parameters of one process of 64."""
+    out = tmp_path / "bal"
+    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64",
+                                                 "--balance", "--balance-interval", "5",
+                                                 "--distributed-world-size", "2", "--max-update", "40",
+                                                 "--log-interval", "10", "--save-interval-updates", "10",
+                                                 "--log-format", "json")],
+               env=slow(1, 0.004, 15))
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
+    assert records and records[0]["update"] <= 10
+    lines = [line for line in proc.stderr.splitlines() if "| balance: batch sizes per rank" in line]
+    assert len(lines) == len(records)  # one line per re-split, in the json format too
+    r = records[0]
+    assert lines[0] == (f"update {r['update']} | balance: batch sizes per rank {r['batch_sizes']} (was {r['was']}); "
+                        f"samples/s per rank {r['samples_per_s']}")
+    for r in records:
+        assert sum(r["batch_sizes"]) == 64 and len(r["samples_per_s"]) == 2
+    split_at = {}
+    for r in records:
+        split_at[r["update"]] = r["batch_sizes"]
+    current = [32, 32]
+    for update in range(1, 41):
+        current = split_at.get(update, current)
+        if update == 25:
+            assert current[0] > current[1] + 8, (records, current)
+    assert current[0] > current[1]
+    for update in (10, 20, 30, 40):
+        assert_params_close(at_update(out, update), at_update(one_process_64, update))
+    assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank 1")
+    assert load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"] == current
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, world):
+    out = tmp_path / "resume"
+    run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64",
+                                          "--balance", "--balance-interval", "5", "--distributed-world-size", "2",
+                                          "--max-update", "20", "--save-interval-updates", "10")],
+        env=slow(1, 0.004))
+    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    assert saved["split"][0] > saved["split"][1]
+    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32",
+                                                 "--balance", "--balance-interval", "5",
+                                                 "--distributed-world-size", str(world), "--max-update", "30",
+                                                 "--save-interval-updates", "10", "--resume")])
+    assert f"batch sizes per rank {even_split(64, world)}" in proc.stderr
+    assert_params_close(at_update(out, 30), at_update(one_process_64, 30))
+    split = load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"]
+    assert len(split) == world and sum(split) == 64
+
+
+# ------------------------------------------------------------------ configuration
+@pytest.mark.parametrize("argv,message", [
+    (["--global-batch-size", "64", "--max-sentences", "8", "--balance", "--max-tokens", "100"], "--max-tokens"),
+    (["--max-sentences", "8", "--balance"], "--balance re-splits a fixed global batch"),
+    (["--global-batch-size", "64", "--update-freq", "2"], "leave --update-freq out"),
+    (["--global-batch-size", "0"], "--global-batch-size"),
+    (["--max-sentences", "8", "--ddp-comm-hook", "int8"], "--ddp-comm-hook"),
+])
+def test_bad_combinations_are_one_line_and_exit_2(argv, message, tmp_path):
+    from conftest import run_cli
+    proc = run_cli(["--task", "mnist", "--save-dir", str(tmp_path), "--max-update", "1", *argv], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+
+
+def test_a_config_yaml_from_before_these_settings_loads(tmp_path):
+    """An old run's config.yaml (without the new keys) loads, with their defaults."""
+    saved = (GOLDEN / "distributed.yaml").read_text()
+    old = tmp_path / "config.yaml"
+    old.write_text("".join(line for line in saved.splitlines(keepends=True)
+                           if line.split(":")[0] not in NEW_KEYS))
+    assert printed(["--config", str(old)]) == saved
+
+
+def test_comm_hook_goes_to_accelerate_and_must_agree():
+    from accelerate.utils import DDPCommunicationHookType
+
+    from textbox_like.accelerator import comm_hook
+    from textbox_like.cli import parse
+    from textbox_like.distributed import PER_NODE_SETTINGS
+    assert comm_hook(parse(["--max-sentences", "8"]).distributed) == {}
+    assert comm_hook(parse(["--ddp-comm-hook", "fp16"]).distributed)["comm_hook"] == DDPCommunicationHookType.FP16
+    assert comm_hook(parse(["--ddp-comm-hook", "bf16"]).distributed)["comm_hook"] == DDPCommunicationHookType.BF16
+    assert comm_hook(parse(["--ddp-comm-hook", "powersgd"]).distributed)["comm_hook"] == \
+        DDPCommunicationHookType.POWER_SGD
+    assert not set(NEW_KEYS) & PER_NODE_SETTINGS  # compared across ranks before training
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_comm_hooks_train_on_two_ranks(data, tmp_path, hook):
+    out = tmp_path / hook
+    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--max-sentences", "32", "--distributed-world-size", "2",
+                                                 "--max-update", "6", "--ddp-comm-hook", hook)])
+    assert f"--ddp-comm-hook {hook}" in proc.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["ddp_comm_hook"] == hook
+    assert json.loads((out / "results.json").read_text())["num_updates"] == 6
+
+
+def test_bench_scaling_reports_each_comm_hook(capsys, monkeypatch):
+    from test_bench import bench_in_process
+    from textbox_like import bench
+    rates = iter([100.0, 160.0, 170.0, 100.0, 150.0, 180.0])  # per round: 1 process, none, fp16
+    calls = []
+    monkeypatch.setattr(bench, "scaling_run", lambda base, n, args: (calls.append((base, n)), next(rates))[1])
+    report, err = bench_in_process(capsys, "scaling", "--hooks", "none,fp16", "--rounds", 2, "--updates", 5)
+    assert [n for _, n in calls] == [1, 2, 2] * 2
+    assert [b[b.index("--ddp-comm-hook") + 1] for b, n in calls if n == 2] == ["none", "fp16"] * 2
+    assert report["comm_hooks"]["fp16"]["expansions"] == [0.85, 0.9]
+    assert report["comm_hooks"]["none"]["expansion_median"] == report["expansion_median"] == 0.775
+    assert "--ddp-comm-hook fp16: 0.875" in err
+
+
+OOM_RANK = '''
+import os, sys, torch
+from textbox_like import balance
+from textbox_like.tasks.mnist import MNISTTask
+
+class Memory:  # mocked CUDA allocator figures: room for anything
+    def capacity(self): return 1 << 40
+    def allocated(self): return 0
+    def reset_peak(self): pass
+    def peak(self): return 0
+    def release(self): pass
+
+balance.memory_probe = lambda device: Memory()
+if os.environ["RANK_UNDER_TEST"] == os.environ["OOM_RANK"]:
+    real = MNISTTask.loss
+    def loss(self, model, batch):
+        if model.training and batch["target"].shape[0] > int(os.environ["OOM_ABOVE"]):
+            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+        return real(self, model, batch)
+    MNISTTask.loss = loss
+from textbox_like.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.timeout(400)
+def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64):
+    """Two ranks, mocked CUDA memory; rank 1 runs out of memory above 16
+    samples. Both ranks redo the update (rank 0 never waits in a lone
+    all-reduce), and the run equals one process of 64."""
+    script = tmp_path / "oom_rank.py"
+    script.write_text(OOM_RANK)
+    out, rdzv = tmp_path / "out", tmp_path / "rdzv"
+    procs = []
+    for rank in (0, 1):
+        argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--max-update", "20",
+                          "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+                          "--distributed-gpus", "1", "--distributed-rank", rank, "--distributed-no-spawn")
+        env = {**os.environ, "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1", "OOM_ABOVE": "16"}
+        procs.append(subprocess.Popen([PY, str(script), *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    assert "rank 1: out of memory on a micro-batch of 32 at update 1" in errs[1]
+    assert "out of memory" not in errs[0]
+    assert "Traceback" not in errs[0] + errs[1]
+    assert_params_close(params(out), at_update(one_process_64, 20))
+    assert json.loads((out / "results.json").read_text())["num_updates"] == 20

@@ -1,0 +1,348 @@
+"""One global batch over unlike ranks: its split, measured speed, and memory.
+
+With ``--global-batch-size N`` every update trains on N samples over all
+ranks: one contiguous slice of the epoch order, cut into one share per rank
+(:func:`proportional_split`). A rank's ``--max-sentences`` caps one of its
+micro-batches (memory), not its share: a share larger than the cap runs as
+several micro-batches, all but the last under ``no_sync``, so an update still
+all-reduces once. Each sample's weight in the loss is exact
+(``Task.denominators``), so any split gives the gradient of one process over
+the same N samples.
+
+With ``--balance`` the split follows the ranks' measured speed:
+
+- :class:`RankTimer` measures this rank's compute (forward and backward up to
+  its last gradient, not the wait in DDP's all-reduce), its wait in that
+  all-reduce and its wait for data; on CUDA with events, read only where the
+  host waits anyway (a log line, a re-split, the end), so no update waits;
+- :class:`Balancer` shares the figures every ``--balance-interval`` updates
+  (the first within 10) in one small collective and computes, on every rank
+  from the same numbers, the same new split: shares in proportion to speed,
+  multiples of ``--required-batch-size-multiple``, summing to N; a new split
+  is taken only when it shortens the predicted update by
+  :attr:`Balancer.THRESHOLD` (hysteresis). The split is a checkpoint part.
+
+On CUDA, :class:`MemoryGuard` lowers a rank's micro-batch cap to what its
+device holds (peak memory per sample, measured on an early update, against
+the device's capacity with a margin) and after an out-of-memory error.
+
+``TEXTBOX_LIKE_SLOW_RANK=RANK:SECONDS[@UPDATE]`` (tests and demonstrations
+only) makes rank RANK sleep SECONDS per sample of each micro-batch between
+forward and backward, from update UPDATE on: a slow device, reproducibly.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+SLOW_RANK_ENV = "TEXTBOX_LIKE_SLOW_RANK"
+
+
+# ------------------------------------------------------------------ the split
+def proportional_split(total: int, weights, multiple: int = 1) -> list:
+    """``total`` samples in shares proportional to ``weights`` (one per rank),
+    summing to ``total`` exactly. Shares are multiples of ``multiple`` (the
+    remainder of ``total`` by it goes to the heaviest rank) and at least one
+    multiple each where ``total`` allows, so every rank keeps a measurable
+    share. A pure function of its arguments: every rank computes the same."""
+    world = len(weights)
+    unit = multiple if multiple > 1 and total >= world * multiple else 1
+    units, rest = divmod(int(total), unit)
+    w = [max(float(x), 0.0) if math.isfinite(float(x)) else 0.0 for x in weights]
+    if sum(w) <= 0:
+        w = [1.0] * world
+    raw = [units * x / sum(w) for x in w]
+    shares = [max(int(math.floor(x)), 1 if units >= world else 0) for x in raw]
+    # largest remainders first, ties to the lower rank
+    while sum(shares) < units:
+        r = max(range(world), key=lambda i: (raw[i] - shares[i], -i))
+        shares[r] += 1
+    while sum(shares) > units:  # only after the floor of one unit lifted a share
+        r = max((i for i in range(world) if shares[i] > 1), key=lambda i: (shares[i] - raw[i], -i))
+        shares[r] -= 1
+    shares = [s * unit for s in shares]
+    shares[max(range(world), key=lambda i: (w[i], -i))] += rest
+    return shares
+
+
+def even_split(total: int, world: int, multiple: int = 1) -> list:
+    return proportional_split(total, [1.0] * world, multiple)
+
+
+def update_seconds(split, seconds_per_sample) -> float:
+    """The predicted time of an update: its slowest rank's share."""
+    return max(s * t for s, t in zip(split, seconds_per_sample))
+
+
+def micro_batch_sizes(share: int, cap: int) -> list:
+    """``share`` samples in as few micro-batches of at most ``cap`` as
+    possible, as even as possible; one (empty) micro-batch for a share of 0,
+    since every rank takes part in the update's all-reduce."""
+    if share <= 0:
+        return [0]
+    count = -(-share // max(cap, 1))
+    base, extra = divmod(share, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+class Balancer:
+    """The split of the global batch over the ranks, and when and how it
+    changes. A checkpoint part: a resume on the same world size starts from
+    the saved split, on another from an even one; either re-measures."""
+
+    #: a new split must shorten the predicted update by this fraction
+    THRESHOLD = 0.05
+    #: weight of the newest interval's figures against the smoothed ones
+    NEWEST = 0.5
+    #: the first re-split comes after at most this many updates
+    FIRST = 10
+
+    def __init__(self, global_batch_size: int, world: int, multiple: int = 1, interval: int = 50,
+                 enabled: bool = True):
+        self.total, self.world, self.multiple = int(global_batch_size), int(world), int(multiple)
+        self.interval, self.enabled = int(interval), bool(enabled)
+        self.split = even_split(self.total, self.world, self.multiple)
+        self.seconds_per_sample = [None] * self.world
+        self.next_check = None
+
+    def start(self, num_updates: int):
+        """Measuring starts (a fresh run or a resume)."""
+        self.next_check = num_updates + min(self.FIRST, self.interval)
+
+    def due(self, num_updates: int) -> bool:
+        return self.enabled and self.next_check is not None and num_updates >= self.next_check
+
+    def decide(self, seconds, samples, num_updates: int):
+        """Fold in each rank's compute seconds and samples since the last
+        check (the same lists on every rank); the new split, or None to keep
+        the current one."""
+        self.next_check = (num_updates // self.interval + 1) * self.interval
+        for r, (s, n) in enumerate(zip(seconds, samples)):
+            if n > 0 and s > 0:
+                newest = s / n
+                old = self.seconds_per_sample[r]
+                self.seconds_per_sample[r] = newest if old is None else \
+                    self.NEWEST * newest + (1 - self.NEWEST) * old
+        if any(t is None for t in self.seconds_per_sample):
+            return None
+        proposal = proportional_split(self.total, [1.0 / t for t in self.seconds_per_sample], self.multiple)
+        if proposal == self.split or update_seconds(proposal, self.seconds_per_sample) > \
+                update_seconds(self.split, self.seconds_per_sample) * (1 - self.THRESHOLD):
+            return None
+        self.split = proposal
+        return proposal
+
+    def samples_per_s(self) -> list:
+        return [round(1.0 / t, 1) if t else None for t in self.seconds_per_sample]
+
+    def state_dict(self):
+        return {"global_batch_size": self.total, "split": list(self.split)}
+
+    def load_state_dict(self, state):
+        split = [int(s) for s in state["split"]]
+        if len(split) == self.world and sum(split) == self.total:
+            self.split = split
+        # else another world size or global batch: the even split, re-measured
+        self.seconds_per_sample = [None] * self.world
+
+
+# ------------------------------------------------------------------ timing
+class RankTimer:
+    """This rank's cumulative seconds of compute, all-reduce wait and data
+    wait, and its samples and updates; whoever needs a window (log lines, the
+    balancer, the run's end) keeps its own mark of :meth:`totals`.
+
+    Compute runs from a micro-batch's forward to the moment its last
+    parameter gradient exists (one autograd hook over all parameters); what
+    follows in the update's last backward is DDP waiting for the other ranks.
+    On CUDA the marks are events on the stream, resolved without waiting
+    (:meth:`poll`) or where the host waits anyway (:meth:`totals`)."""
+
+    def __init__(self, params, device):
+        import torch
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.compute = self.wait = self.data = 0.0
+        self.samples = self.updates = 0
+        self.pending = []  # CUDA: (which total, start event, end event), in stream order
+        self.started = self.grads_at = None
+        self.handle = torch.autograd.graph.register_multi_grad_hook(
+            [p for p in params if p.requires_grad], self.grads_done, mode="all")
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward_starts(self):
+        self.started = self.mark()
+
+    def grads_done(self, _grads):
+        if self.started is None:  # a backward outside training (none today)
+            return
+        self.grads_at = self.mark()
+        self.add("compute", self.started, self.grads_at)
+        self.started = None
+
+    def synced(self):
+        """After the backward that all-reduced: the wait since the last gradient."""
+        if self.grads_at is not None:
+            self.add("wait", self.grads_at, self.mark())
+            self.grads_at = None
+
+    def add(self, which, start, end):
+        if self.cuda:
+            self.pending.append((which, start, end))
+        else:
+            setattr(self, which, getattr(self, which) + end - start)
+
+    def count(self, samples: int):
+        self.samples += int(samples)
+        self.updates += 1
+        if self.cuda:
+            self.poll()
+
+    def poll(self, wait=False):
+        """Fold in the CUDA intervals already measured (all of them: ``wait``)."""
+        while self.pending:
+            which, start, end = self.pending[0]
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                return
+            setattr(self, which, getattr(self, which) + start.elapsed_time(end) / 1000.0)
+            self.pending.pop(0)
+
+    def snapshot(self):
+        return (self.compute, self.wait, self.data, self.samples, self.updates, len(self.pending))
+
+    def restore(self, snap):
+        """Forget an attempt that was redone (an out-of-memory retry)."""
+        self.compute, self.wait, self.data, self.samples, self.updates, pending = snap
+        del self.pending[pending:]
+        self.started = self.grads_at = None
+
+    def totals(self) -> dict:
+        if self.cuda:
+            self.poll(wait=True)
+        return {"compute": self.compute, "wait": self.wait, "data": self.data, "samples": self.samples,
+                "updates": self.updates}
+
+    def close(self):
+        self.handle.remove()
+
+
+def since(now: dict, mark: dict | None) -> dict:
+    return dict(now) if mark is None else {k: now[k] - mark[k] for k in now}
+
+
+def slowest_rank_line(per_rank) -> str:
+    """The run's last line: who was waited for, and why. ``per_rank``: each
+    rank's totals (compute, data, wait seconds and updates)."""
+    per_update = [{k: r[k] / max(r["updates"], 1) for k in ("compute", "data", "wait")} for r in per_rank]
+    busy = [p["compute"] + p["data"] for p in per_update]
+    slow = max(range(len(busy)), key=lambda r: (busy[r], -r))
+    p = per_update[slow]
+    bound = "data-bound" if p["data"] > p["compute"] else "compute-bound"
+    others = [per_update[r]["wait"] for r in range(len(busy)) if r != slow]
+    waited = f"; the others waited {sum(others) / max(len(others), 1):.4f} s per update for it" if others else ""
+    return (f"slowest rank {slow}: {bound} ({p['compute']:.4f} s compute, {p['data']:.4f} s data per update"
+            f"{waited})")
+
+
+# ------------------------------------------------------------------ memory
+class CudaMemory:
+    """The CUDA allocator's figures for this process's device (host-side
+    counters: reading them does not wait for the device)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def capacity(self) -> int:
+        import torch
+        return torch.cuda.mem_get_info(self.device)[1]
+
+    def allocated(self) -> int:
+        import torch
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self):
+        import torch
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        import torch
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def release(self):
+        import torch
+        torch.cuda.empty_cache()
+
+
+def memory_probe(device):
+    """The memory figures of ``device``: a :class:`CudaMemory` on CUDA, else
+    None (CPU memory is not the limit a micro-batch cap guards)."""
+    return CudaMemory(device) if getattr(device, "type", None) == "cuda" else None
+
+
+class MemoryGuard:
+    """A rank's micro-batch cap under its device's memory: measured once
+    (peak bytes per sample of one micro-batch, on the update given, after
+    the optimizer's state exists), and halved below a micro-batch that ran
+    out of memory."""
+
+    MARGIN = 0.10  # of the device's capacity, left free
+
+    def __init__(self, probe, cap: int, measure_at_update: int = 2):
+        self.probe, self.cap, self.measure_at = probe, int(cap), measure_at_update
+        self.base = None
+        self.per_sample = None
+
+    def before(self, update: int):
+        if update == self.measure_at and self.per_sample is None:
+            self.probe.reset_peak()
+            self.base = self.probe.allocated()
+
+    def after(self, update: int, samples: int) -> int | None:
+        """After the first micro-batch of ``update``: the lowered cap, if any."""
+        if self.base is None or samples <= 0:
+            return None
+        self.per_sample = max((self.probe.peak() - self.base) / samples, 1.0)
+        room = self.probe.capacity() * (1 - self.MARGIN) - self.base
+        self.base = None
+        fits = max(int(room // self.per_sample), 1)
+        if fits < self.cap:
+            self.cap = fits
+            return fits
+        return None
+
+    def out_of_memory(self, failed_size: int) -> int:
+        self.probe.release()
+        self.cap = max(min(self.cap, max(failed_size, 1)) // 2, 1)
+        return self.cap
+
+
+def is_out_of_memory(exc) -> bool:
+    import torch
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+# ------------------------------------------------------------------ test hook
+def slow_rank(rank: int):
+    """(seconds per sample, from update) for this rank under
+    ``TEXTBOX_LIKE_SLOW_RANK``, else None."""
+    text = os.environ.get(SLOW_RANK_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        who, rest = text.split(":", 1)
+        seconds, _, start = rest.partition("@")
+        if int(who) != rank:
+            return None
+        return float(seconds), int(start or 0)
+    except ValueError:
+        from .errors import UserError
+        raise UserError(f"{SLOW_RANK_ENV}={text!r}: expected RANK:SECONDS_PER_SAMPLE[@FROM_UPDATE]") from None
