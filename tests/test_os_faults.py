@@ -29,6 +29,7 @@ import torch
 
 from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, run_cli, write_mnist
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
+from test_faults import mnist_args as fault_args
 from textbox_like.checkpoint import load_checkpoint
 
 
@@ -40,9 +41,8 @@ def data(tmp_path_factory):
 
 
 def mnist_args(data, out, *extra, max_update=6):
-    return ["--task", "mnist", "--data", str(data), "--max-sentences", "8", "--max-update", str(max_update),
-            "--save-dir", str(out), "--threads", "1", "--log-format", "simple", "--report_to", "none",
-            "--disable-validation", *map(str, extra)]
+    """test_faults' command line, without validation."""
+    return fault_args(data, out, "--disable-validation", *extra, max_update=max_update)
 
 
 LONG = ["--max-epoch", "100000"]  # with --max-update 1000000: runs until stopped

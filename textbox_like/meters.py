@@ -155,11 +155,7 @@ class Logger:
         """kind: 'train' or 'valid' (or 'valid_<subset>')."""
         if not self.is_main:
             return
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
-        if self.accelerator is not None and self.accelerator.trackers:
-            from .trackers import scalars
-            self.accelerator.log(scalars(kind, record), step=record.get("update"))
+        self.record(kind, record)
         if self.format == "none":
             return
         if self.format == "json":
@@ -177,12 +173,16 @@ class Logger:
         format, ``record`` in metrics.jsonl and the trackers."""
         if not self.is_main:
             return
+        self.record(kind, record)
+        self.info(line)
+
+    def record(self, kind, record: dict):
+        """One record to metrics.jsonl and the trackers."""
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
         if self.accelerator is not None and self.accelerator.trackers:
             from .trackers import scalars
             self.accelerator.log(scalars(kind, record), step=record.get("update"))
-        self.info(line)
 
     def close(self):
         self.end_epoch()
