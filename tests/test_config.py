@@ -371,8 +371,10 @@ def test_ngpu_sets_processes_on_this_node():
     assert ns.distributed.distributed_gpus == 2 and ns.distributed.distributed_world_size == 3
 
 
-def test_device_option():
+def test_device_option(monkeypatch):
+    from textbox_like import compat
     assert cfg_of("--device", "cpu").get("cpu") is True
+    monkeypatch.setattr(compat, "_cuda_devices", lambda: 2)   # as on a machine with two GPUs
     assert cfg_of("--device", "cuda1").get("device_id") == 1
     assert cfg_of("--device", "cuda:0").get("device_id") == 0
 
