@@ -295,7 +295,10 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
                                                  "--log-format", "json")],
                env=slow(1, 0.004, 15))
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
-    assert records and records[0]["update"] <= 10
+    # a record is a change of split: before the slow-down (update 15) the ranks are
+    # equally fast, so whether the first exchange (by update 10, see
+    # test_balancer_hysteresis_schedule_and_state) moves the split is noise
+    assert records
     lines = [line for line in proc.stderr.splitlines() if "| balance: batch sizes per rank" in line]
     assert len(lines) == len(records)  # one line per re-split, in the json format too
     r = records[0]
