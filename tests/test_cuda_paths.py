@@ -275,10 +275,9 @@ def test_main_then_local_main_first_barrier_counts(monkeypatch):
 
 
 def test_lost_peer_recognises_nccl_aborts(monkeypatch):
-    from textbox_like import cli
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert cli._lost_peer(RuntimeError("NCCL communicator was aborted on rank 1."))
-    assert not cli._lost_peer(RuntimeError("shape mismatch"))
+    assert distributed.lost_peer(RuntimeError("NCCL communicator was aborted on rank 1."))
+    assert not distributed.lost_peer(RuntimeError("shape mismatch"))
 
 
 # ----------------------------------------------------------- item 9

@@ -278,6 +278,7 @@ def run(cfg):
                 return distributed.spawn(placements, cfg)
     # before CUDA and cuBLAS initialise, in every worker
     distributed.apply_determinism(cfg)
+    cfg = elastic_restart(cfg)
     from .trainer import train
     try:
         return train(cfg)
@@ -294,7 +295,7 @@ def run(cfg):
             print(f"error: --cudnn_deterministic: {first}; leave it out to train with this operation",
                   file=sys.stderr)
             return 2
-        if not _lost_peer(exc):
+        if not distributed.lost_peer(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or dist.distributed_init_method or ""
@@ -305,18 +306,24 @@ def run(cfg):
         return 1
 
 
-def _lost_peer(exc):
-    """A collective failed because a peer is gone: one line, not a traceback."""
-    if "WORLD_SIZE" not in os.environ or os.environ["WORLD_SIZE"] == "1":
-        return False
-    try:
-        from torch.distributed import DistError
-        if isinstance(exc, DistError):
-            return True
-    except ImportError:
-        pass
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out",
-                            "Gloo", "gloo", "NCCL", "connectFullMesh", "communicator was aborted",
-                            "Watchdog caught collective"))
+def elastic_restart(cfg):
+    """Under torchrun: a worker dies with its agent (a node that dies takes
+    its workers along), and a restarted worker group resumes by itself,
+    keeping the first start's global batch (elastic.py)."""
+    from . import distributed, elastic
+    from .errors import note
+    agent = elastic.Agent.from_env()
+    if agent is None:
+        return cfg
+    distributed.die_with_parent()
+    why = elastic.resume_reason(cfg, agent)
+    if why is None:
+        return cfg
+    settings = {"resume": True}
+    kept = elastic.kept_global_batch(cfg)
+    if kept is not None:
+        settings["global_batch_size"] = kept
+    if os.environ.get("RANK", "0") == "0":
+        note(f"{why}: resuming from the newest checkpoint in {cfg.checkpoint.save_dir}"
+             + (f", keeping the first start's global batch of {kept}" if kept else ""))
+    return cfg.replace(**settings)

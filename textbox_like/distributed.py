@@ -231,7 +231,7 @@ def nccl_environment():
     """NCCL errors as Python exceptions, not a watchdog's C++ abort: with
     CleanUpOnly (2) the watchdog aborts the communicators on a timeout or a
     dead peer and the next wait raises in the training thread, where the one
-    line of cli._lost_peer reports it. TORCH_NCCL_BLOCKING_WAIT stays off (it
+    line of cli.run reports it (lost_peer). TORCH_NCCL_BLOCKING_WAIT stays off (it
     would make the host wait for every collective, a sync per update); the
     timeout is the group's (--distributed-timeout). A user's own setting,
     under the current or the older name, wins."""
@@ -602,6 +602,25 @@ def check_ranks_agree(accelerator, settings: dict) -> None:
     hint = " and a --save-dir all nodes share" if any(n.startswith("position") for n, _ in differing) else ""
     raise UserError(f"the ranks disagree on {'; '.join(parts)}{more}; start every node with the same "
                     f"value{hint}")
+
+
+def lost_peer(exc) -> bool:
+    """Whether ``exc`` is a collective failing because a peer is gone (died,
+    killed, unreachable): gloo's closed connections, NCCL's aborted
+    communicators, a timeout."""
+    if "WORLD_SIZE" not in os.environ or os.environ["WORLD_SIZE"] == "1":
+        return False
+    try:
+        from torch.distributed import DistError
+        if isinstance(exc, DistError):
+            return True
+    except ImportError:
+        pass
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out",
+                            "Gloo", "gloo", "NCCL", "connectFullMesh", "communicator was aborted",
+                            "Watchdog caught collective"))
 
 
 def host_group():

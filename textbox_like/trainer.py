@@ -33,7 +33,7 @@ from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_s
 from .config import to_yaml
 from .errors import UserError
 from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, RunStopped, SaveFailed, check_writable,
-                     os_reason)
+                     failed_writing, os_reason)
 from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -141,8 +141,10 @@ class _RNG:
         return distributed.gather_per_rank(self.accelerator, rng_state())
 
     def load_state_dict(self, states):
-        if len(states) == self.accelerator.num_processes:
+        if len(states) == self.accelerator.num_processes and all(s is not None for s in states):
             set_rng_state(states[self.accelerator.process_index])
+        elif len(states) == self.accelerator.num_processes:  # an emergency checkpoint: its writer's stream only
+            self.reseed("the checkpoint was saved by one survivor of a lost peer and holds its RNG state only")
         else:
             self.reseed(f"the checkpoint has RNG states for {len(states)} rank(s), this run has "
                         f"{self.accelerator.num_processes}")
@@ -156,6 +158,8 @@ class Trainer:
         self.cfg = cfg  # a settings.RunConfig
         if not cfg.checkpoint.no_save:
             check_writable(cfg.checkpoint.save_dir)  # before minutes of data loading, not at the first save
+        from .elastic import Agent
+        self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
         self.claim_save_dir()
         try:
@@ -324,6 +328,7 @@ class Trainer:
         self.unsettled_samples = 0
         self.compile_pending = self.sources["compile"] != "default"
         self.previous_data_failure = None  # where the attempt resumed from failed to read data, if it did
+        self.update_start = None  # where the update in flight started (several ranks: see emergency_save)
 
     def build_timing(self):
         """Who waits for whom: per-rank compute, all-reduce wait and data
@@ -662,6 +667,8 @@ class Trainer:
                 batches.close()
                 batches, plan = iter(self.iterator), self.iterator.plan_version
             started, offset = time.perf_counter(), self.iterator.offset
+            if self.world > 1:  # what an emergency save rewinds to if a peer is lost during this update
+                self.update_start = {"offset": offset, "updates": self.state.num_updates, "rng": rng_state()}
             failure = None
             try:
                 micro_batches = list(itertools.islice(batches, k))
@@ -1007,9 +1014,15 @@ class Trainer:
                    "wall_time": state.clock.elapsed(),
                    "best_metric": state.best_metric, "best": state.best_valid, "final": state.last_valid,
                    "stopped": "preempted" if reason == "preempted" else "completed", "stop_reason": reason,
-                   "world_size": self.world}
+                   "world_size": self.world, "samples_trained": state.samples_trained}
         if self.is_main and not cfg.checkpoint.no_save:
             self.write_results(results)
+            from . import elastic
+            if reason != "preempted":
+                elastic.clear_handoff(cfg.checkpoint.save_dir)
+            elif self.agent is not None:  # torchrun stops workers with SIGTERM when a node joins
+                elastic.write_handoff(cfg.checkpoint.save_dir, self.agent, state.num_updates, self.global_batch(),
+                                      "membership change or preemption")
         self.log.info(self.last_line(reason))
         if self.world > 1 and self.timer is not None:
             from .balance import slowest_rank_line
@@ -1042,6 +1055,66 @@ class Trainer:
                    if state.last_valid else " | not validated")
         return head + figures + f" | wall {state.clock.elapsed():.1f}s"
 
+    # ------------------------------------------------------------- elastic
+    def global_batch(self) -> int:
+        """Samples of one update over all ranks (the first start's total,
+        which an elastic restart keeps: elastic.kept_global_batch)."""
+        if self.balancer is not None:
+            return self.balancer.total
+        return sum(self.batch_sizes) * self.update_freq() if not any(self.iterator.max_tokens or []) else 0
+
+    def emergency_save(self):
+        """A peer is lost: save the last completed update from this survivor
+        alone (the process group is broken, so no part may gather over ranks),
+        with the data position rewound to the start of the update in flight
+        and this rank's RNG as of then. One writer among the survivors (a
+        claim file); the path, or None where another survivor writes it."""
+        from .checkpoint import FORMAT, atomic_save
+        from .elastic import Claim
+        ck, state, start = self.checkpoints, self.state, self.update_start
+        self.settle()  # a host read of the last device-skipped update's norm, no collective
+        if start is not None and start["updates"] == state.num_updates:
+            self.iterator.offset = start["offset"]  # the update in flight is redone after the restart
+        rng = [None] * self.world
+        rng[self.rank] = start["rng"] if start is not None else rng_state()
+        parts = {name: part.state_dict() for name, part in ck.parts.items() if name != "rng"}
+        path = ck.dir / f"checkpoint_{state.epoch}_{state.num_updates}.pt"
+        with Claim(ck.dir / f".emergency-{state.num_updates}.claim",
+                   stale_after=self.cfg.distributed.distributed_timeout) as claim:
+            if not claim.held:
+                return None
+            try:
+                atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
+            except Exception as exc:
+                if not failed_writing(exc):
+                    raise
+                raise SaveFailed(f"rank {self.rank}: lost a peer, and could not write the emergency checkpoint "
+                                 f"{path} ({os_reason(exc)}); the newest earlier checkpoint is kept") from None
+        return path
+
+    def peer_lost(self, exc) -> int:
+        """Every survivor: the emergency checkpoint, the hand-off note for
+        the restart, one line, and 75 (torchrun restarts on it)."""
+        from . import elastic
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        where = f"rank {self.rank}: lost a peer of this run at update {self.state.num_updates + 1} ({first})"
+        if not self.checkpoints.enabled:
+            print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+        path = self.emergency_save()
+        elastic.write_handoff(self.cfg.checkpoint.save_dir, self.agent, self.state.num_updates,
+                              self.global_batch(), "lost peer")
+        saved = (f"saved update {self.state.num_updates} to {path}" if path is not None
+                 else f"another survivor saves update {self.state.num_updates}")
+        init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or self.cfg.distributed.distributed_init_method or ""
+        if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
+            Path(init[len("file://"):]).unlink(missing_ok=True)
+        how = ("torchrun restarts the workers and they resume from it by themselves" if self.agent is not None
+               else "rerun with --resume, on any number of ranks (--global-batch-size keeps the global batch)")
+        self.release_save_dir()
+        print(f"error: {where}; {saved}: {how}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+
     def write_results(self, results):
         path = Path(self.cfg.checkpoint.save_dir) / "results.json"
         lost = self.save_lock.lost() if self.save_lock is not None else None
@@ -1073,25 +1146,40 @@ def crosses(before: int, after: int, interval: int) -> bool:
 
 
 def train(cfg) -> int:
-    trainer = Trainer(cfg)
+    return run(Trainer(cfg))
+
+
+def run(trainer) -> int:
+    """Train; a fault ends as one line and its exit code, a lost peer as an
+    emergency checkpoint and 75 (elastic.py)."""
     try:
         return trainer.train()
-    except RunStopped as exc:
-        message = str(exc)
-        if isinstance(exc, DataUnavailable):
-            # the position was rewound to the failing update's start: save it, and
-            # a rerun with --resume (a requeue) continues without skipping a sample;
-            # the position is kept in the checkpoint, so that a retry failing at
-            # the same place is known for damage at rest (DataCorrupt, exit 65)
-            try:
-                trainer.checkpoints.metadata["data_failure"] = trainer.data_position()
-                trainer.save(end_of_epoch=False, is_best=False, final=True)
-                message += "; saved the state before it: rerun with --resume once the data is back"
-            except RunStopped as stop:  # the save found divergence, or could not write
-                exc, message = stop, str(stop)
-        # every rank stops together here, so leaving the group is safe (see cli.run)
-        distributed.cleanup()
-        print(f"error: {message}", file=sys.stderr)
-        return exc.exit_code
+    except Exception as exc:
+        if isinstance(exc, RunStopped) or not (trainer.preemption.started and distributed.lost_peer(exc)):
+            return trainer_stopped(trainer, exc)
+        return trainer.peer_lost(exc)
     finally:
         trainer.release_save_dir()
+
+
+def trainer_stopped(trainer, exc) -> int:
+    """A fault the trainer knows (RunStopped): one line and its exit code;
+    anything else is re-raised."""
+    if not isinstance(exc, RunStopped):
+        raise exc
+    message = str(exc)
+    if isinstance(exc, DataUnavailable):
+        # the position was rewound to the failing update's start: save it, and
+        # a rerun with --resume (a requeue) continues without skipping a sample;
+        # the position is kept in the checkpoint, so that a retry failing at
+        # the same place is known for damage at rest (DataCorrupt, exit 65)
+        try:
+            trainer.checkpoints.metadata["data_failure"] = trainer.data_position()
+            trainer.save(end_of_epoch=False, is_best=False, final=True)
+            message += "; saved the state before it: rerun with --resume once the data is back"
+        except RunStopped as stop:  # the save found divergence, or could not write
+            exc, message = stop, str(stop)
+    # every rank stops together here, so leaving the group is safe (see cli.run)
+    distributed.cleanup()
+    print(f"error: {message}", file=sys.stderr)
+    return exc.exit_code

@@ -1,0 +1,146 @@
+"""Elastic runs: nodes that leave and join, with the same maths.
+
+Three moments, one mechanism (the checkpoint of the last completed update):
+
+- **A peer dies.** A survivor's next collective raises (gloo: the peer's
+  sockets close; NCCL: the watchdog aborts the communicator, see
+  :func:`distributed.nccl_environment`), at most ``--distributed-timeout``
+  later. The survivor cannot talk to the other survivors any more, so it
+  writes, on its own, an *emergency checkpoint* of the last completed update
+  (weights, optimizer, schedule, the data position rewound to the start of
+  the update in flight, RNG as of that update's start): one writer among the
+  survivors (a claim file made with ``O_EXCL``), atomically (a kill during
+  it leaves the previous checkpoint intact). It exits 75: torchrun restarts
+  the worker group on any failure; without an agent the line says to rerun
+  with ``--resume``, on any number of ranks.
+- **A node joins.** torchrun stops the workers with SIGTERM; they save
+  through the preemption path (:mod:`~textbox_like.preemption`).
+- **The restart.** Under torchrun the new worker group resumes by itself
+  (no ``--resume`` needed) when the agent restarted it after a failure
+  (``TORCHELASTIC_RESTART_COUNT > 0``), or when the save directory holds
+  this run's hand-off note, ``elastic.json``, written by either stop above
+  (a membership change does not count as a restart). The global batch is
+  kept: ``--global-batch-size``, or the first start's total, recorded in the
+  note, and re-split over the new ranks (by speed with ``--balance``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .fileio import atomic_write_text
+
+HANDOFF_NAME = "elastic.json"
+
+
+class Agent:
+    """The torchrun (torch.distributed.elastic) agent this worker runs under."""
+
+    def __init__(self, run_id: str, restart_count: int, max_restarts: int):
+        self.run_id, self.restart_count, self.max_restarts = run_id, restart_count, max_restarts
+
+    @classmethod
+    def from_env(cls, environ=None):
+        """The agent, or None when this process was not started by torchrun."""
+        env = os.environ if environ is None else environ
+        if "TORCHELASTIC_RUN_ID" not in env:
+            return None
+
+        def number(name):
+            try:
+                return int(env.get(name, "0"))
+            except ValueError:
+                return 0
+        return cls(env["TORCHELASTIC_RUN_ID"], number("TORCHELASTIC_RESTART_COUNT"),
+                   number("TORCHELASTIC_MAX_RESTARTS"))
+
+
+# ------------------------------------------------------------ the hand-off
+def read_handoff(save_dir):
+    """The hand-off note of ``save_dir`` (a dict), or None."""
+    try:
+        note = json.loads((Path(save_dir) / HANDOFF_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) else None
+
+
+def write_handoff(save_dir, agent, update: int, global_batch: int, why: str) -> None:
+    """Say that this run stopped mid-way for its agent to restart it."""
+    note = {"run_id": agent.run_id if agent else None, "update": int(update), "global_batch": int(global_batch),
+            "why": why, "written": time.time()}
+    try:
+        atomic_write_text(Path(save_dir) / HANDOFF_NAME, json.dumps(note), make_parents=False)
+    except OSError:
+        pass  # the checkpoint is what matters; --resume still continues it
+
+
+def clear_handoff(save_dir) -> None:
+    """The run ended (completed, or stopped for a reason no restart fixes)."""
+    try:
+        (Path(save_dir) / HANDOFF_NAME).unlink()
+    except OSError:
+        pass
+
+
+def resume_reason(cfg, agent):
+    """Why this worker resumes by itself (a line for the log), or None.
+
+    Only under torchrun, only where a checkpoint can be read back (a save
+    directory, no explicit --restore-file), and only for a restart: after a
+    failure, or after a stop that left this run's hand-off note."""
+    ck = cfg.checkpoint
+    if agent is None or ck.resume or ck.restore_file or ck.no_save:
+        return None
+    if agent.restart_count > 0:
+        return f"torchrun restarted the workers (restart {agent.restart_count} of {agent.max_restarts})"
+    note = read_handoff(ck.save_dir)
+    if note is not None and note.get("run_id") == agent.run_id:
+        return f"torchrun restarted the workers after a {note.get('why', 'stop')} at update {note.get('update')}"
+    return None
+
+
+def kept_global_batch(cfg):
+    """The global batch a restart keeps when the first start had none
+    (per-rank --max-sentences): the first start's total, from the hand-off
+    note; None where nothing is to be kept or it cannot be (tokens,
+    accumulation)."""
+    if cfg.data.global_batch_size or cfg.data.max_tokens or list(cfg.optim.update_freq) != [1]:
+        return None
+    note = read_handoff(cfg.checkpoint.save_dir)
+    total = note.get("global_batch") if note else None
+    return int(total) if isinstance(total, int) and total > 0 else None
+
+
+# ------------------------------------------------------- the emergency save
+class Claim:
+    """One writer among survivors that can no longer talk to each other: the
+    first to create the claim file writes; a claim older than ``stale_after``
+    seconds (its writer died) is taken over."""
+
+    def __init__(self, path, stale_after: float):
+        self.path, self.stale_after, self.held = Path(path), stale_after, False
+
+    def __enter__(self):
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    if time.time() - self.path.stat().st_mtime <= self.stale_after:
+                        return self
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.close(fd)
+            self.held = True
+            return self
+        return self
+
+    def __exit__(self, *exc):
+        if self.held:
+            self.path.unlink(missing_ok=True)
