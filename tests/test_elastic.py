@@ -63,10 +63,12 @@ def env():
 class Node:
     """One torchrun agent (a "node") in a session of its own, logging to a file."""
 
-    def __init__(self, port, log: Path, train_args):
+    def __init__(self, port, log: Path, train_args, hosts_rendezvous=False):
         self.log = log
+        # every "node" is on this host: only A may host the rendezvous store (a real cluster's --rdzv-endpoint node)
         cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend",
-               "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3", "--monitor-interval", "0.5",
+               "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={hosts_rendezvous}",
+               "--max-restarts", "3", "--monitor-interval", "0.5",
                "run_hetseq.py", *train_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -125,7 +127,7 @@ def test_a_node_leaves_then_one_joins_and_the_run_equals_one_process(data, tmp_p
     save = tmp_path / "save"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
     port = free_port()
-    a = Node(port, tmp_path / "a.log", train)
+    a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True)
     b = Node(port, tmp_path / "b.log", train)
     a.wait_for_update(15)
     k = a.last_update()
@@ -286,3 +288,49 @@ def test_nccl_dead_peer_is_saved_from_the_start_of_the_update_in_flight(data, tm
     saved = torch.load(tmp_path / "save" / "checkpoint_1_5.pt", map_location="cpu", weights_only=True)
     assert saved["train"]["num_updates"] == 5 and saved["iterator"]["offset"] == seen["start"]["offset"]
     assert saved["rng"][0] is not None and saved["rng"][1] is None
+
+
+@pytest.mark.parametrize("restart,handoff,taken", [(1, False, True), (0, True, True), (0, False, False)])
+def test_a_dead_workers_lock_on_another_host_is_taken_over_by_the_next_worker_group(tmp_path, monkeypatch, capsys,
+                                                                                   restart, handoff, taken):
+    """A node that died held the save directory's lock: the next worker group
+    of the same torchrun run takes it over at once (not after 10 minutes);
+    another run, or the same group, is refused as before."""
+    from textbox_like import elastic, savelock
+    from textbox_like.errors import UserError
+    holder = {"host": "node-b", "pid": 4242, "started": time.time() - 60, "token": "x", "elastic_run": "job7",
+              "elastic_restart": 0}
+    (tmp_path / savelock.LOCK_NAME).write_text(json.dumps(holder))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+    if handoff:
+        elastic.write_handoff(tmp_path, elastic.Agent.from_env(), 15, 64, "lost peer")
+    if not taken:
+        with pytest.raises(UserError, match="node-b"):
+            savelock.SaveDirLock.acquire(tmp_path)
+        return
+    lock = savelock.SaveDirLock.acquire(tmp_path)
+    try:
+        assert "took over the lock" in capsys.readouterr().err
+        assert json.loads((tmp_path / savelock.LOCK_NAME).read_text())["elastic_restart"] == restart
+    finally:
+        lock.release()
+
+
+def test_a_restart_resumes_by_itself_and_keeps_the_first_starts_global_batch(tmp_path, monkeypatch):
+    from textbox_like import elastic
+    from textbox_like.cli import elastic_restart, parse
+    cfg = parse(["--task", "mnist", "--save-dir", str(tmp_path), "--max-sentences", "32"])
+    assert elastic_restart(cfg) is cfg  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert not elastic_restart(cfg).checkpoint.resume  # a first start
+    elastic.write_handoff(tmp_path, elastic.Agent.from_env(), 10, 96, "membership change or preemption")
+    resumed = elastic_restart(cfg)
+    assert resumed.checkpoint.resume and resumed.data.global_batch_size == 96
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-run")
+    assert not elastic_restart(cfg).checkpoint.resume  # another run's note
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert elastic_restart(cfg).checkpoint.resume  # restarted after a failure
+    elastic.clear_handoff(tmp_path)
+    assert elastic_restart(cfg).data.global_batch_size is None

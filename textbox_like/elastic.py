@@ -107,7 +107,7 @@ def kept_global_batch(cfg):
     (per-rank --max-sentences): the first start's total, from the hand-off
     note; None where nothing is to be kept or it cannot be (tokens,
     accumulation)."""
-    if cfg.data.global_batch_size or cfg.data.max_tokens or list(cfg.optim.update_freq) != [1]:
+    if cfg.data.global_batch_size or cfg.data.max_tokens or list(cfg.schedule.update_freq) != [1]:
         return None
     note = read_handoff(cfg.checkpoint.save_dir)
     total = note.get("global_batch") if note else None

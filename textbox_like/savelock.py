@@ -81,10 +81,14 @@ def describe(holder) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}, started {started}"
 
 
-def stale_reason(holder, mtime, now=None):
-    """Why the run named by a lock file is gone, or None if it may be alive."""
+def stale_reason(holder, mtime, now=None, agent=None, save_dir=None):
+    """Why the run named by a lock file is gone, or None if it may be alive.
+    ``agent``: torchrun's (elastic.Agent) when this process runs under one."""
     now = time.time() if now is None else now
     age = now - mtime
+    earlier_group = _earlier_worker_group(holder, agent, save_dir)
+    if earlier_group:
+        return earlier_group
     if holder and holder.get("host") == socket.gethostname():
         try:
             pid = int(holder.get("pid", -1))
@@ -103,6 +107,21 @@ def stale_reason(holder, mtime, now=None):
     return None
 
 
+def _earlier_worker_group(holder, agent, save_dir):
+    """A lock of a worker of this elastic run's earlier worker group (on any
+    host) is stale once torchrun has started a new group: after a failure
+    (a higher restart count), or after the old group's hand-off note."""
+    if not holder or agent is None or holder.get("elastic_run") != agent.run_id:
+        return None
+    if int(holder.get("elastic_restart", 0)) < agent.restart_count:
+        return f"a worker of torchrun's worker group {holder.get('elastic_restart', 0)} of this run, since restarted"
+    from .elastic import read_handoff
+    note = read_handoff(save_dir) if save_dir is not None else None
+    if note and note.get("run_id") == agent.run_id and float(note.get("written", 0)) >= float(holder.get("started", 0)):
+        return f"a worker of this run's worker group that stopped at update {note.get('update')} for torchrun"
+    return None
+
+
 class SaveDirLock:
     """The lock of one save directory, held by this process until :meth:`release`."""
 
@@ -112,6 +131,10 @@ class SaveDirLock:
         self.token = uuid.uuid4().hex
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                        "proc_start": _process_start(os.getpid()), "token": self.token}
+        from .elastic import Agent
+        self.agent = Agent.from_env()
+        if self.agent is not None:  # lets the next worker group of this run take the lock over
+            self.holder.update(elastic_run=self.agent.run_id, elastic_restart=self.agent.restart_count)
         self._stop = threading.Event()
         self._lost = None
         self._thread = None
@@ -133,7 +156,7 @@ class SaveDirLock:
             if found is None:
                 continue  # released meanwhile
             holder, mtime = found
-            why = stale_reason(holder, mtime)
+            why = stale_reason(holder, mtime, agent=self.agent, save_dir=self.dir)
             if why is None:
                 raise UserError(f"--save-dir {self.dir} is in use by another run ({describe(holder)}; lock file "
                                 f"{self.path}); choose another --save-dir, or wait for that run to end (a lock "
