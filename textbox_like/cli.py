@@ -316,6 +316,9 @@ def elastic_restart(cfg):
     if agent is None:
         return cfg
     distributed.die_with_parent()
+    joining = elastic.joining_note(agent)
+    if joining and os.environ.get("RANK", "0") == "0" and agent.restart_count == 0:
+        note(joining)
     why = elastic.resume_reason(cfg, agent)
     if why is None:
         return cfg

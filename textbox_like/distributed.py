@@ -442,8 +442,13 @@ def _exchange(store, rank, world, mine: dict) -> list:
     """Every rank's ``mine``, in rank order, through the rendezvous store
     (before any process group exists)."""
     import json
-    # torchrun's agent store outlives a restart of the workers: one key set per attempt
-    prefix = f"textbox_like/peer/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # torchrun's shared agent store outlives a restart of the workers: one key set
+    # per attempt. Without it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which lets
+    # nodes join) each worker group has a fresh store, and a node that joined
+    # later has another restart count than the others: no attempt in the keys
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") \
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "0"
+    prefix = f"textbox_like/peer/{attempt}"
     store.set(f"{prefix}/{rank}", json.dumps(mine))
     return [json.loads(store.get(f"{prefix}/{r}")) for r in range(world)]
 

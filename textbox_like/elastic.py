@@ -57,6 +57,21 @@ class Agent:
                    number("TORCHELASTIC_MAX_RESTARTS"))
 
 
+def joining_note(agent, environ=None):
+    """A line for a run that may change membership (torchrun with restarts)
+    under torch's shared rendezvous store, or None. With that store (the
+    default since torch 2.4), a round's first node keeps the store address
+    of the first round it saw and does not publish the new round's, so a
+    node that joins later waits for it until torchrun times out; torch's own
+    opt-out variable avoids it (seen with torch 2.14.1)."""
+    env = os.environ if environ is None else environ
+    if agent is None or agent.max_restarts <= 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return ("a node joining this run would wait in torchrun's rendezvous until it times out (torch's shared "
+            "rendezvous store); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment to let "
+            "nodes join")
+
+
 # ------------------------------------------------------------ the hand-off
 def read_handoff(save_dir):
     """The hand-off note of ``save_dir`` (a dict), or None."""
