@@ -24,8 +24,8 @@ from test_config_golden import GOLDEN, printed, without_added
 from test_distributed import NO_DROPOUT, assert_params_close, base, params, run
 from test_faults import build_trainer, run_trainer
 from textbox_like import balance
-from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, proportional_split,
-                                  slowest_rank_line)
+from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, micro_batches_by_tokens,
+                                  proportional_split, slowest_rank_line)
 from textbox_like.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,6 +90,35 @@ def test_a_re_split_mid_epoch_uses_every_sample_once():
     seen = np.concatenate([b for step in steps for b, _ in step])
     assert sorted(seen.tolist()) == list(range(700))
     assert (seen == Toy(700).epoch_order(5, 1)).all()  # contiguous slices, in order
+
+
+def test_micro_batches_by_tokens_under_both_caps():
+    assert micro_batches_by_tokens([10, 20, 30, 5, 5], 40) == [2, 3]
+    assert micro_batches_by_tokens([10, 20, 30, 5, 5], 40, cap_samples=2) == [2, 2, 1]
+    assert micro_batches_by_tokens([50, 10], 40) == [1, 1]  # a sample above the cap runs alone
+    assert micro_batches_by_tokens([], 40) == [0]
+
+
+@pytest.mark.parametrize("shares", [[512], [256, 256], [400, 112], [1, 511], [100, 200, 212]])
+def test_a_global_token_budget_is_the_same_update_whatever_the_split(shares):
+    """Each step is the longest run of the order within the budget, the same
+    for every split; the ranks' slices cut it near their token shares."""
+    from textbox_like.data.iterators import plan_global_tokens
+    tokens = np.random.default_rng(3).integers(1, 33, size=500)
+    bounds = plan_global_tokens(tokens, 512, shares)
+    steps = [(int(row[0]), int(row[-1])) for row in bounds]
+    assert steps == [(int(row[0]), int(row[-1])) for row in plan_global_tokens(tokens, 512, [512])]
+    cum = np.concatenate([[0], np.cumsum(tokens)])
+    assert steps[0][0] == 0 and steps[-1][1] == 500
+    for (a, b), row in zip(steps, bounds):
+        assert cum[b] - cum[a] <= 512 and (b == 500 or cum[b + 1] - cum[a] > 512)  # longest within budget
+        assert (np.diff(row) >= 0).all()
+        for r in range(len(shares)):  # each slice within one sample of its share of the step
+            got, want = cum[row[r + 1]] - cum[row[r]], shares[r] * (cum[b] - cum[a]) / 512
+            assert abs(got - want) <= 2 * 32, (row, shares)
+    from textbox_like.errors import UserError
+    with pytest.raises(UserError, match="more than the global batch of 20 tokens"):
+        plan_global_tokens(tokens, 20, [10, 10])
 
 
 def test_balancer_hysteresis_schedule_and_state():
@@ -274,7 +303,8 @@ def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_proc
         for key in ("compute_s_per_rank", "data_s_per_rank", "wait_s_per_rank"):
             assert len(record[key]) == 2 and min(record[key]) >= 0, record
     assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank ")
-    assert load_checkpoint(out / "checkpoint_last.pt")["balance"] == {"global_batch_size": 64, "split": [32, 32]}
+    assert load_checkpoint(out / "checkpoint_last.pt")["balance"] == {"global_batch_size": 64, "split": [32, 32],
+                                                                     "unit": "samples"}
 
 
 def slow(rank, seconds, from_update=0):
@@ -343,7 +373,6 @@ def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one
 
 # ------------------------------------------------------------------ configuration
 @pytest.mark.parametrize("argv,message", [
-    (["--global-batch-size", "64", "--max-sentences", "8", "--balance", "--max-tokens", "100"], "--max-tokens"),
     (["--max-sentences", "8", "--balance"], "--balance re-splits a fixed global batch"),
     (["--global-batch-size", "64", "--update-freq", "2"], "leave --update-freq out"),
     (["--global-batch-size", "0"], "--global-batch-size"),
