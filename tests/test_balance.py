@@ -22,6 +22,7 @@ import yaml
 from conftest import read_jsonl
 from test_config_golden import GOLDEN, printed, without_added
 from test_distributed import NO_DROPOUT, assert_params_close, base, params, run
+from test_bert_train import bert_data  # noqa: F401 (a fixture: tiny BERT shards)
 from test_faults import build_trainer, run_trainer
 from textbox_like import balance
 from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, micro_batches_by_tokens,
@@ -482,3 +483,44 @@ def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_p
     assert "Traceback" not in errs[0] + errs[1]
     assert_params_close(params(out), at_update(one_process_64, 20))
     assert json.loads((out / "results.json").read_text())["num_updates"] == 20
+
+
+
+# ------------------------------------------------------------------ a global batch in tokens
+def bert_args(root, out, *extra):
+    from test_bert_train import train_args
+    return train_args(root, out, "--optimizer", "sgd", "--lr", "0.5", "--lr-scheduler", "constant",
+                      "--max-update", "6", "--disable-validation", *map(str, extra))
+
+
+@pytest.mark.timeout(400)
+def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(bert_data, tmp_path):
+    """Tiny BERT (at most 32 tokens a sample): --global-batch-size 256 with
+    --max-tokens counts tokens. Two ranks with micro-batch caps of 64 tokens,
+    rank 1 slowed and re-split by --balance every 2 updates, reach the
+    parameters of one process training each 256-token update in one pass."""
+    from test_bert_train import assert_close, model_state
+    run([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
+                                         "--max-tokens", 256)])
+    out = tmp_path / "two"
+    proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
+                                                "--distributed-world-size", 2, "--balance",
+                                                "--balance-interval", 2)], env=slow(1, 0.01))
+    assert "global batch 256 tokens (balanced) | tokens per rank [128, 128] | micro-batch caps [64, 64] tokens" \
+        in proc.stderr
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
+    assert records and records[0]["unit"] == "tokens", proc.stderr[-3000:]
+    r = records[0]
+    assert sum(r["batch_sizes"]) == 256 and r["batch_sizes"][0] > r["batch_sizes"][1]
+    assert f"| balance: tokens per rank {r['batch_sizes']} (was [128, 128]); tokens/s per rank " in proc.stderr
+    assert_close(model_state(out), model_state(tmp_path / "one"))
+    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    assert saved["unit"] == "tokens" and sum(saved["split"]) == 256
+
+
+def test_a_sample_above_a_ranks_token_cap_is_one_line(bert_data, tmp_path):
+    from conftest import run_cli
+    proc = run_cli(bert_args(bert_data, tmp_path / "out", "--global-batch-size", 256, "--max-tokens", 8), timeout=100)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: a sample has ")
+    assert "more than --max-tokens 8 of rank 0" in proc.stderr and "Traceback" not in proc.stderr
