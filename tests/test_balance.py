@@ -239,8 +239,8 @@ def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monk
     with contextlib.redirect_stderr(err):
         assert run_trainer(trainer) == 0
     monkeypatch.undo()
-    # each failed try still takes part in the all-reduce, with an empty micro-batch
-    assert calls[:8] == [64, 0, 32, 0, 16, 16, 16, 16] and trainer.micro_cap == 16
+    # the first updates all-reduce by hand once every micro-batch ran: no empty micro-batch
+    assert calls[:6] == [64, 32, 16, 16, 16, 16] and trainer.micro_cap == 16
     assert "out of memory on a micro-batch of 64" in err.getvalue()
     state = trainer.state
     assert state.num_updates == 6 and state.samples_trained == 6 * 64 and state.samples_seen == 6 * 64
@@ -249,6 +249,61 @@ def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monk
     assert run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64",
                                                 "--max-update", "6")])
     assert_params_close(params(tmp_path / "oom"), params(tmp_path / "one"))
+
+
+@pytest.mark.timeout(300)
+def test_out_of_memory_after_the_first_updates_joins_ddps_all_reduce_empty(data, tmp_path, monkeypatch):
+    """Once the memory is measured DDP all-reduces in the last backward: an
+    out-of-memory error in a forward at update 4 is retried, the failing try
+    taking part in the all-reduce with an empty micro-batch."""
+    from textbox_like.tasks.mnist import MNISTTask
+    calls, real = [], MNISTTask.loss
+
+    def loss(self, model, batch):
+        n = batch["target"].shape[0]
+        calls.append(n)
+        if model.training and len(calls) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+        return real(self, model, batch)
+    monkeypatch.setattr(balance, "memory_probe", lambda device: FakeMemory(capacity=1 << 40))
+    monkeypatch.setattr(MNISTTask, "loss", loss)
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "oom", "--global-batch-size", "64",
+                                             "--max-sentences", "64", "--max-sentences-valid", "16",
+                                             "--max-update", "6"))
+    assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    assert calls[:8] == [64, 64, 64, 64, 0, 32, 32, 32] and trainer.micro_cap == 32
+    assert trainer.state.samples_trained == 6 * 64
+    run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "6")])
+    assert_params_close(params(tmp_path / "oom"), params(tmp_path / "one"))
+
+
+@pytest.mark.timeout(300)
+def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch):
+    """Mocked CUDA memory: 100 bytes a sample over 1000 in use, a capacity of
+    3334 (10% kept free): 20 samples fit. Measured on the second update, the
+    cap of 64 drops to 20, later shares of 64 run as 4 micro-batches of 16,
+    and the run equals one process of 64."""
+    from textbox_like.tasks.mnist import MNISTTask
+    memory, calls, real = FakeMemory(capacity=3334), [], MNISTTask.loss
+
+    def loss(self, model, batch):
+        memory.last = batch["target"].shape[0]
+        calls.append(memory.last)
+        return real(self, model, batch)
+    monkeypatch.setattr(balance, "memory_probe", lambda device: memory)
+    monkeypatch.setattr(MNISTTask, "loss", loss)
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "cap", "--global-batch-size", "64",
+                                             "--max-sentences", "64", "--max-sentences-valid", "16",
+                                             "--max-update", "4"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    assert "rank 0: micro-batches of at most 20 fit in its memory (measured at update 2)" in err.getvalue()
+    assert calls[:10] == [64, 64, 16, 16, 16, 16, 16, 16, 16, 16] and trainer.micro_cap == 20
+    run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "4")])
+    assert_params_close(params(tmp_path / "cap"), params(tmp_path / "one"))
 
 
 # ------------------------------------------------------------------ exact maths
@@ -448,12 +503,22 @@ class Memory:  # mocked CUDA allocator figures: room for anything
     def release(self): pass
 
 balance.memory_probe = lambda device: Memory()
+class OutOfMemoryInBackward(torch.autograd.Function):  # the loss, unchanged; its backward runs out of memory
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory (mocked, in backward)")
+
 if os.environ["RANK_UNDER_TEST"] == os.environ["OOM_RANK"]:
     real = MNISTTask.loss
     def loss(self, model, batch):
-        if model.training and batch["target"].shape[0] > int(os.environ["OOM_ABOVE"]):
+        too_big = model.training and batch["target"].shape[0] > int(os.environ["OOM_ABOVE"])
+        if too_big and os.environ.get("OOM_IN") != "backward":
             raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
-        return real(self, model, batch)
+        loss_sum, stats = real(self, model, batch)
+        return (OutOfMemoryInBackward.apply(loss_sum) if too_big else loss_sum), stats
     MNISTTask.loss = loss
 from textbox_like.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -461,10 +526,13 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.timeout(400)
-def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64):
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64, where):
     """Two ranks, mocked CUDA memory; rank 1 runs out of memory above 16
-    samples. Both ranks redo the update (rank 0 never waits in a lone
-    all-reduce), and the run equals one process of 64."""
+    samples, in the forward or in the backward of its one micro-batch (the
+    one that all-reduces once the memory is measured). Both ranks redo the
+    update (rank 0 never waits in a lone all-reduce), and the run equals one
+    process of 64."""
     script = tmp_path / "oom_rank.py"
     script.write_text(OOM_RANK)
     out, rdzv = tmp_path / "out", tmp_path / "rdzv"
@@ -473,7 +541,8 @@ def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_p
         argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--max-update", "20",
                           "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
                           "--distributed-gpus", "1", "--distributed-rank", rank, "--distributed-no-spawn")
-        env = {**os.environ, "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1", "OOM_ABOVE": "16"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1",
+               "OOM_ABOVE": "16", "OOM_IN": where}
         procs.append(subprocess.Popen([PY, str(script), *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=300)[1] for p in procs]

@@ -310,9 +310,9 @@ def memory_probe(device):
 
 class MemoryGuard:
     """A rank's micro-batch cap under its device's memory: measured once
-    (peak bytes per sample of one micro-batch, on the update given, after
-    the optimizer's state exists), and halved below a micro-batch that ran
-    out of memory."""
+    (peak bytes per sample, or per token, of one micro-batch, on the update
+    given: the trainer's second after it starts, when the optimizer's state
+    exists), and halved below a micro-batch that ran out of memory."""
 
     MARGIN = 0.10  # of the device's capacity, left free
 

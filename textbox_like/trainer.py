@@ -474,13 +474,14 @@ class Trainer:
         self.log.advance()
         return True
 
-    def backward(self, batches, totals) -> list:
+    def backward(self, batches, totals, sync=True) -> list:
         """Forward and backward over this rank's micro-batches of the update,
-        all-reducing the gradients once, on the last; their stats."""
+        all-reducing the gradients once, on the last (``sync=False``: none
+        does; the caller all-reduces by hand); their stats."""
         acc, task, timer = self.accelerator, self.task, self.timer
         out = []
         for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
+            last = i == len(batches) - 1 and sync
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 if timer is not None:
                     timer.forward_starts()
@@ -502,13 +503,18 @@ class Trainer:
         """--global-batch-size: this rank's share of the update, cut into
         micro-batches of at most its cap; (their stats, the share's samples
         or tokens). On CUDA a micro-batch that runs out of memory lowers this
-        rank's cap; the rank still takes part in the update's all-reduce (with
-        an empty micro-batch), every rank learns of it in one host all-reduce,
-        and the update is redone from its first micro-batch: nothing lost,
-        nothing counted twice."""
-        from .balance import is_out_of_memory
+        rank's cap, every rank learns of it in one host all-reduce, and the
+        update is redone from its first micro-batch: nothing lost, nothing
+        counted twice. While the cap is unproven (the first updates, until
+        the memory is measured, and a redone update) every micro-batch runs
+        under no_sync and the gradients are all-reduced by hand once every
+        rank is through: an out-of-memory error in any backward is retried.
+        After that DDP all-reduces in the last backward, overlapped with it,
+        and an out-of-memory error there ends the run (the other ranks are
+        inside that all-reduce); elsewhere it is retried, the failing rank
+        joining the all-reduce with an empty micro-batch."""
         from .data.base import cut_batch
-        update = self.state.num_updates + 1
+        update, redoing = self.state.num_updates + 1, False
         tokens = self.train_data.batch_num_tokens(batch) if self.by_tokens else None
         while True:
             sizes, units = self.micro_batch_plan(batch, tokens)
@@ -516,23 +522,11 @@ class Trainer:
                 return self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals), sum(units)
             timed = self.timer.snapshot()
             self.memory.before(update)
-            failed = None
-            try:
-                stats = self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals)
-                lowered = self.memory.after(update, units[0])
-            except Exception as exc:
-                if not is_out_of_memory(exc) or self.all_reducing:
-                    raise  # out of memory in the all-reducing backward: DDP cannot take part again
-                failed, lowered = max(units), None
-                self.optimizer.zero_grad(set_to_none=True)
-                self.memory.out_of_memory(failed)
-                # the update's one all-reduce, with nothing of this rank in it
-                self.backward([self.to_device(cut_batch(batch, [0])[0])], totals)
-            if lowered is not None:
-                self.micro_cap = lowered
-                self.log.info(f"rank {self.rank}: micro-batches of at most {lowered}{self.tokens_word} fit in "
-                              f"its memory (measured at update {update})", everywhere=True)
+            by_hand = redoing or update <= self.memory.measure_at  # the same on every rank
+            stats, failed = self.try_share(batch, sizes, units, totals, update, by_hand)
             if not (self.sum_over_ranks([float(failed is not None)])[0] if self.world > 1 else failed):
+                if by_hand:
+                    self.all_reduce_gradients()
                 return stats, sum(units)
             if failed is not None:
                 self.micro_cap = self.memory.cap
@@ -541,6 +535,44 @@ class Trainer:
                               f"redone", everywhere=True)
             self.optimizer.zero_grad(set_to_none=True)
             self.timer.restore(timed)
+            redoing = True
+
+    def try_share(self, batch, sizes, units, totals, update, by_hand):
+        """One attempt at this rank's share under the memory guard: (stats,
+        None), or (None, the units of the micro-batch that ran out of memory)."""
+        from .balance import is_out_of_memory
+        from .data.base import cut_batch
+        try:
+            stats = self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals, sync=not by_hand)
+        except Exception as exc:
+            if not is_out_of_memory(exc) or self.all_reducing:
+                raise  # out of memory in DDP's all-reducing backward: it cannot take part again
+            self.optimizer.zero_grad(set_to_none=True)
+            self.memory.out_of_memory(max(units))
+            if not by_hand:  # the update's one all-reduce, with nothing of this rank in it
+                self.backward([self.to_device(cut_batch(batch, [0])[0])], totals)
+            return None, max(units)
+        lowered = self.memory.after(update, units[0])
+        if lowered is not None:
+            self.micro_cap = lowered
+            self.log.info(f"rank {self.rank}: micro-batches of at most {lowered}{self.tokens_word} fit in "
+                          f"its memory (measured at update {update})", everywhere=True)
+        return stats, None
+
+    def all_reduce_gradients(self):
+        """DDP's average of the gradients, by hand, after micro-batches that
+        all ran under no_sync (a parameter without a gradient counts as zero,
+        as in DDP); the wait in it is the rank's all-reduce wait."""
+        import torch
+        import torch.distributed as dist
+        if self.world > 1:
+            for p in self.grad_params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world)
+        if self.timer is not None:
+            self.timer.synced()
 
     def micro_batch_plan(self, batch, tokens):
         """This rank's share cut under its cap: the micro-batches' sample
@@ -1012,6 +1044,8 @@ class Trainer:
             from .trackers import hyperparameters
             acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
         sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
+        if self.memory is not None:  # measured on the second update of this start (a resume too)
+            self.memory.measure_at = self.state.num_updates + 2
         if self.balancer is not None:
             self.balancer.start(self.state.num_updates)
             sizes = "tokens per rank" if self.by_tokens else "batch sizes per rank"
