@@ -502,7 +502,8 @@ class Memory:  # mocked CUDA allocator figures: room for anything
     def peak(self): return 0
     def release(self): pass
 
-balance.memory_probe = lambda device: Memory()
+if os.environ["RANK_UNDER_TEST"] in os.environ["GUARDED_RANKS"]:  # the others: CPU, no memory to guard
+    balance.memory_probe = lambda device: Memory()
 class OutOfMemoryInBackward(torch.autograd.Function):  # the loss, unchanged; its backward runs out of memory
     @staticmethod
     def forward(ctx, x):
@@ -530,7 +531,8 @@ sys.exit(main(sys.argv[1:]))
 def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64, where):
     """Two ranks, mocked CUDA memory; rank 1 runs out of memory above 16
     samples, in the forward or in the backward of its one micro-batch (the
-    one that all-reduces once the memory is measured). Both ranks redo the
+    one that all-reduces once the memory is measured); in the second case
+    rank 0 has no memory to guard (a CPU beside a GPU). Both ranks redo the
     update (rank 0 never waits in a lone all-reduce), and the run equals one
     process of 64."""
     script = tmp_path / "oom_rank.py"
@@ -542,7 +544,7 @@ def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_p
                           "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
                           "--distributed-gpus", "1", "--distributed-rank", rank, "--distributed-no-spawn")
         env = {**os.environ, "PYTHONPATH": str(REPO), "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1",
-               "OOM_ABOVE": "16", "OOM_IN": where}
+               "OOM_ABOVE": "16", "OOM_IN": where, "GUARDED_RANKS": "0,1" if where == "forward" else "1"}
         procs.append(subprocess.Popen([PY, str(script), *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=300)[1] for p in procs]

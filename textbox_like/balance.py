@@ -302,6 +302,27 @@ class CudaMemory:
         torch.cuda.empty_cache()
 
 
+class UnlimitedMemory:
+    """The figures of a device with no memory limit to guard (CPU), for a
+    rank in a run where another rank's device has one: it takes part in the
+    out-of-memory protocol's collectives and never lowers its cap."""
+
+    def capacity(self) -> int:
+        return 1 << 62
+
+    def allocated(self) -> int:
+        return 0
+
+    def reset_peak(self):
+        pass
+
+    def peak(self) -> int:
+        return 0
+
+    def release(self):
+        pass
+
+
 def memory_probe(device):
     """The memory figures of ``device``: a :class:`CudaMemory` on CUDA, else
     None (CPU memory is not the limit a micro-batch cap guards)."""

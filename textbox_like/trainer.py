@@ -358,6 +358,11 @@ class Trainer:
             if self.world > 1 or self.balancer is not None else None
         self.timer_marks = {}  # consumer -> RankTimer.totals() when it last looked
         probe = balance.memory_probe(self.accelerator.device) if self.balancer is not None else None
+        # the out-of-memory protocol has collectives: with unlike devices (CUDA
+        # beside CPU), every rank takes part if any rank's memory is guarded
+        if self.balancer is not None and self.world > 1 and \
+                any(distributed.gather_per_rank(self.accelerator, probe is not None)):
+            probe = probe or balance.UnlimitedMemory()
         self.memory = balance.MemoryGuard(probe, self.micro_cap) if probe is not None else None
         self.slow = balance.slow_rank(self.rank)
         self.all_reducing = False  # in the backward that all-reduces (an out-of-memory there is not retried)
