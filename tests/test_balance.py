@@ -407,6 +407,33 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
     assert load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"] == current
 
 
+@pytest.mark.timeout(400)
+def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(data, tmp_path):
+    """Two ranks, rank 1 slowed, --balance, the simple log format and
+    TensorBoard: the event file holds each rank's compute, data and wait
+    seconds at every log update and the re-splits; stderr has the balance line."""
+    from test_trackers import scalar_series
+    out = tmp_path / "tb"
+    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64", "--balance",
+                      "--balance-interval", "3", "--distributed-world-size", "2", "--max-update", "9",
+                      "--log-interval", "3")
+    argv[argv.index("--report_to") + 1] = "tensorboard"
+    proc = run([PY, "run_hetseq.py", *argv], env=slow(1, 0.004))
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
+    assert records, proc.stderr[-3000:]
+    r = records[0]
+    assert (f"update {r['update']} | balance: batch sizes per rank {r['batch_sizes']} (was {r['was']}); "
+            f"samples/s per rank {r['samples_per_s']}") in proc.stderr.splitlines()
+    series = scalar_series(out / "tensorboard")
+    for name in ("compute", "data", "wait"):
+        for rank in (0, 1):
+            tag = f"train/{name}_s_per_rank/rank{rank}"
+            assert [step for step, _ in series.get(tag, [])] == [3, 6, 9], sorted(series)
+            assert all(value >= 0 for _, value in series[tag])
+    assert [step for step, _ in series["balance/batch_sizes/rank0"]] == [r["update"] for r in records]
+    assert series["balance/batch_sizes/rank1"][0][1] == r["batch_sizes"][1]
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, world):
