@@ -292,6 +292,11 @@ class Trainer:
         """' tokens' after a figure of a global batch counted in tokens, else nothing."""
         return " tokens" if self.by_tokens else ""
 
+    @property
+    def split_name(self) -> str:
+        """What the split of the global batch gives each rank, in log lines."""
+        return "tokens per rank" if self.by_tokens else "batch sizes per rank"
+
     def apply_split(self):
         """The balancer's split of the global batch to the batch plan, from the current position."""
         self.iterator.set_split(self.balancer.split, by_tokens=self.by_tokens)
@@ -806,10 +811,9 @@ class Trainer:
             raise RuntimeError(f"the ranks computed different splits of the global batch: {splits}")
         self.apply_split()
         rates, unit = balancer.units_per_s(), balancer.unit
-        sizes = "tokens per rank" if self.by_tokens else "batch sizes per rank"
         self.log.event("balance", {"update": state.num_updates, "batch_sizes": new, "was": was,
                                    f"{unit}_per_s": rates, "unit": unit},
-                       f"update {state.num_updates} | balance: {sizes} {new} (was {was}); "
+                       f"update {state.num_updates} | balance: {self.split_name} {new} (was {was}); "
                        f"{unit}/s per rank {rates}")
 
     def every(self, interval, ahead=0) -> bool:
@@ -1053,9 +1057,8 @@ class Trainer:
             self.memory.measure_at = self.state.num_updates + 2
         if self.balancer is not None:
             self.balancer.start(self.state.num_updates)
-            sizes = "tokens per rank" if self.by_tokens else "batch sizes per rank"
             batches = (f"global batch {self.balancer.total}{self.tokens_word}"
-                       f"{' (balanced)' if self.balancer.enabled else ''} | {sizes} {self.balancer.split} | "
+                       f"{' (balanced)' if self.balancer.enabled else ''} | {self.split_name} {self.balancer.split} | "
                        f"micro-batch caps {self.micro_caps}{self.tokens_word}")
         else:
             batches = f"batch sizes per rank {self.batch_sizes}"
