@@ -283,7 +283,8 @@ def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch):
     """Mocked CUDA memory: 100 bytes a sample over 1000 in use, a capacity of
     3334 (10% kept free): 20 samples fit. Measured on the second update, the
     cap of 64 drops to 20, later shares of 64 run as 4 micro-batches of 16,
-    and the run equals one process of 64."""
+    and the run equals one process of 64. A resume measures again, on the
+    second update after it."""
     from textbox_like.tasks.mnist import MNISTTask
     memory, calls, real = FakeMemory(capacity=3334), [], MNISTTask.loss
 
@@ -304,6 +305,19 @@ def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch):
     assert calls[:10] == [64, 64, 16, 16, 16, 16, 16, 16, 16, 16] and trainer.micro_cap == 20
     run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "4")])
     assert_params_close(params(tmp_path / "cap"), params(tmp_path / "one"))
+    # a resume measures again, on its own second update
+    monkeypatch.setattr(balance, "memory_probe", lambda device: memory)
+    monkeypatch.setattr(MNISTTask, "loss", loss)
+    memory.capacity_bytes = 2000  # (1800 - 1000) / 100: 8 samples fit now
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "cap", "--global-batch-size", "64",
+                                             "--max-sentences", "64", "--max-sentences-valid", "16",
+                                             "--max-update", "7", "--resume"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    assert "rank 0: micro-batches of at most 8 fit in its memory (measured at update 6)" in err.getvalue()
+    assert trainer.micro_cap == 8
 
 
 # ------------------------------------------------------------------ exact maths
