@@ -22,10 +22,11 @@ import yaml
 from conftest import read_jsonl
 from test_config_golden import GOLDEN, printed, without_added
 from test_distributed import NO_DROPOUT, assert_params_close, base, params, run
+from test_bert_train import bert_data  # noqa: F401 (a fixture: tiny BERT shards)
 from test_faults import build_trainer, run_trainer
 from textbox_like import balance
-from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, proportional_split,
-                                  slowest_rank_line)
+from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, micro_batches_by_tokens,
+                                  proportional_split, slowest_rank_line)
 from textbox_like.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,6 +91,35 @@ def test_a_re_split_mid_epoch_uses_every_sample_once():
     seen = np.concatenate([b for step in steps for b, _ in step])
     assert sorted(seen.tolist()) == list(range(700))
     assert (seen == Toy(700).epoch_order(5, 1)).all()  # contiguous slices, in order
+
+
+def test_micro_batches_by_tokens_under_both_caps():
+    assert micro_batches_by_tokens([10, 20, 30, 5, 5], 40) == [2, 3]
+    assert micro_batches_by_tokens([10, 20, 30, 5, 5], 40, cap_samples=2) == [2, 2, 1]
+    assert micro_batches_by_tokens([50, 10], 40) == [1, 1]  # a sample above the cap runs alone
+    assert micro_batches_by_tokens([], 40) == [0]
+
+
+@pytest.mark.parametrize("shares", [[512], [256, 256], [400, 112], [1, 511], [100, 200, 212]])
+def test_a_global_token_budget_is_the_same_update_whatever_the_split(shares):
+    """Each step is the longest run of the order within the budget, the same
+    for every split; the ranks' slices cut it near their token shares."""
+    from textbox_like.data.iterators import plan_global_tokens
+    tokens = np.random.default_rng(3).integers(1, 33, size=500)
+    bounds = plan_global_tokens(tokens, 512, shares)
+    steps = [(int(row[0]), int(row[-1])) for row in bounds]
+    assert steps == [(int(row[0]), int(row[-1])) for row in plan_global_tokens(tokens, 512, [512])]
+    cum = np.concatenate([[0], np.cumsum(tokens)])
+    assert steps[0][0] == 0 and steps[-1][1] == 500
+    for (a, b), row in zip(steps, bounds):
+        assert cum[b] - cum[a] <= 512 and (b == 500 or cum[b + 1] - cum[a] > 512)  # longest within budget
+        assert (np.diff(row) >= 0).all()
+        for r in range(len(shares)):  # each slice within one sample of its share of the step
+            got, want = cum[row[r + 1]] - cum[row[r]], shares[r] * (cum[b] - cum[a]) / 512
+            assert abs(got - want) <= 2 * 32, (row, shares)
+    from textbox_like.errors import UserError
+    with pytest.raises(UserError, match="more than the global batch of 20 tokens"):
+        plan_global_tokens(tokens, 20, [10, 10])
 
 
 def test_balancer_hysteresis_schedule_and_state():
@@ -209,8 +239,8 @@ def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monk
     with contextlib.redirect_stderr(err):
         assert run_trainer(trainer) == 0
     monkeypatch.undo()
-    # each failed try still takes part in the all-reduce, with an empty micro-batch
-    assert calls[:8] == [64, 0, 32, 0, 16, 16, 16, 16] and trainer.micro_cap == 16
+    # the first updates all-reduce by hand once every micro-batch ran: no empty micro-batch
+    assert calls[:6] == [64, 32, 16, 16, 16, 16] and trainer.micro_cap == 16
     assert "out of memory on a micro-batch of 64" in err.getvalue()
     state = trainer.state
     assert state.num_updates == 6 and state.samples_trained == 6 * 64 and state.samples_seen == 6 * 64
@@ -219,6 +249,75 @@ def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monk
     assert run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64",
                                                 "--max-update", "6")])
     assert_params_close(params(tmp_path / "oom"), params(tmp_path / "one"))
+
+
+@pytest.mark.timeout(300)
+def test_out_of_memory_after_the_first_updates_joins_ddps_all_reduce_empty(data, tmp_path, monkeypatch):
+    """Once the memory is measured DDP all-reduces in the last backward: an
+    out-of-memory error in a forward at update 4 is retried, the failing try
+    taking part in the all-reduce with an empty micro-batch."""
+    from textbox_like.tasks.mnist import MNISTTask
+    calls, real = [], MNISTTask.loss
+
+    def loss(self, model, batch):
+        n = batch["target"].shape[0]
+        calls.append(n)
+        if model.training and len(calls) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+        return real(self, model, batch)
+    monkeypatch.setattr(balance, "memory_probe", lambda device: FakeMemory(capacity=1 << 40))
+    monkeypatch.setattr(MNISTTask, "loss", loss)
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "oom", "--global-batch-size", "64",
+                                             "--max-sentences", "64", "--max-sentences-valid", "16",
+                                             "--max-update", "6"))
+    assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    assert calls[:8] == [64, 64, 64, 64, 0, 32, 32, 32] and trainer.micro_cap == 32
+    assert trainer.state.samples_trained == 6 * 64
+    run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "6")])
+    assert_params_close(params(tmp_path / "oom"), params(tmp_path / "one"))
+
+
+@pytest.mark.timeout(300)
+def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch):
+    """Mocked CUDA memory: 100 bytes a sample over 1000 in use, a capacity of
+    3334 (10% kept free): 20 samples fit. Measured on the second update, the
+    cap of 64 drops to 20, later shares of 64 run as 4 micro-batches of 16,
+    and the run equals one process of 64. A resume measures again, on the
+    second update after it."""
+    from textbox_like.tasks.mnist import MNISTTask
+    memory, calls, real = FakeMemory(capacity=3334), [], MNISTTask.loss
+
+    def loss(self, model, batch):
+        memory.last = batch["target"].shape[0]
+        calls.append(memory.last)
+        return real(self, model, batch)
+    monkeypatch.setattr(balance, "memory_probe", lambda device: memory)
+    monkeypatch.setattr(MNISTTask, "loss", loss)
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "cap", "--global-batch-size", "64",
+                                             "--max-sentences", "64", "--max-sentences-valid", "16",
+                                             "--max-update", "4"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    assert "rank 0: micro-batches of at most 20 fit in its memory (measured at update 2)" in err.getvalue()
+    assert calls[:10] == [64, 64, 16, 16, 16, 16, 16, 16, 16, 16] and trainer.micro_cap == 20
+    run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "4")])
+    assert_params_close(params(tmp_path / "cap"), params(tmp_path / "one"))
+    # a resume measures again, on its own second update
+    monkeypatch.setattr(balance, "memory_probe", lambda device: memory)
+    monkeypatch.setattr(MNISTTask, "loss", loss)
+    memory.capacity_bytes = 2000  # (1800 - 1000) / 100: 8 samples fit now
+    trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "cap", "--global-batch-size", "64",
+                                             "--max-sentences", "64", "--max-sentences-valid", "16",
+                                             "--max-update", "7", "--resume"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert run_trainer(trainer) == 0
+    monkeypatch.undo()
+    assert "rank 0: micro-batches of at most 8 fit in its memory (measured at update 6)" in err.getvalue()
+    assert trainer.micro_cap == 8
 
 
 # ------------------------------------------------------------------ exact maths
@@ -274,7 +373,8 @@ def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_proc
         for key in ("compute_s_per_rank", "data_s_per_rank", "wait_s_per_rank"):
             assert len(record[key]) == 2 and min(record[key]) >= 0, record
     assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank ")
-    assert load_checkpoint(out / "checkpoint_last.pt")["balance"] == {"global_batch_size": 64, "split": [32, 32]}
+    assert load_checkpoint(out / "checkpoint_last.pt")["balance"] == {"global_batch_size": 64, "split": [32, 32],
+                                                                     "unit": "samples"}
 
 
 def slow(rank, seconds, from_update=0):
@@ -321,6 +421,33 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
     assert load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"] == current
 
 
+@pytest.mark.timeout(400)
+def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(data, tmp_path):
+    """Two ranks, rank 1 slowed, --balance, the simple log format and
+    TensorBoard: the event file holds each rank's compute, data and wait
+    seconds at every log update and the re-splits; stderr has the balance line."""
+    from test_trackers import scalar_series
+    out = tmp_path / "tb"
+    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64", "--balance",
+                      "--balance-interval", "3", "--distributed-world-size", "2", "--max-update", "9",
+                      "--log-interval", "3")
+    argv[argv.index("--report_to") + 1] = "tensorboard"
+    proc = run([PY, "run_hetseq.py", *argv], env=slow(1, 0.004))
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
+    assert records, proc.stderr[-3000:]
+    r = records[0]
+    assert (f"update {r['update']} | balance: batch sizes per rank {r['batch_sizes']} (was {r['was']}); "
+            f"samples/s per rank {r['samples_per_s']}") in proc.stderr.splitlines()
+    series = scalar_series(out / "tensorboard")
+    for name in ("compute", "data", "wait"):
+        for rank in (0, 1):
+            tag = f"train/{name}_s_per_rank/rank{rank}"
+            assert [step for step, _ in series.get(tag, [])] == [3, 6, 9], sorted(series)
+            assert all(value >= 0 for _, value in series[tag])
+    assert [step for step, _ in series["balance/batch_sizes/rank0"]] == [r["update"] for r in records]
+    assert series["balance/batch_sizes/rank1"][0][1] == r["batch_sizes"][1]
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, world):
@@ -343,7 +470,6 @@ def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one
 
 # ------------------------------------------------------------------ configuration
 @pytest.mark.parametrize("argv,message", [
-    (["--global-batch-size", "64", "--max-sentences", "8", "--balance", "--max-tokens", "100"], "--max-tokens"),
     (["--max-sentences", "8", "--balance"], "--balance re-splits a fixed global batch"),
     (["--global-batch-size", "64", "--update-freq", "2"], "leave --update-freq out"),
     (["--global-batch-size", "0"], "--global-batch-size"),
@@ -417,13 +543,24 @@ class Memory:  # mocked CUDA allocator figures: room for anything
     def peak(self): return 0
     def release(self): pass
 
-balance.memory_probe = lambda device: Memory()
+if os.environ["RANK_UNDER_TEST"] in os.environ["GUARDED_RANKS"]:  # the others: CPU, no memory to guard
+    balance.memory_probe = lambda device: Memory()
+class OutOfMemoryInBackward(torch.autograd.Function):  # the loss, unchanged; its backward runs out of memory
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory (mocked, in backward)")
+
 if os.environ["RANK_UNDER_TEST"] == os.environ["OOM_RANK"]:
     real = MNISTTask.loss
     def loss(self, model, batch):
-        if model.training and batch["target"].shape[0] > int(os.environ["OOM_ABOVE"]):
+        too_big = model.training and batch["target"].shape[0] > int(os.environ["OOM_ABOVE"])
+        if too_big and os.environ.get("OOM_IN") != "backward":
             raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
-        return real(self, model, batch)
+        loss_sum, stats = real(self, model, batch)
+        return (OutOfMemoryInBackward.apply(loss_sum) if too_big else loss_sum), stats
     MNISTTask.loss = loss
 from textbox_like.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -431,10 +568,14 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.timeout(400)
-def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64):
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64, where):
     """Two ranks, mocked CUDA memory; rank 1 runs out of memory above 16
-    samples. Both ranks redo the update (rank 0 never waits in a lone
-    all-reduce), and the run equals one process of 64."""
+    samples, in the forward or in the backward of its one micro-batch (the
+    one that all-reduces once the memory is measured); in the second case
+    rank 0 has no memory to guard (a CPU beside a GPU). Both ranks redo the
+    update (rank 0 never waits in a lone all-reduce), and the run equals one
+    process of 64."""
     script = tmp_path / "oom_rank.py"
     script.write_text(OOM_RANK)
     out, rdzv = tmp_path / "out", tmp_path / "rdzv"
@@ -443,7 +584,8 @@ def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_p
         argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--max-update", "20",
                           "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
                           "--distributed-gpus", "1", "--distributed-rank", rank, "--distributed-no-spawn")
-        env = {**os.environ, "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1", "OOM_ABOVE": "16"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1",
+               "OOM_ABOVE": "16", "OOM_IN": where, "GUARDED_RANKS": "0,1" if where == "forward" else "1"}
         procs.append(subprocess.Popen([PY, str(script), *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=300)[1] for p in procs]
@@ -453,3 +595,44 @@ def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_p
     assert "Traceback" not in errs[0] + errs[1]
     assert_params_close(params(out), at_update(one_process_64, 20))
     assert json.loads((out / "results.json").read_text())["num_updates"] == 20
+
+
+
+# ------------------------------------------------------------------ a global batch in tokens
+def bert_args(root, out, *extra):
+    from test_bert_train import train_args
+    return train_args(root, out, "--optimizer", "sgd", "--lr", "0.5", "--lr-scheduler", "constant",
+                      "--max-update", "6", "--disable-validation", *map(str, extra))
+
+
+@pytest.mark.timeout(400)
+def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(bert_data, tmp_path):
+    """Tiny BERT (at most 32 tokens a sample): --global-batch-size 256 with
+    --max-tokens counts tokens. Two ranks with micro-batch caps of 64 tokens,
+    rank 1 slowed and re-split by --balance every 2 updates, reach the
+    parameters of one process training each 256-token update in one pass."""
+    from test_bert_train import assert_close, model_state
+    run([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
+                                         "--max-tokens", 256)])
+    out = tmp_path / "two"
+    proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
+                                                "--distributed-world-size", 2, "--balance",
+                                                "--balance-interval", 2)], env=slow(1, 0.01))
+    assert "global batch 256 tokens (balanced) | tokens per rank [128, 128] | micro-batch caps [64, 64] tokens" \
+        in proc.stderr
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
+    assert records and records[0]["unit"] == "tokens", proc.stderr[-3000:]
+    r = records[0]
+    assert sum(r["batch_sizes"]) == 256 and r["batch_sizes"][0] > r["batch_sizes"][1]
+    assert f"| balance: tokens per rank {r['batch_sizes']} (was [128, 128]); tokens/s per rank " in proc.stderr
+    assert_close(model_state(out), model_state(tmp_path / "one"))
+    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    assert saved["unit"] == "tokens" and sum(saved["split"]) == 256
+
+
+def test_a_sample_above_a_ranks_token_cap_is_one_line(bert_data, tmp_path):
+    from conftest import run_cli
+    proc = run_cli(bert_args(bert_data, tmp_path / "out", "--global-batch-size", 256, "--max-tokens", 8), timeout=100)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: a sample has ")
+    assert "more than --max-tokens 8 of rank 0" in proc.stderr and "Traceback" not in proc.stderr

@@ -7,7 +7,11 @@ micro-batches (memory), not its share: a share larger than the cap runs as
 several micro-batches, all but the last under ``no_sync``, so an update still
 all-reduces once. Each sample's weight in the loss is exact
 (``Task.denominators``), so any split gives the gradient of one process over
-the same N samples.
+the same N samples. Where the ranks batch by tokens (``--max-tokens``), N
+counts tokens: an update is the longest run of the epoch order within N
+tokens (``iterators.plan_global_tokens``), split over the ranks by token
+shares, a rank's ``--max-tokens`` caps one of its micro-batches
+(:func:`micro_batches_by_tokens`), and speed is measured per token.
 
 With ``--balance`` the split follows the ranks' measured speed:
 
@@ -86,6 +90,20 @@ def micro_batch_sizes(share: int, cap: int) -> list:
     return [base + 1] * extra + [base] * (count - extra)
 
 
+def micro_batches_by_tokens(tokens, cap_tokens: int, cap_samples: int | None = None) -> list:
+    """Sample counts of consecutive micro-batches of a share whose samples
+    hold ``tokens`` tokens each: each micro-batch as long as it stays within
+    ``cap_tokens`` tokens (and ``cap_samples`` samples, if given); a sample
+    above the cap on its own. One (empty) micro-batch for an empty share."""
+    sizes, count, held = [], 0, 0
+    for t in (int(x) for x in tokens):
+        if count and (held + t > cap_tokens or (cap_samples and count >= cap_samples)):
+            sizes.append(count)
+            count, held = 0, 0
+        count, held = count + 1, held + t
+    return sizes + [count] if count or not sizes else sizes
+
+
 class Balancer:
     """The split of the global batch over the ranks, and when and how it
     changes. A checkpoint part: a resume on the same world size starts from
@@ -99,8 +117,9 @@ class Balancer:
     FIRST = 10
 
     def __init__(self, global_batch_size: int, world: int, multiple: int = 1, interval: int = 50,
-                 enabled: bool = True):
+                 enabled: bool = True, unit: str = "samples"):
         self.total, self.world, self.multiple = int(global_batch_size), int(world), int(multiple)
+        self.unit = unit  # what the split counts: samples, or tokens (--max-tokens)
         self.interval, self.enabled = int(interval), bool(enabled)
         self.split = even_split(self.total, self.world, self.multiple)
         self.seconds_per_sample = [None] * self.world
@@ -133,17 +152,18 @@ class Balancer:
         self.split = proposal
         return proposal
 
-    def samples_per_s(self) -> list:
+    def units_per_s(self) -> list:
+        """Each rank's smoothed speed, in samples (or tokens) per second."""
         return [round(1.0 / t, 1) if t else None for t in self.seconds_per_sample]
 
     def state_dict(self):
-        return {"global_batch_size": self.total, "split": list(self.split)}
+        return {"global_batch_size": self.total, "split": list(self.split), "unit": self.unit}
 
     def load_state_dict(self, state):
         split = [int(s) for s in state["split"]]
-        if len(split) == self.world and sum(split) == self.total:
+        if len(split) == self.world and sum(split) == self.total and state.get("unit", "samples") == self.unit:
             self.split = split
-        # else another world size or global batch: the even split, re-measured
+        # else another world size, global batch or unit: the even split, re-measured
         self.seconds_per_sample = [None] * self.world
 
 
@@ -282,6 +302,27 @@ class CudaMemory:
         torch.cuda.empty_cache()
 
 
+class UnlimitedMemory:
+    """The figures of a device with no memory limit to guard (CPU), for a
+    rank in a run where another rank's device has one: it takes part in the
+    out-of-memory protocol's collectives and never lowers its cap."""
+
+    def capacity(self) -> int:
+        return 1 << 62
+
+    def allocated(self) -> int:
+        return 0
+
+    def reset_peak(self):
+        pass
+
+    def peak(self) -> int:
+        return 0
+
+    def release(self):
+        pass
+
+
 def memory_probe(device):
     """The memory figures of ``device``: a :class:`CudaMemory` on CUDA, else
     None (CPU memory is not the limit a micro-batch cap guards)."""
@@ -290,9 +331,9 @@ def memory_probe(device):
 
 class MemoryGuard:
     """A rank's micro-batch cap under its device's memory: measured once
-    (peak bytes per sample of one micro-batch, on the update given, after
-    the optimizer's state exists), and halved below a micro-batch that ran
-    out of memory."""
+    (peak bytes per sample, or per token, of one micro-batch, on the update
+    given: the trainer's second after it starts, when the optimizer's state
+    exists), and halved below a micro-batch that ran out of memory."""
 
     MARGIN = 0.10  # of the device's capacity, left free
 

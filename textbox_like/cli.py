@@ -127,15 +127,12 @@ def check(cfg):
 
 
 def _check_global_batch(cfg):
-    """--global-batch-size and what goes with it."""
+    """--global-batch-size and what goes with it (with --max-tokens it counts tokens: see balance.py)."""
     data, dist = cfg.data, cfg.distributed
     if dist.balance and not data.global_batch_size:
         raise UserError("--balance re-splits a fixed global batch by the ranks' speed: give --global-batch-size N")
     if not data.global_batch_size:
         return
-    if data.max_tokens:
-        raise UserError("--global-batch-size counts samples; it does not combine with --max-tokens yet: "
-                        "use --max-sentences as each rank's micro-batch cap")
     if any(k != 1 for k in cfg.schedule.update_freq):
         raise UserError("--global-batch-size sets the samples of an update; leave --update-freq out (a rank runs "
                         "as many micro-batches of --max-sentences as its share needs)")

@@ -80,7 +80,7 @@ class DataConfig(Section):
     max_sentences: int | None = setting(None, 'batch size per process (with --global-batch-size: the most samples of one micro-batch on this process, for its memory)', type=positive_int)
     max_sentences_valid: int | None = setting(None, 'validation batch size per process (default: 4x --max-sentences: forward-only work needs far less memory per sample)', type=positive_int)
     max_tokens: int | None = setting(None, 'limit of real tokens per batch and process', type=positive_int)
-    global_batch_size: int | None = setting(None, 'samples of one update over all ranks, split over them (evenly; by measured speed with --balance); a share above a rank\'s --max-sentences runs as several micro-batches with one all-reduce (unset: each rank trains --max-sentences per step)', type=positive_int, metavar='N')
+    global_batch_size: int | None = setting(None, 'samples of one update over all ranks, split over them (evenly; by measured speed with --balance); a share above a rank\'s --max-sentences runs as several micro-batches with one all-reduce (unset: each rank trains --max-sentences per step). With --max-tokens N counts real tokens: each rank\'s --max-tokens caps its micro-batches', type=positive_int, metavar='N')
     required_batch_size_multiple: int = setting(1, 'batch sizes are rounded down to a multiple of this (a batch smaller than it is kept)', type=positive_int)
     num_workers: int = setting(0, 'batches read ahead in a background thread, for data read from disk or pinned for CUDA (0: inline)', type=nonneg_int)
     no_shuffle: bool = setting(False, 'train in data order', switch=True)

@@ -266,13 +266,17 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         self.batch_sizes = distributed.gather_per_rank(acc, self.clamped_batch_size(cfg.data.max_sentences, self.train_data, "--max-sentences"))
         max_tokens = distributed.gather_per_rank(acc, cfg.data.max_tokens or 0)
-        # --global-batch-size: a step is one update's N samples, split over
-        # the ranks; --max-sentences caps this rank's micro-batches
-        self.balancer = None
+        # --global-batch-size: a step is one update's N samples (tokens where
+        # a rank gives --max-tokens), split over the ranks; --max-sentences
+        # (--max-tokens) caps this rank's micro-batches
+        self.balancer, self.by_tokens = None, bool(cfg.data.global_batch_size and any(max_tokens))
         if cfg.data.global_batch_size:
-            self.balancer = Balancer(cfg.data.global_batch_size, self.world, cfg.data.required_batch_size_multiple,
-                                     cfg.distributed.balance_interval, enabled=cfg.distributed.balance)
-            self.micro_caps = [b or cfg.data.global_batch_size for b in self.batch_sizes]
+            caps = max_tokens if self.by_tokens else self.batch_sizes
+            self.balancer = Balancer(cfg.data.global_batch_size, self.world,
+                                     1 if self.by_tokens else cfg.data.required_batch_size_multiple,
+                                     cfg.distributed.balance_interval, enabled=cfg.distributed.balance,
+                                     unit="tokens" if self.by_tokens else "samples")
+            self.micro_caps = [c or cfg.data.global_batch_size for c in caps]
             self.micro_cap = self.micro_caps[self.rank]
         elif not any(max_tokens) and not all(self.batch_sizes):
             raise UserError("every rank needs --max-sentences (batch size) or --max-tokens")
@@ -283,8 +287,32 @@ class Trainer:
                                            num_workers=read_ahead_workers(cfg.data.num_workers, self.train_data, pin_memory),
                                            pin_memory=pin_memory)
         if self.balancer is not None:
-            self.iterator.set_split(self.balancer.split)
+            self.check_token_caps(max_tokens)
+            self.apply_split()
         self.planned_updates = self.scheduler.planned_updates = self.updates_of_epochs(cfg.schedule.max_epoch or 0)
+
+    @property
+    def tokens_word(self) -> str:
+        """' tokens' after a figure of a global batch counted in tokens, else nothing."""
+        return " tokens" if self.by_tokens else ""
+
+    @property
+    def split_name(self) -> str:
+        """What the split of the global batch gives each rank, in log lines."""
+        return "tokens per rank" if self.by_tokens else "batch sizes per rank"
+
+    def apply_split(self):
+        """The balancer's split of the global batch to the batch plan, from the current position."""
+        self.iterator.set_split(self.balancer.split, by_tokens=self.by_tokens)
+
+    def check_token_caps(self, max_tokens):
+        """--global-batch-size in tokens: a sample must fit in every rank's micro-batch cap."""
+        tokens = self.train_data.num_tokens() if self.by_tokens else None
+        longest = int(tokens.max()) if tokens is not None and len(tokens) else 0
+        for rank, cap in enumerate(max_tokens):
+            if cap and longest > cap:
+                raise UserError(f"a sample has {longest} tokens, more than --max-tokens {cap} of rank {rank} "
+                                f"(its micro-batch cap under --global-batch-size); raise --max-tokens")
 
     def clamped_batch_size(self, size, dataset, what) -> int:
         """A batch larger than the dataset holds nothing more, but its
@@ -340,6 +368,11 @@ class Trainer:
             if self.world > 1 or self.balancer is not None else None
         self.timer_marks = {}  # consumer -> RankTimer.totals() when it last looked
         probe = balance.memory_probe(self.accelerator.device) if self.balancer is not None else None
+        # the out-of-memory protocol has collectives: with unlike devices (CUDA
+        # beside CPU), every rank takes part if any rank's memory is guarded
+        if self.balancer is not None and self.world > 1 and \
+                any(distributed.gather_per_rank(self.accelerator, probe is not None)):
+            probe = probe or balance.UnlimitedMemory()
         self.memory = balance.MemoryGuard(probe, self.micro_cap) if probe is not None else None
         self.slow = balance.slow_rank(self.rank)
         self.all_reducing = False  # in the backward that all-reduces (an out-of-memory there is not retried)
@@ -422,14 +455,15 @@ class Trainer:
         acc, state = self.accelerator, self.state
         if self.compile_pending:
             return self.first_compiled_step(micro_batches, totals)
+        units = None  # what the timer counts: samples, or tokens of a global batch in tokens
         if self.balancer is not None:
-            stats = self.backward_share(micro_batches[0][0], totals)
+            stats, units = self.backward_share(micro_batches[0][0], totals)
         else:
             stats = self.backward([self.to_device(batch) for batch, _ in micro_batches], totals)
         for one in stats:
             self.window.add(one)
         if self.timer is not None:
-            self.timer.count(sum(one["nsamples"] for one in stats))
+            self.timer.count(sum(one["nsamples"] for one in stats) if units is None else units)
             if self.balancer is not None and "balance" not in self.timer_marks:
                 self.timer_marks["balance"] = self.timer.totals()  # the first update warms up: not measured
         self.gnorm = self.gradient_norm()
@@ -455,13 +489,14 @@ class Trainer:
         self.log.advance()
         return True
 
-    def backward(self, batches, totals) -> list:
+    def backward(self, batches, totals, sync=True) -> list:
         """Forward and backward over this rank's micro-batches of the update,
-        all-reducing the gradients once, on the last; their stats."""
+        all-reducing the gradients once, on the last (``sync=False``: none
+        does; the caller all-reduces by hand); their stats."""
         acc, task, timer = self.accelerator, self.task, self.timer
         out = []
         for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
+            last = i == len(batches) - 1 and sync
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 if timer is not None:
                     timer.forward_starts()
@@ -479,48 +514,92 @@ class Trainer:
             out.append(stats)
         return out
 
-    def backward_share(self, batch, totals) -> list:
+    def backward_share(self, batch, totals):
         """--global-batch-size: this rank's share of the update, cut into
-        micro-batches of at most its cap. On CUDA a micro-batch that runs out
-        of memory lowers this rank's cap; the rank still takes part in the
-        update's all-reduce (with an empty micro-batch), every rank learns of
-        it in one host all-reduce, and the update is redone from its first
-        micro-batch: nothing lost, nothing counted twice."""
-        from .balance import is_out_of_memory, micro_batch_sizes
-        from .data.base import batch_samples, cut_batch
-        n = batch_samples(batch)
-        update = self.state.num_updates + 1
+        micro-batches of at most its cap; (their stats, the share's samples
+        or tokens). On CUDA a micro-batch that runs out of memory lowers this
+        rank's cap, every rank learns of it in one host all-reduce, and the
+        update is redone from its first micro-batch: nothing lost, nothing
+        counted twice. While the cap is unproven (the first updates, until
+        the memory is measured, and a redone update) every micro-batch runs
+        under no_sync and the gradients are all-reduced by hand once every
+        rank is through: an out-of-memory error in any backward is retried.
+        After that DDP all-reduces in the last backward, overlapped with it,
+        and an out-of-memory error there ends the run (the other ranks are
+        inside that all-reduce); elsewhere it is retried, the failing rank
+        joining the all-reduce with an empty micro-batch."""
+        from .data.base import cut_batch
+        update, redoing = self.state.num_updates + 1, False
+        tokens = self.train_data.batch_num_tokens(batch) if self.by_tokens else None
         while True:
-            sizes = micro_batch_sizes(n, self.micro_cap)
+            sizes, units = self.micro_batch_plan(batch, tokens)
             if self.memory is None:
-                return self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals)
+                return self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals), sum(units)
             timed = self.timer.snapshot()
             self.memory.before(update)
-            failed = None
-            try:
-                stats = self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals)
-                lowered = self.memory.after(update, sizes[0])
-            except Exception as exc:
-                if not is_out_of_memory(exc) or self.all_reducing:
-                    raise  # out of memory in the all-reducing backward: DDP cannot take part again
-                failed, lowered = max(sizes), None
-                self.optimizer.zero_grad(set_to_none=True)
-                self.memory.out_of_memory(failed)
-                # the update's one all-reduce, with nothing of this rank in it
-                self.backward([self.to_device(cut_batch(batch, [0])[0])], totals)
-            if lowered is not None:
-                self.micro_cap = lowered
-                self.log.info(f"rank {self.rank}: micro-batches of at most {lowered} fit in its memory "
-                              f"(measured at update {update})", everywhere=True)
+            by_hand = redoing or update <= self.memory.measure_at  # the same on every rank
+            stats, failed = self.try_share(batch, sizes, units, totals, update, by_hand)
             if not (self.sum_over_ranks([float(failed is not None)])[0] if self.world > 1 else failed):
-                return stats
+                if by_hand:
+                    self.all_reduce_gradients()
+                return stats, sum(units)
             if failed is not None:
                 self.micro_cap = self.memory.cap
-                self.log.info(f"rank {self.rank}: out of memory on a micro-batch of {failed} at update {update}; "
-                              f"micro-batches of at most {self.micro_cap} from now on, the update redone",
-                              everywhere=True)
+                self.log.info(f"rank {self.rank}: out of memory on a micro-batch of {failed}{self.tokens_word} at "
+                              f"update {update}; micro-batches of at most {self.micro_cap} from now on, the update "
+                              f"redone", everywhere=True)
             self.optimizer.zero_grad(set_to_none=True)
             self.timer.restore(timed)
+            redoing = True
+
+    def try_share(self, batch, sizes, units, totals, update, by_hand):
+        """One attempt at this rank's share under the memory guard: (stats,
+        None), or (None, the units of the micro-batch that ran out of memory)."""
+        from .balance import is_out_of_memory
+        from .data.base import cut_batch
+        try:
+            stats = self.backward([self.to_device(b) for b in cut_batch(batch, sizes)], totals, sync=not by_hand)
+        except Exception as exc:
+            if not is_out_of_memory(exc) or self.all_reducing:
+                raise  # out of memory in DDP's all-reducing backward: it cannot take part again
+            self.optimizer.zero_grad(set_to_none=True)
+            self.memory.out_of_memory(max(units))
+            if not by_hand:  # the update's one all-reduce, with nothing of this rank in it
+                self.backward([self.to_device(cut_batch(batch, [0])[0])], totals)
+            return None, max(units)
+        lowered = self.memory.after(update, units[0])
+        if lowered is not None:
+            self.micro_cap = lowered
+            self.log.info(f"rank {self.rank}: micro-batches of at most {lowered}{self.tokens_word} fit in "
+                          f"its memory (measured at update {update})", everywhere=True)
+        return stats, None
+
+    def all_reduce_gradients(self):
+        """DDP's average of the gradients, by hand, after micro-batches that
+        all ran under no_sync (a parameter without a gradient counts as zero,
+        as in DDP); the wait in it is the rank's all-reduce wait."""
+        import torch
+        import torch.distributed as dist
+        if self.world > 1:
+            for p in self.grad_params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world)
+        if self.timer is not None:
+            self.timer.synced()
+
+    def micro_batch_plan(self, batch, tokens):
+        """This rank's share cut under its cap: the micro-batches' sample
+        counts and their units (samples, or tokens under --max-tokens)."""
+        from .balance import micro_batch_sizes, micro_batches_by_tokens
+        from .data.base import batch_samples
+        if tokens is None:
+            sizes = micro_batch_sizes(batch_samples(batch), self.micro_cap)
+            return sizes, sizes
+        sizes = micro_batches_by_tokens(tokens, self.micro_cap, self.batch_sizes[self.rank] or None)
+        ends = itertools.accumulate(sizes)
+        return sizes, [int(tokens[end - size:end].sum()) for size, end in zip(sizes, ends)]
 
     def first_compiled_step(self, micro_batches, totals) -> bool:
         """The first update under --compile includes compiling: timed and
@@ -737,12 +816,12 @@ class Trainer:
         splits = self.per_rank(new)
         if any(row != splits[0] for row in splits):
             raise RuntimeError(f"the ranks computed different splits of the global batch: {splits}")
-        self.iterator.set_split(new)
-        rates = balancer.samples_per_s()
+        self.apply_split()
+        rates, unit = balancer.units_per_s(), balancer.unit
         self.log.event("balance", {"update": state.num_updates, "batch_sizes": new, "was": was,
-                                   "samples_per_s": rates},
-                       f"update {state.num_updates} | balance: batch sizes per rank {new} (was {was}); "
-                       f"samples/s per rank {rates}")
+                                   f"{unit}_per_s": rates, "unit": unit},
+                       f"update {state.num_updates} | balance: {self.split_name} {new} (was {was}); "
+                       f"{unit}/s per rank {rates}")
 
     def every(self, interval, ahead=0) -> bool:
         """True on every ``interval``-th update (``ahead``: for the update about to happen)."""
@@ -925,7 +1004,7 @@ class Trainer:
         if "scheduler" in fresh:
             self.scheduler.step_update(state.num_updates)  # the schedule at the restored update, not at 0
         if self.balancer is not None:  # the saved split, or an even one on another world size
-            self.iterator.set_split(self.balancer.split)
+            self.apply_split()
         if self.end_of_epoch():
             self.next_epoch()
         self.log.forget_after(state.num_updates)
@@ -981,10 +1060,13 @@ class Trainer:
             from .trackers import hyperparameters
             acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
         sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
+        if self.memory is not None:  # measured on the second update of this start (a resume too)
+            self.memory.measure_at = self.state.num_updates + 2
         if self.balancer is not None:
             self.balancer.start(self.state.num_updates)
-            batches = (f"global batch {self.balancer.total}{' (balanced)' if self.balancer.enabled else ''} | "
-                       f"batch sizes per rank {self.balancer.split} | micro-batch caps {self.micro_caps}")
+            batches = (f"global batch {self.balancer.total}{self.tokens_word}"
+                       f"{' (balanced)' if self.balancer.enabled else ''} | {self.split_name} {self.balancer.split} | "
+                       f"micro-batch caps {self.micro_caps}{self.tokens_word}")
         else:
             batches = f"batch sizes per rank {self.batch_sizes}"
         self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "

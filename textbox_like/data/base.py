@@ -43,6 +43,11 @@ class BatchDataset:
         or None when the dataset has no notion of tokens."""
         return None
 
+    def batch_num_tokens(self, batch):
+        """Per-sample token counts (np.ndarray) of a batch from ``get_batch``,
+        counted as ``num_tokens`` counts them; None without tokens."""
+        return None
+
 
 def shuffled_blocks(n: int, block: int, seed: int, epoch: int) -> np.ndarray:
     """An epoch order for data on disk: blocks of ``block`` contiguous rows in

@@ -320,6 +320,9 @@ class BertHDF5Dataset(BatchDataset):
             return ()
         return (self.seq_length,)
 
+    def batch_num_tokens(self, batch):
+        return (batch["attention_mask"] != 0).sum(dim=1).numpy()
+
     def num_tokens(self):
         """Real tokens per sample (the input_mask row sums), read once in
         bounded chunks and cached."""

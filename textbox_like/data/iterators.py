@@ -15,6 +15,10 @@ own contiguous slice of the order, of its own size (ranks may have different
   world size or batch size, and skips nothing and repeats nothing. For the
   same reason the ranks' sizes may change mid-epoch (``set_split``: a re-split
   of ``--global-batch-size``), planned again from the current offset.
+
+With ``--global-batch-size`` in tokens (``plan_global_tokens``) a step is the
+longest run of the order within the global token budget, whatever the split,
+and the split only decides where each rank's slice of it starts.
 """
 from __future__ import annotations
 
@@ -95,6 +99,36 @@ def plan_tokens(tokens: np.ndarray, max_tokens, max_sentences, multiple: int = 1
     return np.asarray(rows, dtype=np.int64).reshape(-1, world + 1)
 
 
+def plan_global_tokens(tokens: np.ndarray, budget: int, shares) -> np.ndarray:
+    """Step boundaries for a global token budget split over the ranks.
+
+    Each step is the longest run of the remaining samples (``tokens``: their
+    token counts in epoch order) holding at most ``budget`` tokens: which
+    samples an update trains on depends on the budget alone, never on the
+    split, so any split gives the update of one process. Rank r's slice of a
+    step ends at the sample boundary nearest to its cumulative share of the
+    step's tokens (``shares``: per-rank token shares summing to ``budget``);
+    a rank whose share is below one sample may get an empty slice.
+    """
+    n, world = len(tokens), len(shares)
+    cum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
+    fractions = np.cumsum(np.asarray(shares, dtype=np.float64))[:-1] / float(budget)
+    rows, pos = [], 0
+    while pos < n:
+        end = int(np.searchsorted(cum, cum[pos] + budget, side="right")) - 1
+        if end <= pos:
+            raise UserError(f"a sample has {int(tokens[pos])} tokens, more than the global batch of {budget} "
+                            f"tokens (--global-batch-size with --max-tokens); raise --global-batch-size")
+        within = cum[pos:end + 1] - cum[pos]
+        targets = fractions * within[-1]
+        after = np.minimum(np.searchsorted(within, targets), len(within) - 1)
+        before = np.maximum(after - 1, 0)
+        nearest = np.where(targets - within[before] <= within[after] - targets, before, after)
+        rows.append([pos, *(pos + nearest), end])
+        pos = end
+    return np.asarray(rows, dtype=np.int64).reshape(-1, world + 1)
+
+
 def pin_for(device) -> bool:
     """Whether read-ahead batches should be pinned for ``device``: only for a
     CUDA device (pinning needs the CUDA runtime and gains nothing on CPU)."""
@@ -145,6 +179,7 @@ class EpochBatchIterator:
         self.epoch = 1
         self.offset = 0          # samples of this epoch's order already consumed
         self.plan_version = 0    # changes when set_split re-plans: iterators over the old plan are stale
+        self.token_shares = None  # --global-batch-size in tokens: each rank's share of the budget
         self._order = None
         self._bounds = None
         self._start = 0
@@ -156,18 +191,27 @@ class EpochBatchIterator:
     def _plan(self):
         order = self.dataset.epoch_order(self.seed, self.epoch, self.shuffle)
         left = len(order) - self.offset
-        if self.max_tokens:
+        if self.token_shares:
+            bounds = plan_global_tokens(self._tokens[order[self.offset:]], sum(self.token_shares),
+                                        self.token_shares)
+        elif self.max_tokens:
             bounds = plan_tokens(self._tokens[order[self.offset:]], self.max_tokens,
                                  self.batch_sizes, self.multiple)
         else:
             bounds = plan_fixed(left, self.batch_sizes, self.multiple)
         self._order, self._bounds, self._start = order, bounds + self.offset, self.offset
 
-    def set_split(self, batch_sizes):
+    def set_split(self, batch_sizes, by_tokens=False):
         """Each rank's share of a step from now on (--global-batch-size: the
-        split of the global batch, already a multiple where it must be): the
-        rest of the epoch is planned again from the current offset."""
-        self.batch_sizes = [int(b) for b in batch_sizes]
+        split of the global batch, already a multiple where it must be; in
+        tokens with ``by_tokens``, see plan_global_tokens): the rest of the
+        epoch is planned again from the current offset."""
+        if by_tokens:
+            if self._tokens is None:
+                raise UserError("--max-tokens needs a task whose data counts tokens; use --max-sentences")
+            self.token_shares = [int(b) for b in batch_sizes]
+        else:
+            self.batch_sizes = [int(b) for b in batch_sizes]
         self.plan_version += 1
         if self._order is not None:
             self.set_epoch(self.epoch, self.offset)
