@@ -418,3 +418,78 @@ def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
     reset = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4))
     assert reset.returncode == 0, reset.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
+
+
+# -------------------------------------------------------- out of memory
+@pytest.fixture(scope="module")
+def data_1k(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_1k")
+    write_mnist(directory, n_train=1024, n_test=N_SMALL_TEST, seed=13)
+    return directory
+
+
+def run_with_memory_limit(args, megabytes, at_update, timeout=200):
+    """run_hetseq.py whose host allocations really fail from ``at_update`` on:
+    the test hook lowers the process's RLIMIT_AS to its size then plus
+    ``megabytes``; malloc maps large chunks afresh (as glibc does by default),
+    so an update that needs more than that fails in torch's CPU allocator."""
+    from textbox_like.faults import MEMORY_LIMIT_ENV
+    env = {**clean_env(), MEMORY_LIMIT_ENV: f"{megabytes}@{at_update}", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    return subprocess.run([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_out_of_memory_at_the_first_batch_names_the_batch_size_and_exits_2(data_1k, tmp_path):
+    out = tmp_path / "out"
+    proc = run_with_memory_limit(mnist_args(data_1k, out, "--max-sentences", "1024", max_update=4), 64, 0)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "out of memory at the first update" in errors[0] and "can't allocate memory" in errors[0], errors[0]
+    assert "lower --max-sentences (now 1024)" in errors[0], errors[0]
+    assert not list(out.glob("checkpoint*.pt")) and not (out / "run.lock").exists()
+
+
+@pytest.mark.timeout(300)
+def test_out_of_memory_mid_training_saves_the_last_update_and_exits_71(data_1k, tmp_path):
+    out = tmp_path / "out"
+    common = ["--max-sentences", "256", "--log-interval", "1"]
+    proc = run_with_memory_limit(mnist_args(data_1k, out, *common, max_update=10), 32, 3)
+    assert proc.returncode == 71, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "out of memory at update 4" in errors[0] and "saved the state after update 3" in errors[0], errors[0]
+    assert "--resume and a lower --max-sentences (now 256)" in errors[0], errors[0]
+    saved = load_checkpoint(out / "checkpoint_last.pt")
+    assert saved["train"]["num_updates"] == 3 and saved["iterator"]["offset"] == 3 * 256  # the 4th is redone
+    assert not (out / "run.lock").exists()
+    # as the line says: a smaller batch continues from there
+    resumed = run_cli(mnist_args(data_1k, out, "--max-sentences", "128", "--log-interval", "1", "--resume",
+                                 max_update=5), timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "| update 4 |" in resumed.stderr
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 5
+
+
+def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
+    """An allocation that really fails (more than any machine has) while the
+    trainer is built: a UserError naming the batch size, not a traceback."""
+    from textbox_like import cli, trainer
+    from textbox_like.errors import UserError
+    from textbox_like.faults import allocation_failed
+
+    def build(cfg):
+        return torch.empty(1 << 60, dtype=torch.uint8)
+    monkeypatch.setattr(trainer, "Trainer", build)
+    cfg = cli.parse(["--task", "mnist", "--data", "x", "--max-sentences", "64", "--max-update", "1"])
+    with pytest.raises(UserError, match=r"out of memory while loading the data and building the model "
+                                        r"\(DefaultCPUAllocator: can't allocate memory.*lower --max-sentences "
+                                        r"\(now 64\)"):
+        trainer.build_trainer(cfg)
+    with pytest.raises(MemoryError) as numpy_failure:
+        import numpy
+        numpy.empty(1 << 60, dtype=numpy.uint8)
+    assert allocation_failed(numpy_failure.value)
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB")
+    assert allocation_failed(cuda)
+    assert not allocation_failed(RuntimeError("a bug")) and not allocation_failed(ValueError("memory"))
