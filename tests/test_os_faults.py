@@ -493,3 +493,51 @@ def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
     cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB")
     assert allocation_failed(cuda)
     assert not allocation_failed(RuntimeError("a bug")) and not allocation_failed(ValueError("memory"))
+
+
+# ------------------------------------------- files of the wrong kind: checkpoints and data
+@pytest.mark.parametrize("content, says", [
+    (b"", "is empty (0 bytes), not a checkpoint"),
+    (b"lr: 0.1\nmax_update: 4\n", "is a text file (YAML?), first line 'lr: 0.1', not a checkpoint"),
+])
+def test_restore_file_that_is_empty_or_yaml_is_named(data, tmp_path, content, says):
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(content)
+    proc = run_cli(mnist_args(data, tmp_path / "out", "--restore-file", bad, max_update=2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and str(bad) in errors[0] and says in errors[0], proc.stderr[-3000:]
+
+
+def test_resume_from_an_empty_checkpoint_last_is_named(data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint_last.pt").write_bytes(b"")  # a run killed as the file system filled, say
+    proc = run_cli(mnist_args(data, out, "--resume", max_update=2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and f"{out / 'checkpoint_last.pt'} is empty (0 bytes)" in errors[0], errors
+
+
+@pytest.mark.parametrize("content, says", [(b"", "is empty (0 bytes), not an HDF5 file"),
+                                           (b"input_ids,input_mask\n1,2\n", "is a text file, first line")])
+def test_bert_shard_that_is_empty_or_text_is_named(bert_data, tmp_path, content, says):  # noqa: F811
+    copy = tmp_path / "copy"
+    shutil.copytree(bert_data, copy)
+    shard = sorted((copy / "shards").glob("*train*.hdf5"))[0]
+    shard.write_bytes(content)
+    proc = run_cli(bert_args(copy, tmp_path / "out", max_update=2), timeout=200)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and str(shard) in errors[0] and says in errors[0], proc.stderr[-3000:]
+
+
+def test_mnist_file_that_is_empty_is_named(tmp_path):
+    copy = tmp_path / "mnist"
+    write_mnist(copy, n_train=32, n_test=8, seed=1)
+    images = copy / "train-images-idx3-ubyte.gz"
+    images.write_bytes(b"")
+    proc = run_cli(mnist_args(copy, tmp_path / "out", max_update=1))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and f"{images} is empty (0 bytes)" in errors[0], proc.stderr[-3000:]
