@@ -541,3 +541,34 @@ def test_mnist_file_that_is_empty_is_named(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and f"{images} is empty (0 bytes)" in errors[0], proc.stderr[-3000:]
+
+
+# ------------------------------------------------ metrics.jsonl on a full disk
+@pytest.mark.timeout(300)
+def test_metrics_jsonl_on_a_really_full_disk_exits_74_with_one_line(data, tmp_path):
+    out = tmp_path / "disk"
+    with small_disk(out, 16) as kind:
+        # no checkpoint before the disk is full: the metrics' append is the write that fails
+        args = mnist_args(data, out, "--log-interval", "1", "--max-sentences", "2", "--save-interval-updates", "0",
+                          *LONG, max_update=1000000)
+        preexec = None if kind == "tmpfs" else file_size_limit(8 << 10)  # metrics.jsonl reaches it first
+        run = Run(args, preexec_fn=preexec)
+        try:
+            run.wait_for_update(2)
+            if kind == "tmpfs":
+                filler = fill(out, 0)
+            rc = run.finish(200)
+        finally:
+            run.kill()
+        assert rc == 74, run.stderr[-3000:]
+        errors = error_lines(run.stderr)
+        assert len(errors) == 1, run.stderr[-3000:]
+        reason = "No space left on device" if kind == "tmpfs" else "File too large"
+        assert f"could not write {out / 'metrics.jsonl'} ({reason})" in errors[0], errors[0]
+        assert "Exception ignored" not in run.stderr
+        assert not (out / "run.lock").exists()
+        if kind == "tmpfs":
+            filler.unlink()
+        # the lines written before are kept (the last may be cut where the disk filled)
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        assert lines and all(json.loads(line)["kind"] == "train" for line in lines[:-1])
