@@ -572,3 +572,53 @@ def test_metrics_jsonl_on_a_really_full_disk_exits_74_with_one_line(data, tmp_pa
         # the lines written before are kept (the last may be cut where the disk filled)
         lines = (out / "metrics.jsonl").read_text().splitlines()
         assert lines and all(json.loads(line)["kind"] == "train" for line in lines[:-1])
+
+
+# ------------------------------------------- the save directory made read-only
+# capabilities that let root write through mode bits (linux/capability.h)
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 1, 2, 3
+
+
+def without_root_overrides():
+    """preexec_fn for a child that mode bits bind: the tests run as root here,
+    and root writes into a 0555 directory. Not another user: this Python
+    lives under /root (0700), which 'nobody' cannot enter. Root without
+    CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER is held to the mode
+    bits as any owner is (dropped from the bounding set; root's inheritable
+    set is empty, so the exec'd program does not get them back)."""
+    if os.geteuid() != 0:
+        return None
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def drop():
+        for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER):
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+    return drop
+
+
+@pytest.mark.timeout(300)
+def test_save_dir_made_read_only_mid_run_exits_74_with_one_line(data, tmp_path):
+    preexec = without_root_overrides()
+    locked = tmp_path / "probe"
+    locked.mkdir(mode=0o555)
+    probe = subprocess.run([sys.executable, "-c", f"open({str(locked / 'x')!r}, 'w')"], preexec_fn=preexec,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "Permission denied" in probe.stderr, "the child still writes through chmod"
+    out = tmp_path / "out"
+    run = Run(mnist_args(data, out, "--save-interval-updates", "3", "--log-interval", "1", *LONG,
+                         max_update=1000000), preexec_fn=preexec)
+    try:
+        run.wait_for(lambda: (out / "checkpoint_1_3.pt").exists(), what="the first checkpoint")
+        out.chmod(0o555)  # an operator, or a quota script, takes the directory away
+        rc = run.finish(200)
+    finally:
+        run.kill()
+        out.chmod(0o755)
+    assert rc == 74, run.stderr[-3000:]
+    errors = error_lines(run.stderr)
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert "Permission denied" in errors[0] and str(out) in errors[0], errors[0]
+    assert re.search(r"last good checkpoint is \S*checkpoint_(last|1_3)\.pt", errors[0]), errors[0]
+    assert load_checkpoint(out / "checkpoint_1_3.pt")["train"]["num_updates"] == 3  # kept, whole
