@@ -56,9 +56,12 @@ def error_lines(stderr):
 class Run:
     """run_hetseq.py in a subprocess, its stderr collected line by line."""
 
-    def __init__(self, args, preexec_fn=None):
+    def __init__(self, args, preexec_fn=None, delay=None):
+        """``delay``: TEXTBOX_LIKE_TEST_DELAY, e.g. 'save=4' (see faults.test_delay)."""
+        from textbox_like.faults import DELAY_ENV
         self.lines = []
-        self.proc = subprocess.Popen([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=clean_env(),
+        env = {**clean_env(), **({DELAY_ENV: delay} if delay else {})}
+        self.proc = subprocess.Popen([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      preexec_fn=preexec_fn)
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -276,39 +279,48 @@ def test_lock_of_another_host_refused_while_fresh_taken_over_when_stale(tmp_path
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [1, 2])
 def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
+    """The second SIGTERM surely arrives while the first one's stop is saving:
+    each save waits 4 s first (a slow file system, TEXTBOX_LIKE_TEST_DELAY),
+    so the stop lasts longer than the second between the signals; the rank
+    that saved says it absorbed one."""
     out = tmp_path / "out"
     run = Run(mnist_args(data, out, "--log-interval", "1", "--distributed-world-size", world, *LONG,
-                         max_update=1000000))
+                         max_update=1000000), delay="save=4")
     try:
         run.wait_for_update(3)
         run.proc.send_signal(signal.SIGTERM)
         time.sleep(1)
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.poll() is None  # still stopping: the save takes 4 s
+        run.proc.send_signal(signal.SIGTERM)
         rc = run.finish()
     finally:
         run.kill()
     assert rc == 75, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
-    assert "stopped by SIGTERM; checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
+    assert "stopped by SIGTERM (1 more signal(s) during the stop, absorbed); checkpoint_last.pt saved" \
+        in run.stderr, run.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] >= 3
 
 
 @pytest.mark.timeout(300)
 def test_signal_during_start_up_exits_75_at_once(data, tmp_path):
+    """Loading the data takes 60 s (a slow file system, TEXTBOX_LIKE_TEST_DELAY),
+    after the save directory's lock is taken: the signal surely arrives during
+    start-up, and the run ends at once, not when the data is loaded."""
     out = tmp_path / "out"
-    run = Run(mnist_args(data, out, *LONG, max_update=1000000))
+    run = Run(mnist_args(data, out, *LONG, max_update=1000000), delay="start=60")
     try:
         run.wait_for(lambda: (out / "run.lock").exists(), what="the save directory's lock")
         run.proc.send_signal(signal.SIGTERM)
-        rc = run.finish()
+        rc = run.finish(timeout=50)  # well before the data would be loaded
     finally:
         run.kill()
     assert rc == 75, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
-    assert "during start-up" in run.stderr or "checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
-    if "during start-up" in run.stderr:
-        assert not list(out.glob("checkpoint*.pt"))
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("stopped by SIGTERM during start-up, before training began"), \
+        run.stderr[-3000:]  # and nothing else: training never began
+    assert not list(out.glob("checkpoint*.pt"))
     assert not (out / "run.lock").exists()
 
 
@@ -622,3 +634,29 @@ def test_save_dir_made_read_only_mid_run_exits_74_with_one_line(data, tmp_path):
     assert "Permission denied" in errors[0] and str(out) in errors[0], errors[0]
     assert re.search(r"last good checkpoint is \S*checkpoint_(last|1_3)\.pt", errors[0]), errors[0]
     assert load_checkpoint(out / "checkpoint_1_3.pt")["train"]["num_updates"] == 3  # kept, whole
+
+
+# ------------------------------------------------ a file:// rendezvous, a rank killed
+@pytest.mark.timeout(300)
+def test_rank_killed_over_a_file_rendezvous_names_the_file(data, tmp_path):
+    """Two ranks started by hand over a file:// rendezvous; rank 1 killed
+    (kill -9). Rank 0 stops with one line naming the rendezvous file that the
+    dead run leaves behind (a rerun that finds it stale fails to meet)."""
+    rendezvous = tmp_path / "rendezvous"
+    ranks = [Run(mnist_args(data, tmp_path / f"out{rank}", "--log-interval", "1", "--distributed-no-spawn",
+                            "--distributed-init-method", f"file://{rendezvous}", "--distributed-world-size", "2",
+                            "--distributed-rank", rank, *LONG, max_update=1000000))
+             for rank in (0, 1)]
+    try:
+        ranks[0].wait_for_update(2)
+        ranks[1].proc.send_signal(signal.SIGKILL)
+        rc = ranks[0].finish(200)
+    finally:
+        for run in ranks:
+            run.kill()
+    assert rc == 1, ranks[0].stderr[-3000:]
+    errors = error_lines(ranks[0].stderr)
+    assert len(errors) == 1, ranks[0].stderr[-3000:]
+    assert "rank 0: another process of this run died or is unreachable" in errors[0], errors[0]
+    assert f"if the rendezvous file {rendezvous} was left by an earlier run, delete it and rerun" in errors[0]
+    assert rendezvous.exists()  # what the line is about: the killed run leaves it behind

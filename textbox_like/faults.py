@@ -101,6 +101,22 @@ def allocation_reason(exc: BaseException) -> str:
     return text.split(". Error code")[0].split(" Of the allocated")[0][:200].rstrip(". ")
 
 
+DELAY_ENV = "TEXTBOX_LIKE_TEST_DELAY"
+
+
+def test_delay(where: str) -> float:
+    """Seconds to wait at ``where`` ('start': while loading the data, after
+    the save directory's lock; 'save': before each save) under
+    ``TEXTBOX_LIKE_TEST_DELAY=start=30,save=4``, else 0. Test-only: a slow
+    file system, so that a test's signal surely arrives at that moment."""
+    import os
+    for item in os.environ.get(DELAY_ENV, "").split(","):
+        name, _, seconds = item.partition("=")
+        if name.strip() == where:
+            return float(seconds)
+    return 0.0
+
+
 MEMORY_LIMIT_ENV = "TEXTBOX_LIKE_TEST_MEMORY_LIMIT"
 
 

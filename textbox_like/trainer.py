@@ -33,7 +33,8 @@ from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_s
 from .config import to_yaml
 from .errors import UserError
 from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, OutOfMemory, RunStopped, SaveFailed,
-                     allocation_failed, allocation_reason, check_writable, memory_limit_hook, os_reason)
+                     allocation_failed, allocation_reason, check_writable, memory_limit_hook, os_reason,
+                     test_delay)
 from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -222,6 +223,7 @@ class Trainer:
         cfg, task = self.cfg, self.task
         # once per run, then once per node (nodes may not share a file system),
         # on a long-timeout group: preparing data can take long
+        time.sleep(test_delay("start"))  # test-only: slow data
         with distributed.main_then_local_main_first(self.accelerator):
             task.prepare_data()
         self.train_data = task.build_dataset(cfg.data.train_subset)
@@ -338,6 +340,7 @@ class Trainer:
         self.memory = balance.MemoryGuard(probe, self.micro_cap) if probe is not None else None
         self.slow = balance.slow_rank(self.rank)
         self.memory_hook = memory_limit_hook()  # test-only: allocations fail for real from an update on
+        self.slow_save = test_delay("save")  # test-only: a slow file system
         self.stepping = False  # in the optimizer's step
         self.all_reducing = False  # in the backward that all-reduces (an out-of-memory there is not retried)
 
@@ -831,6 +834,7 @@ class Trainer:
             raise Diverged(f"the weights are not finite at update {self.state.num_updates}; not saving them. "
                            f"The last finite checkpoint is {self.checkpoints.newest_good()}")
         failure = None
+        time.sleep(self.slow_save)
         try:
             self.checkpoints.save(names)
         except SaveFailed as exc:
