@@ -660,3 +660,33 @@ def test_rank_killed_over_a_file_rendezvous_names_the_file(data, tmp_path):
     assert "rank 0: another process of this run died or is unreachable" in errors[0], errors[0]
     assert f"if the rendezvous file {rendezvous} was left by an earlier run, delete it and rerun" in errors[0]
     assert rendezvous.exists()  # what the line is about: the killed run leaves it behind
+
+
+# ------------------------------------------------ a child whose parent is already gone
+ORPHAN_SCRIPT = r"""
+import ctypes, os, time
+from textbox_like.distributed import die_with_parent
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans below come to this process
+reaper = os.getpid()
+launcher = os.fork()
+if launcher == 0:
+    preexec = die_with_parent()  # what Popen runs in the child, made in the launcher
+    child = os.fork()
+    if child == 0:
+        while os.getppid() != reaper:  # the launcher died between the fork and the prctl
+            time.sleep(0.01)
+        preexec()
+        os._exit(0)  # would train on, an orphan
+    os._exit(0)
+os.waitpid(launcher, 0)
+_, status = os.wait()
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_child_of_a_parent_that_died_before_the_prctl_stops():
+    """PR_SET_PDEATHSIG set after the parent died never fires: the preexec
+    sees it was reparented and stops the child (143) before it starts."""
+    proc = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], capture_output=True, text=True, env=clean_env(),
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["143"], proc.stdout + proc.stderr
