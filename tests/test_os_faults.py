@@ -502,7 +502,8 @@ def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
         import numpy
         numpy.empty(1 << 60, dtype=numpy.uint8)
     assert allocation_failed(numpy_failure.value)
-    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB")
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                  "of 79.19 GiB of which 1.00 GiB is free.")
     assert allocation_failed(cuda)
     assert not allocation_failed(RuntimeError("a bug")) and not allocation_failed(ValueError("memory"))
 

@@ -342,6 +342,7 @@ class Trainer:
         self.memory_hook = memory_limit_hook()  # test-only: allocations fail for real from an update on
         self.slow_save = test_delay("save")  # test-only: a slow file system
         self.stepping = False  # in the optimizer's step
+        self.update_offset = None  # where the update under way started reading, while it runs
         self.all_reducing = False  # in the backward that all-reduces (an out-of-memory there is not retried)
 
     def timer_window(self, consumer) -> dict:
@@ -371,7 +372,8 @@ class Trainer:
             self.begin_epoch()
             snapshot = False
             for micro_batches, totals in self.updates_of_this_epoch():
-                if not self.train_step(micro_batches, totals):
+                stepped, self.update_offset = self.train_step(micro_batches, totals), None  # the update is over
+                if not stepped:
                     continue  # skipped (not finite, or the loss scaler's overflow): nothing moved
                 snapshot = self.crossed_snapshot(totals["nsamples"])
                 self.log_train()
@@ -700,7 +702,7 @@ class Trainer:
                 raise failure
             if not micro_batches:
                 return
-            self.update_offset = offset  # where an update that fails (out of memory) is redone from
+            self.update_offset = offset  # an update that fails (out of memory) is redone from here
             totals = {"nsamples": sum(count for _, count in micro_batches)}
             totals.update((name, max(count, 1)) for name, count in zip(task.denominators, counts))
             yield micro_batches, totals
@@ -727,7 +729,8 @@ class Trainer:
         batch = batch_size_option(self.cfg, self.batch_sizes[self.rank])
         if self.state.num_updates == getattr(self, "updates_at_start", self.state.num_updates):
             return UserError(f"out of memory at the first update ({reason}); lower {batch}")
-        stop = OutOfMemory(f"out of memory at update {update} on rank {self.rank} ({reason})")
+        where = f"at update {update}" if self.update_offset is not None else f"after update {update - 1}"
+        stop = OutOfMemory(f"out of memory {where} on rank {self.rank} ({reason})")
         stop.saves_state = self.world == 1 and not self.stepping
         if stop.saves_state:
             stop.after_save = f"; saved the state after update {update - 1}: rerun with --resume and a lower {batch}"
@@ -744,7 +747,8 @@ class Trainer:
         if isinstance(exc, OutOfMemory):
             import gc
             gc.collect()  # the failed update's activations, held by reference cycles
-            self.iterator.offset = self.update_offset  # redone from its start after --resume
+            if self.update_offset is not None:  # failed within an update (not validating or saving after one)
+                self.iterator.offset = self.update_offset  # redone from its start after --resume
             self.optimizer.zero_grad(set_to_none=True)
             if self.accelerator.device.type == "cuda":
                 import torch
@@ -1182,6 +1186,10 @@ def train(cfg) -> int:
                                                       "the data is back")
             except RunStopped as stop:  # the save found divergence, or could not write
                 exc, message = stop, str(stop)
+            except Exception as again:
+                if not allocation_failed(again):
+                    raise
+                message += f"; saving failed too ({allocation_reason(again)})"
         else:
             message += getattr(exc, "after_save", "")
         # every rank stops together here, so leaving the group is safe (see cli.run)
