@@ -189,7 +189,7 @@ def test_pickle_roundtrip(shards):
 def test_corrupt_shard(tmp_path):
     bad = tmp_path / "bert_train_0.hdf5"
     bad.write_bytes(b"this is not hdf5" * 100)
-    with pytest.raises(UserError, match="not a readable HDF5"):
+    with pytest.raises(UserError, match=r"is a text file, first line .this is not hdf5.*, not an HDF5 file"):
         BertHDF5Dataset([bad])
 
 

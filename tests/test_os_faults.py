@@ -56,9 +56,12 @@ def error_lines(stderr):
 class Run:
     """run_hetseq.py in a subprocess, its stderr collected line by line."""
 
-    def __init__(self, args, preexec_fn=None):
+    def __init__(self, args, preexec_fn=None, delay=None):
+        """``delay``: TEXTBOX_LIKE_TEST_DELAY, e.g. 'save=4' (see faults.test_delay)."""
+        from textbox_like.faults import DELAY_ENV
         self.lines = []
-        self.proc = subprocess.Popen([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=clean_env(),
+        env = {**clean_env(), **({DELAY_ENV: delay} if delay else {})}
+        self.proc = subprocess.Popen([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      preexec_fn=preexec_fn)
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -276,39 +279,48 @@ def test_lock_of_another_host_refused_while_fresh_taken_over_when_stale(tmp_path
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [1, 2])
 def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
+    """The second SIGTERM surely arrives while the first one's stop is saving:
+    each save waits 4 s first (a slow file system, TEXTBOX_LIKE_TEST_DELAY),
+    so the stop lasts longer than the second between the signals; the rank
+    that saved says it absorbed one."""
     out = tmp_path / "out"
     run = Run(mnist_args(data, out, "--log-interval", "1", "--distributed-world-size", world, *LONG,
-                         max_update=1000000))
+                         max_update=1000000), delay="save=4")
     try:
         run.wait_for_update(3)
         run.proc.send_signal(signal.SIGTERM)
         time.sleep(1)
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.poll() is None  # still stopping: the save takes 4 s
+        run.proc.send_signal(signal.SIGTERM)
         rc = run.finish()
     finally:
         run.kill()
     assert rc == 75, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
-    assert "stopped by SIGTERM; checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
+    assert "stopped by SIGTERM (1 more signal(s) during the stop, absorbed); checkpoint_last.pt saved" \
+        in run.stderr, run.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] >= 3
 
 
 @pytest.mark.timeout(300)
 def test_signal_during_start_up_exits_75_at_once(data, tmp_path):
+    """Loading the data takes 60 s (a slow file system, TEXTBOX_LIKE_TEST_DELAY),
+    after the save directory's lock is taken: the signal surely arrives during
+    start-up, and the run ends at once, not when the data is loaded."""
     out = tmp_path / "out"
-    run = Run(mnist_args(data, out, *LONG, max_update=1000000))
+    run = Run(mnist_args(data, out, *LONG, max_update=1000000), delay="start=60")
     try:
         run.wait_for(lambda: (out / "run.lock").exists(), what="the save directory's lock")
         run.proc.send_signal(signal.SIGTERM)
-        rc = run.finish()
+        rc = run.finish(timeout=50)  # well before the data would be loaded
     finally:
         run.kill()
     assert rc == 75, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
-    assert "during start-up" in run.stderr or "checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
-    if "during start-up" in run.stderr:
-        assert not list(out.glob("checkpoint*.pt"))
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("stopped by SIGTERM during start-up, before training began"), \
+        run.stderr[-3000:]  # and nothing else: training never began
+    assert not list(out.glob("checkpoint*.pt"))
     assert not (out / "run.lock").exists()
 
 
@@ -418,3 +430,264 @@ def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
     reset = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4))
     assert reset.returncode == 0, reset.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
+
+
+# -------------------------------------------------------- out of memory
+@pytest.fixture(scope="module")
+def data_1k(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_1k")
+    write_mnist(directory, n_train=1024, n_test=N_SMALL_TEST, seed=13)
+    return directory
+
+
+def run_with_memory_limit(args, megabytes, at_update, timeout=200):
+    """run_hetseq.py whose host allocations really fail from ``at_update`` on:
+    the test hook lowers the process's RLIMIT_AS to its size then plus
+    ``megabytes``; malloc maps large chunks afresh (as glibc does by default),
+    so an update that needs more than that fails in torch's CPU allocator."""
+    from textbox_like.faults import MEMORY_LIMIT_ENV
+    env = {**clean_env(), MEMORY_LIMIT_ENV: f"{megabytes}@{at_update}", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    return subprocess.run([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_out_of_memory_at_the_first_batch_names_the_batch_size_and_exits_2(data_1k, tmp_path):
+    out = tmp_path / "out"
+    proc = run_with_memory_limit(mnist_args(data_1k, out, "--max-sentences", "1024", max_update=4), 64, 0)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "out of memory at the first update" in errors[0] and "can't allocate memory" in errors[0], errors[0]
+    assert "lower --max-sentences (now 1024)" in errors[0], errors[0]
+    assert not list(out.glob("checkpoint*.pt")) and not (out / "run.lock").exists()
+
+
+@pytest.mark.timeout(300)
+def test_out_of_memory_mid_training_saves_the_last_update_and_exits_71(data_1k, tmp_path):
+    out = tmp_path / "out"
+    common = ["--max-sentences", "256", "--log-interval", "1"]
+    proc = run_with_memory_limit(mnist_args(data_1k, out, *common, max_update=10), 32, 3)
+    assert proc.returncode == 71, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "out of memory at update 4" in errors[0] and "saved the state after update 3" in errors[0], errors[0]
+    assert "--resume and a lower --max-sentences (now 256)" in errors[0], errors[0]
+    saved = load_checkpoint(out / "checkpoint_last.pt")
+    assert saved["train"]["num_updates"] == 3 and saved["iterator"]["offset"] == 3 * 256  # the 4th is redone
+    assert not (out / "run.lock").exists()
+    # as the line says: a smaller batch continues from there
+    resumed = run_cli(mnist_args(data_1k, out, "--max-sentences", "128", "--log-interval", "1", "--resume",
+                                 max_update=5), timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "| update 4 |" in resumed.stderr
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 5
+
+
+def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
+    """An allocation that really fails (more than any machine has) while the
+    trainer is built: a UserError naming the batch size, not a traceback."""
+    from textbox_like import cli, trainer
+    from textbox_like.errors import UserError
+    from textbox_like.faults import allocation_failed
+
+    def build(cfg):
+        return torch.empty(1 << 60, dtype=torch.uint8)
+    monkeypatch.setattr(trainer, "Trainer", build)
+    cfg = cli.parse(["--task", "mnist", "--data", "x", "--max-sentences", "64", "--max-update", "1"])
+    with pytest.raises(UserError, match=r"out of memory while loading the data and building the model "
+                                        r"\(DefaultCPUAllocator: can't allocate memory.*lower --max-sentences "
+                                        r"\(now 64\)"):
+        trainer.build_trainer(cfg)
+    with pytest.raises(MemoryError) as numpy_failure:
+        import numpy
+        numpy.empty(1 << 60, dtype=numpy.uint8)
+    assert allocation_failed(numpy_failure.value)
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                  "of 79.19 GiB of which 1.00 GiB is free.")
+    assert allocation_failed(cuda)
+    assert not allocation_failed(RuntimeError("a bug")) and not allocation_failed(ValueError("memory"))
+
+
+# ------------------------------------------- files of the wrong kind: checkpoints and data
+@pytest.mark.parametrize("content, says", [
+    (b"", "is empty (0 bytes), not a checkpoint"),
+    (b"lr: 0.1\nmax_update: 4\n", "is a text file (YAML?), first line 'lr: 0.1', not a checkpoint"),
+])
+def test_restore_file_that_is_empty_or_yaml_is_named(data, tmp_path, content, says):
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(content)
+    proc = run_cli(mnist_args(data, tmp_path / "out", "--restore-file", bad, max_update=2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and str(bad) in errors[0] and says in errors[0], proc.stderr[-3000:]
+
+
+def test_resume_from_an_empty_checkpoint_last_is_named(data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint_last.pt").write_bytes(b"")  # a run killed as the file system filled, say
+    proc = run_cli(mnist_args(data, out, "--resume", max_update=2))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and f"{out / 'checkpoint_last.pt'} is empty (0 bytes)" in errors[0], errors
+
+
+@pytest.mark.parametrize("content, says", [(b"", "is empty (0 bytes), not an HDF5 file"),
+                                           (b"input_ids,input_mask\n1,2\n", "is a text file, first line")])
+def test_bert_shard_that_is_empty_or_text_is_named(bert_data, tmp_path, content, says):  # noqa: F811
+    copy = tmp_path / "copy"
+    shutil.copytree(bert_data, copy)
+    shard = sorted((copy / "shards").glob("*train*.hdf5"))[0]
+    shard.write_bytes(content)
+    proc = run_cli(bert_args(copy, tmp_path / "out", max_update=2), timeout=200)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and str(shard) in errors[0] and says in errors[0], proc.stderr[-3000:]
+
+
+def test_mnist_file_that_is_empty_is_named(tmp_path):
+    copy = tmp_path / "mnist"
+    write_mnist(copy, n_train=32, n_test=8, seed=1)
+    images = copy / "train-images-idx3-ubyte.gz"
+    images.write_bytes(b"")
+    proc = run_cli(mnist_args(copy, tmp_path / "out", max_update=1))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and f"{images} is empty (0 bytes)" in errors[0], proc.stderr[-3000:]
+
+
+# ------------------------------------------------ metrics.jsonl on a full disk
+@pytest.mark.timeout(300)
+def test_metrics_jsonl_on_a_really_full_disk_exits_74_with_one_line(data, tmp_path):
+    out = tmp_path / "disk"
+    with small_disk(out, 16) as kind:
+        # no checkpoint before the disk is full: the metrics' append is the write that fails
+        args = mnist_args(data, out, "--log-interval", "1", "--max-sentences", "2", "--save-interval-updates", "0",
+                          *LONG, max_update=1000000)
+        preexec = None if kind == "tmpfs" else file_size_limit(8 << 10)  # metrics.jsonl reaches it first
+        run = Run(args, preexec_fn=preexec)
+        try:
+            run.wait_for_update(2)
+            if kind == "tmpfs":
+                filler = fill(out, 0)
+            rc = run.finish(200)
+        finally:
+            run.kill()
+        assert rc == 74, run.stderr[-3000:]
+        errors = error_lines(run.stderr)
+        assert len(errors) == 1, run.stderr[-3000:]
+        reason = "No space left on device" if kind == "tmpfs" else "File too large"
+        assert f"could not write {out / 'metrics.jsonl'} ({reason})" in errors[0], errors[0]
+        assert "Exception ignored" not in run.stderr
+        assert not (out / "run.lock").exists()
+        if kind == "tmpfs":
+            filler.unlink()
+        # the lines written before are kept (the last may be cut where the disk filled)
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        assert lines and all(json.loads(line)["kind"] == "train" for line in lines[:-1])
+
+
+# ------------------------------------------- the save directory made read-only
+# capabilities that let root write through mode bits (linux/capability.h)
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 1, 2, 3
+
+
+def without_root_overrides():
+    """preexec_fn for a child that mode bits bind: the tests run as root here,
+    and root writes into a 0555 directory. Not another user: this Python
+    lives under /root (0700), which 'nobody' cannot enter. Root without
+    CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and CAP_FOWNER is held to the mode
+    bits as any owner is (dropped from the bounding set; root's inheritable
+    set is empty, so the exec'd program does not get them back)."""
+    if os.geteuid() != 0:
+        return None
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def drop():
+        for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER):
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+    return drop
+
+
+@pytest.mark.timeout(300)
+def test_save_dir_made_read_only_mid_run_exits_74_with_one_line(data, tmp_path):
+    preexec = without_root_overrides()
+    locked = tmp_path / "probe"
+    locked.mkdir(mode=0o555)
+    probe = subprocess.run([sys.executable, "-c", f"open({str(locked / 'x')!r}, 'w')"], preexec_fn=preexec,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "Permission denied" in probe.stderr, "the child still writes through chmod"
+    out = tmp_path / "out"
+    run = Run(mnist_args(data, out, "--save-interval-updates", "3", "--log-interval", "1", *LONG,
+                         max_update=1000000), preexec_fn=preexec)
+    try:
+        run.wait_for(lambda: (out / "checkpoint_1_3.pt").exists(), what="the first checkpoint")
+        out.chmod(0o555)  # an operator, or a quota script, takes the directory away
+        rc = run.finish(200)
+    finally:
+        run.kill()
+        out.chmod(0o755)
+    assert rc == 74, run.stderr[-3000:]
+    errors = error_lines(run.stderr)
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert "Permission denied" in errors[0] and str(out) in errors[0], errors[0]
+    assert re.search(r"last good checkpoint is \S*checkpoint_(last|1_3)\.pt", errors[0]), errors[0]
+    assert load_checkpoint(out / "checkpoint_1_3.pt")["train"]["num_updates"] == 3  # kept, whole
+
+
+# ------------------------------------------------ a file:// rendezvous, a rank killed
+@pytest.mark.timeout(300)
+def test_rank_killed_over_a_file_rendezvous_names_the_file(data, tmp_path):
+    """Two ranks started by hand over a file:// rendezvous; rank 1 killed
+    (kill -9). Rank 0 stops with one line naming the rendezvous file that the
+    dead run leaves behind (a rerun that finds it stale fails to meet)."""
+    rendezvous = tmp_path / "rendezvous"
+    ranks = [Run(mnist_args(data, tmp_path / f"out{rank}", "--log-interval", "1", "--distributed-no-spawn",
+                            "--distributed-init-method", f"file://{rendezvous}", "--distributed-world-size", "2",
+                            "--distributed-rank", rank, *LONG, max_update=1000000))
+             for rank in (0, 1)]
+    try:
+        ranks[0].wait_for_update(2)
+        ranks[1].proc.send_signal(signal.SIGKILL)
+        rc = ranks[0].finish(200)
+    finally:
+        for run in ranks:
+            run.kill()
+    assert rc == 1, ranks[0].stderr[-3000:]
+    errors = error_lines(ranks[0].stderr)
+    assert len(errors) == 1, ranks[0].stderr[-3000:]
+    assert "rank 0: another process of this run died or is unreachable" in errors[0], errors[0]
+    assert f"if the rendezvous file {rendezvous} was left by an earlier run, delete it and rerun" in errors[0]
+    assert rendezvous.exists()  # what the line is about: the killed run leaves it behind
+
+
+# ------------------------------------------------ a child whose parent is already gone
+ORPHAN_SCRIPT = r"""
+import ctypes, os, time
+from textbox_like.distributed import die_with_parent
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans below come to this process
+reaper = os.getpid()
+launcher = os.fork()
+if launcher == 0:
+    preexec = die_with_parent()  # what Popen runs in the child, made in the launcher
+    child = os.fork()
+    if child == 0:
+        while os.getppid() != reaper:  # the launcher died between the fork and the prctl
+            time.sleep(0.01)
+        preexec()
+        os._exit(0)  # would train on, an orphan
+    os._exit(0)
+os.waitpid(launcher, 0)
+_, status = os.wait()
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_child_of_a_parent_that_died_before_the_prctl_stops():
+    """PR_SET_PDEATHSIG set after the parent died never fires: the preexec
+    sees it was reparented and stops the child (143) before it starts."""
+    proc = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], capture_output=True, text=True, env=clean_env(),
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["143"], proc.stdout + proc.stderr

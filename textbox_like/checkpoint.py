@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import UserError
 from .faults import SaveFailed, failed_writing, os_reason
-from .fileio import atomic_copy, atomic_write
+from .fileio import atomic_copy, atomic_write, what_file_holds
 
 FORMAT = "textbox_like-checkpoint-2"
 
@@ -137,6 +137,9 @@ def load_checkpoint(path, verify=True) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; check the path")
+    kind = what_file_holds(path)
+    if not kind.startswith("a zip archive"):  # what torch.save writes
+        raise UserError(f"checkpoint {path} is {kind}, not a checkpoint; pass a checkpoint_*.pt file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # truncated, foreign pickle, not a zip file ...

@@ -283,13 +283,22 @@ def _cgroup_cpu_quota():
 
 
 def die_with_parent():
-    """In a child (``preexec_fn``): get SIGTERM (save and stop) if the
-    launcher is killed, instead of training on as an orphan."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    """A ``preexec_fn`` for a child of this process (this thread: the kernel
+    ties PR_SET_PDEATHSIG to the thread that forks): SIGTERM (save and stop)
+    when the parent dies, instead of training on as an orphan; a parent that
+    died between the fork and the prctl has already gone, so the child
+    stops before it starts."""
+    parent = os.getpid()
+
+    def preexec():
+        try:
+            import ctypes
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except Exception:
+            return
+        if os.getppid() != parent:  # reparented already: the signal will never come
+            os._exit(128 + signal.SIGTERM)
+    return preexec
 
 
 def spawn(placements, cfg):
@@ -320,7 +329,7 @@ def _supervise(placements, argv, timeout):
                     "MASTER_ADDR": p.master_addr, "TEXTBOX_LIKE_INIT_METHOD": p.init_method})
         if p.master_port:
             env["MASTER_PORT"] = p.master_port
-        children.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent))
+        children.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent()))
 
     def forward(signum, _frame):
         for child in children:

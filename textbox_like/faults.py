@@ -31,6 +31,14 @@ class DataCorrupt(RunStopped):
     exit_code = 65  # EX_DATAERR
 
 
+class OutOfMemory(RunStopped):
+    """An allocation failed during training (host or device memory): the
+    state of the last completed update is saved where it can be (one
+    process); a retry of the same command would fail again at the same
+    batch, so not 75."""
+    exit_code = 71  # EX_OSERR
+
+
 class StoppedEarly(RunStopped):
     """A SIGTERM/SIGUSR1 arrived before training started: nothing to save."""
     exit_code = 75  # EX_TEMPFAIL
@@ -67,6 +75,73 @@ def failed_writing(exc: BaseException) -> bool:
         return any(isinstance(link, OSError) for link in _chain(exc)) or any(
             s in text for s in ("inline_container", "PytorchStreamWriter", "unexpected pos", "iostream error"))
     return False
+
+
+def allocation_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is how an allocation fails: Python's or numpy's
+    MemoryError, torch's OutOfMemoryError (CUDA, MPS), or the RuntimeError of
+    torch's CPU allocator ('DefaultCPUAllocator: can't allocate memory')."""
+    if isinstance(exc, MemoryError):
+        return True
+    import torch
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("can't allocate memory", "Cannot allocate memory", "out of memory"))
+
+
+def allocation_reason(exc: BaseException) -> str:
+    """The allocator's own words, short: 'DefaultCPUAllocator: can't allocate
+    memory: you tried to allocate 123 bytes' rather than its enforce prefix."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    for start in ("DefaultCPUAllocator", "CUDA out of memory"):
+        if start in text:
+            text = text[text.index(start):]
+    return text.split(". Error code")[0].split(" Of the allocated")[0][:200].rstrip(". ")
+
+
+DELAY_ENV = "TEXTBOX_LIKE_TEST_DELAY"
+
+
+def test_delay(where: str) -> float:
+    """Seconds to wait at ``where`` ('start': while loading the data, after
+    the save directory's lock; 'save': before each save) under
+    ``TEXTBOX_LIKE_TEST_DELAY=start=30,save=4``, else 0. Test-only: a slow
+    file system, so that a test's signal surely arrives at that moment."""
+    import os
+    for item in os.environ.get(DELAY_ENV, "").split(","):
+        name, _, seconds = item.partition("=")
+        if name.strip() == where:
+            return float(seconds)
+    return 0.0
+
+
+MEMORY_LIMIT_ENV = "TEXTBOX_LIKE_TEST_MEMORY_LIMIT"
+
+
+def memory_limit_hook():
+    """(megabytes, update) under ``TEXTBOX_LIKE_TEST_MEMORY_LIMIT=MB@UPDATE``,
+    else None: a test-only hook that makes host allocations really fail
+    (see :func:`limit_address_space`), as a machine whose memory runs out does."""
+    import os
+    text = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    megabytes, _, update = text.partition("@")
+    return int(megabytes), int(update or 0)
+
+
+def limit_address_space(extra_megabytes: int) -> None:
+    """Lower this process's soft RLIMIT_AS to its current size plus
+    ``extra_megabytes``: from here on the kernel refuses mappings beyond it,
+    and malloc and torch's CPU allocator fail for real (the test hook above)."""
+    import resource
+    with open("/proc/self/statm") as handle:
+        size = int(handle.read().split()[0]) * resource.getpagesize()
+    soft = size + (extra_megabytes << 20)
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 class HostCopy:

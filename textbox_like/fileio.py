@@ -6,11 +6,15 @@ The content goes to a temporary file in the target's directory, is flushed
 and fsynced, then renamed over the target, and the directory is fsynced: a
 crash at any moment leaves either the old or the new file. A failure (a full
 disk, a removed directory) leaves no temporary file behind and re-raises.
+
+:func:`what_file_holds` names what a file a user passed really is (empty,
+text, HDF5, a zip archive ...), for the one line that refuses it.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -80,3 +84,32 @@ def atomic_copy(source, target, make_parents=True) -> Path:
         with open(source, "rb") as src:
             shutil.copyfileobj(src, handle, 1 << 22)
     return atomic_write(target, copy, make_parents=make_parents)
+
+
+# leading bytes -> what a file of them is
+MAGIC = ((b"PK\x03\x04", "a zip archive (a torch checkpoint?)"), (b"\x89HDF\r\n\x1a\n", "an HDF5 file"),
+         (b"\x1f\x8b", "gzip-compressed data"), (b"\x80", "a pickle (an old torch.save format?)"),
+         (b"\x93NUMPY", "a numpy .npy array"))
+
+
+def what_file_holds(path) -> str:
+    """What ``path`` is, from its first bytes, for an error line: 'empty (0
+    bytes)', 'text (YAML?), first line ...', 'an HDF5 file', 'a zip archive
+    (a torch checkpoint?)', ... or 'binary data'."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4096)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if not head:
+        return "empty (0 bytes)"
+    for magic, kind in MAGIC:
+        if head.startswith(magic):
+            return kind
+    if b"\0" not in head:
+        text = head.decode("utf-8", errors="ignore")
+        if text.strip() and len(text) >= len(head) - 3:  # allow a character cut at the 4096th byte
+            first = text.strip().splitlines()[0][:60]
+            yaml_like = re.match(r"^[\w.-]+\s*:", first) or first.startswith(("---", "- "))
+            return f"a text file{' (YAML?)' if yaml_like else ''}, first line {first!r}"
+    return "binary data"

@@ -125,8 +125,24 @@ class Logger:
         self.jsonl.close()
         kept = [line for line in path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("update", 0) <= update]
-        atomic_write_text(path, "".join(line + "\n" for line in kept))
+        try:
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
+        except OSError as exc:
+            self.jsonl = open(path, "a", buffering=1)
+            self.jsonl_failed(exc)
         self.jsonl = open(path, "a", buffering=1)
+
+    def jsonl_failed(self, exc):
+        """metrics.jsonl could not be written: one line (SaveFailed, exit 74);
+        the file is closed here, so that nothing retries the failed write at exit."""
+        from .faults import SaveFailed, os_reason
+        path, handle, self.jsonl = self.jsonl.name, self.jsonl, None
+        try:
+            handle.close()  # closes the file even when flushing the failed line fails again
+        except OSError:
+            pass
+        raise SaveFailed(f"could not write {path} ({os_reason(exc)}); stopping: the checkpoints saved so far are "
+                         f"kept; free space, then rerun with --resume") from None
 
     def info(self, message, everywhere=False):
         """A line for people (rank 0's; ``everywhere``: any rank's, for what only that rank knows)."""
@@ -179,7 +195,10 @@ class Logger:
     def record(self, kind, record: dict):
         """One record to metrics.jsonl and the trackers."""
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+            try:
+                self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+            except OSError as exc:  # a full disk, a file size limit: a fault like a checkpoint's
+                self.jsonl_failed(exc)
         if self.accelerator is not None and self.accelerator.trackers:
             from .trackers import scalars
             self.accelerator.log(scalars(kind, record), step=record.get("update"))

@@ -67,6 +67,7 @@ class Preemption:
         self.every = max(1, every)
         self._pending = None
         self.started = False     # set when training begins
+        self.absorbed = 0        # signals that arrived while the stop was under way
         for sig in SIGNALS:
             try:
                 signal.signal(sig, self._handler)
@@ -76,7 +77,9 @@ class Preemption:
     def _handler(self, signum, frame):
         if not self.started:
             _stop_now(signum, frame)
-        if not self.requested:  # a second signal changes nothing: the stop under way completes
+        if self.requested:  # a second signal changes nothing: the stop under way completes
+            self.absorbed += 1
+        else:
             self.requested = True
             self.signal = signal.Signals(signum).name
 
@@ -112,5 +115,6 @@ class Preemption:
 
     def message(self, saved: bool) -> str:
         return (f"stopped by {self.signal or 'a signal'}"
+                + (f" ({self.absorbed} more signal(s) during the stop, absorbed)" if self.absorbed else "")
                 + ("; checkpoint_last.pt saved: rerun the same command with --resume" if saved
                    else "; nothing was saved (--no-save or --no-last-checkpoints)"))

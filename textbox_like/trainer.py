@@ -32,8 +32,9 @@ from . import distributed
 from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_state
 from .config import to_yaml
 from .errors import UserError
-from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, RunStopped, SaveFailed, check_writable,
-                     failed_writing, os_reason)
+from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, OutOfMemory, RunStopped, SaveFailed,
+                     allocation_failed, allocation_reason, check_writable, failed_writing, memory_limit_hook,
+                     os_reason, test_delay)
 from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -226,6 +227,7 @@ class Trainer:
         cfg, task = self.cfg, self.task
         # once per run, then once per node (nodes may not share a file system),
         # on a long-timeout group: preparing data can take long
+        time.sleep(test_delay("start"))  # test-only: slow data
         with distributed.main_then_local_main_first(self.accelerator):
             task.prepare_data()
         self.train_data = task.build_dataset(cfg.data.train_subset)
@@ -375,6 +377,10 @@ class Trainer:
             probe = probe or balance.UnlimitedMemory()
         self.memory = balance.MemoryGuard(probe, self.micro_cap) if probe is not None else None
         self.slow = balance.slow_rank(self.rank)
+        self.memory_hook = memory_limit_hook()  # test-only: allocations fail for real from an update on
+        self.slow_save = test_delay("save")  # test-only: a slow file system
+        self.stepping = False  # in the optimizer's step
+        self.update_offset = None  # where the update under way started reading, while it runs
         self.all_reducing = False  # in the backward that all-reduces (an out-of-memory there is not retried)
 
     def timer_window(self, consumer) -> dict:
@@ -399,16 +405,19 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.restore()
         self.start()
+        self.apply_memory_hook()
         while self.stop_reason() is None:
             self.begin_epoch()
             snapshot = False
             for micro_batches, totals in self.updates_of_this_epoch():
-                if not self.train_step(micro_batches, totals):
+                stepped, self.update_offset = self.train_step(micro_batches, totals), None  # the update is over
+                if not stepped:
                     continue  # skipped (not finite, or the loss scaler's overflow): nothing moved
                 snapshot = self.crossed_snapshot(totals["nsamples"])
                 self.log_train()
                 self.rebalance()
                 self.preemption.poll(state.num_updates)
+                self.apply_memory_hook()
                 if self.end_of_epoch():
                     break  # the epoch's own validation and save follow
                 stopping = self.stop_reason() is not None
@@ -477,7 +486,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.skip_nonfinite(float(self.gnorm))
             return False
+        self.stepping = True  # an allocation failing in here leaves the weights half-updated
         self.optimizer.step()
+        self.stepping = False
         self.optimizer.zero_grad(set_to_none=True)
         if acc.scaler is not None and acc.optimizer_step_was_skipped:
             state.skipped_updates += 1  # float16 overflow: the scaler lowered its scale and skipped
@@ -654,10 +665,12 @@ class Trainer:
         self.settle()  # the previous update: long computed, so this does not stall the device
         inner = self.optimizer.optimizer
         inner.found_inf = (~self.gnorm.isfinite()).to(torch.float32)
+        self.stepping = True
         try:
             self.optimizer.step()
         finally:
             del inner.found_inf
+        self.stepping = False
         self.optimizer.zero_grad(set_to_none=True)
         self.unsettled, self.unsettled_samples = HostCopy(self.gnorm), 0
         state.num_updates += 1
@@ -775,6 +788,7 @@ class Trainer:
                 raise failure
             if not micro_batches:
                 return
+            self.update_offset = offset  # an update that fails (out of memory) is redone from here
             totals = {"nsamples": sum(count for _, count in micro_batches)}
             totals.update((name, max(count, 1)) for name, count in zip(task.denominators, counts))
             yield micro_batches, totals
@@ -783,6 +797,53 @@ class Trainer:
         """Where the next update's data starts (the same on every rank)."""
         return {"epoch": int(self.iterator.epoch), "offset": int(self.iterator.offset),
                 "update": int(self.state.num_updates)}
+
+    def apply_memory_hook(self):
+        """TEXTBOX_LIKE_TEST_MEMORY_LIMIT (tests only): from its update on,
+        the process may grow by so many megabytes (faults.limit_address_space)."""
+        if self.memory_hook is not None and self.state.num_updates == self.memory_hook[1]:
+            from .faults import limit_address_space
+            limit_address_space(self.memory_hook[0])
+
+    def out_of_memory(self, exc) -> RunStopped | UserError:
+        """What an allocation that failed in the loop means: before the first
+        update of this run, a batch too large (2); later, a stop (71) that
+        saves the last completed update's state, where one process holds it
+        all and the optimizer's step was not interrupted."""
+        reason = allocation_reason(exc)
+        update = self.state.num_updates + 1
+        batch = batch_size_option(self.cfg, self.batch_sizes[self.rank])
+        if self.state.num_updates == getattr(self, "updates_at_start", self.state.num_updates):
+            return UserError(f"out of memory at the first update ({reason}); lower {batch}")
+        where = f"at update {update}" if self.update_offset is not None else f"after update {update - 1}"
+        stop = OutOfMemory(f"out of memory {where} on rank {self.rank} ({reason})")
+        stop.saves_state = self.world == 1 and not self.stepping
+        if stop.saves_state:
+            stop.after_save = f"; saved the state after update {update - 1}: rerun with --resume and a lower {batch}"
+        else:
+            last = self.checkpoints.newest_good()
+            why = "the optimizer step was interrupted" if self.stepping else "the other ranks are mid-update"
+            stop.after_save = (f"; not saved ({why}); lower {batch} and rerun"
+                               + (f" with --resume from {last}" if last else ""))
+        return stop
+
+    def save_on_fault(self, exc):
+        """The state before the update that failed, saved on the way out
+        (a data file that failed, an allocation)."""
+        if isinstance(exc, OutOfMemory):
+            import gc
+            gc.collect()  # the failed update's activations, held by reference cycles
+            if self.update_offset is not None:  # failed within an update (not validating or saving after one)
+                self.iterator.offset = self.update_offset  # redone from its start after --resume
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.accelerator.device.type == "cuda":
+                import torch
+                torch.cuda.empty_cache()
+        else:
+            # the position kept in the checkpoint: a retry failing at the same
+            # place is known for damage at rest (DataCorrupt, exit 65)
+            self.checkpoints.metadata["data_failure"] = self.data_position()
+        self.save(end_of_epoch=False, is_best=False, final=True)
 
     def end_of_epoch(self) -> bool:
         cap = self.cfg.data.num_iters_per_epoch
@@ -863,6 +924,7 @@ class Trainer:
             raise Diverged(f"the weights are not finite at update {self.state.num_updates}; not saving them. "
                            f"The last finite checkpoint is {self.checkpoints.newest_good()}")
         failure = None
+        time.sleep(self.slow_save)
         try:
             self.checkpoints.save(names)
         except SaveFailed as exc:
@@ -1086,6 +1148,7 @@ class Trainer:
         groups = self.optimizer.optimizer.param_groups
         self.skips_on_device = acc.scaler is None and all(g.get("fused") for g in groups)
         self.model.train()
+        self.updates_at_start = state.num_updates  # an allocation failing before the next one fails the batch size
         self.preemption.started = True  # from here a signal saves and stops; before, it stops at once
 
     def finish(self) -> int:
@@ -1227,15 +1290,50 @@ def crosses(before: int, after: int, interval: int) -> bool:
     return interval > 0 and after // interval > before // interval
 
 
+def batch_size_option(cfg, batch_size) -> str:
+    """The option that sets the batch an allocation failed for, and its value."""
+    data = cfg.data
+    if data.global_batch_size:
+        return f"--max-sentences (each micro-batch; now {data.max_sentences or data.global_batch_size}) " \
+               f"or --global-batch-size (now {data.global_batch_size})"
+    if data.max_tokens:
+        return f"--max-tokens (now {data.max_tokens})"
+    return f"--max-sentences (now {batch_size})"
+
+
+def build_trainer(cfg):
+    """A Trainer; an allocation failing while the data and the model are built is one line (2)."""
+    try:
+        return Trainer(cfg)
+    except Exception as exc:
+        if isinstance(exc, (UserError, RunStopped)) or not allocation_failed(exc):
+            raise
+        message = (f"out of memory while loading the data and building the model ({allocation_reason(exc)}); "
+                   f"lower {batch_size_option(cfg, cfg.data.max_sentences)}, or use a smaller model")
+    raise UserError(message)  # outside the handler: the failed allocation's frames are released
+
+
+def train_or_stop(trainer) -> int:
+    """trainer.train(); an allocation failing in it is a RunStopped (or, at the first update, a UserError)."""
+    try:
+        return trainer.train()
+    except Exception as exc:
+        if isinstance(exc, (UserError, RunStopped)) or not allocation_failed(exc):
+            raise
+        stop = trainer.out_of_memory(exc)
+        exc.__traceback__ = None  # its frames hold the failed update's tensors
+    raise stop
+
+
 def train(cfg) -> int:
-    return run(Trainer(cfg))
+    return run(build_trainer(cfg))
 
 
 def run(trainer) -> int:
     """Train; a fault ends as one line and its exit code, a lost peer as an
     emergency checkpoint and 75 (elastic.py)."""
     try:
-        return trainer.train()
+        return train_or_stop(trainer)
     except Exception as exc:
         if isinstance(exc, RunStopped) or not (trainer.preemption.started and distributed.lost_peer(exc)):
             return trainer_stopped(trainer, exc)
@@ -1250,17 +1348,22 @@ def trainer_stopped(trainer, exc) -> int:
     if not isinstance(exc, RunStopped):
         raise exc
     message = str(exc)
-    if isinstance(exc, DataUnavailable):
-        # the position was rewound to the failing update's start: save it, and
-        # a rerun with --resume (a requeue) continues without skipping a sample;
-        # the position is kept in the checkpoint, so that a retry failing at
-        # the same place is known for damage at rest (DataCorrupt, exit 65)
+    if getattr(exc, "saves_state", isinstance(exc, DataUnavailable)):
+        # a data failure rewound the position to the failing update's
+        # start: saved, a rerun with --resume (a requeue) continues
+        # without skipping a sample
         try:
-            trainer.checkpoints.metadata["data_failure"] = trainer.data_position()
-            trainer.save(end_of_epoch=False, is_best=False, final=True)
-            message += "; saved the state before it: rerun with --resume once the data is back"
+            trainer.save_on_fault(exc)
+            message += getattr(exc, "after_save", "; saved the state before it: rerun with --resume once "
+                                                  "the data is back")
         except RunStopped as stop:  # the save found divergence, or could not write
             exc, message = stop, str(stop)
+        except Exception as again:
+            if not allocation_failed(again):
+                raise
+            message += f"; saving failed too ({allocation_reason(again)})"
+    else:
+        message += getattr(exc, "after_save", "")
     # every rank stops together here, so leaving the group is safe (see cli.run)
     distributed.cleanup()
     print(f"error: {message}", file=sys.stderr)

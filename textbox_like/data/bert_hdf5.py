@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..faults import DataUnavailable, os_reason
+from ..fileio import what_file_holds
 from .base import BatchDataset, shuffled_blocks
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
@@ -95,6 +96,10 @@ def _open(path):
     try:
         return h5py_file(path)
     except (OSError, ValueError) as exc:
+        kind = what_file_holds(path)
+        if kind != "an HDF5 file":
+            raise UserError(f"shard {str(path)!r} is {kind}, not an HDF5 file; "
+                            f"recreate it with python -m textbox_like.data.prepare_bert") from None
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"shard {str(path)!r} is not a readable HDF5 file ({first}); "
                         f"recreate it with python -m textbox_like.data.prepare_bert") from None

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from ..fileio import what_file_holds
 from .base import BatchDataset
 
 FILES = {
@@ -103,6 +104,10 @@ def read_idx(path: Path) -> np.ndarray:
             raise ValueError(f"holds {data.size} values, header says {shape}")
         return data.reshape(shape)
     except (OSError, ValueError, EOFError, struct.error) as exc:
+        kind = what_file_holds(path)
+        if kind.startswith(("empty", "a text file", "an HDF5", "a zip")):
+            raise UserError(f"{path} is {kind}, not an MNIST idx file; replace it or point --data elsewhere") \
+                from None
         raise UserError(f"{path} is not a valid MNIST idx file ({exc}); replace it or point --data elsewhere") from None
 
 

@@ -285,7 +285,7 @@ class Handle:
         self._err = open(self.save_dir / "stderr.log", "a")
         self.child = subprocess.Popen([sys.executable, "-c", TRAINER, str(resolved)], stdout=self._out,
                                       stderr=self._err, env=trainer_env(env),
-                                      start_new_session=True, preexec_fn=die_with_parent)
+                                      start_new_session=True, preexec_fn=die_with_parent())
 
     @property
     def pid(self):
