@@ -302,3 +302,22 @@ def test_validation_batches_default_to_four_times_the_training_batch():
     from textbox_like.trainer import valid_batch_size
     assert valid_batch_size(parse(MNIST).data) == 32                               # --max-sentences 8
     assert valid_batch_size(parse(MNIST + ["--max-sentences-valid", "5"]).data) == 5
+
+
+def test_another_optimizer_says_which_lr_it_uses_and_why(small_mnist_dir, tmp_path, capfd):
+    """--optimizer adadelta without --lr: the task's 0.003 is Adam's; the start
+    line says that adadelta's own default (1.0) is used instead."""
+    from conftest import base_args, run_main
+    capfd.readouterr()
+    assert run_main(base_args(small_mnist_dir, tmp_path / "o", "--optimizer", "adadelta", "--disable-validation",
+                              "--log-format", "simple", max_update=2)) == 0
+    captured = capfd.readouterr()
+    start = [line for line in (captured.out + captured.err).splitlines() if line.startswith("task mnist")]
+    assert len(start) == 1, captured.err[-2000:]
+    assert "| adadelta lr 1.0 (adadelta's default; the 0.003 of properties/task/mnist.yaml is for adam; " \
+           "pass --lr to choose) |" in start[0]
+    capfd.readouterr()
+    assert run_main(base_args(small_mnist_dir, tmp_path / "p", "--optimizer", "adadelta", "--lr", "0.5",
+                              "--disable-validation", "--log-format", "simple", max_update=1)) == 0
+    captured = capfd.readouterr()
+    assert "| adadelta lr 0.5 (command line) |" in captured.out + captured.err

@@ -960,6 +960,7 @@ class Trainer:
         return settings
 
     def start(self):
+        from .optim import lr_explained
         cfg, acc = self.cfg, self.accelerator
         # every node has its own command line: settings that change the
         # numbers or the order of collectives must agree, or the replicas
@@ -983,6 +984,7 @@ class Trainer:
         self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
                       f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})" if acc.device.type == "cpu" else "")
                       + f" | precision {acc.mixed_precision}"
+                      + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                       + (f" ({sources})" if sources else "")
                       + f" | {batches} | train {len(self.train_data):,} samples"
                       + (" (in memory: read inline, --num-workers not needed)"
