@@ -1020,8 +1020,8 @@ class Trainer:
         self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
                       f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})" if acc.device.type == "cpu" else "")
                       + f" | precision {acc.mixed_precision}"
-                      + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                       + (f" ({sources})" if sources else "")
+                      + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                       + f" | {batches} | train {len(self.train_data):,} samples"
                       + (" (in memory: read inline, --num-workers not needed)"
                          if cfg.data.num_workers and not self.iterator.num_workers else ""))
