@@ -996,7 +996,6 @@ class Trainer:
         return settings
 
     def start(self):
-        from .optim import lr_explained
         cfg, acc = self.cfg, self.accelerator
         # every node has its own command line: settings that change the
         # numbers or the order of collectives must agree, or the replicas
@@ -1010,21 +1009,9 @@ class Trainer:
 
             from .trackers import hyperparameters
             acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
-        sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
         if self.balancer is not None:
             self.balancer.start(self.state.num_updates)
-            batches = (f"global batch {self.balancer.total}{' (balanced)' if self.balancer.enabled else ''} | "
-                       f"batch sizes per rank {self.balancer.split} | micro-batch caps {self.micro_caps}")
-        else:
-            batches = f"batch sizes per rank {self.batch_sizes}"
-        self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
-                      f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})" if acc.device.type == "cpu" else "")
-                      + f" | precision {acc.mixed_precision}"
-                      + (f" ({sources})" if sources else "")
-                      + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
-                      + f" | {batches} | train {len(self.train_data):,} samples"
-                      + (" (in memory: read inline, --num-workers not needed)"
-                         if cfg.data.num_workers and not self.iterator.num_workers else ""))
+        self.log.info(self.start_line())
         state = self.state
         state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
         # the wall-clock log schedule (schedule_time_log) learns the pace at
@@ -1040,6 +1027,26 @@ class Trainer:
         self.skips_on_device = acc.scaler is None and all(g.get("fused") for g in groups)
         self.model.train()
         self.preemption.started = True  # from here a signal saves and stops; before, it stops at once
+
+    def start_line(self) -> str:
+        """What the run is: task, size, devices, precision and where it was
+        chosen, optimizer and lr (and why that lr), batches, data."""
+        from .optim import lr_explained
+        cfg, acc = self.cfg, self.accelerator
+        sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
+        if self.balancer is not None:
+            batches = (f"global batch {self.balancer.total}{' (balanced)' if self.balancer.enabled else ''} | "
+                       f"batch sizes per rank {self.balancer.split} | micro-batch caps {self.micro_caps}")
+        else:
+            batches = f"batch sizes per rank {self.batch_sizes}"
+        return (f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
+                f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})"
+                                          if acc.device.type == "cpu" else "")
+                + f" | precision {acc.mixed_precision}" + (f" ({sources})" if sources else "")
+                + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
+                + f" | {batches} | train {len(self.train_data):,} samples"
+                + (" (in memory: read inline, --num-workers not needed)"
+                   if cfg.data.num_workers and not self.iterator.num_workers else ""))
 
     def finish(self) -> int:
         self.settle()
