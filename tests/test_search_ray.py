@@ -5,6 +5,7 @@ GPUs that are not there. Skipped only where ray is not installed."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -27,9 +28,27 @@ def tiny_mnist(tmp_path_factory):
     return directory
 
 
+def ray_temp_dir(cwd) -> Path:
+    """The Ray temp dir of the test running in ``cwd``: under /tmp, as Ray's
+    socket paths must stay short (not under pytest's long tmp_path)."""
+    return Path(f"/tmp/ray_tbl_test_{abs(hash(str(cwd))) % 10 ** 6}")
+
+
+@pytest.fixture(autouse=True)
+def ray_temp_dir_removed(tmp_path):
+    """After each test its Ray instance is gone and so is its temp dir."""
+    temp = ray_temp_dir(tmp_path)
+    yield temp
+    deadline = time.time() + 60
+    while not no_ray_left(tmp_path) and time.time() < deadline:   # a raylet still exiting keeps files open
+        time.sleep(0.5)
+    shutil.rmtree(temp, ignore_errors=True)
+    assert not temp.exists(), f"{temp} is left behind"
+
+
 def script(name, args, cwd, timeout=300, **env):
     e = clean_env()
-    e["TEXTBOX_LIKE_RAY_TMP"] = f"/tmp/ray_tbl_test_{abs(hash(str(cwd))) % 10 ** 6}"
+    e["TEXTBOX_LIKE_RAY_TMP"] = str(ray_temp_dir(cwd))
     e.update(env)
     return subprocess.run([sys.executable, str(REPO / name), *map(str, args)], cwd=cwd, env=e,
                           capture_output=True, text=True, timeout=timeout)
@@ -128,7 +147,7 @@ def test_ray_search_stopped_by_ctrl_c_resumes_with_resume(tmp_path, tiny_mnist):
             "--max-epoch", "10", "--validate-interval-updates", "20", "--save-interval-updates", "4",
             "--log-interval", "4", *TRAIN]
     e = clean_env()
-    e["TEXTBOX_LIKE_RAY_TMP"] = f"/tmp/ray_tbl_test_{abs(hash(str(tmp_path))) % 10 ** 6}"
+    e["TEXTBOX_LIKE_RAY_TMP"] = str(ray_temp_dir(tmp_path))
     search = subprocess.Popen([sys.executable, str(REPO / "run_hyper.py"), *map(str, args)], cwd=tmp_path, env=e,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 240

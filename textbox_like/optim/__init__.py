@@ -8,6 +8,7 @@ module. Heavy imports stay inside ``build``.
 """
 import importlib
 import pkgutil
+from pathlib import Path
 
 from ..errors import UserError, closest
 from ..registry import Registry
@@ -220,6 +221,36 @@ def resolve_optim_conf(ns, sources, conf_sources, layer_values, builtin_optimize
             elif hasattr(ns, dest):
                 setattr(ns, dest, list(conf[key]) if isinstance(conf[key], tuple) else conf[key])
     return conf
+
+
+def lr_explained(cfg) -> str:
+    """The learning rate a run uses and why, for its start line: a properties
+    file's lr is meant for the optimizer that file names, so another
+    optimizer (when the user gave no --lr) starts from its own default
+    (resolve_optim_conf), which a user reading only the task's file would
+    not expect."""
+    lr = cfg.optim.optim_conf.get("lr", cfg.optim.lr[0] if cfg.optim.lr else None)
+    if lr is None:
+        return "lr: none (this optimizer takes none)"
+    if cfg.given("lr"):
+        return f"lr {float(lr)} ({cfg.source('lr')})"
+    source = cfg.source("lr")
+    spec = OPTIMIZERS.get(cfg.optim.optimizer)
+    own = spec.default_lr if spec.default_lr is not None else spec.defaults().get("lr")
+    meant_lr, meant_for = None, None
+    name = "default"
+    if source != "default" and Path(source).is_file():
+        from ..config import PROPERTIES
+        path = Path(source)
+        name = str(path.relative_to(PROPERTIES.parent)) if path.is_relative_to(PROPERTIES.parent) else path.name
+        import yaml
+        layer = yaml.safe_load(Path(source).read_text()) or {}
+        meant_lr, meant_for = layer.get("lr"), layer.get("optimizer")
+        meant_lr = meant_lr[0] if isinstance(meant_lr, list) else meant_lr
+    if meant_lr is not None and own is not None and float(meant_lr) != float(lr) and float(lr) == float(own):
+        return (f"lr {float(lr)} ({cfg.optim.optimizer}'s default; the {float(meant_lr)} of {name} "
+                f"is for {meant_for or 'another optimizer'}; pass --lr to choose)")
+    return f"lr {float(lr)} ({name})"
 
 
 def build_optimizer(optim, param_groups, fused_default=False):
