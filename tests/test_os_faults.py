@@ -639,10 +639,12 @@ def test_save_dir_made_read_only_mid_run_exits_74_with_one_line(data, tmp_path):
 
 # ------------------------------------------------ a file:// rendezvous, a rank killed
 @pytest.mark.timeout(300)
-def test_rank_killed_over_a_file_rendezvous_names_the_file(data, tmp_path):
+def test_rank_killed_over_a_file_rendezvous_saves_and_removes_the_file(data, tmp_path):
     """Two ranks started by hand over a file:// rendezvous; rank 1 killed
-    (kill -9). Rank 0 stops with one line naming the rendezvous file that the
-    dead run leaves behind (a rerun that finds it stale fails to meet)."""
+    (kill -9) during training. Rank 0 saves the last completed update, stops
+    with one line and 75, and removes the rendezvous file, so that a rerun
+    does not meet a stale one (elastic runs, issue 22; before training, the
+    line names the file instead: cli.run)."""
     rendezvous = tmp_path / "rendezvous"
     ranks = [Run(mnist_args(data, tmp_path / f"out{rank}", "--log-interval", "1", "--distributed-no-spawn",
                             "--distributed-init-method", f"file://{rendezvous}", "--distributed-world-size", "2",
@@ -655,12 +657,11 @@ def test_rank_killed_over_a_file_rendezvous_names_the_file(data, tmp_path):
     finally:
         for run in ranks:
             run.kill()
-    assert rc == 1, ranks[0].stderr[-3000:]
+    assert rc == 75, ranks[0].stderr[-3000:]
     errors = error_lines(ranks[0].stderr)
     assert len(errors) == 1, ranks[0].stderr[-3000:]
-    assert "rank 0: another process of this run died or is unreachable" in errors[0], errors[0]
-    assert f"if the rendezvous file {rendezvous} was left by an earlier run, delete it and rerun" in errors[0]
-    assert rendezvous.exists()  # what the line is about: the killed run leaves it behind
+    assert "rank 0: lost a peer of this run" in errors[0] and "rerun with --resume" in errors[0], errors[0]
+    assert not rendezvous.exists()
 
 
 # ------------------------------------------------ a child whose parent is already gone
