@@ -4,8 +4,8 @@
 Modules: ``space`` (space files, both formats), ``algos`` (hyperopt's
 algorithms, ask/tell), ``trials`` (trainer runs as child processes, a pool),
 ``hyper`` (the search), ``multi_seed`` (seeds), ``report`` (statistics,
-tables, CSV, PNG), ``commands`` (the two command lines, parsed into settings.SearchConfig),
-``ray_backend`` (the same on Ray Tune). See docs/search.md.
+tables, CSV, PNG), ``commands`` (the two command lines, parsed into
+settings.SearchConfig), ``ray_backend`` (the same on Ray Tune). See docs/search.md.
 """
 from .algos import ALGO_NAMES, Sampler, canonical_algo
 from .commands import hyper_main, multi_seed_main
@@ -18,4 +18,5 @@ from .trials import Outcome, SubprocessRunner, TrialConfigs, TrialRecord
 __all__ = ["ALGO_NAMES", "INTERRUPTED", "KINDS", "Outcome", "Param", "Sampler", "Search", "Setup",
            "SubprocessRunner", "canonical_algo", "check_space", "describe", "detect_format", "draw_seeds", "grid",
            "hyper_main", "load_space", "multi_seed_main", "parse_space", "parse_textbox", "parse_yaml", "plan_seeds",
-           "TrialConfigs", "TrialRecord", "resolve_metric", "run_multi_seed", "run_search", "search_locally", "seeds_locally", "summarize_runs"]
+           "TrialConfigs", "TrialRecord", "resolve_metric", "run_multi_seed", "run_search", "search_locally",
+           "seeds_locally", "summarize_runs"]

@@ -393,9 +393,9 @@ def _ray_search(ray, setup, out):
         hspace = {n: p.hyperopt() for n, p in setup.space.items()}
         trainable = make_trainable(spec)
         param_space = None
-        tune_config = tune.TuneConfig(search_alg=_searcher(setup, hspace, prepare), scheduler=scheduler, metric=setup.metric,
-                                      mode=mode,
-                                      num_samples=setup.max_evals, max_concurrent_trials=setup.parallel)
+        tune_config = tune.TuneConfig(search_alg=_searcher(setup, hspace, prepare), scheduler=scheduler,
+                                      metric=setup.metric, mode=mode, num_samples=setup.max_evals,
+                                      max_concurrent_trials=setup.parallel)
     out(f"search: {setup.algo} on Ray Tune, {setup.max_evals} trials, {mode}imize {setup.metric}, "
         f"{setup.parallel} at a time, {resources['cpu']:g} CPU + {resources['gpu']:g} GPU each"
         + (f", ASHA (grace {grace} updates)" if scheduler else "") + f", output {setup.output}")
