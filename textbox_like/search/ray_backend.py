@@ -18,11 +18,12 @@ import socket
 import time
 from pathlib import Path
 
+from ..config import read_resolved, write_resolved
 from ..distributed import usable_cpus
 from ..errors import UserError
 from ..fileio import atomic_write_text
 from ..internals import ray_init_local
-from ..config import read_resolved, write_resolved
+from .algos import plain_value
 from .hyper import Setup, finish, objective
 from .trials import TRIAL_CONFIG, Handle, TrialConfigs, TrialRecord, read_json, read_jsonl, write_json
 
@@ -138,7 +139,7 @@ class TrialPreparer:
     def __call__(self, trial_id, config):
         """A suggestion of the searcher: its directory and, if the trainer refuses it, the error."""
         save_dir = claim_dir(self.spec["output"], trial_id, config.get("__dir__"))
-        params = {n: _plain(config[n]) for n in self.spec["names"]}
+        params = {n: plain_value(config[n]) for n in self.spec["names"]}
         return {"__dir__": save_dir.name, "__refused__": self.prepare(save_dir, params)}
 
     def prepare(self, save_dir, params):
@@ -157,11 +158,6 @@ class TrialPreparer:
         return None
 
 
-def _plain(value):
-    """A value Tune's searcher drew (a numpy scalar) as plain Python."""
-    return value.item() if hasattr(value, "item") and not isinstance(value, (list, dict, str, tuple)) else value
-
-
 def make_trainable(spec):
     """spec: plain data (output, cwd, metric, maximize, names, threads). Each
     trial runs the configuration the driver resolved for it (TrialPreparer)."""
@@ -173,7 +169,7 @@ def make_trainable(spec):
         trial_id = ctx.get_trial_id()
         save_dir = claim_dir(spec["output"], trial_id, config.get("__dir__"))
         save_dir.mkdir(parents=True, exist_ok=True)
-        params = {n: _plain(config[n]) for n in spec["names"]}
+        params = {n: plain_value(config[n]) for n in spec["names"]}
         resume = (save_dir / "checkpoint_last.pt").exists()
         (save_dir / "ray_stopped").unlink(missing_ok=True)  # an earlier attempt's, stopped with its search
         if not resume:
