@@ -22,7 +22,7 @@ def search_options(command, description, epilog):
         meta = fields[name].metadata
         default, help = differs.get(name, (meta["cli_default"], meta["help"]))
         if name == "maximize":          # the one setting with two flags
-            both = o.parser.add_mutually_exclusive_group()
+            both = o.parser.add_argument_group("direction of METRIC").add_mutually_exclusive_group()
             both.add_argument("--maximize", dest="maximize", action="store_const", const=True, default=None,
                               help=help)
             both.add_argument("--minimize", dest="maximize", action="store_const", const=False,
