@@ -139,8 +139,10 @@ def test_labels_resolve_through_the_trainers_parser(options):
                         ("epochs", "max_epoch"), ("grad_clip", "clip_norm"), ("accumulation_steps", "update_freq"),
                         ("seed", "seed")]:
         assert SP.resolve_label(label, options, "f line 1") == dest, label
-    with pytest.raises(UserError, match=r"f line 3: 'embedding_size' is not an option of run_hetseq.py \(the closest option is '"):
-        SP.resolve_label("embedding_size", options, "f line 3")
+    assert SP.resolve_label("embedding_size", options, "f line 1") == "model_conf.hidden_size"   # BERT's width
+    with pytest.raises(UserError, match=r"f line 3: 'beam_size' is not an option of run_hetseq.py \(the closest "
+                                        r"option is '"):
+        SP.resolve_label("beam_size", options, "f line 3")
 
 
 ALL_KINDS = [
@@ -193,7 +195,7 @@ def test_yaml_q_key_and_comments(options):
 BAD = [
     ("lr loguniform (-8, 0)\nmax_sentences\n", "line 2", "<label> <algorithm> <space>"),
     ("lr gaussian (0, 1)\n", "line 1", "unknown kind 'gaussian'"),
-    ("embedding_size choice [64, 96]\n", "line 1", "'embedding_size' is not an option"),
+    ("beam_size choice [4, 8]\n", "line 1", "'beam_size' is not an option"),     # TextBox's, no counterpart
     ("lr choice __import__('os')\n", "line 1", "not a Python literal"),
     ("lr choice [0.1]\nlearning_rate choice [0.2]\n", "line 2", "again"),
     ("lr uniform (1, 0)\n", "line 1", "low <= high"),
@@ -466,7 +468,7 @@ def test_space_is_checked_once_every_value_typed_and_a_value_past_the_50th_is_ca
     calls = count_resolves(monkeypatch)
     space = S.parse_textbox("warmup_updates quniform (0, 1000, 1)\noptimizer choice ['adam', 'sgd', 'adamw']\n"
                             "lr loguniform (-8, 0)\n", "f", options)
-    S.hyper.Setup(space, SearchConfig(algo="random", seed=1, output=str(tmp_path)), BASE_B, quiet)
+    S.hyper.Setup(space, SearchConfig.for_command("run_hyper.py", output=str(tmp_path)), BASE_B, quiet)
     # the first values together, then one per other choice and the range's other end: not one per value
     assert len(calls) == 1 + 2 + 1, calls
     assert [c["warmup_updates"] for c in calls].count(1000) == 1
@@ -475,7 +477,7 @@ def test_space_is_checked_once_every_value_typed_and_a_value_past_the_50th_is_ca
     bad = S.parse_textbox(f"max_sentences choice {values}\n", "space.test", options)
     with pytest.raises(UserError, match=r"space.test line 1: max_sentences = -1: option max_sentences: expects a "
                                         r"positive integer"):
-        S.hyper.Setup(bad, SearchConfig(algo="random", seed=1, output=str(tmp_path)), BASE, quiet)
+        S.hyper.Setup(bad, SearchConfig.for_command("run_hyper.py", output=str(tmp_path)), BASE, quiet)
 
 
 def test_a_base_command_line_the_trainer_refuses_is_not_blamed_on_the_space(tmp_path, options):
@@ -505,7 +507,7 @@ def test_multi_seed_resolves_once_and_draws_from_the_configured_seed(tmp_path, m
     (tmp_path / "c.yaml").write_text("seed: 5\n")
     calls = count_resolves(monkeypatch)
     runner = FakeRunner(score=lambda cfg: 0.5)
-    search = SearchConfig(multi_seed=3, output=str(tmp_path / "out"))
+    search = SearchConfig.for_command("run_multi_seed.py", multi_seed=3, output=str(tmp_path / "out"))
     code, summary = S.multi_seed.seeds_locally(search, BASE_B + ["--config", tmp_path / "c.yaml"], runner, quiet)
     assert code == 0 and summary["seeds"] == S.draw_seeds(3, 5)
     assert [c.get("seed") for c in calls] == [None] + S.draw_seeds(3, 5)    # the base once, then each run's

@@ -305,6 +305,15 @@ class SearchConfig(Section):
                                                "them")}),
     }
 
+    @classmethod
+    def for_command(cls, command, **values):
+        """The settings of ``command`` with its own defaults where ``values`` gives none."""
+        own, differs = cls.COMMANDS[command]
+        unknown = sorted(set(values) - set(own))
+        if unknown:
+            raise UserError(f"{command} has no option {', '.join(unknown)}")
+        return cls(**{**{name: default for name, (default, _) in differs.items()}, **values})
+
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "schedule": ScheduleConfig,
             "numerics": NumericsConfig, "validation": ValidationConfig, "checkpoint": CheckpointConfig,
             "logging": LoggingConfig, "runtime": RuntimeConfig, "distributed": DistributedConfig}

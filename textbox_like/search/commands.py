@@ -5,7 +5,8 @@ import argparse
 import sys
 
 from .. import config as C
-from ..errors import UserError
+from ..errors import UserError, closest
+
 
 def search_options(command, description, epilog):
     """The parser of ``command`` (run_hyper.py or run_multi_seed.py), from
@@ -45,13 +46,13 @@ def parse_search(command, argv, description="", epilog=""):
     o = search_options(command, description, epilog)
     ns, rest = o.parser.parse_known_args(argv)
     own = SearchConfig.COMMANDS[command][0]
-    search = SearchConfig(**{name: getattr(ns, name) for name in own})
+    search = SearchConfig.for_command(command, **{name: getattr(ns, name) for name in own})
     check_search(search, command)
     return search, rest
 
 
 def check_search(search, command):
-    from ..errors import closest
+    """What argparse cannot see: a choice's name (with the closest), and the options that go together."""
     from ..settings import SearchConfig
     for f in SearchConfig.settings():
         choices, value = f.metadata["choices"], getattr(search, f.name)

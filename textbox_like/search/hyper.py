@@ -379,8 +379,9 @@ def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), outpu
                metric=None, maximize=None, runner=None, out=print, parallel=1, gpus_per_trial=0, resume=False):
     """The search from Python, with run_hyper.py's options as arguments."""
     from ..settings import SearchConfig
-    search = SearchConfig(algo=algo, max_evals=max_evals, seed=seed, output=str(output), metric=metric,
-                          maximize=maximize, parallel=parallel, gpus_per_trial=gpus_per_trial, resume=resume)
+    search = SearchConfig.for_command("run_hyper.py", algo=algo, max_evals=max_evals, seed=seed, output=str(output),
+                                      metric=metric, maximize=maximize, parallel=parallel,
+                                      gpus_per_trial=gpus_per_trial, resume=resume)
     return search_locally(space, search, base_argv, runner, out)
 
 
