@@ -68,3 +68,20 @@ def test_parser_actions_and_appends():
     actions = {a.dest: a for a in internals.parser_actions(parser)}
     assert {"help", "one", "many"} <= set(actions)
     assert internals.appends(actions["many"]) and not internals.appends(actions["one"])
+
+
+def test_ray_init_local_puts_the_instance_under_the_given_directory():
+    ray = pytest.importorskip("ray")
+    import shutil
+    import tempfile
+    from pathlib import Path
+    temp = Path(tempfile.mkdtemp(prefix="ray_i_", dir="/tmp"))     # short: Ray's socket paths have a limit
+    try:
+        internals.ray_init_local(ray, temp, num_cpus=1, include_dashboard=False, log_to_driver=False)
+        try:
+            assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 1
+            assert (temp / "session_latest").exists()               # its files are there, not in /tmp/ray
+        finally:
+            ray.shutdown()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

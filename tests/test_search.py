@@ -20,6 +20,7 @@ from textbox_like import search as S
 from textbox_like.cli import build_options
 from textbox_like.errors import UserError
 from textbox_like.search import space as SP
+from textbox_like.settings import SearchConfig
 
 BASE = ["--task", "mnist", "--max-update", "1"]
 BASE_B = BASE + ["--max-sentences", "8"]
@@ -138,8 +139,9 @@ def test_labels_resolve_through_the_trainers_parser(options):
                         ("epochs", "max_epoch"), ("grad_clip", "clip_norm"), ("accumulation_steps", "update_freq"),
                         ("seed", "seed")]:
         assert SP.resolve_label(label, options, "f line 1") == dest, label
-    # TextBox's embedding_size is BERT's width (an OPTION.KEY label, test_first_hour.py); beam_size is nothing of ours
-    with pytest.raises(UserError, match=r"f line 3: 'beam_size' is not an option of run_hetseq.py \(the closest option is '"):
+    assert SP.resolve_label("embedding_size", options, "f line 1") == "model_conf.hidden_size"   # BERT's width
+    with pytest.raises(UserError, match=r"f line 3: 'beam_size' is not an option of run_hetseq.py \(the closest "
+                                        r"option is '"):
         SP.resolve_label("beam_size", options, "f line 3")
 
 
@@ -193,7 +195,7 @@ def test_yaml_q_key_and_comments(options):
 BAD = [
     ("lr loguniform (-8, 0)\nmax_sentences\n", "line 2", "<label> <algorithm> <space>"),
     ("lr gaussian (0, 1)\n", "line 1", "unknown kind 'gaussian'"),
-    ("beam_size choice [4, 8]\n", "line 1", "'beam_size' is not an option"),
+    ("beam_size choice [4, 8]\n", "line 1", "'beam_size' is not an option"),     # TextBox's, no counterpart
     ("lr choice __import__('os')\n", "line 1", "not a Python literal"),
     ("lr choice [0.1]\nlearning_rate choice [0.2]\n", "line 2", "again"),
     ("lr uniform (1, 0)\n", "line 1", "low <= high"),
@@ -399,3 +401,137 @@ def test_help_is_fast_and_imports_no_torch(name):
                           cwd=REPO, env=clean_env(), capture_output=True, text=True)
     assert "usage:" in proc.stdout and proc.stdout.strip().endswith("False"), proc.stdout[-500:] + proc.stderr
     assert time.time() - start < 5.0
+
+
+# ---------------------------------------------------------------- the typed search section
+def test_command_lines_become_one_typed_search_section(capsys):
+    from dataclasses import FrozenInstanceError
+
+    from textbox_like.search.commands import parse_search
+    from textbox_like.settings import SearchConfig
+    # TextBox's documented spellings (the shell has taken the quotes off --algo='exhaustive')
+    search, rest = parse_search("run_hyper.py", ["--space=s.test", "--algo=exhaustive", "--max-evals", "3",
+                                                 "--task", "mnist", "--max-update", "20", "--resume"])
+    assert isinstance(search, SearchConfig) and search.space == "s.test" and search.algo == "exhaustive"
+    assert search.max_evals == 3 and search.seed == 1 and search.output == "checkpoints/hyper" and search.resume
+    assert rest == ["--task", "mnist", "--max-update", "20"]        # the trainer's, for every trial
+    with pytest.raises(FrozenInstanceError):
+        search.algo = "tpe"
+    search, rest = parse_search("run_multi_seed.py", ["--multi_seed=16", "--seed", "5", "--minimize",
+                                                      "--task", "mnist"])
+    assert (search.multi_seed, search.seed, search.seeds, search.maximize) == (16, 5, None, False)
+    assert search.output == "checkpoints/multi_seed" and rest == ["--task", "mnist"]
+    assert parse_search("run_multi_seed.py", ["--seeds", "3,7,11"])[0].seeds == [3, 7, 11]
+    for argv, needle in [(["--seeds", "1,4294967296"], "2**32 - 1"), (["--seeds", "3,3"], "twice"),
+                         (["--multi_seed", "2", "--seeds", "1"], "give one of them"),
+                         (["--multi_seed", "2", "--backend", "rey"], "did you mean 'ray'"),
+                         (["--multi_seed", "2", "--cpus-per-trial", "0"], "a number > 0")]:
+        with pytest.raises(UserError, match=needle.replace("*", r"\*").replace("(", r"\(")):
+            parse_search("run_multi_seed.py", argv)
+    assert "--space FILE" in cli_error(capsys, S.hyper_main, ["--task", "mnist"])
+
+
+# ---------------------------------------------------------------- the space, checked once
+def count_resolves(monkeypatch):
+    from textbox_like.search import trials as T
+    calls = []
+    real = T.TrialConfigs.resolve
+
+    def counting(self, settings=None):
+        calls.append(dict(settings or {}))
+        return real(self, settings)
+    monkeypatch.setattr(T.TrialConfigs, "resolve", counting)
+    return calls
+
+
+@pytest.mark.parametrize("text,line,value", [
+    ("learning_rate choice [-0.1, 0.1]\n", 1, "-0.1"),                         # the first value
+    ("optimizer choice ['adam', 'sgd']\nlearning_rate choice [0.1, -0.1]\n", 2, "-0.1"),
+    ("lr: {choice: [-0.1]}\n", 1, "-0.1"),                                     # YAML, the only value
+    ("warmup_updates choice [0, 1]\nlr quniform (-5, 5, 1)\n", 2, "-5"),        # a range's end
+])
+def test_space_value_refused_by_an_option_check_names_the_space_file_and_line(tmp_path, options, text, line, value):
+    path = tmp_path / ("s.yaml" if text.startswith("lr:") else "s.test")
+    path.write_text(text)
+    runner = FakeRunner()
+    with pytest.raises(UserError) as info:
+        S.run_search(S.load_space(path, options), "exhaustive", None, 1, BASE_B, tmp_path / "out", runner=runner,
+                     out=quiet)
+    message = str(info.value)
+    assert message.startswith(f"space file {path} line {line}: ") and f"= {value}: " in message, message
+    assert "Invalid learning rate" in message and "\n" not in message
+    assert not runner.started and not (tmp_path / "out").exists()
+
+
+def test_space_is_checked_once_every_value_typed_and_a_value_past_the_50th_is_caught(tmp_path, options,
+                                                                                  monkeypatch):
+    calls = count_resolves(monkeypatch)
+    space = S.parse_textbox("warmup_updates quniform (0, 1000, 1)\noptimizer choice ['adam', 'sgd', 'adamw']\n"
+                            "lr loguniform (-8, 0)\n", "f", options)
+    S.hyper.Setup(space, SearchConfig.for_command("run_hyper.py", output=str(tmp_path)), BASE_B, quiet)
+    # the first values together, then one per other choice and the range's other end: not one per value
+    assert len(calls) == 1 + 2 + 1, calls
+    assert [c["warmup_updates"] for c in calls].count(1000) == 1
+    values = list(range(1, 61))
+    values[55] = -1
+    bad = S.parse_textbox(f"max_sentences choice {values}\n", "space.test", options)
+    with pytest.raises(UserError, match=r"space.test line 1: max_sentences = -1: option max_sentences: expects a "
+                                        r"positive integer"):
+        S.hyper.Setup(bad, SearchConfig.for_command("run_hyper.py", output=str(tmp_path)), BASE, quiet)
+
+
+def test_a_base_command_line_the_trainer_refuses_is_not_blamed_on_the_space(tmp_path, options):
+    space = S.parse_textbox("lr choice [0.1, 0.2]\n", "space.test", options)
+    with pytest.raises(UserError) as info:
+        S.run_search(space, "exhaustive", None, 1, BASE_B + ["--optimizer", "adamx"], tmp_path, runner=FakeRunner(),
+                     out=quiet)
+    assert "space.test" not in str(info.value) and "adamx" in str(info.value)
+
+
+@pytest.mark.parametrize("content,what", [
+    (b"", "is empty (0 bytes)"),
+    (b"lr choice [0.1]\n\x00\x01\x02", "is binary data"),
+    (b"PK\x03\x04rest of a torch checkpoint", "is a zip archive"),
+    (b"lr choice [0.1]  # caf\xe9\n", "is not UTF-8 text (byte 0xe9 on line 1)"),
+])
+def test_a_space_file_that_is_not_text_is_one_line_naming_it(tmp_path, capsys, content, what):
+    path = tmp_path / "space.test"
+    path.write_bytes(content)
+    line = cli_error(capsys, S.hyper_main, ["--space", path, "--output", tmp_path / "out", *BASE_B])
+    assert line.startswith(f"error: space file {str(path)!r} {what}"), line
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- seeds: one check, one resolve
+def test_multi_seed_resolves_once_and_draws_from_the_configured_seed(tmp_path, monkeypatch):
+    (tmp_path / "c.yaml").write_text("seed: 5\n")
+    calls = count_resolves(monkeypatch)
+    runner = FakeRunner(score=lambda cfg: 0.5)
+    search = SearchConfig.for_command("run_multi_seed.py", multi_seed=3, output=str(tmp_path / "out"))
+    code, summary = S.multi_seed.seeds_locally(search, BASE_B + ["--config", tmp_path / "c.yaml"], runner, quiet)
+    assert code == 0 and summary["seeds"] == S.draw_seeds(3, 5)
+    assert [c.get("seed") for c in calls] == [None] + S.draw_seeds(3, 5)    # the base once, then each run's
+    assert [flag(c, "seed") for c in runner.started] == S.draw_seeds(3, 5)
+
+
+# ---------------------------------------------------------------- Ray: trials get the resolved configuration
+def test_ray_trials_get_a_configuration_resolved_in_the_driver(tmp_path):
+    import pickle
+
+    from textbox_like.config import read_resolved
+    from textbox_like.search.ray_backend import TrialPreparer
+    spec = {"base_argv": BASE_B, "settings": {"best_checkpoint_metric": "loss"}, "names": ["lr"],
+            "output": str(tmp_path)}
+    prepare = TrialPreparer(spec)
+    assert prepare(  # the searcher's suggestion: a trial directory claimed, its configuration written there
+        "abc_00001", {"lr": np.float64(0.25)}) == {"__dir__": "trial_1", "__refused__": None}
+    cfg = read_resolved(tmp_path / "trial_1" / "trial_config.yaml")
+    assert cfg.optim.lr == [0.25] and cfg.checkpoint.save_dir == str(tmp_path / "trial_1")
+    assert cfg.validation.best_checkpoint_metric == "loss" and cfg.source("lr") == "the search"
+    assert "--lr=0.25" in (tmp_path / "trial_1" / "command.txt").read_text()
+    refused = prepare.prepare(tmp_path / "trial_2", {"lr": -1.0})
+    assert refused.startswith("error: optimizer adam: Invalid learning rate: -1.0")
+    assert (tmp_path / "trial_2" / "stderr.log").read_text() == refused + "\n"
+    assert not (tmp_path / "trial_2" / "trial_config.yaml").exists()
+    again = pickle.loads(pickle.dumps(prepare))       # Tune pickles it with the searcher: plain data only
+    assert again.spec == spec and again._configs is None

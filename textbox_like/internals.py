@@ -55,3 +55,12 @@ def parser_actions(parser: argparse.ArgumentParser):
 def appends(action) -> bool:
     """Whether an option collects its values in a list (``action='append'``)."""
     return isinstance(action, argparse._AppendAction)
+
+
+# ---------------------------------------------------------------- ray
+def ray_init_local(ray, temp_dir, **kwargs):
+    """``ray.init`` of a new local instance (even where `ray start` runs one
+    on this machine) whose sockets, logs and object spill go under
+    ``temp_dir`` rather than the machine-wide /tmp/ray: ``_temp_dir`` is
+    private in Ray 2.x, and the only way to say so from Python."""
+    return ray.init(address="local", _temp_dir=str(temp_dir), **kwargs)

@@ -232,6 +232,88 @@ class DistributedConfig(Section):
     ddp_comm_hook: str = setting('none', "compress DDP's gradient all-reduce for slow links (Accelerate's comm_hook; lossy, so opt-in): fp16, bf16 or powersgd (rank-1 PowerSGD)", choices=['none', 'fp16', 'bf16', 'powersgd'])
 
 
+
+def seed_list(text):
+    """--seeds '3,7,11': distinct seeds, each checked as the trainer's --seed."""
+    import argparse
+    try:
+        values = [seed_int(v.strip()) for v in str(text).split(",") if v.strip()]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (a list of seeds like 3,7,11)") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expects seeds like 3,7,11, got {text!r}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"lists a seed twice: {text!r}")
+    return values
+
+
+def positive_float(text):
+    import argparse
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expects a number > 0, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SearchConfig(Section):
+    """The options of run_hyper.py and run_multi_seed.py themselves (not a
+    trainer section: not in SECTIONS; every other option of those command
+    lines goes to each trial's trainer). ``COMMANDS`` says which options each
+    command line has, and the defaults and help that differ between them;
+    ``choices`` are checked after parsing, with the closest name."""
+    group = "search"
+
+    space: str | None = setting(None, "space file: TextBox lines ('learning_rate loguniform (-8, 0)') or YAML", metavar='FILE')
+    algo: str = setting('random', 'exhaustive, random (rand), bayes (tpe), anneal, atpe, or tpe.suggest etc. (default random)', metavar='ALGO')
+    max_evals: int | None = setting(None, 'number of trials (default 10; exhaustive: the whole grid)', type=positive_int, metavar='N', flag='--max_evals')
+    multi_seed: int | None = setting(None, 'run N seeds drawn from a generator seeded with --seed (as TextBox)', type=positive_int, metavar='N', flag='--multi_seed')
+    seeds: list | None = setting(None, 'run these seeds, e.g. 3,7,11', type=seed_list, metavar='LIST')
+    seed: int | None = setting(None, 'seed of the sampler', type=seed_int)
+    train_seed: int | None = setting(None, "--seed of every trial's training run (default: the configured one)", type=seed_int, flag='--train_seed')
+    output: str | None = setting(None, 'where the trials and the reports go', metavar='DIR')
+    resume: bool = setting(False, 'continue the search in --output: finished trials are kept, a running one continues', switch=True)
+    scheduler: str = setting('none', 'ray: asha stops hopeless trials early (default none)', choices=['none', 'asha'], metavar='NAME')
+    grace_updates: int | None = setting(None, "ray/asha: updates every trial runs before it may be stopped (default: the first validation's)", type=positive_int, metavar='N')
+    metric: str | None = setting(None, "validation metric (default: --best-checkpoint-metric or the task's)")
+    maximize: bool | None = setting(None, "higher METRIC is better (--minimize: lower; default: the configured or the task's direction)")
+    parallel: int = setting(1, 'trials at once (default 1); on CPU the cores are split between them', type=positive_int, metavar='N')
+    gpus_per_trial: int = setting(0, "GPUs of each trial (K > 1: K processes of the trainer's multi-process mode)", type=nonneg_int, metavar='K')
+    cpus_per_trial: float | None = setting(None, 'CPUs of each trial (ray; default: the cores divided by --parallel)', type=positive_float, metavar='C')
+    backend: str = setting('local', 'local (default): this machine; ray: Ray Tune, this machine or a cluster', choices=['local', 'ray'], metavar='NAME')
+    ray_address: str | None = setting(None, 'ray: join a running cluster (auto or HOST:PORT); default a local Ray instance', metavar='ADDR')
+    max_failures: int = setting(2, "ray: retries of a trial whose process or node dies (default 2); it resumes from its checkpoint_last.pt", type=nonneg_int, metavar='N')
+
+    _SHARED: ClassVar[tuple] = ("metric", "maximize", "parallel", "gpus_per_trial", "cpus_per_trial", "backend",
+                                "ray_address", "max_failures")
+    #: command line -> (its options, {option: (default, help)} where it differs from the declaration)
+    COMMANDS: ClassVar[dict] = {
+        "run_hyper.py": (("space", "algo", "max_evals", "seed", "train_seed", "output", "resume", "scheduler",
+                          "grace_updates") + _SHARED,
+                         {"seed": (1, "seed of the sampler (default 1)"),
+                          "output": ("checkpoints/hyper", "where trial_<k>/ and the reports go (default "
+                                                          "checkpoints/hyper)")}),
+        "run_multi_seed.py": (("multi_seed", "seeds", "seed", "output") + _SHARED,
+                              {"seed": (None, "with --multi_seed: seeds the generator of the N seeds (default: the "
+                                              "configured --seed)"),
+                               "output": ("checkpoints/multi_seed", "where seed_<s>/ and the summaries go (default "
+                                                                    "checkpoints/multi_seed)"),
+                               "parallel": (1, "seeds at once (default 1); on CPU the cores are split between "
+                                               "them")}),
+    }
+
+    @classmethod
+    def for_command(cls, command, **values):
+        """The settings of ``command`` with its own defaults where ``values`` gives none."""
+        own, differs = cls.COMMANDS[command]
+        unknown = sorted(set(values) - set(own))
+        if unknown:
+            raise UserError(f"{command} has no option {', '.join(unknown)}")
+        return cls(**{**{name: default for name, (default, _) in differs.items()}, **values})
+
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "schedule": ScheduleConfig,
             "numerics": NumericsConfig, "validation": ValidationConfig, "checkpoint": CheckpointConfig,
             "logging": LoggingConfig, "runtime": RuntimeConfig, "distributed": DistributedConfig}

@@ -4,18 +4,19 @@
 Modules: ``space`` (space files, both formats), ``algos`` (hyperopt's
 algorithms, ask/tell), ``trials`` (trainer runs as child processes, a pool),
 ``hyper`` (the search), ``multi_seed`` (seeds), ``report`` (statistics,
-tables, CSV, PNG), ``commands`` (the two command lines), ``ray_backend``
-(the same on Ray Tune). See docs/search.md.
+tables, CSV, PNG), ``commands`` (the two command lines, parsed into
+settings.SearchConfig), ``ray_backend`` (the same on Ray Tune). See docs/search.md.
 """
 from .algos import ALGO_NAMES, Sampler, canonical_algo
 from .commands import hyper_main, multi_seed_main
-from .hyper import INTERRUPTED, Search, Setup, resolve_metric, run_search
-from .multi_seed import draw_seeds, run_multi_seed
+from .hyper import INTERRUPTED, Search, Setup, check_space, resolve_metric, run_search, search_locally
+from .multi_seed import draw_seeds, plan_seeds, run_multi_seed, seeds_locally
 from .report import describe, summarize_runs
 from .space import KINDS, Param, detect_format, grid, load_space, parse_space, parse_textbox, parse_yaml
 from .trials import Outcome, SubprocessRunner, TrialConfigs, TrialRecord
 
 __all__ = ["ALGO_NAMES", "INTERRUPTED", "KINDS", "Outcome", "Param", "Sampler", "Search", "Setup",
-           "SubprocessRunner", "canonical_algo", "describe", "detect_format", "draw_seeds", "grid",
-           "hyper_main", "load_space", "multi_seed_main", "parse_space", "parse_textbox", "parse_yaml",
-           "TrialConfigs", "TrialRecord", "resolve_metric", "run_multi_seed", "run_search", "summarize_runs"]
+           "SubprocessRunner", "canonical_algo", "check_space", "describe", "detect_format", "draw_seeds", "grid",
+           "hyper_main", "load_space", "multi_seed_main", "parse_space", "parse_textbox", "parse_yaml", "plan_seeds",
+           "TrialConfigs", "TrialRecord", "resolve_metric", "run_multi_seed", "run_search", "search_locally",
+           "seeds_locally", "summarize_runs"]

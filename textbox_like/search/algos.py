@@ -56,7 +56,8 @@ def trial_seed(seed, k):
     return int(np.random.default_rng([int(seed), int(k)]).integers(2 ** 31 - 1))
 
 
-def _plain(value):
+def plain_value(value):
+    """A value hyperopt drew (a numpy scalar) as plain Python."""
     if hasattr(value, "item") and not isinstance(value, (list, dict, str, tuple)):
         return value.item()
     return value
@@ -97,7 +98,7 @@ class Sampler:
             doc["state"] = JOB_STATE_RUNNING
         self.trials.insert_trial_docs(docs)
         self.trials.refresh()
-        vals = {label: [_plain(v) for v in values] for label, values in docs[0]["misc"]["vals"].items()}
+        vals = {label: [plain_value(v) for v in values] for label, values in docs[0]["misc"]["vals"].items()}
         return self.params_from_vals(vals), vals
 
     def params_from_vals(self, vals):

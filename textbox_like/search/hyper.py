@@ -49,15 +49,95 @@ def objective(results, metric):
     return None
 
 
+# ====================================================================== the space against the trainer
+def typed_value(options, name, value):
+    """A space value as its option's declaration types it (the trainer's
+    parser: type, choices), without resolving a configuration. ``OPTION.KEY``
+    (one key of a dict option) has no declaration of its own: as given."""
+    import argparse
+    action = options.actions.get(name)
+    if action is None:
+        return value
+    try:
+        if action.type is not None and action.type is not str and value is not None:
+            value = action.type(value)
+    except (TypeError, ValueError, OverflowError, argparse.ArgumentTypeError) as exc:
+        raise UserError(f"option {name}: {exc}") from None
+    if action.choices is not None and value not in action.choices:
+        raise UserError(f"option {name}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def space_candidates(space, options):
+    """{parameter: [(value, typed value), ...]}: every finite value typed
+    through its declaration (one pass, no configuration resolved); kept for
+    the whole-configuration check are the values that can change its
+    verdict: each distinct choice, a range's two ends (the trainer's checks
+    of a number are bounds), and for a continuous parameter one draw."""
+    import numpy as np
+
+    from .space import sample
+    drawn = sample(space, [n for n, p in space.items() if not p.finite], np.random.default_rng(0))
+    out = {}
+    for name, p in space.items():
+        values = p.values() if p.finite else [drawn[name]]
+        typed = {}
+        for v in values:
+            try:
+                typed.setdefault(repr(typed_value(options, name, v)), v)
+            except UserError as exc:
+                raise UserError(f"{p.where}: {p.label} = {v!r}: {exc}") from None
+        kept = list(typed.values())
+        out[name] = kept if p.kind in ("choice", "pchoice") else list(dict.fromkeys([kept[0], kept[-1]]))
+    return out
+
+
+def check_space(space, configs):
+    """The space checked once against the typed configuration; returns the
+    configuration resolved with the first value of each parameter. A value
+    the trainer refuses is one line naming the space file and its line."""
+    candidates = space_candidates(space, configs.options)
+    first = {n: values[0] for n, values in candidates.items()}
+    try:
+        cfg = configs.resolve(first)
+    except UserError as exc:
+        raise blame(space, candidates, first, configs, exc) from None
+    for name, values in candidates.items():
+        for v in values[1:]:
+            try:
+                configs.resolve({**first, name: v})
+            except UserError as exc:
+                p = space[name]
+                raise UserError(f"{p.where}: {p.label} = {v!r}: {exc}") from None
+    return cfg
+
+
+def blame(space, candidates, first, configs, error):
+    """The first values together were refused: the parameter whose value is
+    refused (the configuration passes without it, or with another of its
+    values) is named with its line; else the base command line is at fault."""
+    for name, p in space.items():
+        others = {n: v for n, v in first.items() if n != name}
+        for trial in [others] + [{**others, name: v} for v in candidates[name][1:]]:
+            try:
+                configs.resolve(trial)
+            except UserError:
+                continue
+            return UserError(f"{p.where}: {p.label} = {first[name]!r}: {error}")
+    return error
+
+
 # ====================================================================== setup
 class Setup:
     """Everything checked before the first trial."""
 
-    def __init__(self, space, algo, max_evals, seed, base_argv, output, metric, maximize, parallel=1,
-                 gpus_per_trial=0, resume=False, out=print):
-        self.space, self.algo, self.seed = space, canonical_algo(algo), int(seed)
-        self.base_argv, self.output = list(base_argv), Path(output)
-        self.parallel, self.gpus_per_trial, self.resume, self.out = parallel, gpus_per_trial, resume, out
+    def __init__(self, space, search, base_argv, out=print):
+        """``search``: the typed settings.SearchConfig of run_hyper.py."""
+        self.space, self.search, self.algo, self.seed = space, search, canonical_algo(search.algo), int(search.seed)
+        self.base_argv, self.output = list(base_argv), Path(search.output)
+        self.parallel, self.gpus_per_trial, self.resume, self.out = \
+            search.parallel, search.gpus_per_trial, search.resume, out
+        max_evals = search.max_evals
         if max_evals is not None and max_evals < 1:
             raise UserError(f"--max_evals expects a positive integer, got {max_evals}")
         self.configs = TrialConfigs(self.base_argv)
@@ -82,26 +162,12 @@ class Setup:
             self.max_evals = min(max_evals, size) if max_evals else size
         else:
             self.max_evals = max_evals or DEFAULT_EVALS
-        # the configuration as the trials will see it, with one value of each parameter
-        representative = {n: (p.values()[0] if p.finite else None) for n, p in space.items()}
-        import numpy as np
-        from .space import sample
-        drawn = sample(space, [n for n, p in space.items() if not p.finite], np.random.default_rng(0))
-        representative = {n: drawn.get(n, v) for n, v in representative.items()}
-        ns = self.configs.resolve(representative)
+        ns = check_space(space, self.configs)
         if ns.validation.disable_validation or ns.checkpoint.no_save:
             raise UserError("the search needs validation metrics and results.json: "
                             "remove disable_validation / no_save from the configuration")
-        self.metric, self.maximize = resolve_metric(ns, metric, maximize)
+        self.metric, self.maximize = resolve_metric(ns, search.metric, search.maximize)
         self.ns = ns
-        # the space, checked once: every finite value must be one the trainer accepts
-        for name, p in space.items():
-            if p.finite:
-                for v in p.values()[:50]:
-                    try:
-                        self.configs.resolve({**representative, name: v})
-                    except UserError as exc:
-                        raise UserError(f"{p.where}: {p.label} = {v!r}: {exc}") from None
 
     def check_widths(self, space):
         """TextBox's embedding_size is the model width: one line where the
@@ -311,17 +377,25 @@ def finish(setup, records, interrupted, backend="local"):
 
 def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), output="checkpoints/hyper",
                metric=None, maximize=None, runner=None, out=print, parallel=1, gpus_per_trial=0, resume=False):
+    """The search from Python, with run_hyper.py's options as arguments."""
+    from ..settings import SearchConfig
+    search = SearchConfig.for_command("run_hyper.py", algo=algo, max_evals=max_evals, seed=seed, output=str(output),
+                                      metric=metric, maximize=maximize, parallel=parallel,
+                                      gpus_per_trial=gpus_per_trial, resume=resume)
+    return search_locally(space, search, base_argv, runner, out)
+
+
+def search_locally(space, search, base_argv=(), runner=None, out=print):
     """Validate, run the search on this machine, write the reports. Returns (exit code, summary)."""
-    setup = Setup(space, algo, max_evals, seed, base_argv, output, metric, maximize, parallel, gpus_per_trial,
-                  resume, out)
+    setup = Setup(space, search, base_argv, out)
     previous = setup.check_output()
-    slots = plan_slots(parallel, gpus_per_trial, setup.given, out)
+    slots = plan_slots(setup.parallel, setup.gpus_per_trial, setup.given, out)
     setup.print_space()
     setup.output.mkdir(parents=True, exist_ok=True)
     write_json(setup.output / STATE_FILE, setup.state())
-    search = Search(setup, runner)
-    search.load(previous)
+    run = Search(setup, runner)
+    run.load(previous)
     out(f"search: {setup.algo}, {setup.max_evals} trials, {'maximize' if setup.maximize else 'minimize'} "
-        f"{setup.metric}, {parallel} at a time, output {setup.output}")
-    interrupted = search.run(slots)
-    return finish(setup, list(search.records.values()), interrupted)
+        f"{setup.metric}, {setup.parallel} at a time, output {setup.output}")
+    interrupted = run.run(slots)
+    return finish(setup, list(run.records.values()), interrupted)

@@ -11,7 +11,14 @@ from .hyper import INTERRUPTED, resolve_metric
 from .report import describe, fmt, seed_png, seed_table, summarize_runs, write_seed_csv
 from .trials import Job, SubprocessRunner, TrialConfigs, TrialRecord, plan_slots, read_json, run_pool, write_json
 
-SEED_MAX = 2 ** 32 - 1
+#: TextBox's draw, random.randint(0, 2**32 - 1): every drawn seed is one the trainer's --seed takes
+#: (config.seed_int, the one check of a seed, also of --seeds and --seed here)
+TEXTBOX_DRAW_MAX = 2 ** 32 - 1
+
+#: trainer options a seed run sets itself
+NOT_HERE = (("seed", "use --seed S with --multi_seed N (seeds drawn from S), or --seeds 3,7,11"),
+            ("save_dir", "use --output DIR"), ("no_save", "each run's results.json is needed"),
+            ("print_config", "run run_hetseq.py --print_config instead"))
 
 
 def draw_seeds(n, seed):
@@ -19,35 +26,48 @@ def draw_seeds(n, seed):
     rng = random.Random(seed)
     seeds = []
     while len(seeds) < n:
-        s = rng.randint(0, SEED_MAX)
+        s = rng.randint(0, TEXTBOX_DRAW_MAX)
         if s not in seeds:
             seeds.append(s)
     return seeds
 
 
-def configured_seed(base_argv):
-    """The trainer's --seed as configured (command line, --config files, task defaults)."""
-    return TrialConfigs(base_argv).resolve().numerics.seed
-
-
-def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,
-                   runner=None, out=print, parallel=1, gpus_per_trial=0):
-    """Runs every seed; returns (exit code, summary dict)."""
-    base_argv = list(base_argv)
-    configs = TrialConfigs(base_argv)
-    given = configs.given
-    for name, hint in (("seed", "use --seed S with --multi_seed N (seeds drawn from S), or --seeds 3,7,11"),
-                       ("save_dir", "use --output DIR"), ("no_save", "each run's results.json is needed"),
-                       ("print_config", "run run_hetseq.py --print_config instead")):
-        if name in given:
+def plan_seeds(search, base_argv, out=print):
+    """The base command line checked and resolved once, and the seeds:
+    (TrialConfigs, the resolved RunConfig, seeds). ``search``: the typed
+    settings.SearchConfig of run_multi_seed.py."""
+    configs = TrialConfigs(list(base_argv))
+    for name, hint in NOT_HERE:
+        if name in configs.given:
             raise UserError(f"--{name.replace('_', '-')} cannot be used here: {hint}")
     ns = configs.resolve()
     if ns.checkpoint.no_save:
         raise UserError("each run's results.json is needed: remove no_save from the configuration")
-    metric, maximize = resolve_metric(ns, metric, maximize)
-    output = Path(output)
+    if search.seeds is not None:
+        return configs, ns, list(search.seeds)
+    base = search.seed if search.seed is not None else ns.numerics.seed
+    seeds = draw_seeds(search.multi_seed, base)
+    out(f"seeds: {', '.join(map(str, seeds))} ({search.multi_seed} drawn from seed {base})")
+    return configs, ns, seeds
+
+
+def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,
+                   runner=None, out=print, parallel=1, gpus_per_trial=0):
+    """These seeds from Python, with run_multi_seed.py's options as arguments; returns (exit code, summary)."""
+    from ..settings import SearchConfig
+    search = SearchConfig.for_command("run_multi_seed.py", seeds=list(seeds), output=str(output), metric=metric,
+                                      maximize=maximize, parallel=parallel, gpus_per_trial=gpus_per_trial)
+    return seeds_locally(search, base_argv, runner, out)
+
+
+def seeds_locally(search, base_argv=(), runner=None, out=print):
+    """Runs every seed on this machine; returns (exit code, summary dict)."""
+    configs, ns, seeds = plan_seeds(search, base_argv, out)
+    given, parallel = configs.given, search.parallel
+    metric, maximize = resolve_metric(ns, search.metric, search.maximize)
+    output = Path(search.output)
     output.mkdir(parents=True, exist_ok=True)
-    slots = plan_slots(parallel, gpus_per_trial, given, out)
+    slots = plan_slots(parallel, search.gpus_per_trial, given, out)
     chosen = {"best_checkpoint_metric": metric, "maximize_best_checkpoint_metric": maximize}
     out(f"multi-seed: {len(seeds)} seeds {', '.join(map(str, seeds))} | {metric} "
         f"({'max' if maximize else 'min'}) | {parallel} at a time | output {output}")

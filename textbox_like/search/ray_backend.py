@@ -18,12 +18,14 @@ import socket
 import time
 from pathlib import Path
 
+from ..config import read_resolved, write_resolved
 from ..distributed import usable_cpus
 from ..errors import UserError
 from ..fileio import atomic_write_text
+from ..internals import ray_init_local
+from .algos import plain_value
 from .hyper import Setup, finish, objective
-from .trials import (Handle, TrialConfigs, TrialRecord, read_json, read_jsonl,
-                     write_json)
+from .trials import TRIAL_CONFIG, Handle, TrialConfigs, TrialRecord, read_json, read_jsonl, write_json
 
 INSTALL = 'pip install -e ".[ray]"  (or: pip install "ray[tune]")'
 USER_ERROR = 2
@@ -74,7 +76,7 @@ def start_ray(address, root, out=print):
         else:
             temp = os.environ.get("TEXTBOX_LIKE_RAY_TMP", f"/tmp/ray_tbl_{os.getuid()}")
             # address="local": a new instance even when `ray start` runs a cluster on this machine
-            ray.init(address="local", num_cpus=usable_cpus(), _temp_dir=temp, include_dashboard=False, **kwargs)
+            ray_init_local(ray, temp, num_cpus=usable_cpus(), include_dashboard=False, **kwargs)
     except Exception as exc:                  # ConnectionError, AuthenticationError, RuntimeError ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         if "auth" in first.lower():
@@ -121,9 +123,44 @@ def claim_dir(output, trial_id, fixed=None):
     return Path(output) / name
 
 
+class TrialPreparer:
+    """In the driver: a Tune trial's directory claimed and its configuration
+    resolved once, from the base command line and its parameters, and
+    written there (trial_config.yaml, command.txt); the trial runs it as it
+    is. ``spec``: plain data (Tune pickles this with the searcher)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self._configs = None
+
+    def __getstate__(self):
+        return {"spec": self.spec, "_configs": None}
+
+    def __call__(self, trial_id, config):
+        """A suggestion of the searcher: its directory and, if the trainer refuses it, the error."""
+        save_dir = claim_dir(self.spec["output"], trial_id, config.get("__dir__"))
+        params = {n: plain_value(config[n]) for n in self.spec["names"]}
+        return {"__dir__": save_dir.name, "__refused__": self.prepare(save_dir, params)}
+
+    def prepare(self, save_dir, params):
+        """Writes the trial's resolved configuration; returns None, or the error line of a refused one."""
+        if self._configs is None:
+            self._configs = TrialConfigs(self.spec["base_argv"])
+        settings = {**params, **self.spec["settings"], "save_dir": str(save_dir)}
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(save_dir) / "command.txt", self._configs.command(settings) + "\n")
+        try:
+            cfg = self._configs.resolve(settings)
+        except UserError as exc:                    # a sampled value the trainer refuses
+            atomic_write_text(Path(save_dir) / "stderr.log", f"error: {exc}\n")
+            return f"error: {exc}"
+        write_resolved(cfg, Path(save_dir) / TRIAL_CONFIG)
+        return None
+
+
 def make_trainable(spec):
-    """spec: plain data (output, cwd, base_argv, metric, maximize, names, threads, settings)."""
-    configs = []          # built once per worker process, on its first trial
+    """spec: plain data (output, cwd, metric, maximize, names, threads). Each
+    trial runs the configuration the driver resolved for it (TrialPreparer)."""
 
     def trainable(config):
         import ray
@@ -132,10 +169,9 @@ def make_trainable(spec):
         trial_id = ctx.get_trial_id()
         save_dir = claim_dir(spec["output"], trial_id, config.get("__dir__"))
         save_dir.mkdir(parents=True, exist_ok=True)
-        params = {n: config[n] for n in spec["names"]}
+        params = {n: plain_value(config[n]) for n in spec["names"]}
         resume = (save_dir / "checkpoint_last.pt").exists()
         (save_dir / "ray_stopped").unlink(missing_ok=True)  # an earlier attempt's, stopped with its search
-        settings = {**params, **spec["settings"], "save_dir": str(save_dir), **({"resume": True} if resume else {})}
         if not resume:
             for stale in ("results.json", "metrics.jsonl"):
                 if (save_dir / stale).exists():
@@ -148,16 +184,13 @@ def make_trainable(spec):
         write_json(save_dir / "ray_trial.json", info)
         env = {"OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"])}
         os.chdir(spec["cwd"])                       # relative --data etc. mean what they meant to the user
-        if not configs:
-            configs.append(TrialConfigs(spec["base_argv"]))
-        atomic_write_text(save_dir / "command.txt", configs[0].command(settings) + "\n")
-        try:
-            cfg = configs[0].resolve(settings)
-        except UserError as exc:                    # a sampled value the trainer refuses
-            atomic_write_text(save_dir / "stderr.log", f"error: {exc}\n")
+        if config.get("__refused__"):
             info["attempts"][-1].update(end=time.time(), returncode=2)
             write_json(save_dir / "ray_trial.json", info)
-            raise RuntimeError(f"trainer refused its configuration (exit 2): error: {exc}") from None
+            raise RuntimeError(f"trainer refused its configuration (exit 2): {config['__refused__']}")
+        cfg = read_resolved(save_dir / TRIAL_CONFIG)
+        if resume:
+            cfg = cfg.replace(resume=True)
         handle = Handle(cfg, save_dir, env)
         metric, seen, best = spec["metric"], 0, None
         stopped = True
@@ -265,32 +298,33 @@ def record_of(save_dir, k, metric, maximize, hint=None):
 
 
 # ====================================================================== search
-def _searcher(setup, hspace):
+def _searcher(setup, hspace, prepare):
     from functools import partial
 
     from hyperopt import anneal, rand, tpe
-    from ray.tune.search.hyperopt import HyperOptSearch
-    searcher = HyperOptSearch(space=hspace, metric=setup.metric, mode="max" if setup.maximize else "min",
-                              random_state_seed=setup.seed)
+
+    from .ray_searcher import ResolvingHyperOptSearch
+    searcher = ResolvingHyperOptSearch(prepare, space=hspace, metric=setup.metric,
+                                       mode="max" if setup.maximize else "min", random_state_seed=setup.seed)
     searcher.algo = {"random": rand.suggest, "anneal": anneal.suggest,
                      "tpe": partial(tpe.suggest, n_startup_jobs=20)}[setup.algo]
     return searcher
 
 
-def ray_search(space, args, rest, out=print):
+def ray_search(space, search, rest, out=print):
+    """run_hyper.py --backend ray; ``search``: its typed settings.SearchConfig."""
     from .trials import ROOT
-    if args.algo and args.algo.strip().lower() in ("atpe", "atpe.suggest", "hyperopt.atpe.suggest"):
+    if search.algo and search.algo.strip().lower() in ("atpe", "atpe.suggest", "hyperopt.atpe.suggest"):
         raise UserError("--backend ray runs exhaustive, random, tpe and anneal (HyperOptSearch); "
                         "use --backend local for atpe")
     require_ray()
-    setup = Setup(space, args.algo, args.max_evals, args.seed, rest, args.output, args.metric, args.maximize,
-                  args.parallel, 0, args.resume, out)
+    setup = Setup(space, search, rest, out)
     previous = setup.check_output()
     if previous and not (setup.output / "ray").exists():
         raise UserError(f"--resume: the search in {setup.output} ran on another backend; resume it with that one")
-    ray = start_ray(args.ray_address, ROOT, out)
+    ray = start_ray(search.ray_address, ROOT, out)
     try:
-        return _ray_search(ray, setup, args, out)
+        return _ray_search(ray, setup, out)
     finally:
         ray.shutdown()
 
@@ -323,18 +357,20 @@ def _tune_run(ray, trainable, resources, param_space, tune_config, output, max_f
         return None, True
 
 
-def _ray_search(ray, setup, args, out):
+def _ray_search(ray, setup, out):
     from ray import tune
     from .ray_asha import MarkingASHA
-    resources = trial_resources(ray, setup.parallel, args.cpus_per_trial, args.gpus_per_trial)
+    search = setup.search
+    resources = trial_resources(ray, setup.parallel, search.cpus_per_trial, search.gpus_per_trial)
     setup.print_space()
     setup.output.mkdir(parents=True, exist_ok=True)
     write_json(setup.output / "hyper_search.json", setup.state())
     spec = _common_spec(setup.output, setup.base_argv, setup.metric, setup.maximize, setup.space, resources)
+    prepare = TrialPreparer(spec)
     mode = "max" if setup.maximize else "min"
     scheduler, grace = None, None
-    if args.scheduler == "asha":
-        grace = args.grace_updates or setup.ns.validation.validate_interval_updates or 1
+    if search.scheduler == "asha":
+        grace = search.grace_updates or setup.ns.validation.validate_interval_updates or 1
         # max_t beyond the last update: a trial that trains to the end is never stopped at its last validation
         max_t = (setup.ns.schedule.max_update or 10 ** 9) + 1
         scheduler = MarkingASHA(setup.output.resolve(), time_attr="update", grace_period=grace,
@@ -343,7 +379,8 @@ def _ray_search(ray, setup, args, out):
         points = []
         for k in range(1, setup.max_evals + 1):
             params, _ = setup.sampler.ask(k)
-            points.append({**params, "__dir__": f"trial_{k}", "__key__": k})
+            refused = prepare.prepare(setup.output.resolve() / f"trial_{k}", params)
+            points.append({**params, "__dir__": f"trial_{k}", "__key__": k, "__refused__": refused})
         param_space = {"__point__": tune.grid_search(points)}
         trainable = _unpack_point(make_trainable(spec), list(setup.space))
         tune_config = tune.TuneConfig(metric=setup.metric, mode=mode, num_samples=1, scheduler=scheduler,
@@ -352,14 +389,14 @@ def _ray_search(ray, setup, args, out):
         hspace = {n: p.hyperopt() for n, p in setup.space.items()}
         trainable = make_trainable(spec)
         param_space = None
-        tune_config = tune.TuneConfig(search_alg=_searcher(setup, hspace), scheduler=scheduler, metric=setup.metric,
-                                      mode=mode,
-                                      num_samples=setup.max_evals, max_concurrent_trials=setup.parallel)
+        tune_config = tune.TuneConfig(search_alg=_searcher(setup, hspace, prepare), scheduler=scheduler,
+                                      metric=setup.metric, mode=mode, num_samples=setup.max_evals,
+                                      max_concurrent_trials=setup.parallel)
     out(f"search: {setup.algo} on Ray Tune, {setup.max_evals} trials, {mode}imize {setup.metric}, "
         f"{setup.parallel} at a time, {resources['cpu']:g} CPU + {resources['gpu']:g} GPU each"
         + (f", ASHA (grace {grace} updates)" if scheduler else "") + f", output {setup.output}")
     grid, interrupted = _tune_run(ray, trainable, resources, param_space or {}, tune_config, setup.output,
-                                  args.max_failures, args.resume, out)
+                                  search.max_failures, search.resume, out)
     hints = tune_outcomes(grid)
     # Tune returns from fit() normally after Ctrl+C (it catches SIGINT and
     # saves its state): fewer trials than asked for, or one stopped with it
@@ -386,41 +423,40 @@ def _ray_search(ray, setup, args, out):
 def _unpack_point(trainable, names):
     def unpacked(config):
         point = dict(config["__point__"])
-        return trainable({**{n: point[n] for n in names}, "__dir__": point["__dir__"], "__key__": point["__key__"]})
+        return trainable({**{n: point[n] for n in names}, "__dir__": point["__dir__"], "__key__": point["__key__"],
+                          "__refused__": point["__refused__"]})
     unpacked.__name__ = "trainer"
     return unpacked
 
 
 # ====================================================================== seeds
-def ray_multi_seed(seeds, args, rest, out=print):
+def ray_multi_seed(search, rest, out=print):
+    """run_multi_seed.py --backend ray; ``search``: its typed settings.SearchConfig."""
     from ray import tune
 
     from .hyper import resolve_metric
-    from .multi_seed import summarize_and_report
+    from .multi_seed import plan_seeds, summarize_and_report
     from .trials import ROOT
     require_ray()
-    base_argv = list(rest)
-    configs = TrialConfigs(base_argv)
-    given = configs.given
-    for name in ("seed", "save_dir", "no_save", "print_config"):
-        if name in given:
-            raise UserError(f"--{name.replace('_', '-')} cannot be used here (see run_multi_seed.py --help)")
-    metric, maximize = resolve_metric(configs.resolve(), args.metric, args.maximize)
-    output = Path(args.output)
-    ray = start_ray(args.ray_address, ROOT, out)
+    _, ns, seeds = plan_seeds(search, rest, out)
+    metric, maximize = resolve_metric(ns, search.metric, search.maximize)
+    output = Path(search.output)
+    ray = start_ray(search.ray_address, ROOT, out)
     try:
-        resources = trial_resources(ray, args.parallel, args.cpus_per_trial, args.gpus_per_trial)
+        resources = trial_resources(ray, search.parallel, search.cpus_per_trial, search.gpus_per_trial)
         output.mkdir(parents=True, exist_ok=True)
-        spec = _common_spec(output, base_argv, metric, maximize, ["seed"], resources)
-        points = [{"seed": s, "__dir__": f"seed_{s}", "__key__": s} for s in seeds]
+        spec = _common_spec(output, rest, metric, maximize, ["seed"], resources)
+        prepare = TrialPreparer(spec)
+        points = [{"seed": s, "__dir__": f"seed_{s}", "__key__": s,
+                   "__refused__": prepare.prepare(output.resolve() / f"seed_{s}", {"seed": s})} for s in seeds]
         trainable = _unpack_point(make_trainable(spec), ["seed"])
         mode = "max" if maximize else "min"
-        out(f"multi-seed on Ray Tune: {len(seeds)} seeds | {metric} ({mode}) | {args.parallel} at a time | "
+        out(f"multi-seed on Ray Tune: {len(seeds)} seeds | {metric} ({mode}) | {search.parallel} at a time | "
             f"output {output}")
         tune_config = tune.TuneConfig(metric=metric, mode=mode, num_samples=1,
-                                      max_concurrent_trials=args.parallel)
+                                      max_concurrent_trials=search.parallel)
         grid, interrupted = _tune_run(ray, trainable, resources, {"__point__": tune.grid_search(points)},
-                                      tune_config, output, args.max_failures, False, out)
+                                      tune_config, output, search.max_failures, False, out)
         # no ASHA here: a trial Tune stopped was stopped with the search (Ctrl+C)
         interrupted = interrupted or grid is None or len(grid) < len(seeds) or any(
             h[0] == "stopped" for h in tune_outcomes(grid).values())

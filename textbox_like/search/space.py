@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import with_numbers
+from ..config import read_text_file, with_numbers
 from ..errors import UserError, closest, nearest
 
 # kind -> argument names (hyperopt's order)
@@ -365,10 +365,8 @@ def load_space(path, options=None):
     path = Path(path)
     if not path.is_file():
         raise UserError(f"space file {str(path)!r} does not exist; check the path")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"space file {str(path)!r} cannot be read: {exc}") from None
+    # one line naming the file when it is empty, binary or not UTF-8
+    text = read_text_file(path, "space file", "search-space")
     source = f"space file {path}"
     fmt = detect_format(text)
     if fmt == "empty":
