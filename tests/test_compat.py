@@ -190,3 +190,52 @@ def test_textbox_short_run(small_mnist_dir, tmp_path):
     assert short_run(small_mnist_dir, out, "--gpu_id", "0", "--cpu", "--learning_rate", "0.001",
                      "--train_batch_size", "16", "--eval_batch_size", "25", "--saved_dir", out) == 0
     assert len(train_records(out)) == 3
+
+
+# ------------------------------------------------------------------ rewrites onto ours
+def tiny_bert_dir(path):
+    """A save_pretrained directory as far as sizing goes: its config.json."""
+    import json
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2,
+                                                  "num_hidden_layers": 2, "intermediate_size": 512,
+                                                  "vocab_size": 100}))
+    return path
+
+
+@pytest.mark.parametrize("flag", ["--init-checkpoint", "--model_path", "--initial-encoder"])
+def test_every_spelling_of_initial_weights_sizes_the_model_from_its_config_json(capsys, tmp_path, flag):
+    weights = tiny_bert_dir(tmp_path / "exported")
+    data, _ = printed(capsys, "--task", "bert", flag, weights)
+    assert data["init_checkpoint"] == str(weights)
+    assert (data["dimension"], data["num_heads"], data["num_layers"], data["dim_feedforward"]) == (128, 2, 2, 512)
+
+
+def test_rewritten_values_name_the_other_tools_option(small_mnist_dir, tmp_path):
+    from textbox_like.cli import parse
+    cfg = parse(["--task", "mnist", "--training-data", str(small_mnist_dir), "--ngpu", "0"])
+    assert cfg.data.data == str(small_mnist_dir) and cfg.runtime.cpu is True
+    assert cfg.source("data") == "command line (kanachan --training-data)"
+    assert cfg.source("cpu") == "command line (ESPnet2 --ngpu)"
+    assert cfg.source("ngpu") == "command line"
+    cfg = parse(["--task", "mnist", "--device", "cpu", "--amp-optimization-level", "O1",
+                 "--output-prefix", str(tmp_path), "--experiment-name", "e"])
+    assert cfg.source("cpu") == "command line (kanachan --device)"
+    assert cfg.source("train_dtype") == "command line (kanachan --amp-optimization-level)"
+    assert cfg.source("save_dir") == "command line (kanachan --output-prefix)"
+    weights = tiny_bert_dir(tmp_path / "exported")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model_path: {weights}\n")
+    cfg = parse(["--task", "bert", "--config", str(path)])
+    assert cfg.source("init_checkpoint") == f"--config {path} (TextBox --model_path)"
+    cfg = parse(["--task", "bert", "--init-checkpoint", str(weights), "--initial-encoder", str(weights)])
+    assert cfg.source("init_checkpoint") == "command line"   # given itself: the alias changes nothing
+
+
+def test_a_derived_configuration_says_where_its_changes_came_from():
+    from textbox_like.cli import parse
+    cfg = parse(["--task", "mnist", "--max-update", "4"])
+    changed = cfg.replace("the search", max_update=5, lr=[0.5])
+    assert changed.source("max_update") == "the search" and changed.source("lr") == "the search"
+    assert cfg.source("max_update") == "command line" and changed.source("task") == cfg.source("task")
+    assert cfg.replace(max_update=6).source("max_update") == "RunConfig.replace()"

@@ -187,12 +187,14 @@ def finalize(options, ns):
     from .lr_scheduler import resolve_scheduler_conf
     from .optim import resolve_optim_conf
     from .tasks import TASKS
-    TASKS.get(ns.task).resolve_config(ns)  # a preset's sizes, before anything reads them
 
     def user_gave(dest):
         return options.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
 
-    apply_foreign_settings(ns, user_gave, lambda dest: options.sources.get(dest, C.BUILTIN))
+    apply_foreign_settings(ns, user_gave, lambda dest: options.sources.get(dest, C.BUILTIN), options.source_names)
+    # the model's sizes, after the rewrites (--model_path and --initial-encoder
+    # name the weights whose config.json gives them) and before anything reads them
+    TASKS.get(ns.task).resolve_config(ns)
     if ns.required_batch_size_multiple > 1 and ns.max_sentences and not ns.max_tokens:
         from .data.iterators import round_batch_size
         rounded = round_batch_size(ns.max_sentences, ns.required_batch_size_multiple)
@@ -253,19 +255,10 @@ def run(cfg):
     """Start the processes this configuration asks for on this node, or train
     in this one."""
     from . import distributed
-    from .compat import launcher_note
+    from .compat import apply_gpu_id, launcher_note
     launcher_note()
+    cfg = apply_gpu_id(cfg)
     dist = cfg.distributed
-    if dist.gpu_id is not None:
-        # TextBox's --gpu_id: the GPUs this run may use (set before CUDA
-        # initialises); several of them mean one process each on this node
-        os.environ["CUDA_VISIBLE_DEVICES"] = dist.gpu_id
-        import torch
-        count = len(dist.gpu_id.split(","))
-        if count > 1 and dist.distributed_world_size == 1 and not cfg.runtime.cpu and torch.cuda.is_available() \
-                and distributed.placement_from_env(cfg) is None:
-            cfg = cfg.replace(distributed_world_size=count)
-            dist = cfg.distributed
     if distributed.placement_from_env(cfg) is None:
         if dist.distributed_no_spawn and dist.distributed_init_method:
             placement = distributed.Placement(

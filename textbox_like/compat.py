@@ -91,29 +91,72 @@ def launcher_note(environ=None):
     return False
 
 
-def apply_foreign_settings(ns, user_gave, rank_of):
+#: the tool each rewritten option comes from, for the provenance of what it sets
+FOREIGN_OPTIONS = {"amp_optimization_level": "kanachan", "device": "kanachan", "ngpu": "ESPnet2",
+                   "training_data": "kanachan", "validation_data": "kanachan", "output_prefix": "kanachan",
+                   "experiment_name": "kanachan", "initial_encoder": "kanachan", "model_path": "TextBox",
+                   "gpu_id": "TextBox"}
+
+
+def foreign_source(sources, foreign):
+    """Where a value rewritten from another tool's option came from: that
+    option's own source and its name, e.g. "command line (kanachan --training-data)"."""
+    flag = "--gpu_id" if foreign == "gpu_id" else "--model_path" if foreign == "model_path" else \
+        "--" + foreign.replace("_", "-")
+    return f"{sources.get(foreign, 'default')} ({FOREIGN_OPTIONS[foreign]} {flag})"
+
+
+def _rewrite(ns, sources, dest, value, foreign):
+    """``dest`` takes ``value``, set by the other tool's option ``foreign``
+    (a value the user gave already, unchanged, keeps its source)."""
+    if not (dest in sources and getattr(ns, dest) == value):
+        sources[dest] = foreign_source(sources, foreign)
+    setattr(ns, dest, value)
+
+
+def apply_gpu_id(cfg):
+    """TextBox's --gpu_id: the GPUs this run may use (set before CUDA
+    initialises); several of them mean one process each on this node. The
+    configuration to run."""
+    dist = cfg.distributed
+    if dist.gpu_id is None:
+        return cfg
+    os.environ["CUDA_VISIBLE_DEVICES"] = dist.gpu_id
+    import torch
+
+    from .distributed import placement_from_env
+    count = len(dist.gpu_id.split(","))
+    if count > 1 and dist.distributed_world_size == 1 and not cfg.runtime.cpu and torch.cuda.is_available() \
+            and placement_from_env(cfg) is None:
+        return cfg.replace(foreign_source(cfg.sources, "gpu_id"), distributed_world_size=count)
+    return cfg
+
+
+def apply_foreign_settings(ns, user_gave, rank_of, sources=None):
     """Rewrite other tools' settings onto ours, on the namespace being
     resolved. ``user_gave(dest)``: the user set it (file or command line);
-    ``rank_of(dest)``: the layer it came from."""
-    _precision(ns, user_gave)
-    _devices(ns, user_gave)
-    _data_paths(ns, user_gave, rank_of)
-    _save_dir(ns, user_gave, rank_of)
-    _model(ns)
+    ``rank_of(dest)``: the layer it came from; ``sources``: {dest: where its
+    value came from, in words}, updated for every value rewritten."""
+    sources = {} if sources is None else sources
+    _precision(ns, user_gave, sources)
+    _devices(ns, user_gave, sources)
+    _data_paths(ns, user_gave, rank_of, sources)
+    _save_dir(ns, user_gave, rank_of, sources)
+    _model(ns, sources)
     _metrics(ns)
     if ns.fast_stat_sync:
         note("--fast-stat-sync changes nothing here: the statistics of all ranks are always summed in one "
              "all-reduce per log interval, which is what it asks for")
 
 
-def _precision(ns, user_gave):
+def _precision(ns, user_gave, sources):
     if ns.amp_optimization_level is not None:
         dtype = AMP_LEVELS[ns.amp_optimization_level]
         if user_gave("train_dtype") and ns.train_dtype != dtype:
             raise UserError(f"--amp-optimization-level {ns.amp_optimization_level} means --train_dtype {dtype}, "
                             f"but --train_dtype {ns.train_dtype} is given too; keep one")
         if ns.train_dtype != dtype:
-            ns.train_dtype = dtype
+            _rewrite(ns, sources, "train_dtype", dtype, "amp_optimization_level")
             note(f"--amp-optimization-level {ns.amp_optimization_level}: training with --train_dtype {dtype}"
                  + (" (float16 mixed precision; O1, O2 and O3 are all Accelerate's autocast)"
                     if dtype == "float16" else ""))
@@ -126,10 +169,10 @@ def _cuda_devices():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _devices(ns, user_gave):
+def _devices(ns, user_gave, sources):
     if ns.device is not None:
         if ns.device == "cpu":
-            ns.cpu = True
+            _rewrite(ns, sources, "cpu", True, "device")
         else:
             index = None if ns.device == "cuda" else int(ns.device[4:].lstrip(":"))
             count = _cuda_devices()
@@ -142,7 +185,7 @@ def _devices(ns, user_gave):
                 if ns.device_id is not None and ns.device_id != index:
                     raise UserError(f"--device {ns.device} and --device-id {ns.device_id} name different GPUs; "
                                     f"keep one")
-                ns.device_id = index
+                _rewrite(ns, sources, "device_id", index, "device")
     if ns.device_id is not None and user_gave("device_id") and not ns.cpu and "LOCAL_RANK" not in os.environ \
             and _cuda_devices() == 0:
         note(f"--device-id {ns.device_id}: this machine has no CUDA GPU; training on CPU")
@@ -153,20 +196,20 @@ def _devices(ns, user_gave):
                  + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
                  + f"; running {ns.ngpu} process(es) on CPU")
         if ns.ngpu == 0:
-            ns.cpu = True
+            _rewrite(ns, sources, "cpu", True, "ngpu")
         elif ns.distributed_init_method:
             if user_gave("distributed_gpus") and ns.distributed_gpus != ns.ngpu:
                 raise UserError(f"--ngpu {ns.ngpu} and --distributed-gpus {ns.distributed_gpus} differ; keep one")
-            ns.distributed_gpus = ns.ngpu
+            _rewrite(ns, sources, "distributed_gpus", ns.ngpu, "ngpu")
         elif not user_gave("distributed_world_size"):
-            ns.distributed_world_size = ns.ngpu
+            _rewrite(ns, sources, "distributed_world_size", ns.ngpu, "ngpu")
         elif ns.distributed_world_size != ns.ngpu:
             raise UserError(f"--ngpu {ns.ngpu} (processes on this node) and --distributed-world-size "
                             f"{ns.distributed_world_size} differ on a single node; give "
                             f"--distributed-init-method for several nodes, or keep one")
 
 
-def _data_paths(ns, user_gave, rank_of):
+def _data_paths(ns, user_gave, rank_of, sources):
     """kanachan's --training-data/--validation-data: a directory is --data;
     a file is that split's data where the task reads a split from one file
     (BERT's shards), else its directory (MNIST's splits are fixed names)."""
@@ -189,7 +232,7 @@ def _data_paths(ns, user_gave, rank_of):
                 and rank_of("data") >= rank_of("training_data"):
             raise UserError(f"--data {ns.data} and --training-data {ns.training_data} name different "
                             f"directories; keep one")
-        ns.data = directory
+        _rewrite(ns, sources, "data", directory, "training_data")
     if ns.validation_data is not None:
         path = os.path.abspath(ns.validation_data)
         if os.path.isfile(path) and split_files:
@@ -199,14 +242,14 @@ def _data_paths(ns, user_gave, rank_of):
             return
         directory = path if os.path.isdir(path) else os.path.dirname(path)
         if ns.data is None:
-            ns.data = directory
+            _rewrite(ns, sources, "data", directory, "validation_data")
         elif os.path.abspath(ns.data) != directory:
             raise UserError(f"--validation-data {ns.validation_data} is not in the data directory {ns.data}: "
                             f"the {ns.task} task reads every split from one directory (choose the split "
                             f"with --valid-subset)")
 
 
-def _save_dir(ns, user_gave, rank_of):
+def _save_dir(ns, user_gave, rank_of, sources):
     """kanachan's PREFIX/NAME save directory."""
     named = [d for d in ("output_prefix", "experiment_name") if getattr(ns, d) is not None]
     if not named:
@@ -221,20 +264,22 @@ def _save_dir(ns, user_gave, rank_of):
         import time
         name = time.strftime("%Y-%m-%d-%H-%M-%S")
         os.environ["TEXTBOX_LIKE_EXPERIMENT_NAME"] = name  # the same for spawned ranks
-    ns.output_prefix, ns.experiment_name = prefix, name
-    ns.save_dir = os.path.join(prefix, name)
+    given = "output_prefix" if ns.output_prefix is not None else "experiment_name"
+    _rewrite(ns, sources, "output_prefix", prefix, given)
+    _rewrite(ns, sources, "experiment_name", name, given)
+    _rewrite(ns, sources, "save_dir", os.path.join(prefix, name), given)
 
 
-def _model(ns):
+def _model(ns, sources):
     """kanachan's model options that mean nothing for the chosen task, or
     stand for ours."""
     if ns.dim_final_feedforward is not None:
         what = "BertForPreTraining (its heads have no feed-forward layer)" if ns.task == "bert" else \
             f"the {ns.task} model"
         note(f"--dim-final-feedforward {ns.dim_final_feedforward} has no meaning for {what}; ignored")
-    for flag, path in (("--initial-encoder", ns.initial_encoder), ("--model_path", ns.model_path)):
-        if path is not None:
-            _initial_weights(ns, flag, path)
+    for dest in ("initial_encoder", "model_path"):
+        if getattr(ns, dest) is not None:
+            _initial_weights(ns, dest, sources)
     if ns.initial_decoder is not None:
         encoder = ns.initial_encoder or ns.model_path or getattr(ns, "init_checkpoint", None)
         if encoder is None or os.path.abspath(encoder) != os.path.abspath(ns.initial_decoder):
@@ -250,10 +295,11 @@ def _model(ns):
                         f"--resume continues checkpoint_last.pt with its own weights and optimizer; leave one out")
 
 
-def _initial_weights(ns, flag, path):
+def _initial_weights(ns, dest, sources):
     """kanachan's --initial-encoder, TextBox's --model_path: the task's
     initial weights (BERT: --init-checkpoint)."""
     from .tasks import TASKS
+    flag, path = ("--model_path" if dest == "model_path" else "--initial-encoder"), getattr(ns, dest)
     setting = TASKS.get(ns.task).initial_weights_setting
     if setting is None:
         raise UserError(f"{flag}: the {ns.task} model starts from random weights only (initial weights are for "
@@ -265,7 +311,7 @@ def _initial_weights(ns, flag, path):
     current = getattr(ns, setting)
     if current and os.path.abspath(current) != os.path.abspath(path):
         raise UserError(f"{flag} and --{setting.replace('_', '-')} name different files; keep one")
-    setattr(ns, setting, path)
+    _rewrite(ns, sources, setting, path, dest)
 
 
 def _metrics(ns):

@@ -314,10 +314,11 @@ class RunConfig:
         """{setting: value} in printed order: what --print_config prints."""
         return {key: self.get(key) for key in self.keys}
 
-    def replace(self, **changes):
+    def replace(self, source="RunConfig.replace()", **changes):
         """A copy with settings changed by name (``cfg.replace(max_update=5)``),
         for code that derives one configuration from another (evaluation,
-        tests); values are taken as typed."""
+        tests); values are taken as typed; ``source`` says where the new
+        values came from (``cfg.source(key)``)."""
         sections, plugins = {}, {}
         for key, value in changes.items():
             section = SECTION_OF.get(key)
@@ -332,4 +333,5 @@ class RunConfig:
                 raise UserError(f"unknown setting {key!r}{closest(key, list(SECTION_OF))}")
         return dataclasses.replace(
             self, **{name: dataclasses.replace(getattr(self, name), **values) for name, values in sections.items()},
-            **{part: PluginOptions(**values) for part, values in plugins.items()})
+            **{part: PluginOptions(**values) for part, values in plugins.items()},
+            sources=types.MappingProxyType({**self.sources, **{key: source for key in changes}}))
