@@ -239,3 +239,30 @@ def test_a_derived_configuration_says_where_its_changes_came_from():
     assert changed.source("max_update") == "the search" and changed.source("lr") == "the search"
     assert cfg.source("max_update") == "command line" and changed.source("task") == cfg.source("task")
     assert cfg.replace(max_update=6).source("max_update") == "RunConfig.replace()"
+
+
+def test_an_alias_names_its_tool_as_the_source():
+    from textbox_like.cli import parse
+    cfg = parse(["--task", "mnist", "--learning-rate", "0.01", "--accum_grad", "2", "--update-freq", "3"])
+    assert cfg.source("lr") == "command line (kanachan --learning-rate)"
+    assert cfg.source("update_freq") == "command line" and cfg.schedule.update_freq == [3]  # the last one given
+
+
+def test_other_tools_users_hear_where_our_defaults_differ(capsys, monkeypatch):
+    from textbox_like import cli
+    from textbox_like.compat import default_notes
+    monkeypatch.setattr(cli, "run", lambda cfg: 0)
+    capsys.readouterr()
+    assert cli.main(["--task", "mnist", "--learning-rate", "0.01", "--max-update", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "note: kanachan's defaults differ from ours here: --optimizer adam (kanachan: lamb), " \
+           "--clip-norm 0 (kanachan: 1)" in err, err
+    # given values need no word, nor do our own spellings
+    assert default_notes(cli.parse(["--learning-rate", "0.01", "--optimizer", "lamb", "--max-gradient-norm", "1"])) == []
+    assert default_notes(cli.parse(["--task", "mnist", "--lr", "0.01", "--max-update", "1"])) == []
+    textbox = default_notes(cli.parse(["--task", "mnist", "--epochs", "2"]))
+    assert len(textbox) == 1 and "--seed 1 (TextBox: 2020)" in textbox[0] and "--max-epoch" not in textbox[0]
+    espnet = default_notes(cli.parse(["--task", "mnist", "--ngpu", "0"]))
+    assert len(espnet) == 1 and "--cudnn-deterministic false (ESPnet2: true)" in espnet[0]
+    hetseq = default_notes(cli.parse(["--task", "mnist", "--fast-stat-sync", "--seed", "19940802"]))
+    assert len(hetseq) == 1 and "--clip-norm 0 (HetSeq: 25)" in hetseq[0] and "--seed" not in hetseq[0]

@@ -58,6 +58,7 @@ def build_options():
         cls.add_args(o)
     add_optimizer_args(o)
     add_scheduler_args(o)
+    compat.add_aliases(o, compat.PLUGIN_ALIASES, "other tools' spellings of the optimizers' options")
     return o
 
 
@@ -225,8 +226,17 @@ def main(argv=None):
             sys.stdout.write(C.to_yaml(cfg))
             return 0
         check(cfg)
+        say_other_defaults(cfg)
         return run(cfg)
     return exit_code(resolve_and_run)
+
+
+def say_other_defaults(cfg):
+    """Before a run starts: where another tool's user, by the spellings used,
+    would expect that tool's defaults and gets ours (compat.default_notes)."""
+    from .compat import default_notes
+    for line in default_notes(cfg):
+        note(line)
 
 
 def run_resolved(path):

@@ -19,7 +19,7 @@ import os
 
 from .errors import UserError, note
 
-#: (flag, our setting, help)
+#: (flag, our setting, help); the help's "TOOL:" names whose spelling it is
 ALIASES = (
     ("--batch-size", "max_sentences", None),
     ("--training-batch-size", "max_sentences", "kanachan: alias of --max-sentences"),
@@ -44,6 +44,11 @@ ALIASES = (
      "TextBox: alias of --best-checkpoint-metric (a one-name list like ['accuracy'] too)"),
 )
 
+#: aliases of a plugin's own options, added once the plugins have added theirs
+PLUGIN_ALIASES = (
+    ("--dadelta_weight_decay", "adadelta_weight_decay", "HetSeq: its spelling of --adadelta_weight_decay"),
+)
+
 #: kanachan's / Apex's --amp-optimization-level -> our --train_dtype
 AMP_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
 
@@ -59,10 +64,10 @@ def dtype_name(text):
     return text
 
 
-def add_aliases(options):
-    options.group("compatibility", "other tools' spellings")
-    for flag, dest, help in ALIASES:
-        options.add_alias(flag, dest, help=help)
+def add_aliases(options, aliases=ALIASES, title="other tools' spellings"):
+    options.group("compatibility", title)
+    for flag, dest, help in aliases:
+        options.add_alias(flag, dest, help=help, tool=help.split(":", 1)[0] if help else None)
 
 
 def environment_settings(environ=None) -> dict:
@@ -91,11 +96,58 @@ def launcher_note(environ=None):
     return False
 
 
-#: the tool each rewritten option comes from, for the provenance of what it sets
-FOREIGN_OPTIONS = {"amp_optimization_level": "kanachan", "device": "kanachan", "ngpu": "ESPnet2",
-                   "training_data": "kanachan", "validation_data": "kanachan", "output_prefix": "kanachan",
-                   "experiment_name": "kanachan", "initial_encoder": "kanachan", "model_path": "TextBox",
-                   "gpu_id": "TextBox"}
+#: settings of ours that only one other tool spells so: the tool a rewritten
+#: value comes from, and a sign that the run is that tool's user's
+FOREIGN_OPTIONS = {
+    **dict.fromkeys(("amp_optimization_level", "device", "training_data", "validation_data", "output_prefix",
+                     "experiment_name", "initial_encoder", "initial_decoder", "initial_optimizer", "epsilon",
+                     "num_epoch_digits", "snapshot_interval", "dim_final_feedforward", "checkpointing"), "kanachan"),
+    **dict.fromkeys(("ngpu", "use_tensorboard", "use_wandb"), "ESPnet2"),
+    **dict.fromkeys(("gpu_id", "model_path", "metrics"), "TextBox"),
+    **dict.fromkeys(("fast_stat_sync", "distributed_port", "adadelta_weight_decay"), "HetSeq"),
+}
+
+#: each tool's documented default where ours differs (hetseq/options.py;
+#: kanachan/training/bert/phase1/README.md; espnet2/tasks/abs_task.py;
+#: TextBox's textbox/properties/overall.yaml). TextBox's adamw is our adam
+#: (decoupled weight decay), so the optimizer is not listed for it.
+THEIR_DEFAULTS = {
+    "HetSeq": {"lr": [0.25], "clip_norm": 25.0, "seed": 19940802, "log_interval": 1},
+    "kanachan": {"optimizer": "lamb", "clip_norm": 1.0},
+    "ESPnet2": {"max_epoch": 40, "clip_norm": 5.0, "cudnn_deterministic": True},
+    "TextBox": {"max_epoch": 50, "max_sentences": 16, "lr": [3e-5], "clip_norm": 0.1, "seed": 2020},
+}
+
+
+def tools_used(cfg):
+    """The other tools whose spellings this configuration uses: one of
+    their own settings given, or a value set by one of their options or
+    aliases (its source says "(TOOL --flag)")."""
+    used = {tool for key, tool in FOREIGN_OPTIONS.items() if key in cfg.keys and cfg.given(key)}
+    for source in cfg.sources.values():
+        used.update(tool for tool in THEIR_DEFAULTS if f"({tool} --" in source)
+    return sorted(used)
+
+
+def default_notes(cfg):
+    """One line per other tool whose spellings are used, naming the settings
+    left at our default where that tool's documented default differs: its
+    users would otherwise expect theirs."""
+    lines = []
+    for tool in tools_used(cfg):
+        differing = [(key, cfg.get(key), theirs) for key, theirs in THEIR_DEFAULTS[tool].items()
+                     if key in cfg.keys and not cfg.given(key) and cfg.get(key) != theirs]
+        if differing:
+            lines.append(f"{tool}'s defaults differ from ours here: "
+                         + ", ".join(f"--{key.replace('_', '-')} {_shown(ours)} ({tool}: {_shown(theirs)})"
+                                     for key, ours, theirs in differing)
+                         + f"; give them to train with {tool}'s")
+    return lines
+
+
+def _shown(value):
+    return ",".join(f"{v:g}" for v in value) if isinstance(value, (list, tuple)) else \
+        str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def foreign_source(sources, foreign):

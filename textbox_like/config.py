@@ -255,6 +255,7 @@ class Options:
         self._argparse_group = self.parser
         self.switches = set()     # dests of boolean options
         self.aliases = {}         # alias name (underscores) -> dest, for config files too
+        self.alias_tools = {}     # alias name (underscores) -> the tool whose spelling it is
         self.sources = {}         # dest -> layer that set it (BUILTIN ... COMMAND_LINE), after resolve()
         self.source_names = {}    # dest -> where its value came from, in words, after resolve()
         self.dict_sources = {}    # dict dest -> {key: layer}, after resolve()
@@ -300,13 +301,16 @@ class Options:
             self.actions[kwargs["dest"]] = action
         return action
 
-    def add_alias(self, flag, dest, help=None):
+    def add_alias(self, flag, dest, help=None, tool=None):
         """A second flag for an existing option, e.g. --accum_grad for update_freq.
-        Config files may use the alias's name as a key too."""
+        Config files may use the alias's name as a key too. ``tool``: whose
+        spelling it is (the source of a value given by it names it)."""
         action = self.actions[dest]
         kwargs = {"dest": dest, "help": help or f"alias of --{dest.replace('_', '-')}",
                   "default": argparse.SUPPRESS}
         self.aliases[flag.lstrip("-").replace("-", "_")] = dest
+        if tool:
+            self.alias_tools[flag.lstrip("-").replace("-", "_")] = (tool, flag)
         for key in ("type", "nargs", "const", "choices", "metavar"):
             value = getattr(action, key, None)
             if value is not None:
@@ -426,6 +430,22 @@ def _prescan(argv, names):
     return found
 
 
+def _spellings(options, argv):
+    """{dest: " (TOOL --flag)"} for the options whose last use in ``argv`` is
+    another tool's alias (kanachan's --learning-rate for --lr)."""
+    out = {}
+    for arg in argv:
+        if not str(arg).startswith("--"):
+            continue
+        dest = options.dest_of(arg)
+        if dest is None:
+            continue
+        name = str(arg).split("=", 1)[0][2:].replace("-", "_")
+        tool = options.alias_tools.get(name)
+        out[dest] = f" ({tool[0]} {tool[1]})" if tool else ""
+    return out
+
+
 def raise_user_errors(parser):
     """argparse prints usage and exits 2 on error; we want one line."""
 
@@ -514,9 +534,10 @@ def resolve(options: Options, argv, task_registry, component_groups, overrides=N
     builtin = {dest: action.default for dest, action in options.actions.items()}
     parser.set_defaults(**merged)
     ns = parser.parse_args(argv)
+    spelled = _spellings(options, argv)
     for dest, value in _given_on_command_line(parser, argv).items():
         sources[dest] = COMMAND_LINE
-        names[dest] = LAYER_NAMES[COMMAND_LINE]
+        names[dest] = LAYER_NAMES[COMMAND_LINE] + spelled.get(dest, "")
         if isinstance(value, dict):
             dict_sources.setdefault(dest, {}).update({k: COMMAND_LINE for k in value})
     options.sources, options.dict_sources, options.source_names = sources, dict_sources, names
