@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -572,7 +573,7 @@ def _plain(value):
         return [_plain(v) for v in value]
     if isinstance(value, list):
         return [_plain(v) for v in value]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, Path):
         return str(value)
