@@ -15,10 +15,26 @@ from .faults import RunStopped, StoppedEarly
 from .preemption import guard_startup
 
 
+_built = {}
+
+
 def build_options():
     """The parser, from the settings' declarations (settings.py), the other
     tools' spellings (compat.py) and each task's, optimizer's and LR
-    scheduler's own options."""
+    scheduler's own options. Built once per set of registered components:
+    resolving never changes it."""
+    from .lr_scheduler import SCHEDULERS
+    from .optim import OPTIMIZERS
+    from .tasks import TASKS
+    key = (C.program_name("run_hetseq.py"), tuple(TASKS.choices()), tuple(OPTIMIZERS.choices()),
+           tuple(SCHEDULERS.choices()))
+    if key not in _built:
+        _built.clear()
+        _built[key] = _build_options()
+    return _built[key]
+
+
+def _build_options():
     from . import compat
     from .lr_scheduler import SCHEDULERS
     from .lr_scheduler import add_args as add_scheduler_args
@@ -165,13 +181,13 @@ def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.
     from .settings import RunConfig
     from .tasks import TASKS
     options = build_options()
-    ns, keys = C.resolve(options, list(argv), TASKS, groups_for, overrides=overrides,
-                         environment=environment_settings(environ), overrides_name=overrides_name)
-    finalize(options, ns)
+    ns, keys, found = C.resolve(options, list(argv), TASKS, groups_for, overrides=overrides,
+                                environment=environment_settings(environ), overrides_name=overrides_name)
+    finalize(options, ns, found)
     plugin_keys = {"task_options": options.groups.get(f"task:{ns.task}", []),
                    "optimizer_options": options.groups.get(f"optimizer:{ns.optimizer}", []),
                    "scheduler_options": options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])}
-    cfg = RunConfig.from_values(vars(ns), keys, plugin_keys, options.source_names)
+    cfg = RunConfig.from_values(vars(ns), keys, plugin_keys, found.names)
     return cfg, bool(ns.print_config)
 
 
@@ -180,7 +196,7 @@ def parse(argv=(), overrides=None, overrides_name="textbox_like.train()"):
     return resolve(argv, overrides, overrides_name=overrides_name)[0]
 
 
-def finalize(options, ns):
+def finalize(options, ns, found):
     """Options of other tools that stand for ours, and the values that
     depend on several options, resolved once, so that --print_config and
     config.yaml show what the run uses."""
@@ -190,9 +206,9 @@ def finalize(options, ns):
     from .tasks import TASKS
 
     def user_gave(dest):
-        return options.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
+        return found.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
 
-    apply_foreign_settings(ns, user_gave, lambda dest: options.sources.get(dest, C.BUILTIN), options.source_names)
+    apply_foreign_settings(ns, user_gave, lambda dest: found.sources.get(dest, C.BUILTIN), found.names)
     # the model's sizes, after the rewrites (--model_path and --initial-encoder
     # name the weights whose config.json gives them) and before anything reads them
     TASKS.get(ns.task).resolve_config(ns)
@@ -206,8 +222,8 @@ def finalize(options, ns):
 
     # the optimizer's and the scheduler's own arguments, in full
     builtin_optimizer = options.actions["optimizer"].default
-    resolve_optim_conf(ns, options.sources, options.dict_sources.get("optim_conf", {}),
-                       options.layer_values, builtin_optimizer)
+    resolve_optim_conf(ns, found.sources, found.dict_sources.get("optim_conf", {}), found.layer_values,
+                       builtin_optimizer)
     task = TASKS.get(ns.task)
     maximize = ns.maximize_best_checkpoint_metric
     if maximize is None:
