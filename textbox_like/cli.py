@@ -87,11 +87,9 @@ def groups_for(ns):
     from .lr_scheduler import SCHEDULERS
     from .optim import OPTIMIZERS
     from .tasks import TASKS
+    from .compat import check_optimizer_name
     ns.task = TASKS.canonical(ns.task)
-    if ns.optimizer not in OPTIMIZERS and ns.optimizer in SCHEDULERS:
-        # HetSeq's docs list PolynomialDecayScheduler under --optimizer
-        raise UserError(f"--optimizer {ns.optimizer} is a learning-rate scheduler: pass --lr-scheduler "
-                        f"{ns.optimizer} (and an optimizer, e.g. --optimizer adam)")
+    check_optimizer_name(ns.optimizer, OPTIMIZERS, SCHEDULERS)
     ns.optimizer = OPTIMIZERS.canonical(ns.optimizer)
     ns.lr_scheduler = SCHEDULERS.canonical(ns.lr_scheduler)
     return ["common", "optimization", "validation", "checkpoint", "logging", "distributed",

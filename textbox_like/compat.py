@@ -8,7 +8,14 @@ ESPnet2, TextBox, torch.distributed.launch and Accelerate.
 - ``apply_foreign_settings``: settings of other tools that stand for ours
   (kanachan's ``--training-data``, ESPnet2's ``--ngpu``, Apex levels, ...),
   rewritten onto ours once, while the configuration is resolved; the start
-  line and ``--print_config`` still show both.
+  line and ``--print_config`` still show both, and each rewritten value names
+  the option it came from as its source (``cfg.source(key)``);
+  ``apply_gpu_id``: TextBox's --gpu_id, when the run starts.
+- ``default_notes``: where a user of another tool, by the spellings used,
+  would get our default instead of that tool's documented one.
+- Other tools' value types (TextBox's metric lists, kanachan's --device,
+  TextBox's --gpu_id, Apex levels), HetSeq's scheduler named by --optimizer,
+  and TextBox's names for search-space labels (``TEXTBOX_ALIASES``).
 
 Settings that only another tool has (``--num-epoch-digits``) are declared in
 settings.py like any other, their help naming the tool.
@@ -16,6 +23,10 @@ settings.py like any other, their help naming the tool.
 from __future__ import annotations
 
 import os
+
+import argparse
+import ast
+import re
 
 from .errors import UserError, note
 
@@ -49,6 +60,26 @@ PLUGIN_ALIASES = (
     ("--dadelta_weight_decay", "adadelta_weight_decay", "HetSeq: its spelling of --adadelta_weight_decay"),
 )
 
+#: TextBox's option names with a counterpart here, for search-space labels (used only
+#: where the trainer's own parser does not know the name)
+TEXTBOX_ALIASES = {
+    "learning_rate": "lr",
+    "train_batch_size": "max_sentences",
+    "eval_batch_size": "max_sentences_valid",
+    "epochs": "max_epoch",
+    "max_steps": "max_update",
+    "seed": "seed",
+    "grad_clip": "clip_norm",
+    "accumulation_steps": "update_freq",
+    "warmup_steps": "warmup_updates",
+    "scheduler": "lr_scheduler",
+    "valid_steps": "validate_interval_updates",
+    "valid_intervals": "validate_interval",
+    "weight_decay": "weight_decay",
+    "embedding_size": "model_conf.hidden_size",     # the model width (tasks with a width_key: BERT)
+}
+
+
 #: kanachan's / Apex's --amp-optimization-level -> our --train_dtype
 AMP_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
 
@@ -57,11 +88,58 @@ def dtype_name(text):
     """--train_dtype's value; an Apex level (O1) names the option that takes it."""
     text = str(text).strip()
     if text in AMP_LEVELS:
-        import argparse
         raise argparse.ArgumentTypeError(f"{text} is an Apex optimization level, not a dtype: pass "
                                          f"--amp-optimization-level {text} (it means --train_dtype "
                                          f"{AMP_LEVELS[text]})")
     return text
+
+
+# ---------------------------------------------------------------- other tools' value types
+def metric_names(text):
+    """Metric names: 'a,b', or TextBox's list literal "['a', 'b']"."""
+    if isinstance(text, (list, tuple)):
+        return [str(v) for v in text]
+    text = str(text).strip()
+    if text.startswith(("[", "(")):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"expects metric names like accuracy,loss or ['accuracy'], "
+                                             f"got {text!r}") from None
+        return [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def metric_name(text):
+    """One metric name (TextBox's one-name list "['accuracy']" too)."""
+    names = metric_names(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError(f"expects one metric name, got {text!r}")
+    return names[0]
+
+
+def device_name(text):
+    """cpu, cuda, cudaN or cuda:N (kanachan's --device)."""
+    text = str(text).strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:?\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expects cpu, cuda or cudaN (e.g. cuda1), got {text!r}")
+    return text
+
+
+def gpu_ids(text):
+    """TextBox's --gpu_id '0,1': device indices."""
+    parts = [p.strip() for p in str(text).strip("[]() ").split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expects device indices like 0 or 0,1, got {text!r}")
+    return ",".join(parts)
+
+
+def check_optimizer_name(name, optimizers, schedulers):
+    """HetSeq's docs list PolynomialDecayScheduler under --optimizer: a
+    scheduler's name there says which option it belongs to."""
+    if name not in optimizers and name in schedulers:
+        raise UserError(f"--optimizer {name} is a learning-rate scheduler: pass --lr-scheduler "
+                        f"{name} (and an optimizer, e.g. --optimizer adam)")
 
 
 def add_aliases(options, aliases=ALIASES, title="other tools' spellings"):

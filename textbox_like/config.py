@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -174,45 +173,6 @@ INT_LIST = _described(int_list, "positive integers like 4 or 4,2,1")
 STR_LIST = _described(str_list, "a comma-separated list")
 LITERAL_DICT = _described(_literal_dict, "a Python dict literal like \"{'lr': 0.5}\"")
 BOOL = _described(str2bool, "true or false")
-
-
-def metric_names(text):
-    """Metric names: 'a,b', or TextBox's list literal "['a', 'b']"."""
-    if isinstance(text, (list, tuple)):
-        return [str(v) for v in text]
-    text = str(text).strip()
-    if text.startswith(("[", "(")):
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            raise argparse.ArgumentTypeError(f"expects metric names like accuracy,loss or ['accuracy'], "
-                                             f"got {text!r}") from None
-        return [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def metric_name(text):
-    """One metric name (TextBox's one-name list "['accuracy']" too)."""
-    names = metric_names(text)
-    if len(names) != 1:
-        raise argparse.ArgumentTypeError(f"expects one metric name, got {text!r}")
-    return names[0]
-
-
-def device_name(text):
-    """cpu, cuda, cudaN or cuda:N (kanachan's --device)."""
-    text = str(text).strip().lower()
-    if not re.fullmatch(r"cpu|cuda(:?\d+)?", text):
-        raise argparse.ArgumentTypeError(f"expects cpu, cuda or cudaN (e.g. cuda1), got {text!r}")
-    return text
-
-
-def gpu_ids(text):
-    """TextBox's --gpu_id '0,1': device indices."""
-    parts = [p.strip() for p in str(text).strip("[]() ").split(",") if p.strip()]
-    if not parts or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"expects device indices like 0 or 0,1, got {text!r}")
-    return ",".join(parts)
 
 
 def seed_int(text):

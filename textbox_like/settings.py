@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping as MappingABC
 from typing import ClassVar, Mapping
 
-from .compat import dtype_name
-from .config import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, device_name, float_list, gpu_ids, metric_name,
-                     metric_names, nonneg_int, positive_int, seed_int)
+from .compat import device_name, dtype_name, gpu_ids, metric_name, metric_names
+from .config import BOOL, INT_LIST, LITERAL_DICT, STR_LIST, float_list, nonneg_int, positive_int, seed_int
 from .errors import UserError, closest
 
 #: the printed groups, in order; a plugin's options follow them (task, optimizer, LR scheduler)
