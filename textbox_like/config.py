@@ -371,6 +371,20 @@ def _spellings(options, argv):
     return out
 
 
+def run_tool(parser, argv, work):
+    """A small command's main (export, prepare_bert): ``argv`` parsed with
+    one-line errors, then ``work(args)``; 0, or 2 after one line
+    ``error: ...`` for a mistake the user can fix."""
+    import sys
+    raise_user_errors(parser)
+    try:
+        work(parser.parse_args(argv))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def raise_user_errors(parser):
     """argparse prints usage and exits 2 on error; we want one line."""
 
