@@ -27,17 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, run_cli, write_mnist
+from conftest import N_SMALL_TRAIN, REPO, clean_env, run_cli, small_mnist_fixture
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
 from test_faults import mnist_args as fault_args
 from textbox_like.checkpoint import load_checkpoint
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mnist_os_faults")
-    write_mnist(directory, n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=12)
-    return directory
+data = small_mnist_fixture("mnist_os_faults", seed=12)
 
 
 def mnist_args(data, out, *extra, max_update=6):
@@ -273,23 +269,32 @@ def test_lock_of_another_host_refused_while_fresh_taken_over_when_stale(tmp_path
 
 
 # -------------------------------------------------------------------- signals
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [1, 2])
-def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
-    out = tmp_path / "out"
-    run = Run(mnist_args(data, out, "--log-interval", "1", "--distributed-world-size", world, *LONG,
-                         max_update=1000000))
+def stopped_by_sigterm(args, until, twice=False):
+    """Run ``args`` and send SIGTERM once ``until(run)`` returns (``twice``:
+    again a second later, if it still runs); the run, which must have exited
+    75 without a traceback."""
+    run = Run(args)
     try:
-        run.wait_for_update(3)
+        until(run)
         run.proc.send_signal(signal.SIGTERM)
-        time.sleep(1)
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGTERM)
+        if twice:
+            time.sleep(1)
+            if run.proc.poll() is None:
+                run.proc.send_signal(signal.SIGTERM)
         rc = run.finish()
     finally:
         run.kill()
     assert rc == 75, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
+    return run
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [1, 2])
+def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
+    out = tmp_path / "out"
+    run = stopped_by_sigterm(mnist_args(data, out, "--log-interval", "1", "--distributed-world-size", world,
+                                        *LONG, max_update=1000000), lambda run: run.wait_for_update(3), twice=True)
     assert "stopped by SIGTERM; checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] >= 3
 
@@ -297,15 +302,9 @@ def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
 @pytest.mark.timeout(300)
 def test_signal_during_start_up_exits_75_at_once(data, tmp_path):
     out = tmp_path / "out"
-    run = Run(mnist_args(data, out, *LONG, max_update=1000000))
-    try:
-        run.wait_for(lambda: (out / "run.lock").exists(), what="the save directory's lock")
-        run.proc.send_signal(signal.SIGTERM)
-        rc = run.finish()
-    finally:
-        run.kill()
-    assert rc == 75, run.stderr[-3000:]
-    assert "Traceback" not in run.stderr
+    run = stopped_by_sigterm(mnist_args(data, out, *LONG, max_update=1000000),
+                             lambda run: run.wait_for(lambda: (out / "run.lock").exists(),
+                                                      what="the save directory's lock"))
     assert "during start-up" in run.stderr or "checkpoint_last.pt saved" in run.stderr, run.stderr[-3000:]
     if "during start-up" in run.stderr:
         assert not list(out.glob("checkpoint*.pt"))
