@@ -248,15 +248,19 @@ def test_an_alias_names_its_tool_as_the_source():
     assert cfg.source("update_freq") == "command line" and cfg.schedule.update_freq == [3]  # the last one given
 
 
-def test_other_tools_users_hear_where_our_defaults_differ(capsys, monkeypatch):
+def test_other_tools_users_hear_where_our_defaults_differ(small_mnist_dir, tmp_path):
+    import contextlib
+    import io
     from textbox_like import cli
     from textbox_like.compat import default_notes
-    monkeypatch.setattr(cli, "run", lambda cfg: 0)
-    capsys.readouterr()
-    assert cli.main(["--task", "mnist", "--learning-rate", "0.01", "--max-update", "1"]) == 0
-    err = capsys.readouterr().err
-    assert "note: kanachan's defaults differ from ours here: --optimizer adam (kanachan: lamb), " \
-           "--clip-norm 0 (kanachan: 1)" in err, err
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert short_run(small_mnist_dir, tmp_path / "run", "--learning-rate", "0.01", "--disable-validation",
+                         "--log-format", "simple") == 0
+    start = [line for line in err.getvalue().splitlines() if line.startswith("task mnist |")]
+    assert len(start) == 1 and start[0].endswith(
+        " | kanachan's defaults differ from ours here: --optimizer adam (kanachan: lamb), --clip-norm 0 "
+        "(kanachan: 1); give them to train with kanachan's"), err.getvalue()[-2000:]
     # given values need no word, nor do our own spellings
     assert default_notes(cli.parse(["--learning-rate", "0.01", "--optimizer", "lamb", "--max-gradient-norm", "1"])) == []
     assert default_notes(cli.parse(["--task", "mnist", "--lr", "0.01", "--max-update", "1"])) == []

@@ -44,9 +44,8 @@ def train(config=None, **settings) -> dict:
     results (those of results.json: final and best validation metrics,
     updates, samples, wall time, exit code). A run that asks for several
     processes on this node starts them as the command line does."""
-    from .cli import run, say_other_defaults
+    from .cli import run
     cfg = resolve_config(config, **settings)
-    say_other_defaults(cfg)
     code = run(cfg)
     results = _read_results(cfg) or {}
     if code not in (0, None):

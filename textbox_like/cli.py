@@ -240,17 +240,8 @@ def main(argv=None):
             sys.stdout.write(C.to_yaml(cfg))
             return 0
         check(cfg)
-        say_other_defaults(cfg)
         return run(cfg)
     return exit_code(resolve_and_run)
-
-
-def say_other_defaults(cfg):
-    """Before a run starts: where another tool's user, by the spellings used,
-    would expect that tool's defaults and gets ours (compat.default_notes)."""
-    from .compat import default_notes
-    for line in default_notes(cfg):
-        note(line)
 
 
 def run_resolved(path):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from . import distributed
 from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_state
+from .compat import default_notes
 from .config import to_yaml
 from .errors import UserError
 from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, RunStopped, SaveFailed, check_writable,
@@ -986,7 +987,8 @@ class Trainer:
                       + (f" ({sources})" if sources else "")
                       + f" | {batches} | train {len(self.train_data):,} samples"
                       + (" (in memory: read inline, --num-workers not needed)"
-                         if cfg.data.num_workers and not self.iterator.num_workers else ""))
+                         if cfg.data.num_workers and not self.iterator.num_workers else "")
+                      + "".join(f" | {line}" for line in default_notes(cfg)))
         state = self.state
         state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
         # fused optimizers take a found_inf flag and skip a non-finite step in
