@@ -102,6 +102,17 @@ def small_mnist_dir(tmp_path_factory):
     return directory
 
 
+def small_mnist_fixture(name, seed):
+    """A module-scoped fixture: a tiny MNIST of its own (``seed``) in a
+    directory named ``name``, for a test module to bind as its ``data``."""
+    @pytest.fixture(scope="module")
+    def data(tmp_path_factory):
+        directory = tmp_path_factory.mktemp(name)
+        write_mnist(directory, n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=seed)
+        return directory
+    return data
+
+
 @pytest.fixture(scope="session")
 def mnist_arrays(mnist_dir):
     """The same arrays the mnist_dir fixture wrote (regenerated: deterministic)."""

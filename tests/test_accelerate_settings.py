@@ -121,52 +121,46 @@ def test_no_launcher_settings_means_float32_default(data, tmp_path):
 # ----------------------------------------------------- gradient accumulation
 
 
+def launched_start_line(data, out, monkeypatch, steps, *extra):
+    """The one start line of a run that Accelerate's launcher handed
+    ACCELERATE_GRADIENT_ACCUMULATION_STEPS=steps."""
+    import contextlib
+    import io
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", str(steps))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_main(ours(data, out, "--max-epoch", "1", *extra, max_update=0))
+    assert rc == 0, err.getvalue()[-3000:]
+    lines = start_lines(err.getvalue())
+    assert len(lines) == 1, err.getvalue()[-3000:]
+    return lines[0]
+
+
 def test_gradient_accumulation_from_accelerate_environment(data64, tmp_path, monkeypatch):
     """What the launcher hands over (ACCELERATE_GRADIENT_ACCUMULATION_STEPS; accelerate 1.15 exports it
     from its DeepSpeed launcher) sets update_freq when ours is the default."""
-    import contextlib
-    import io
-    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
-    out = tmp_path / "out"
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        rc = run_main(ours(data64, out, "--max-epoch", "1", "--log-interval", "1", max_update=0))
-    assert rc == 0, err.getvalue()[-3000:]
-    lines = start_lines(err.getvalue())
-    assert len(lines) == 1 and "update-freq from accelerate launch" in lines[0], err.getvalue()[-3000:]
     import yaml
+    out = tmp_path / "out"
+    line = launched_start_line(data64, out, monkeypatch, 2, "--log-interval", "1")
+    assert "update-freq from accelerate launch" in line, line
     assert yaml.safe_load((out / "config.yaml").read_text())["update_freq"] == [2]
     assert json.loads((out / "results.json").read_text())["num_updates"] == 4
 
 
 def test_our_update_freq_wins_over_launch(data64, tmp_path, monkeypatch):
-    import contextlib
-    import io
-    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
     out = tmp_path / "out"
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        rc = run_main(ours(data64, out, "--max-epoch", "1", "--update-freq", "4", max_update=0))
-    assert rc == 0, err.getvalue()[-3000:]
-    lines = start_lines(err.getvalue())
-    assert len(lines) == 1 and "update-freq from command line" in lines[0], err.getvalue()[-3000:]
+    line = launched_start_line(data64, out, monkeypatch, 2, "--update-freq", "4")
+    assert "update-freq from command line" in line, line
     assert json.loads((out / "results.json").read_text())["num_updates"] == 2
 
 
 def test_an_explicit_update_freq_of_1_wins_over_launch(data64, tmp_path, monkeypatch):
     """--update-freq 1 given is not "not given" (issue 20): it keeps 1 and the
     start line says it came from the command line."""
-    import contextlib
-    import io
-    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
-    out = tmp_path / "out"
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        rc = run_main(ours(data64, out, "--max-epoch", "1", "--update-freq", "1", max_update=0))
-    assert rc == 0, err.getvalue()[-3000:]
-    lines = start_lines(err.getvalue())
-    assert len(lines) == 1 and "update-freq from command line" in lines[0], err.getvalue()[-3000:]
     import yaml
+    out = tmp_path / "out"
+    line = launched_start_line(data64, out, monkeypatch, 4, "--update-freq", "1")
+    assert "update-freq from command line" in line, line
     assert yaml.safe_load((out / "config.yaml").read_text())["update_freq"] == [1]
     assert json.loads((out / "results.json").read_text())["num_updates"] == 8  # 64 samples, batch 8, no accumulation
 

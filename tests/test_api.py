@@ -97,6 +97,14 @@ def test_the_learning_rate_has_one_home_the_optimizer_section():
     optimizer = build_optimizer(cfg.optim, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
     scheduler = build_scheduler(cfg, optimizer)
     assert scheduler.lrs == [0.2] and optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    # optim_conf's lr is read from optim.lr: a derived configuration cannot disagree with itself
+    changed = cfg.replace(lr=[0.5])
+    assert changed.optim.optim_conf["lr"] == 0.5 and list(changed.optim.optim_conf) == list(cfg.optim.optim_conf)
+    assert "lr" not in vars(changed.optim.optim_conf)["_stored"]
+    # a restore's --optimizer-overrides lr moves the schedule's base, not the run's configuration
+    before = scheduler.step_update(3)
+    scheduler.rebase(0.05)
+    assert scheduler.lrs == [0.05] and scheduler.step_update(3) == pytest.approx(before / 4) and cfg.optim.lr == [0.2]
 
 
 def test_spawned_ranks_get_the_resolved_configuration(tmp_path):

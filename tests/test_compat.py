@@ -190,3 +190,83 @@ def test_textbox_short_run(small_mnist_dir, tmp_path):
     assert short_run(small_mnist_dir, out, "--gpu_id", "0", "--cpu", "--learning_rate", "0.001",
                      "--train_batch_size", "16", "--eval_batch_size", "25", "--saved_dir", out) == 0
     assert len(train_records(out)) == 3
+
+
+# ------------------------------------------------------------------ rewrites onto ours
+def tiny_bert_dir(path):
+    """A save_pretrained directory as far as sizing goes: its config.json."""
+    import json
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2,
+                                                  "num_hidden_layers": 2, "intermediate_size": 512,
+                                                  "vocab_size": 100}))
+    return path
+
+
+@pytest.mark.parametrize("flag", ["--init-checkpoint", "--model_path", "--initial-encoder"])
+def test_every_spelling_of_initial_weights_sizes_the_model_from_its_config_json(capsys, tmp_path, flag):
+    weights = tiny_bert_dir(tmp_path / "exported")
+    data, _ = printed(capsys, "--task", "bert", flag, weights)
+    assert data["init_checkpoint"] == str(weights)
+    assert (data["dimension"], data["num_heads"], data["num_layers"], data["dim_feedforward"]) == (128, 2, 2, 512)
+
+
+def test_rewritten_values_name_the_other_tools_option(small_mnist_dir, tmp_path):
+    from textbox_like.cli import parse
+    cfg = parse(["--task", "mnist", "--training-data", str(small_mnist_dir), "--ngpu", "0"])
+    assert cfg.data.data == str(small_mnist_dir) and cfg.runtime.cpu is True
+    assert cfg.source("data") == "command line (kanachan --training-data)"
+    assert cfg.source("cpu") == "command line (ESPnet2 --ngpu)"
+    assert cfg.source("ngpu") == "command line"
+    cfg = parse(["--task", "mnist", "--device", "cpu", "--amp-optimization-level", "O1",
+                 "--output-prefix", str(tmp_path), "--experiment-name", "e"])
+    assert cfg.source("cpu") == "command line (kanachan --device)"
+    assert cfg.source("train_dtype") == "command line (kanachan --amp-optimization-level)"
+    assert cfg.source("save_dir") == "command line (kanachan --output-prefix)"
+    weights = tiny_bert_dir(tmp_path / "exported")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model_path: {weights}\n")
+    cfg = parse(["--task", "bert", "--config", str(path)])
+    assert cfg.source("init_checkpoint") == f"--config {path} (TextBox --model_path)"
+    cfg = parse(["--task", "bert", "--init-checkpoint", str(weights), "--initial-encoder", str(weights)])
+    assert cfg.source("init_checkpoint") == "command line"   # given itself: the alias changes nothing
+
+
+def test_a_derived_configuration_says_where_its_changes_came_from():
+    from textbox_like.cli import parse
+    cfg = parse(["--task", "mnist", "--max-update", "4"])
+    changed = cfg.replace("the search", max_update=5, lr=[0.5])
+    assert changed.source("max_update") == "the search" and changed.source("lr") == "the search"
+    assert cfg.source("max_update") == "command line" and changed.source("task") == cfg.source("task")
+    assert cfg.replace(max_update=6).source("max_update") == "RunConfig.replace()"
+
+
+def test_an_alias_names_its_tool_as_the_source():
+    from textbox_like.cli import parse
+    cfg = parse(["--task", "mnist", "--learning-rate", "0.01", "--accum_grad", "2", "--update-freq", "3"])
+    assert cfg.source("lr") == "command line (kanachan --learning-rate)"
+    assert cfg.source("update_freq") == "command line" and cfg.schedule.update_freq == [3]  # the last one given
+
+
+def test_other_tools_users_hear_where_our_defaults_differ(small_mnist_dir, tmp_path):
+    import contextlib
+    import io
+    from textbox_like import cli
+    from textbox_like.compat import default_notes
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert short_run(small_mnist_dir, tmp_path / "run", "--learning-rate", "0.01", "--disable-validation",
+                         "--log-format", "simple") == 0
+    start = [line for line in err.getvalue().splitlines() if line.startswith("task mnist |")]
+    assert len(start) == 1 and start[0].endswith(
+        " | kanachan's defaults differ from ours here: --optimizer adam (kanachan: lamb), --clip-norm 0 "
+        "(kanachan: 1); give them to train with kanachan's"), err.getvalue()[-2000:]
+    # given values need no word, nor do our own spellings
+    assert default_notes(cli.parse(["--learning-rate", "0.01", "--optimizer", "lamb", "--max-gradient-norm", "1"])) == []
+    assert default_notes(cli.parse(["--task", "mnist", "--lr", "0.01", "--max-update", "1"])) == []
+    textbox = default_notes(cli.parse(["--task", "mnist", "--epochs", "2"]))
+    assert len(textbox) == 1 and "--seed 1 (TextBox: 2020)" in textbox[0] and "--max-epoch" not in textbox[0]
+    espnet = default_notes(cli.parse(["--task", "mnist", "--ngpu", "0"]))
+    assert len(espnet) == 1 and "--cudnn-deterministic false (ESPnet2: true)" in espnet[0]
+    hetseq = default_notes(cli.parse(["--task", "mnist", "--fast-stat-sync", "--seed", "19940802"]))
+    assert len(hetseq) == 1 and "--clip-norm 0 (HetSeq: 25)" in hetseq[0] and "--seed" not in hetseq[0]

@@ -18,6 +18,7 @@ def test_gpu_id_sets_visible_devices_and_one_process_each(monkeypatch):
 
     def plan(ns):
         seen["world"] = ns.distributed.distributed_world_size
+        seen["source"] = ns.source("distributed_world_size")
         return None  # run in this process: no spawning in a test
 
     monkeypatch.setattr(distributed, "local_plan", plan)
@@ -26,6 +27,7 @@ def test_gpu_id_sets_visible_devices_and_one_process_each(monkeypatch):
     ns = cli.parse(["--task", "mnist", "--gpu_id", "2,3"])
     assert cli.run(ns) == 0
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3" and seen["world"] == 2
+    assert seen["source"] == "command line (TextBox --gpu_id)"
 
 
 def test_bf16_on_an_old_gpu_warns_once(monkeypatch, capsys):

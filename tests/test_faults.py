@@ -20,15 +20,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import (N_SMALL_TEST, N_SMALL_TRAIN, _reset_accelerate, assert_bitwise_equal, read_jsonl, run_cli,
-                      run_main, write_mnist)
+from conftest import _reset_accelerate, assert_bitwise_equal, read_jsonl, run_cli, run_main, small_mnist_fixture
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mnist_faults")
-    write_mnist(directory, n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=10)
-    return directory
+data = small_mnist_fixture("mnist_faults", seed=10)
 
 
 def mnist_args(data, out, *extra, max_update=6):

@@ -27,17 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, run_cli, write_mnist
+from conftest import N_SMALL_TRAIN, REPO, clean_env, run_cli, small_mnist_fixture
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
 from test_faults import mnist_args as fault_args
 from textbox_like.checkpoint import load_checkpoint
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mnist_os_faults")
-    write_mnist(directory, n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=12)
-    return directory
+data = small_mnist_fixture("mnist_os_faults", seed=12)
 
 
 def mnist_args(data, out, *extra, max_update=6):
@@ -287,7 +283,7 @@ def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
     run = Run(mnist_args(data, out, "--log-interval", "1", "--distributed-world-size", world, *LONG,
                          max_update=1000000), delay="save=4")
     try:
-        run.wait_for_update(3)
+        until(run)
         run.proc.send_signal(signal.SIGTERM)
         time.sleep(1)
         assert run.proc.poll() is None  # still stopping: the save takes 4 s

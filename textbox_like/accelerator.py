@@ -62,14 +62,6 @@ def update_freq_source(cfg):
     return cfg.source("update_freq")
 
 
-def add_args(o, bool_type):
-    o.add("--compile", type=bool_type, nargs="?", const=True, default=False,
-          help="compile the model with torch.compile through Accelerate (inductor: C++ on CPU, Triton on "
-               "CUDA); falls back to eager with one line where it cannot")
-    o.add("--compile_mode", choices=["default", "reduce-overhead", "max-autotune"], default="default",
-          help="torch.compile mode with --compile")
-
-
 def compile_plugin(runtime, cuda: bool):
     """(TorchDynamoPlugin or None, source): --compile, else accelerate launch's
     --dynamo_backend; None where this platform cannot compile."""

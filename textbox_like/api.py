@@ -27,7 +27,7 @@ def resolve_config(config=None, **settings):
     from .cli import check, parse
     from .settings import RunConfig
     if isinstance(config, RunConfig):
-        cfg = config.replace(**settings) if settings else config
+        cfg = config.replace("textbox_like.train()", **settings) if settings else config
     elif config is None or isinstance(config, Mapping):
         cfg = parse(overrides={**(config or {}), **settings})
     elif isinstance(config, (str, os.PathLike)):
@@ -77,7 +77,7 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False) -> 
     if init and not (Path(init) / "config.json").is_file():
         # the checkpoint's own weights replace it anyway; a save_pretrained
         # directory stays: its config.json gives the model's sizes
-        cfg = cfg.replace(init_checkpoint=None)
+        cfg = cfg.replace("textbox_like.evaluate()", init_checkpoint=None)
     subset = subset or cfg.data.valid_subset[0]
 
     import torch

@@ -15,10 +15,26 @@ from .faults import RunStopped, StoppedEarly
 from .preemption import guard_startup
 
 
+_built = {}
+
+
 def build_options():
     """The parser, from the settings' declarations (settings.py), the other
     tools' spellings (compat.py) and each task's, optimizer's and LR
-    scheduler's own options."""
+    scheduler's own options. Built once per set of registered components:
+    resolving never changes it."""
+    from .lr_scheduler import SCHEDULERS
+    from .optim import OPTIMIZERS
+    from .tasks import TASKS
+    key = (C.program_name("run_hetseq.py"), tuple(TASKS.choices()), tuple(OPTIMIZERS.choices()),
+           tuple(SCHEDULERS.choices()))
+    if key not in _built:
+        _built.clear()
+        _built[key] = _build_options()
+    return _built[key]
+
+
+def _build_options():
     from . import compat
     from .lr_scheduler import SCHEDULERS
     from .lr_scheduler import add_args as add_scheduler_args
@@ -58,6 +74,7 @@ def build_options():
         cls.add_args(o)
     add_optimizer_args(o)
     add_scheduler_args(o)
+    compat.add_aliases(o, compat.PLUGIN_ALIASES, "other tools' spellings of the optimizers' options")
     return o
 
 
@@ -70,11 +87,9 @@ def groups_for(ns):
     from .lr_scheduler import SCHEDULERS
     from .optim import OPTIMIZERS
     from .tasks import TASKS
+    from .compat import check_optimizer_name
     ns.task = TASKS.canonical(ns.task)
-    if ns.optimizer not in OPTIMIZERS and ns.optimizer in SCHEDULERS:
-        # HetSeq's docs list PolynomialDecayScheduler under --optimizer
-        raise UserError(f"--optimizer {ns.optimizer} is a learning-rate scheduler: pass --lr-scheduler "
-                        f"{ns.optimizer} (and an optimizer, e.g. --optimizer adam)")
+    check_optimizer_name(ns.optimizer, OPTIMIZERS, SCHEDULERS)
     ns.optimizer = OPTIMIZERS.canonical(ns.optimizer)
     ns.lr_scheduler = SCHEDULERS.canonical(ns.lr_scheduler)
     return ["common", "optimization", "validation", "checkpoint", "logging", "distributed",
@@ -161,13 +176,13 @@ def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.
     from .settings import RunConfig
     from .tasks import TASKS
     options = build_options()
-    ns, keys = C.resolve(options, list(argv), TASKS, groups_for, overrides=overrides,
-                         environment=environment_settings(environ), overrides_name=overrides_name)
-    finalize(options, ns)
+    ns, keys, found = C.resolve(options, list(argv), TASKS, groups_for, overrides=overrides,
+                                environment=environment_settings(environ), overrides_name=overrides_name)
+    finalize(options, ns, found)
     plugin_keys = {"task_options": options.groups.get(f"task:{ns.task}", []),
                    "optimizer_options": options.groups.get(f"optimizer:{ns.optimizer}", []),
                    "scheduler_options": options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])}
-    cfg = RunConfig.from_values(vars(ns), keys, plugin_keys, options.source_names)
+    cfg = RunConfig.from_values(vars(ns), keys, plugin_keys, found.names)
     return cfg, bool(ns.print_config)
 
 
@@ -176,7 +191,7 @@ def parse(argv=(), overrides=None, overrides_name="textbox_like.train()"):
     return resolve(argv, overrides, overrides_name=overrides_name)[0]
 
 
-def finalize(options, ns):
+def finalize(options, ns, found):
     """Options of other tools that stand for ours, and the values that
     depend on several options, resolved once, so that --print_config and
     config.yaml show what the run uses."""
@@ -184,12 +199,14 @@ def finalize(options, ns):
     from .lr_scheduler import resolve_scheduler_conf
     from .optim import resolve_optim_conf
     from .tasks import TASKS
-    TASKS.get(ns.task).resolve_config(ns)  # a preset's sizes, before anything reads them
 
     def user_gave(dest):
-        return options.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
+        return found.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
 
-    apply_foreign_settings(ns, user_gave, lambda dest: options.sources.get(dest, C.BUILTIN))
+    apply_foreign_settings(ns, user_gave, lambda dest: found.sources.get(dest, C.BUILTIN), found.names)
+    # the model's sizes, after the rewrites (--model_path and --initial-encoder
+    # name the weights whose config.json gives them) and before anything reads them
+    TASKS.get(ns.task).resolve_config(ns)
     if ns.required_batch_size_multiple > 1 and ns.max_sentences and not ns.max_tokens:
         from .data.iterators import round_batch_size
         rounded = round_batch_size(ns.max_sentences, ns.required_batch_size_multiple)
@@ -200,8 +217,8 @@ def finalize(options, ns):
 
     # the optimizer's and the scheduler's own arguments, in full
     builtin_optimizer = options.actions["optimizer"].default
-    resolve_optim_conf(ns, options.sources, options.dict_sources.get("optim_conf", {}),
-                       options.layer_values, builtin_optimizer)
+    resolve_optim_conf(ns, found.sources, found.dict_sources.get("optim_conf", {}), found.layer_values,
+                       builtin_optimizer)
     task = TASKS.get(ns.task)
     maximize = ns.maximize_best_checkpoint_metric
     if maximize is None:
@@ -250,19 +267,10 @@ def run(cfg):
     """Start the processes this configuration asks for on this node, or train
     in this one."""
     from . import distributed
-    from .compat import launcher_note
+    from .compat import apply_gpu_id, launcher_note
     launcher_note()
+    cfg = apply_gpu_id(cfg)
     dist = cfg.distributed
-    if dist.gpu_id is not None:
-        # TextBox's --gpu_id: the GPUs this run may use (set before CUDA
-        # initialises); several of them mean one process each on this node
-        os.environ["CUDA_VISIBLE_DEVICES"] = dist.gpu_id
-        import torch
-        count = len(dist.gpu_id.split(","))
-        if count > 1 and dist.distributed_world_size == 1 and not cfg.runtime.cpu and torch.cuda.is_available() \
-                and distributed.placement_from_env(cfg) is None:
-            cfg = cfg.replace(distributed_world_size=count)
-            dist = cfg.distributed
     if distributed.placement_from_env(cfg) is None:
         if dist.distributed_no_spawn and dist.distributed_init_method:
             placement = distributed.Placement(
@@ -326,4 +334,4 @@ def elastic_restart(cfg):
     if os.environ.get("RANK", "0") == "0":
         note(f"{why}: resuming from the newest checkpoint in {cfg.checkpoint.save_dir}"
              + (f", keeping the first start's global batch of {kept}" if kept else ""))
-    return cfg.replace(**settings)
+    return cfg.replace(f"torchrun (restart {agent.restart_count})", **settings)

@@ -8,7 +8,14 @@ ESPnet2, TextBox, torch.distributed.launch and Accelerate.
 - ``apply_foreign_settings``: settings of other tools that stand for ours
   (kanachan's ``--training-data``, ESPnet2's ``--ngpu``, Apex levels, ...),
   rewritten onto ours once, while the configuration is resolved; the start
-  line and ``--print_config`` still show both.
+  line and ``--print_config`` still show both, and each rewritten value names
+  the option it came from as its source (``cfg.source(key)``);
+  ``apply_gpu_id``: TextBox's --gpu_id, when the run starts.
+- ``default_notes``: where a user of another tool, by the spellings used,
+  would get our default instead of that tool's documented one.
+- Other tools' value types (TextBox's metric lists, kanachan's --device,
+  TextBox's --gpu_id, Apex levels), HetSeq's scheduler named by --optimizer,
+  and TextBox's names for search-space labels (``TEXTBOX_ALIASES``).
 
 Settings that only another tool has (``--num-epoch-digits``) are declared in
 settings.py like any other, their help naming the tool.
@@ -17,9 +24,13 @@ from __future__ import annotations
 
 import os
 
+import argparse
+import ast
+import re
+
 from .errors import UserError, note
 
-#: (flag, our setting, help)
+#: (flag, our setting, help); the help's "TOOL:" names whose spelling it is
 ALIASES = (
     ("--batch-size", "max_sentences", None),
     ("--training-batch-size", "max_sentences", "kanachan: alias of --max-sentences"),
@@ -44,6 +55,31 @@ ALIASES = (
      "TextBox: alias of --best-checkpoint-metric (a one-name list like ['accuracy'] too)"),
 )
 
+#: aliases of a plugin's own options, added once the plugins have added theirs
+PLUGIN_ALIASES = (
+    ("--dadelta_weight_decay", "adadelta_weight_decay", "HetSeq: its spelling of --adadelta_weight_decay"),
+)
+
+#: TextBox's option names with a counterpart here, for search-space labels (used only
+#: where the trainer's own parser does not know the name)
+TEXTBOX_ALIASES = {
+    "learning_rate": "lr",
+    "train_batch_size": "max_sentences",
+    "eval_batch_size": "max_sentences_valid",
+    "epochs": "max_epoch",
+    "max_steps": "max_update",
+    "seed": "seed",
+    "grad_clip": "clip_norm",
+    "accumulation_steps": "update_freq",
+    "warmup_steps": "warmup_updates",
+    "scheduler": "lr_scheduler",
+    "valid_steps": "validate_interval_updates",
+    "valid_intervals": "validate_interval",
+    "weight_decay": "weight_decay",
+    "embedding_size": "model_conf.hidden_size",     # the model width (tasks with a width_key: BERT)
+}
+
+
 #: kanachan's / Apex's --amp-optimization-level -> our --train_dtype
 AMP_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
 
@@ -52,17 +88,64 @@ def dtype_name(text):
     """--train_dtype's value; an Apex level (O1) names the option that takes it."""
     text = str(text).strip()
     if text in AMP_LEVELS:
-        import argparse
         raise argparse.ArgumentTypeError(f"{text} is an Apex optimization level, not a dtype: pass "
                                          f"--amp-optimization-level {text} (it means --train_dtype "
                                          f"{AMP_LEVELS[text]})")
     return text
 
 
-def add_aliases(options):
-    options.group("compatibility", "other tools' spellings")
-    for flag, dest, help in ALIASES:
-        options.add_alias(flag, dest, help=help)
+# ---------------------------------------------------------------- other tools' value types
+def metric_names(text):
+    """Metric names: 'a,b', or TextBox's list literal "['a', 'b']"."""
+    if isinstance(text, (list, tuple)):
+        return [str(v) for v in text]
+    text = str(text).strip()
+    if text.startswith(("[", "(")):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"expects metric names like accuracy,loss or ['accuracy'], "
+                                             f"got {text!r}") from None
+        return [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def metric_name(text):
+    """One metric name (TextBox's one-name list "['accuracy']" too)."""
+    names = metric_names(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError(f"expects one metric name, got {text!r}")
+    return names[0]
+
+
+def device_name(text):
+    """cpu, cuda, cudaN or cuda:N (kanachan's --device)."""
+    text = str(text).strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:?\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expects cpu, cuda or cudaN (e.g. cuda1), got {text!r}")
+    return text
+
+
+def gpu_ids(text):
+    """TextBox's --gpu_id '0,1': device indices."""
+    parts = [p.strip() for p in str(text).strip("[]() ").split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expects device indices like 0 or 0,1, got {text!r}")
+    return ",".join(parts)
+
+
+def check_optimizer_name(name, optimizers, schedulers):
+    """HetSeq's docs list PolynomialDecayScheduler under --optimizer: a
+    scheduler's name there says which option it belongs to."""
+    if name not in optimizers and name in schedulers:
+        raise UserError(f"--optimizer {name} is a learning-rate scheduler: pass --lr-scheduler "
+                        f"{name} (and an optimizer, e.g. --optimizer adam)")
+
+
+def add_aliases(options, aliases=ALIASES, title="other tools' spellings"):
+    options.group("compatibility", title)
+    for flag, dest, help in aliases:
+        options.add_alias(flag, dest, help=help, tool=help.split(":", 1)[0] if help else None)
 
 
 def environment_settings(environ=None) -> dict:
@@ -91,29 +174,119 @@ def launcher_note(environ=None):
     return False
 
 
-def apply_foreign_settings(ns, user_gave, rank_of):
+#: settings of ours that only one other tool spells so: the tool a rewritten
+#: value comes from, and a sign that the run is that tool's user's
+FOREIGN_OPTIONS = {
+    **dict.fromkeys(("amp_optimization_level", "device", "training_data", "validation_data", "output_prefix",
+                     "experiment_name", "initial_encoder", "initial_decoder", "initial_optimizer", "epsilon",
+                     "num_epoch_digits", "snapshot_interval", "dim_final_feedforward", "checkpointing"), "kanachan"),
+    **dict.fromkeys(("ngpu", "use_tensorboard", "use_wandb"), "ESPnet2"),
+    **dict.fromkeys(("gpu_id", "model_path", "metrics"), "TextBox"),
+    **dict.fromkeys(("fast_stat_sync", "distributed_port", "adadelta_weight_decay"), "HetSeq"),
+}
+
+#: each tool's documented default where ours differs (hetseq/options.py;
+#: kanachan/training/bert/phase1/README.md; espnet2/tasks/abs_task.py;
+#: TextBox's textbox/properties/overall.yaml). TextBox's adamw is our adam
+#: (decoupled weight decay), so the optimizer is not listed for it.
+THEIR_DEFAULTS = {
+    "HetSeq": {"lr": [0.25], "clip_norm": 25.0, "seed": 19940802, "log_interval": 1},
+    "kanachan": {"optimizer": "lamb", "clip_norm": 1.0},
+    "ESPnet2": {"max_epoch": 40, "clip_norm": 5.0, "cudnn_deterministic": True},
+    "TextBox": {"max_epoch": 50, "max_sentences": 16, "lr": [3e-5], "clip_norm": 0.1, "seed": 2020},
+}
+
+
+def tools_used(cfg):
+    """The other tools whose spellings this configuration uses: one of
+    their own settings given, or a value set by one of their options or
+    aliases (its source says "(TOOL --flag)")."""
+    used = {tool for key, tool in FOREIGN_OPTIONS.items() if key in cfg.keys and cfg.given(key)}
+    for source in cfg.sources.values():
+        used.update(tool for tool in THEIR_DEFAULTS if f"({tool} --" in source)
+    return sorted(used)
+
+
+def default_notes(cfg):
+    """One line per other tool whose spellings are used, naming the settings
+    left at our default where that tool's documented default differs: its
+    users would otherwise expect theirs."""
+    lines = []
+    for tool in tools_used(cfg):
+        differing = [(key, cfg.get(key), theirs) for key, theirs in THEIR_DEFAULTS[tool].items()
+                     if key in cfg.keys and not cfg.given(key) and cfg.get(key) != theirs]
+        if differing:
+            lines.append(f"{tool}'s defaults differ from ours here: "
+                         + ", ".join(f"--{key.replace('_', '-')} {_shown(ours)} ({tool}: {_shown(theirs)})"
+                                     for key, ours, theirs in differing)
+                         + f"; give them to train with {tool}'s")
+    return lines
+
+
+def _shown(value):
+    return ",".join(f"{v:g}" for v in value) if isinstance(value, (list, tuple)) else \
+        str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def foreign_source(sources, foreign):
+    """Where a value rewritten from another tool's option came from: that
+    option's own source and its name, e.g. "command line (kanachan --training-data)"."""
+    flag = "--gpu_id" if foreign == "gpu_id" else "--model_path" if foreign == "model_path" else \
+        "--" + foreign.replace("_", "-")
+    return f"{sources.get(foreign, 'default')} ({FOREIGN_OPTIONS[foreign]} {flag})"
+
+
+def _rewrite(ns, sources, dest, value, foreign):
+    """``dest`` takes ``value``, set by the other tool's option ``foreign``
+    (a value the user gave already, unchanged, keeps its source)."""
+    if not (dest in sources and getattr(ns, dest) == value):
+        sources[dest] = foreign_source(sources, foreign)
+    setattr(ns, dest, value)
+
+
+def apply_gpu_id(cfg):
+    """TextBox's --gpu_id: the GPUs this run may use (set before CUDA
+    initialises); several of them mean one process each on this node. The
+    configuration to run."""
+    dist = cfg.distributed
+    if dist.gpu_id is None:
+        return cfg
+    os.environ["CUDA_VISIBLE_DEVICES"] = dist.gpu_id
+    import torch
+
+    from .distributed import placement_from_env
+    count = len(dist.gpu_id.split(","))
+    if count > 1 and dist.distributed_world_size == 1 and not cfg.runtime.cpu and torch.cuda.is_available() \
+            and placement_from_env(cfg) is None:
+        return cfg.replace(foreign_source(cfg.sources, "gpu_id"), distributed_world_size=count)
+    return cfg
+
+
+def apply_foreign_settings(ns, user_gave, rank_of, sources=None):
     """Rewrite other tools' settings onto ours, on the namespace being
     resolved. ``user_gave(dest)``: the user set it (file or command line);
-    ``rank_of(dest)``: the layer it came from."""
-    _precision(ns, user_gave)
-    _devices(ns, user_gave)
-    _data_paths(ns, user_gave, rank_of)
-    _save_dir(ns, user_gave, rank_of)
-    _model(ns)
+    ``rank_of(dest)``: the layer it came from; ``sources``: {dest: where its
+    value came from, in words}, updated for every value rewritten."""
+    sources = {} if sources is None else sources
+    _precision(ns, user_gave, sources)
+    _devices(ns, user_gave, sources)
+    _data_paths(ns, user_gave, rank_of, sources)
+    _save_dir(ns, user_gave, rank_of, sources)
+    _model(ns, sources)
     _metrics(ns)
     if ns.fast_stat_sync:
         note("--fast-stat-sync changes nothing here: the statistics of all ranks are always summed in one "
              "all-reduce per log interval, which is what it asks for")
 
 
-def _precision(ns, user_gave):
+def _precision(ns, user_gave, sources):
     if ns.amp_optimization_level is not None:
         dtype = AMP_LEVELS[ns.amp_optimization_level]
         if user_gave("train_dtype") and ns.train_dtype != dtype:
             raise UserError(f"--amp-optimization-level {ns.amp_optimization_level} means --train_dtype {dtype}, "
                             f"but --train_dtype {ns.train_dtype} is given too; keep one")
         if ns.train_dtype != dtype:
-            ns.train_dtype = dtype
+            _rewrite(ns, sources, "train_dtype", dtype, "amp_optimization_level")
             note(f"--amp-optimization-level {ns.amp_optimization_level}: training with --train_dtype {dtype}"
                  + (" (float16 mixed precision; O1, O2 and O3 are all Accelerate's autocast)"
                     if dtype == "float16" else ""))
@@ -126,10 +299,10 @@ def _cuda_devices():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _devices(ns, user_gave):
+def _devices(ns, user_gave, sources):
     if ns.device is not None:
         if ns.device == "cpu":
-            ns.cpu = True
+            _rewrite(ns, sources, "cpu", True, "device")
         else:
             index = None if ns.device == "cuda" else int(ns.device[4:].lstrip(":"))
             count = _cuda_devices()
@@ -142,7 +315,7 @@ def _devices(ns, user_gave):
                 if ns.device_id is not None and ns.device_id != index:
                     raise UserError(f"--device {ns.device} and --device-id {ns.device_id} name different GPUs; "
                                     f"keep one")
-                ns.device_id = index
+                _rewrite(ns, sources, "device_id", index, "device")
     if ns.device_id is not None and user_gave("device_id") and not ns.cpu and "LOCAL_RANK" not in os.environ \
             and _cuda_devices() == 0:
         note(f"--device-id {ns.device_id}: this machine has no CUDA GPU; training on CPU")
@@ -153,20 +326,20 @@ def _devices(ns, user_gave):
                  + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
                  + f"; running {ns.ngpu} process(es) on CPU")
         if ns.ngpu == 0:
-            ns.cpu = True
+            _rewrite(ns, sources, "cpu", True, "ngpu")
         elif ns.distributed_init_method:
             if user_gave("distributed_gpus") and ns.distributed_gpus != ns.ngpu:
                 raise UserError(f"--ngpu {ns.ngpu} and --distributed-gpus {ns.distributed_gpus} differ; keep one")
-            ns.distributed_gpus = ns.ngpu
+            _rewrite(ns, sources, "distributed_gpus", ns.ngpu, "ngpu")
         elif not user_gave("distributed_world_size"):
-            ns.distributed_world_size = ns.ngpu
+            _rewrite(ns, sources, "distributed_world_size", ns.ngpu, "ngpu")
         elif ns.distributed_world_size != ns.ngpu:
             raise UserError(f"--ngpu {ns.ngpu} (processes on this node) and --distributed-world-size "
                             f"{ns.distributed_world_size} differ on a single node; give "
                             f"--distributed-init-method for several nodes, or keep one")
 
 
-def _data_paths(ns, user_gave, rank_of):
+def _data_paths(ns, user_gave, rank_of, sources):
     """kanachan's --training-data/--validation-data: a directory is --data;
     a file is that split's data where the task reads a split from one file
     (BERT's shards), else its directory (MNIST's splits are fixed names)."""
@@ -189,7 +362,7 @@ def _data_paths(ns, user_gave, rank_of):
                 and rank_of("data") >= rank_of("training_data"):
             raise UserError(f"--data {ns.data} and --training-data {ns.training_data} name different "
                             f"directories; keep one")
-        ns.data = directory
+        _rewrite(ns, sources, "data", directory, "training_data")
     if ns.validation_data is not None:
         path = os.path.abspath(ns.validation_data)
         if os.path.isfile(path) and split_files:
@@ -199,14 +372,14 @@ def _data_paths(ns, user_gave, rank_of):
             return
         directory = path if os.path.isdir(path) else os.path.dirname(path)
         if ns.data is None:
-            ns.data = directory
+            _rewrite(ns, sources, "data", directory, "validation_data")
         elif os.path.abspath(ns.data) != directory:
             raise UserError(f"--validation-data {ns.validation_data} is not in the data directory {ns.data}: "
                             f"the {ns.task} task reads every split from one directory (choose the split "
                             f"with --valid-subset)")
 
 
-def _save_dir(ns, user_gave, rank_of):
+def _save_dir(ns, user_gave, rank_of, sources):
     """kanachan's PREFIX/NAME save directory."""
     named = [d for d in ("output_prefix", "experiment_name") if getattr(ns, d) is not None]
     if not named:
@@ -221,20 +394,22 @@ def _save_dir(ns, user_gave, rank_of):
         import time
         name = time.strftime("%Y-%m-%d-%H-%M-%S")
         os.environ["TEXTBOX_LIKE_EXPERIMENT_NAME"] = name  # the same for spawned ranks
-    ns.output_prefix, ns.experiment_name = prefix, name
-    ns.save_dir = os.path.join(prefix, name)
+    given = "output_prefix" if ns.output_prefix is not None else "experiment_name"
+    _rewrite(ns, sources, "output_prefix", prefix, given)
+    _rewrite(ns, sources, "experiment_name", name, given)
+    _rewrite(ns, sources, "save_dir", os.path.join(prefix, name), given)
 
 
-def _model(ns):
+def _model(ns, sources):
     """kanachan's model options that mean nothing for the chosen task, or
     stand for ours."""
     if ns.dim_final_feedforward is not None:
         what = "BertForPreTraining (its heads have no feed-forward layer)" if ns.task == "bert" else \
             f"the {ns.task} model"
         note(f"--dim-final-feedforward {ns.dim_final_feedforward} has no meaning for {what}; ignored")
-    for flag, path in (("--initial-encoder", ns.initial_encoder), ("--model_path", ns.model_path)):
-        if path is not None:
-            _initial_weights(ns, flag, path)
+    for dest in ("initial_encoder", "model_path"):
+        if getattr(ns, dest) is not None:
+            _initial_weights(ns, dest, sources)
     if ns.initial_decoder is not None:
         encoder = ns.initial_encoder or ns.model_path or getattr(ns, "init_checkpoint", None)
         if encoder is None or os.path.abspath(encoder) != os.path.abspath(ns.initial_decoder):
@@ -250,10 +425,11 @@ def _model(ns):
                         f"--resume continues checkpoint_last.pt with its own weights and optimizer; leave one out")
 
 
-def _initial_weights(ns, flag, path):
+def _initial_weights(ns, dest, sources):
     """kanachan's --initial-encoder, TextBox's --model_path: the task's
     initial weights (BERT: --init-checkpoint)."""
     from .tasks import TASKS
+    flag, path = ("--model_path" if dest == "model_path" else "--initial-encoder"), getattr(ns, dest)
     setting = TASKS.get(ns.task).initial_weights_setting
     if setting is None:
         raise UserError(f"{flag}: the {ns.task} model starts from random weights only (initial weights are for "
@@ -265,7 +441,7 @@ def _initial_weights(ns, flag, path):
     current = getattr(ns, setting)
     if current and os.path.abspath(current) != os.path.abspath(path):
         raise UserError(f"{flag} and --{setting.replace('_', '-')} name different files; keep one")
-    setattr(ns, setting, path)
+    _rewrite(ns, sources, setting, path, dest)
 
 
 def _metrics(ns):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import re
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -174,45 +175,6 @@ LITERAL_DICT = _described(_literal_dict, "a Python dict literal like \"{'lr': 0.
 BOOL = _described(str2bool, "true or false")
 
 
-def metric_names(text):
-    """Metric names: 'a,b', or TextBox's list literal "['a', 'b']"."""
-    if isinstance(text, (list, tuple)):
-        return [str(v) for v in text]
-    text = str(text).strip()
-    if text.startswith(("[", "(")):
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            raise argparse.ArgumentTypeError(f"expects metric names like accuracy,loss or ['accuracy'], "
-                                             f"got {text!r}") from None
-        return [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def metric_name(text):
-    """One metric name (TextBox's one-name list "['accuracy']" too)."""
-    names = metric_names(text)
-    if len(names) != 1:
-        raise argparse.ArgumentTypeError(f"expects one metric name, got {text!r}")
-    return names[0]
-
-
-def device_name(text):
-    """cpu, cuda, cudaN or cuda:N (kanachan's --device)."""
-    text = str(text).strip().lower()
-    if not re.fullmatch(r"cpu|cuda(:?\d+)?", text):
-        raise argparse.ArgumentTypeError(f"expects cpu, cuda or cudaN (e.g. cuda1), got {text!r}")
-    return text
-
-
-def gpu_ids(text):
-    """TextBox's --gpu_id '0,1': device indices."""
-    parts = [p.strip() for p in str(text).strip("[]() ").split(",") if p.strip()]
-    if not parts or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"expects device indices like 0 or 0,1, got {text!r}")
-    return ",".join(parts)
-
-
 def seed_int(text):
     value = _int(text, 0, "an integer from 0 to 2**32 - 1")
     if value >= 2 ** 32:
@@ -255,10 +217,7 @@ class Options:
         self._argparse_group = self.parser
         self.switches = set()     # dests of boolean options
         self.aliases = {}         # alias name (underscores) -> dest, for config files too
-        self.sources = {}         # dest -> layer that set it (BUILTIN ... COMMAND_LINE), after resolve()
-        self.source_names = {}    # dest -> where its value came from, in words, after resolve()
-        self.dict_sources = {}    # dict dest -> {key: layer}, after resolve()
-        self.layer_values = {}    # layer -> {dest: value} of the files, after resolve()
+        self.alias_tools = {}     # alias name (underscores) -> the tool whose spelling it is
         self.flags = {}           # every flag ('--max-update', '--batch_size', ...) -> its dest
 
     def group(self, name, title=None):
@@ -300,13 +259,16 @@ class Options:
             self.actions[kwargs["dest"]] = action
         return action
 
-    def add_alias(self, flag, dest, help=None):
+    def add_alias(self, flag, dest, help=None, tool=None):
         """A second flag for an existing option, e.g. --accum_grad for update_freq.
-        Config files may use the alias's name as a key too."""
+        Config files may use the alias's name as a key too. ``tool``: whose
+        spelling it is (the source of a value given by it names it)."""
         action = self.actions[dest]
         kwargs = {"dest": dest, "help": help or f"alias of --{dest.replace('_', '-')}",
                   "default": argparse.SUPPRESS}
         self.aliases[flag.lstrip("-").replace("-", "_")] = dest
+        if tool:
+            self.alias_tools[flag.lstrip("-").replace("-", "_")] = (tool, flag)
         for key in ("type", "nargs", "const", "choices", "metavar"):
             value = getattr(action, key, None)
             if value is not None:
@@ -393,37 +355,34 @@ class _Unset:
 _UNSET = _Unset()
 
 
-def _given_on_command_line(parser, argv):
-    """{dest: value} of the options named in ``argv`` (dict options: only
-    the keys given there)."""
-    lists = {a.dest for a in parser_actions(parser) if appends(a)}
-    probe = argparse.Namespace(**{a.dest: None if a.dest in lists else _UNSET for a in parser_actions(parser)
-                                  if a.dest not in (None, argparse.SUPPRESS, "help")})
-    parser.parse_args(argv, namespace=probe)
-    return {dest: value for dest, value in vars(probe).items()
-            if value is not _UNSET and not (dest in lists and value is None)}
+def _spellings(options, argv):
+    """{dest: " (TOOL --flag)"} for the options whose last use in ``argv`` is
+    another tool's alias (kanachan's --learning-rate for --lr)."""
+    out = {}
+    for arg in argv:
+        if not str(arg).startswith("--"):
+            continue
+        dest = options.dest_of(arg)
+        if dest is None:
+            continue
+        name = str(arg).split("=", 1)[0][2:].replace("-", "_")
+        tool = options.alias_tools.get(name)
+        out[dest] = f" ({tool[0]} {tool[1]})" if tool else ""
+    return out
 
 
-def _prescan(argv, names):
-    """Values of a few options from argv before the full parse (last wins)."""
-    found = {name: [] for name in names}
-    flags = {}
-    for name in names:
-        for spelling in {name, name.replace("_", "-")}:
-            flags["--" + spelling] = name
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        key, eq, value = arg.partition("=")
-        if key in flags:
-            if not eq:
-                if i + 1 >= len(argv):
-                    break
-                value = argv[i + 1]
-                i += 1
-            found[flags[key]].append(value)
-        i += 1
-    return found
+def run_tool(parser, argv, work):
+    """A small command's main (export, prepare_bert): ``argv`` parsed with
+    one-line errors, then ``work(args)``; 0, or 2 after one line
+    ``error: ...`` for a mistake the user can fix."""
+    import sys
+    raise_user_errors(parser)
+    try:
+        work(parser.parse_args(argv))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def raise_user_errors(parser):
@@ -440,44 +399,61 @@ def raise_user_errors(parser):
     parser.error = error
 
 
-def resolve(options: Options, argv, task_registry, component_groups, overrides=None, environment=None,
-            overrides_name="textbox_like.train()"):
-    """Parse ``argv`` with the layered defaults. Returns (namespace, keys) where
-    ``keys`` lists the options that apply to this run, in group order.
+@dataclasses.dataclass
+class Provenance:
+    """Where a resolve found each value: ``sources``: dest -> layer (BUILTIN ...
+    COMMAND_LINE); ``names``: dest -> the source in words; ``dict_sources``:
+    dict dest -> {key: layer}; ``layer_values``: layer -> {dest: value} of the
+    files and Python layers."""
+    sources: dict
+    names: dict
+    dict_sources: dict
+    layer_values: dict
 
-    ``component_groups(ns)`` names the groups that apply given the chosen task,
-    optimizer and scheduler. ``environment``: {option: value} set by the
-    environment (Accelerate's launcher), above the files and below the command
-    line; ``overrides``: {option: value} from Python, at the command line's rank.
-    ``options.source_names`` says, per option, where its value came from.
-    """
-    parser = options.parser
-    raise_user_errors(parser)
-    pre = _prescan(argv, ["config", "task"])
-    overrides = _check_keys({str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}, options,
-                            overrides_name)
+
+def _parse_command_line(parser, argv):
+    """{dest: value} of the options named in ``argv``, parsed once (dict
+    options: only the keys given there; lists: only the items)."""
+    lists = {a.dest for a in parser_actions(parser) if appends(a)}
+    probe = argparse.Namespace(**{a.dest: None if a.dest in lists else _UNSET for a in parser_actions(parser)
+                                  if a.dest not in (None, argparse.SUPPRESS, "help")})
+    parser.parse_args(argv, namespace=probe)
+    return {dest: value for dest, value in vars(probe).items()
+            if value is not _UNSET and not (dest in lists and value is None)}
+
+
+def _typed_default(action, value):
+    """A layer's string value through the option's type, as argparse runs a
+    string default (so a YAML 'lr: abc' fails exactly like '--lr abc')."""
+    if not isinstance(value, str) or action.type is None or not callable(action.type):
+        return value
+    try:
+        return action.type(value)
+    except argparse.ArgumentTypeError as exc:
+        message = str(exc)
+    except (TypeError, ValueError):
+        message = f"invalid {getattr(action.type, '__name__', repr(action.type))} value: {value!r}"
+    raise UserError(str(argparse.ArgumentError(action, message))) from None
+
+
+def _layers(options, given, task_registry, overrides, environment, overrides_name):
+    """[(values, source, rank)] lowest first, and the task whose properties
+    file is one of them (Python's ``task`` first, then the command line's,
+    then the files')."""
+    found = {"config": list(given.get("config") or []), "task": [given["task"]] if "task" in given else []}
     for key in ("config", "task"):
         if key in overrides:
-            given = overrides[key]
-            pre[key].extend(given if isinstance(given, (list, tuple)) else [given])
-
+            value = overrides[key]
+            found[key].extend(value if isinstance(value, (list, tuple)) else [value])
+    config_files, task = found["config"], (found["task"][-1] if found["task"] else None)
     layers = []
     overall = PROPERTIES / "overall.yaml"
     if overall.is_file():
         layers.append((load_yaml(overall, "properties file"), str(overall), OVERALL))
-    config_layers = [(_check_keys(load_yaml(p), options, p), p, CONFIG_FILE) for p in pre["config"]]
-
-    task = pre["task"][-1] if pre["task"] else None
-    if task is None:
-        for layer, _, _ in reversed(config_layers):
-            if "task" in layer:
-                task = layer["task"]
-                break
-    if task is None:
-        for layer, _, _ in reversed(layers):
-            if "task" in layer:
-                task = layer["task"]
-                break
+    config_layers = [(_check_keys(load_yaml(p), options, p), p, CONFIG_FILE) for p in config_files]
+    for layer, _, _ in [*reversed(config_layers), *reversed(layers)]:
+        if task is None and "task" in layer:
+            task = layer["task"]
     if task is not None:
         task = task_registry.canonical(task)
         task_yaml = PROPERTIES / "task" / f"{task}.yaml"
@@ -488,15 +464,50 @@ def resolve(options: Options, argv, task_registry, component_groups, overrides=N
         layers.append((dict(environment), LAYER_NAMES[ENVIRONMENT], ENVIRONMENT))
     if overrides:
         layers.append((overrides, overrides_name, COMMAND_LINE))
+    return layers, task
+
+
+def _print_help(parser, options, merged):
+    """--help, showing the defaults of this command line's layers (the task's
+    file, --config files); exits."""
+    saved = {action: action.default for action in parser_actions(parser)}
+    try:
+        parser.set_defaults(**merged)
+        parser.parse_args(["--help"])
+    finally:
+        for action, default in saved.items():
+            action.default = default
+
+
+def resolve(options: Options, argv, task_registry, component_groups, overrides=None, environment=None,
+            overrides_name="textbox_like.train()"):
+    """Parse ``argv`` (once) with the layered defaults. Returns (namespace,
+    keys, provenance) where ``keys`` lists the options that apply to this
+    run, in group order, and ``provenance`` says where each value came from.
+
+    ``component_groups(ns)`` names the groups that apply given the chosen task,
+    optimizer and scheduler. ``environment``: {option: value} set by the
+    environment (Accelerate's launcher), above the files and below the command
+    line; ``overrides``: {option: value} from Python, at the command line's rank.
+    ``options`` is not changed: one parser serves every resolve.
+    """
+    parser = options.parser
+    raise_user_errors(parser)
+    asks_for_help = any(arg in ("-h", "--help") for arg in argv)
+    given = _parse_command_line(parser, [arg for arg in argv if arg not in ("-h", "--help")])
+    overrides = _check_keys({str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}, options,
+                            overrides_name)
+    # a task on the command line wins over one from Python, as its layer would
+    layers, task = _layers(options, given, task_registry, overrides, environment, overrides_name)
 
     merged = {}
     sources = {dest: BUILTIN for dest in options.actions}
     names = {}
     dict_sources = {}
-    options.layer_values = {}
+    layer_values = {}
     for layer, source, rank in layers:
         layer = _check_keys(layer, options, source)
-        options.layer_values.setdefault(rank, {}).update(layer)
+        layer_values.setdefault(rank, {}).update(layer)
         for key, value in layer.items():
             sources[key] = rank
             names[key] = f"--config {source}" if rank == CONFIG_FILE else \
@@ -509,17 +520,27 @@ def resolve(options: Options, argv, task_registry, component_groups, overrides=N
                 merged[key] = value
     if task is not None:
         merged["task"] = task
-    # argparse runs string defaults through the option's type, so a YAML
-    # 'lr: abc' fails exactly like '--lr abc'.
     builtin = {dest: action.default for dest, action in options.actions.items()}
-    parser.set_defaults(**merged)
-    ns = parser.parse_args(argv)
-    for dest, value in _given_on_command_line(parser, argv).items():
+    if asks_for_help:
+        _print_help(parser, options, merged)
+    values = {}
+    for dest, action in options.actions.items():
+        default = merged[dest] if dest in merged else builtin[dest]
+        if dest not in given:
+            values[dest] = _typed_default(action, default)
+        elif appends(action):  # --config: the layers' files, then the command line's
+            values[dest] = list(_typed_default(action, default) or []) + list(given[dest])
+        elif isinstance(given[dest], dict):  # a dict option: the command line's keys on the layers'
+            values[dest] = {**(default if isinstance(default, dict) else {}), **given[dest]}
+        else:
+            values[dest] = given[dest]
+    ns = argparse.Namespace(**values)
+    spelled = _spellings(options, argv)
+    for dest, value in given.items():
         sources[dest] = COMMAND_LINE
-        names[dest] = LAYER_NAMES[COMMAND_LINE]
+        names[dest] = LAYER_NAMES[COMMAND_LINE] + spelled.get(dest, "")
         if isinstance(value, dict):
             dict_sources.setdefault(dest, {}).update({k: COMMAND_LINE for k in value})
-    options.sources, options.dict_sources, options.source_names = sources, dict_sources, names
     for dest, action in options.actions.items():
         value = getattr(ns, dest, None)
         if value is not None and action.type is not None and not isinstance(value, str) \
@@ -537,7 +558,7 @@ def resolve(options: Options, argv, task_registry, component_groups, overrides=N
     keys = []
     for group in component_groups(ns):
         keys.extend(options.groups.get(group, []))
-    return ns, keys
+    return ns, keys, Provenance(sources, names, dict_sources, layer_values)
 
 
 def to_yaml(cfg) -> str:
@@ -551,7 +572,7 @@ def _plain(value):
         return [_plain(v) for v in value]
     if isinstance(value, list):
         return [_plain(v) for v in value]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, Path):
         return str(value)

@@ -114,12 +114,6 @@ def export(p: Placement):
         os.environ["MASTER_PORT"] = str(p.master_port)
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _default_local_processes(at_most):
     try:
         import torch

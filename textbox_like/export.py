@@ -22,20 +22,13 @@ temporary sibling directory that is renamed into place.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from .errors import UserError
-
-# mkdtemp makes a 0700 directory; an exported model is for others to read,
-# so it gets the mode a plain mkdir would give (read once: umask is process-wide)
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+from .fileio import TargetTaken, atomic_directory
 
 
 # ---------------------------------------------------------------- checks
@@ -131,35 +124,6 @@ def lower_case(vocab) -> bool:
 
 
 # ---------------------------------------------------------------- writing
-@contextlib.contextmanager
-def directory_in_place(target: Path):
-    """Yields a temporary directory beside ``target``; on success its files
-    are synced and it is renamed to ``target`` (an empty directory there is
-    replaced), on failure it is removed. So ``target`` is never half written."""
-    from .fileio import fsync_dir
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        yield tmp
-        for path in tmp.rglob("*"):
-            if path.is_file():
-                os.chmod(path, 0o666 & ~_UMASK)  # safetensors writes 0600
-                with open(path, "rb") as handle:
-                    os.fsync(handle.fileno())
-        fsync_dir(tmp)
-        os.chmod(tmp, 0o777 & ~_UMASK)
-        try:
-            os.replace(tmp, target)
-        except OSError as exc:
-            raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
-                            f"was it filled meanwhile?") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(target.parent)
-
-
 def export_bert(checkpoint, target, vocab=None) -> dict:
     """Write ``checkpoint`` (a BERT run's) to ``target`` as transformers'
     ``save_pretrained`` output; returns what was written."""
@@ -169,7 +133,7 @@ def export_bert(checkpoint, target, vocab=None) -> dict:
     vocab_file = find_vocab(cfg, vocab)
     config = model_config(cfg, state["model"])
 
-    from transformers import BertForPreTraining, BertTokenizer
+    from transformers import BertForPreTraining
 
     from .models import checked_vocab_size
     checked_vocab_size(vocab_file, config.vocab_size, f"the weights in {str(checkpoint)!r}")
@@ -182,18 +146,27 @@ def export_bert(checkpoint, target, vocab=None) -> dict:
         first = (missing + unexpected)[0]
         raise UserError(f"the weights in {str(checkpoint)!r} do not fit a BertForPreTraining built from the "
                         f"run's configuration ({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first})")
-    with directory_in_place(target) as tmp:
-        model.save_pretrained(str(tmp))
-        shutil.copyfile(vocab_file, tmp / "vocab.txt")
-        # read back from the directory: the one way to hand BertTokenizer a
-        # vocab.txt that transformers 4 and 5 share (their constructors differ)
-        tokenizer = BertTokenizer.from_pretrained(str(tmp), do_lower_case=lower_case(vocab_file),
-                                                  model_max_length=config.max_position_embeddings)
-        tokenizer.save_pretrained(str(tmp))
-        shutil.copyfile(vocab_file, tmp / "vocab.txt")  # the run's own file, byte for byte
+    try:
+        with atomic_directory(target) as tmp:
+            _write_directory(tmp, model, vocab_file, config)
+    except TargetTaken as exc:
+        raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
+                        f"was it filled meanwhile?") from None
     return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
             "vocab": str(vocab_file), "layers": config.num_hidden_layers, "hidden": config.hidden_size,
             "vocab_size": config.vocab_size, "files": sorted(p.name for p in target.iterdir())}
+
+
+def _write_directory(tmp, model, vocab_file, config):
+    from transformers import BertTokenizer
+    model.save_pretrained(str(tmp))
+    shutil.copyfile(vocab_file, tmp / "vocab.txt")
+    # read back from the directory: the one way to hand BertTokenizer a
+    # vocab.txt that transformers 4 and 5 share (their constructors differ)
+    tokenizer = BertTokenizer.from_pretrained(str(tmp), do_lower_case=lower_case(vocab_file),
+                                              model_max_length=config.max_position_embeddings)
+    tokenizer.save_pretrained(str(tmp))
+    shutil.copyfile(vocab_file, tmp / "vocab.txt")  # the run's own file, byte for byte
 
 
 def build_parser():
@@ -209,22 +182,17 @@ def build_parser():
 
 
 def main(argv=None):
-    from .config import raise_user_errors
+    from .config import run_tool
+    return run_tool(build_parser(), argv, export_and_report)
 
-    parser = build_parser()
-    raise_user_errors(parser)
-    try:
-        args = parser.parse_args(argv)
-        from transformers.utils import logging as transformers_logging
-        transformers_logging.disable_progress_bar()  # a bar for one shard is noise beside our one line
-        info = export_bert(args.checkpoint, args.to, args.dict)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+def export_and_report(args):
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()  # a bar for one shard is noise beside our one line
+    info = export_bert(args.checkpoint, args.to, args.dict)
     print(f"exported {info['checkpoint']} (update {info['num_updates']}: {info['layers']} layers, hidden "
           f"{info['hidden']}, vocabulary {info['vocab_size']}) to {info['to']}; load it with "
           f"transformers.BertForPreTraining.from_pretrained({info['to']!r})")
-    return 0
 
 
 if __name__ == "__main__":

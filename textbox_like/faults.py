@@ -167,12 +167,6 @@ class HostCopy:
         return float(self.host)
 
 
-def add_args(o, positive_int):
-    o.add("--max-nonfinite-updates", type=positive_int, default=10,
-          help="stop (exit 65) after this many consecutive updates whose gradient norm is not finite; "
-               "each such update is skipped (no optimizer or LR step)")
-
-
 def check_writable(directory) -> None:
     """Refuse a save directory that cannot be written, before any data is loaded."""
     import os

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# mkstemp/mkdtemp make 0600/0700 files; what we write is for others to read,
+# so it gets the mode a plain open/mkdir would give (read once: umask is process-wide)
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -71,6 +73,40 @@ def atomic_path(path, make_parents=True):
             pass
         raise
     fsync_dir(path.parent)
+
+
+class TargetTaken(OSError):
+    """The finished temporary directory could not be renamed onto its target
+    (something filled the target meanwhile)."""
+
+
+@contextlib.contextmanager
+def atomic_directory(target):
+    """atomic_path for a directory a library fills (save_pretrained): yields
+    a temporary directory beside ``target``; on success its files are synced
+    and it is renamed to ``target`` (an empty directory there is replaced),
+    on failure it is removed. So ``target`` is never half written. A failed
+    rename raises TargetTaken."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                os.chmod(path, 0o666 & ~_UMASK)  # safetensors writes 0600
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        fsync_dir(tmp)
+        os.chmod(tmp, 0o777 & ~_UMASK)
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise TargetTaken(exc.errno, exc.strerror) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
 
 
 def atomic_write_text(path, text: str, make_parents=True) -> Path:

@@ -31,7 +31,6 @@ class Scheduler:
     def __init__(self, cfg, optimizer):
         self.cfg = cfg
         self.optimizer = optimizer
-        self.lrs = list(cfg.optim.lr)
         self.epoch = 1
         self.num_updates = 0
         self.planned_updates = 0  # updates of --max-epoch epochs, set by the trainer from the batch plan
@@ -40,10 +39,15 @@ class Scheduler:
     def add_args(options):
         pass
 
+    @property
+    def lrs(self):
+        """The base LRs (HetSeq: one per epoch), read from the configuration."""
+        return self.cfg.optim.lr
+
     def rebase(self, lr):
         """--optimizer-overrides' lr on a restore: the schedule's base LR
-        from now on (the configured --lr stays what config.yaml says)."""
-        self.lrs = [lr]
+        from now on (the run's configuration, and config.yaml, keep --lr)."""
+        self.cfg = self.cfg.replace("--optimizer-overrides", lr=[lr])
 
     def base_lr(self):
         """HetSeq/fairseq: --lr 'a,b,c' gives a per-epoch base LR; after
@@ -399,4 +403,4 @@ def build_scheduler(cfg, optimizer):
     conf = dict(cfg.schedule.scheduler_conf or {})
     if "lr" in conf:
         conf["lr"] = float_list(conf["lr"])
-    return cls(cfg.replace(**conf) if conf else cfg, optimizer)
+    return cls(cfg.replace("--scheduler_conf", **conf) if conf else cfg, optimizer)

@@ -26,11 +26,11 @@ import dataclasses
 import itertools
 import types
 from dataclasses import dataclass, field
+from collections.abc import Mapping as MappingABC
 from typing import ClassVar, Mapping
 
-from .compat import dtype_name
-from .config import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, device_name, float_list, gpu_ids, metric_name,
-                     metric_names, nonneg_int, positive_int, seed_int)
+from .compat import device_name, dtype_name, gpu_ids, metric_name, metric_names
+from .config import BOOL, INT_LIST, LITERAL_DICT, STR_LIST, float_list, nonneg_int, positive_int, seed_int
 from .errors import UserError, closest
 
 #: the printed groups, in order; a plugin's options follow them (task, optimizer, LR scheduler)
@@ -101,9 +101,49 @@ class ModelConfig(Section):
     model_path: str | None = setting(None, 'TextBox: initial weights, a local save_pretrained directory or a checkpoint of ours (BERT: sets --init-checkpoint; nothing is downloaded)', metavar='PATH')
 
 
+class OptimizerArguments(MappingABC):
+    """The optimizer's constructor arguments (``optim_conf``) as --print_config
+    lists them: the stored ones, and ``lr`` read from the section's ``lr``,
+    the learning rate's one home, at the place the constructor has it."""
+
+    def __init__(self, stored: Mapping, lr, lr_at):
+        self._stored, self._lr, self._lr_at = dict(stored), lr, lr_at
+
+    @classmethod
+    def of(cls, conf, lr):
+        """From a plain mapping (its ``lr``, if any, marks the place only) or
+        another view, with the section's ``lr``."""
+        if isinstance(conf, OptimizerArguments):
+            return cls(conf._stored, lr, conf._lr_at)
+        keys = list(conf or {})
+        return cls({k: v for k, v in (conf or {}).items() if k != "lr"}, lr,
+                   keys.index("lr") if "lr" in keys else None)
+
+    def _keys(self):
+        keys = list(self._stored)
+        if self._lr_at is not None and self._lr:
+            keys.insert(self._lr_at, "lr")
+        return keys
+
+    def __getitem__(self, key):
+        if key == "lr" and self._lr_at is not None and self._lr:
+            return float(self._lr[0])
+        return self._stored[key]
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self):
+        return len(self._keys())
+
+    def __repr__(self):
+        return repr(dict(self))
+
+
 @dataclass(frozen=True)
 class OptimConfig(Section):
-    """The optimizer: the one home of the learning rate."""
+    """The optimizer: the one home of the learning rate (``optim_conf``'s lr
+    is read from it)."""
     group = "optimization"
 
     optimizer: str = setting('adam', "any case; {choices} (the others of torch.optim by their class names; adam is Adam with decoupled weight decay, i.e. torch's AdamW)")
@@ -111,6 +151,9 @@ class OptimConfig(Section):
     weight_decay: float = setting(0.0, 'weight decay', type=float)
     epsilon: float | None = setting(None, "kanachan: the optimizer's eps (unset: the optimizer's own, e.g. 1e-6 for lamb)", type=float)
     optim_conf: dict = setting({}, "the optimizer's constructor arguments, key=value or '{key: value}' (repeatable); checked against its signature; --print_config lists them all", merge=True)
+
+    def __post_init__(self):
+        object.__setattr__(self, "optim_conf", OptimizerArguments.of(self.optim_conf, self.lr))
 
 
 @dataclass(frozen=True)
@@ -396,10 +439,11 @@ class RunConfig:
         """{setting: value} in printed order: what --print_config prints."""
         return {key: self.get(key) for key in self.keys}
 
-    def replace(self, **changes):
+    def replace(self, source="RunConfig.replace()", **changes):
         """A copy with settings changed by name (``cfg.replace(max_update=5)``),
         for code that derives one configuration from another (evaluation,
-        tests); values are taken as typed."""
+        tests); values are taken as typed; ``source`` says where the new
+        values came from (``cfg.source(key)``)."""
         sections, plugins = {}, {}
         for key, value in changes.items():
             section = SECTION_OF.get(key)
@@ -414,4 +458,5 @@ class RunConfig:
                 raise UserError(f"unknown setting {key!r}{closest(key, list(SECTION_OF))}")
         return dataclasses.replace(
             self, **{name: dataclasses.replace(getattr(self, name), **values) for name, values in sections.items()},
-            **{part: PluginOptions(**values) for part, values in plugins.items()})
+            **{part: PluginOptions(**values) for part, values in plugins.items()},
+            sources=types.MappingProxyType({**self.sources, **{key: source for key in changes}}))

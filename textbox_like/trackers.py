@@ -24,16 +24,6 @@ TRACKERS = {
 }
 
 
-def add_args(o, bool_type):
-    o.add("--report_to", default="tensorboard",
-          help=f"experiment trackers, comma-separated: {', '.join(TRACKERS)}, all or none "
-               f"(TensorBoard writes to SAVE_DIR/tensorboard)")
-    o.add("--use_tensorboard", type=bool_type, nargs="?", const=True, default=None,
-          help="ESPnet2: add (true) or remove (false) the TensorBoard tracker")
-    o.add("--use_wandb", type=bool_type, nargs="?", const=True, default=None,
-          help="ESPnet2: add (true) or remove (false) the W&B tracker")
-
-
 def requested(cfg) -> list:
     """The tracker names this run asks for, checked."""
     text = cfg.report_to if isinstance(cfg.report_to, str) else ",".join(cfg.report_to or [])

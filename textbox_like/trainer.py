@@ -30,6 +30,7 @@ from pathlib import Path
 
 from . import distributed
 from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_state
+from .compat import default_notes
 from .config import to_yaml
 from .errors import UserError
 from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, OutOfMemory, RunStopped, SaveFailed,
@@ -1198,7 +1199,8 @@ class Trainer:
                 + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                 + f" | {batches} | train {len(self.train_data):,} samples"
                 + (" (in memory: read inline, --num-workers not needed)"
-                   if cfg.data.num_workers and not self.iterator.num_workers else ""))
+                   if cfg.data.num_workers and not self.iterator.num_workers else "")
+                + "".join(f" | {line}" for line in default_notes(cfg)))
 
     def finish(self) -> int:
         self.settle()

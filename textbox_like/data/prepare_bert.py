@@ -33,7 +33,6 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
-from ..fileio import atomic_write_text
+from ..fileio import atomic_copy, atomic_write_text
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
@@ -453,7 +452,7 @@ def prepare(args):
     vocab = load_vocab(vocab_file)
     target_vocab = output / "vocab.txt"
     if not target_vocab.exists() or not target_vocab.samefile(vocab_file):
-        shutil.copyfile(vocab_file, target_vocab)
+        atomic_copy(vocab_file, target_vocab)
 
     token_docs = tokenize(documents, vocab_file, args.do_lower_case, args.num_proc, progress)
     if not token_docs:
@@ -519,20 +518,15 @@ def prepare(args):
 
 
 def main(argv=None):
-    from ..config import raise_user_errors
+    from ..config import run_tool
+    return run_tool(build_parser(), argv, prepare_and_report)
 
-    parser = build_parser()
-    raise_user_errors(parser)
-    try:
-        args = parser.parse_args(argv)
-        info = prepare(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+def prepare_and_report(args):
+    info = prepare(args)
     counts = ", ".join(f"{k} {v}" for k, v in info["instances"].items())
     print(f"prepared {counts} instances in {len(info['shards'])} shards under {args.output} "
           f"({info['seconds']} s)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ class Adadelta(OptimizerSpec):
         options.add("--adadelta_eps", type=float, default=1e-6, help="epsilon")
         options.add("--adadelta_weight_decay", type=float, default=None,
                     help="weight decay of adadelta (HetSeq's option; unset: --weight-decay)")
-        options.add_alias("--dadelta_weight_decay", "adadelta_weight_decay",
-                          help="HetSeq's spelling of --adadelta_weight_decay")
 
     @classmethod
     def option_links(cls, defaults):

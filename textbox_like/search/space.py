@@ -47,23 +47,7 @@ KINDS = {
 FINITE = ("choice", "pchoice", "randint", "uniformint", "quniform", "qloguniform")
 MAX_GRID_VALUES = 100_000
 
-# TextBox's option names with a counterpart here (used only when the trainer's own parser does not know the name)
-TEXTBOX_ALIASES = {
-    "learning_rate": "lr",
-    "train_batch_size": "max_sentences",
-    "eval_batch_size": "max_sentences_valid",
-    "epochs": "max_epoch",
-    "max_steps": "max_update",
-    "seed": "seed",
-    "grad_clip": "clip_norm",
-    "accumulation_steps": "update_freq",
-    "warmup_steps": "warmup_updates",
-    "scheduler": "lr_scheduler",
-    "valid_steps": "validate_interval_updates",
-    "valid_intervals": "validate_interval",
-    "weight_decay": "weight_decay",
-    "embedding_size": "model_conf.hidden_size",     # the model width (tasks with a width_key: BERT)
-}
+from ..compat import TEXTBOX_ALIASES  # noqa: E402  TextBox's option names with a counterpart here
 
 
 def _g(value):
