@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import N_SMALL_TRAIN, REPO, clean_env, run_cli, small_mnist_fixture
+from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, run_cli, small_mnist_fixture, write_mnist
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
 from test_faults import mnist_args as fault_args
 from textbox_like.checkpoint import load_checkpoint
@@ -283,7 +283,7 @@ def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
     run = Run(mnist_args(data, out, "--log-interval", "1", "--distributed-world-size", world, *LONG,
                          max_update=1000000), delay="save=4")
     try:
-        until(run)
+        run.wait_for_update(3)
         run.proc.send_signal(signal.SIGTERM)
         time.sleep(1)
         assert run.proc.poll() is None  # still stopping: the save takes 4 s
