@@ -87,7 +87,8 @@ def test_training_accuracy_is_drawn_and_the_y_axis_fits_the_data(tmp_path):
     for update in range(1, 61):
         loss = 40.0 if update == 1 else 0.3 + 1.0 / update
         records.append({"kind": "train", "epoch": 1, "update": update, "loss": loss, "accuracy": 1 - loss / 41,
-                        "lr": 1e-3, "gnorm": 1.0, "samples_per_s": 900.0})
+                        "lr": 1e-3, "gnorm": 1.0, "samples_per_s": 900.0,
+                        "data_s_per_update": 1e-4, "compute_s_per_update": 0.03})  # timings: no panels
         if update % 20 == 0:
             records.append({"kind": "valid", "epoch": 1, "update": update, "loss": 0.35, "accuracy": 0.9})
     fig = plot.draw([write_run(tmp_path / "run", records)])

@@ -30,7 +30,7 @@ from .fileio import atomic_write
 
 # keys of a log record that are not metrics to plot against updates
 NOT_METRICS = {"kind", "epoch", "update", "updates", "wall", "samples", "num_updates", "lr", "gnorm"}
-NOT_METRIC_SUFFIXES = ("_per_s", "_s", "_time", "_seconds", "eta", "_mb", "_bytes")
+NOT_METRIC_SUFFIXES = ("_per_s", "_s", "_time", "_seconds", "eta", "_mb", "_bytes", "_per_update", "_per_rank")
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
           "#7f7f7f", "#bcbd22"]
