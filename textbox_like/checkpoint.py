@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import UserError
 from .faults import SaveFailed, failed_writing, os_reason
-from .fileio import atomic_copy, atomic_write, what_file_holds
+from .fileio import atomic_copy, atomic_write, remove, what_file_holds
 
 FORMAT = "textbox_like-checkpoint-2"
 
@@ -164,9 +164,8 @@ class CheckpointManager:
     every rank (parts may gather over ranks); only the main process writes.
     """
 
-    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool, lock=None):
+    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool):
         self.cfg = cfg
-        self.lock = lock  # savelock.SaveDirLock of this run (main process), checked before each save
         self.parts = parts
         self.metadata = metadata
         self.dir = Path(cfg.save_dir)
@@ -177,7 +176,7 @@ class CheckpointManager:
             # half-written files of a writer that was killed; one writer per save dir
             for leftover in self.dir.glob(".checkpoint*"):
                 if leftover.suffix in (".tmp", ".lnk"):
-                    leftover.unlink(missing_ok=True)
+                    remove(leftover)
 
     # when --------------------------------------------------------------
     def names(self, epoch, updates, end_of_epoch, is_best, final=False, snapshot=False):
@@ -208,10 +207,7 @@ class CheckpointManager:
         if not self.is_main:
             return []
         target = self.dir / names[0]
-        lost = self.lock.lost() if self.lock is not None else None
-        if lost:
-            raise SaveFailed(f"not writing {target}: {lost}; stopping")
-        try:
+        try:  # each write first proves the run still owns the directory (savelock.check_owner)
             # never recreated: a save directory removed under a run is a fault, not a fresh start
             atomic_save(state, target, make_parents=False)
             for name in names[1:]:
@@ -253,11 +249,11 @@ class CheckpointManager:
         if cfg.keep_interval_updates > 0:
             found = self._matching(r"checkpoint_(\d+)_(\d+)\.pt")
             for path in [p for _, p in sorted(found, key=lambda t: t[0][1], reverse=True)][cfg.keep_interval_updates:]:
-                path.unlink(missing_ok=True)
+                remove(path)
         if cfg.keep_last_epochs > 0:
             found = self._matching(r"checkpoint(\d+)\.pt")
             for path in [p for _, p in sorted(found, key=lambda t: t[0][0], reverse=True)][cfg.keep_last_epochs:]:
-                path.unlink(missing_ok=True)
+                remove(path)
 
     def _matching(self, pattern):
         regex = re.compile(pattern)

@@ -11,7 +11,7 @@ import sys
 
 from . import config as C
 from .errors import UserError, closest, note
-from .faults import RunStopped, StoppedEarly
+from .faults import RunStopped, StoppedEarly, Superseded
 from .preemption import guard_startup
 
 
@@ -257,6 +257,12 @@ def exit_code(work):
         return 2
     except RunStopped as exc:
         print(str(exc) if isinstance(exc, StoppedEarly) else f"error: {exc}", file=sys.stderr)
+        if isinstance(exc, Superseded):
+            # at once, without the interpreter's clean-up: the process group's
+            # store would write into (or remove) the rendezvous file, which may
+            # be the newer run's now
+            sys.stderr.flush()
+            os._exit(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -287,12 +293,14 @@ def run(cfg):
     from .trainer import train
     try:
         return train(cfg)
-    except (UserError, RunStopped):
+    except (UserError, RunStopped) as exc:
         # leave the process group before exiting: a group torn down by the
         # interpreter at exit, with its peer already gone, can abort the
         # process ("terminate called without an active exception") and turn
-        # a clean refusal (exit 2) into SIGABRT
-        distributed.cleanup()
+        # a clean refusal (exit 2) into SIGABRT. Not a superseded process:
+        # see exit_code
+        if not isinstance(exc, Superseded):
+            distributed.cleanup()
         raise
     except Exception as exc:
         if cfg.numerics.cudnn_deterministic and isinstance(exc, RuntimeError) and "deterministic" in str(exc):
@@ -315,12 +323,17 @@ def elastic_restart(cfg):
     """Under torchrun: a worker dies with its agent (a node that dies takes
     its workers along), and a restarted worker group resumes by itself,
     keeping the first start's global batch (elastic.py)."""
-    from . import distributed, elastic
+    import signal
+
+    from . import STARTED_BY, distributed, elastic
     from .errors import note
     agent = elastic.Agent.from_env()
     if agent is None:
         return cfg
-    distributed.die_with_parent()
+    # torchrun starts each worker in a session of its own, so nothing else
+    # ends it when the agent is killed: SIGKILL, as the node's death would,
+    # and the survivors go on from the update in flight (elastic.py)
+    distributed.signal_when_parent_dies(signal.SIGKILL, STARTED_BY)
     joining = elastic.joining_note(agent)
     if joining and os.environ.get("RANK", "0") == "0" and agent.restart_count == 0:
         note(joining)

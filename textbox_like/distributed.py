@@ -276,6 +276,25 @@ def _cgroup_cpu_quota():
         return None
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def signal_when_parent_dies(signum, parent: int) -> None:
+    """Ask the kernel (Linux; elsewhere nothing happens) to send this process
+    ``signum`` when ``parent``, the process that started it, dies, instead of
+    leaving it to run on as an orphan. A parent that died before the request
+    has already gone (this process was reparented: getppid differs), and the
+    signal would never come: the process exits now, as the signal would end it."""
+    try:
+        import ctypes
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no C library to load, or no prctl in it
+        return
+    if os.getppid() != parent:
+        os._exit(128 + int(signum))
+
+
 def die_with_parent():
     """A ``preexec_fn`` for a child of this process (this thread: the kernel
     ties PR_SET_PDEATHSIG to the thread that forks): SIGTERM (save and stop)
@@ -285,13 +304,7 @@ def die_with_parent():
     parent = os.getpid()
 
     def preexec():
-        try:
-            import ctypes
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except Exception:
-            return
-        if os.getppid() != parent:  # reparented already: the signal will never come
-            os._exit(128 + signal.SIGTERM)
+        signal_when_parent_dies(signal.SIGTERM, parent)
     return preexec
 
 
@@ -352,8 +365,10 @@ def _supervise(placements, argv, timeout):
             for child in alive:
                 child.kill()
         time.sleep(0.1)
-    for p in placements:
-        if p.init_method.startswith("file://") and p.rank == 0:
+    from .faults import Superseded
+    for p, child in zip(placements, children):
+        # a rank 0 that found its run taken over: the file may be the newer run's
+        if p.init_method.startswith("file://") and p.rank == 0 and child.returncode != Superseded.exit_code:
             try:
                 os.unlink(urlparse(p.init_method).path)
             except OSError:

@@ -30,7 +30,8 @@ import os
 import time
 from pathlib import Path
 
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, remove
+from .savelock import check_owner
 
 HANDOFF_NAME = "elastic.json"
 
@@ -95,7 +96,7 @@ def write_handoff(save_dir, agent, update: int, global_batch: int, why: str) -> 
 def clear_handoff(save_dir) -> None:
     """The run ended (completed, or stopped for a reason no restart fixes)."""
     try:
-        (Path(save_dir) / HANDOFF_NAME).unlink()
+        remove(Path(save_dir) / HANDOFF_NAME)
     except OSError:
         pass
 
@@ -140,13 +141,14 @@ class Claim:
 
     def __enter__(self):
         for _ in range(2):
+            check_owner(self.path)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 try:
                     if time.time() - self.path.stat().st_mtime <= self.stale_after:
                         return self
-                    self.path.unlink()
+                    remove(self.path)
                 except FileNotFoundError:
                     pass
                 continue
@@ -156,6 +158,13 @@ class Claim:
             return self
         return self
 
+    def wait_for_writer(self):
+        """Until the survivor that holds the claim has written (its claim is
+        gone), at most ``stale_after`` seconds."""
+        deadline = time.monotonic() + self.stale_after
+        while self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def __exit__(self, *exc):
         if self.held:
-            self.path.unlink(missing_ok=True)
+            remove(self.path)

@@ -18,6 +18,16 @@ class SaveFailed(RunStopped):
     exit_code = 74  # EX_IOERR
 
 
+class Superseded(RunStopped):
+    """This process's run no longer owns its save directory (savelock.py): a
+    newer run holds its lock, or the run ended while this process was stopped
+    (SIGSTOP, a frozen machine) and declared lost by its peers. It writes
+    nothing more and exits at once (cli.exit_code: no clean-up either, since
+    even leaving the process group writes into the rendezvous file, which may
+    be the newer run's now)."""
+    exit_code = 77  # EX_NOPERM: no longer allowed to write; not 75, which a requeue script would rerun
+
+
 class DataUnavailable(RunStopped):
     """A data file became unreadable mid-run: the state before the failing
     batch is saved, and a rerun with --resume continues from it."""

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .savelock import check_owner
+
 # mkstemp/mkdtemp make 0600/0700 files; what we write is for others to read,
 # so it gets the mode a plain open/mkdir would give (read once: umask is process-wide)
 _UMASK = os.umask(0)
@@ -53,6 +55,7 @@ def atomic_path(path, make_parents=True):
     temporary path beside ``path``; on success the file is synced and moved
     to ``path``, on failure removed."""
     path = Path(path)
+    check_owner(path)
     if make_parents:
         path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -65,6 +68,7 @@ def atomic_path(path, make_parents=True):
             os.fsync(fd)
         finally:
             os.close(fd)
+        check_owner(path)  # writing took a while: a newer run may own the directory by now
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -88,6 +92,7 @@ def atomic_directory(target):
     on failure it is removed. So ``target`` is never half written. A failed
     rename raises TargetTaken."""
     target = Path(target)
+    check_owner(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
@@ -99,6 +104,7 @@ def atomic_directory(target):
                     os.fsync(handle.fileno())
         fsync_dir(tmp)
         os.chmod(tmp, 0o777 & ~_UMASK)
+        check_owner(target)
         try:
             os.replace(tmp, target)
         except OSError as exc:
@@ -107,6 +113,15 @@ def atomic_directory(target):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(target.parent)
+
+
+def remove(path) -> None:
+    """Remove a file of the run (a claim, the hand-off note, a pruned
+    checkpoint, the rendezvous file) if it is there, once the run is proven
+    still this process's (:func:`~textbox_like.savelock.check_owner`; a file
+    outside the save directory is the run's rendezvous file, checked too)."""
+    check_owner(path, anywhere=True)
+    Path(path).unlink(missing_ok=True)
 
 
 def atomic_write_text(path, text: str, make_parents=True) -> Path:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .fileio import atomic_write_text
+from .savelock import check_owner
 
 
 class StatSums:
@@ -195,6 +196,7 @@ class Logger:
     def record(self, kind, record: dict):
         """One record to metrics.jsonl and the trackers."""
         if self.jsonl is not None:
+            check_owner(self.jsonl.name)  # a process woken after its run was taken over appends nothing
             try:
                 self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             except OSError as exc:  # a full disk, a file size limit: a fault like a checkpoint's

@@ -13,8 +13,18 @@ another process), or, from any host, a file not refreshed for
 :data:`STALE_AFTER_S` seconds. Such a lock is taken over with a line.
 
 While the run goes on the thread also notices the lock removed (the directory
-removed or emptied) or replaced (another run took it over); the next save then
-stops the run (exit 74) instead of writing into a directory it no longer owns.
+removed or emptied) or replaced (another run took it over).
+
+The lock's token is also the run's *fencing token*: every rank learns it at
+start (:func:`own`), and each write into the save directory first proves
+that ``run.lock`` still holds it (:func:`check_owner`, called by the write
+primitives of :mod:`~textbox_like.fileio`, the metrics log and the emergency
+claim). A rank stopped (SIGSTOP, a frozen VM, a cut-off node) and declared lost
+by its peers may wake up while a newer run, started with ``--resume`` on the
+same directory, holds the lock with its own token: it then writes nothing
+and exits 77 (:class:`~textbox_like.faults.Superseded`), as a process whose
+lease expired does in lease-based systems. The lock holder whose lock file
+disappeared (the directory removed or emptied) stops with 74 instead.
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import uuid
 from pathlib import Path
 
 from .errors import UserError, note
+from .faults import SaveFailed, Superseded
 
 LOCK_NAME = "run.lock"
 REFRESH_S = 30.0
@@ -143,10 +154,17 @@ class SaveDirLock:
     @classmethod
     def acquire(cls, directory) -> "SaveDirLock":
         lock = cls(directory)
-        lock._acquire()
-        lock._thread = threading.Thread(target=lock._refresh, name="textbox_like-save-lock", daemon=True)
-        lock._thread.start()
+        lock.take()
         return lock
+
+    def take(self):
+        """Make the lock file (or take over a stale one) and keep it fresh.
+        A signal handler may raise anywhere in here, after the file exists:
+        whoever holds this object before calling take() can always
+        :meth:`release` it (it removes the file only if it holds our token)."""
+        self._acquire()
+        self._thread = threading.Thread(target=self._refresh, name="textbox_like-save-lock", daemon=True)
+        self._thread.start()
 
     def _acquire(self):
         for _ in range(5):
@@ -225,17 +243,9 @@ class SaveDirLock:
 
     def check(self):
         """Whether the file is still ours; records why not (see :meth:`lost`)."""
-        if self._lost:
-            return
-        if not self.dir.is_dir():
-            self._lost = f"the save directory {self.dir} was removed during the run"
-            return
-        found = _read(self.path)
-        if found is None:
-            self._lost = (f"the lock file {self.path} was removed during the run (was the directory emptied?); "
-                          f"config.yaml and metrics.jsonl may be gone too")
-        elif not found[0] or found[0].get("token") != self.token:
-            self._lost = f"another run took over --save-dir {self.dir} ({describe(found[0])})"
+        if not self._lost:
+            lost = not_owner(self.path, self.token, holds_lock=True)
+            self._lost = lost[1] if lost else None
 
     def lost(self):
         """None while the lock is ours; else one line saying what happened."""
@@ -252,3 +262,65 @@ class SaveDirLock:
                 self.path.unlink()
             except OSError:
                 pass
+
+
+def not_owner(path, token, holds_lock):
+    """None while the lock file ``path`` holds ``token``; else (taken over:
+    whether another run's lock is there now, why this process's run no
+    longer owns the directory). ``holds_lock``: this process made the file
+    (then its disappearance is a fault, not the run's end)."""
+    directory = Path(path).parent
+    if not directory.is_dir():
+        return False, f"the save directory {directory} was removed during the run"
+    found = _read(Path(path))
+    if found is None:
+        if holds_lock:
+            return False, (f"the lock file {path} was removed during the run (was the directory emptied?); "
+                           f"config.yaml and metrics.jsonl may be gone too")
+        return False, f"its lock file {path} is gone (the run ended, or the directory was emptied)"
+    if not found[0] or found[0].get("token") != token:
+        return True, f"another run took over --save-dir {directory} ({describe(found[0])})"
+    return None
+
+
+# ------------------------------------------------------------------ fencing
+_owned = None  # the run this process writes for: {"lock": path, "real": its directory resolved, "token", ...}
+
+
+def own(directory, token, holds_lock: bool, who: str) -> None:
+    """From here on this process writes into ``directory`` only while its
+    lock file holds ``token`` (the run's owner token, rank 0's lock).
+    ``who``: this process in the line of a refusal ('rank 1')."""
+    global _owned
+    _owned = {"lock": Path(directory) / LOCK_NAME, "real": Path(os.path.realpath(directory)), "token": token,
+              "holds_lock": holds_lock, "who": who}
+
+
+def disown() -> None:
+    """The run is over for this process: no more writes to check."""
+    global _owned
+    _owned = None
+
+
+def check_owner(writing, anywhere=False) -> None:
+    """The fence: before a write, prove that this process's run still owns its
+    save directory. ``writing``: the file about to be written or removed; one
+    outside the save directory is not checked (data a rank prepares, a search's
+    results) unless ``anywhere`` (a file of the run kept elsewhere: its
+    ``file://`` rendezvous). Raises
+    :class:`~textbox_like.faults.Superseded` (77) when a newer run holds the
+    lock or the run ended, :class:`~textbox_like.faults.SaveFailed` (74) when
+    the lock this process made was removed with its directory."""
+    owned = _owned
+    if owned is None:
+        return
+    if not anywhere and Path(os.path.realpath(writing)).parent != owned["real"]:
+        return
+    lost = not_owner(owned["lock"], owned["token"], owned["holds_lock"])
+    if lost is None:
+        return
+    taken_over, why = lost
+    if owned["holds_lock"] and not taken_over:
+        raise SaveFailed(f"not writing {writing}: {why}; stopping (nothing is recreated)")
+    raise Superseded(f"{owned['who']} (pid {os.getpid()}): not writing {writing}: this process no longer owns the "
+                     f"run in {owned['lock'].parent}: {why}; exiting without writing anything")

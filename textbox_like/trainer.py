@@ -34,9 +34,10 @@ from .compat import default_notes
 from .config import to_yaml
 from .errors import UserError
 from .faults import (DataCorrupt, DataUnavailable, Diverged, HostCopy, OutOfMemory, RunStopped, SaveFailed,
+                     Superseded,
                      allocation_failed, allocation_reason, check_writable, failed_writing, memory_limit_hook,
                      os_reason, test_delay)
-from .fileio import atomic_write_text
+from .fileio import atomic_write_text, remove
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .tasks import TASKS
@@ -169,8 +170,8 @@ class Trainer:
         from .elastic import Agent
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
-        self.claim_save_dir()
         try:
+            self.claim_save_dir()  # inside: a signal during it ends here, where the lock is released
             from accelerate.utils import set_seed
             set_seed(cfg.numerics.seed)
             self.task = TASKS.get(cfg.data.task)(cfg)
@@ -185,20 +186,36 @@ class Trainer:
     def claim_save_dir(self):
         """One run per save directory: the main process takes its lock
         (savelock.py) before any data is read; every rank learns whether it
-        got it, so a refusal ends all of them alike."""
-        from .savelock import SaveDirLock
+        got it, so a refusal ends all of them alike, and the lock's token,
+        which each rank's writes into the directory check from then on
+        (savelock.check_owner)."""
+        from . import savelock
+        save_dir = self.cfg.checkpoint.save_dir
         self.save_lock, refusal = None, None
         if self.is_main and not self.cfg.checkpoint.no_save:
+            # held before its file exists: a signal at any moment of take()
+            # (SIGTERM during start-up) finds it here, and release_save_dir removes the file
+            self.save_lock = savelock.SaveDirLock(save_dir)
             try:
-                self.save_lock = SaveDirLock.acquire(self.cfg.checkpoint.save_dir)
+                self.save_lock.take()
             except UserError as exc:
-                refusal = exc
-        if self.world > 1 and self.sum_over_ranks([float(refusal is not None)])[0] and refusal is None:
-            refusal = UserError("rank 0 could not take the save directory (see its message)")
+                self.save_lock, refusal = None, exc
+        token = self.save_lock.token if self.save_lock is not None else None
+        if self.world > 1:
+            per_rank = distributed.gather_per_rank(self.accelerator, [refusal is not None, token])
+            if any(refused for refused, _ in per_rank) and refusal is None:
+                refusal = UserError("rank 0 could not take the save directory (see its message)")
+            token = per_rank[0][1]
         if refusal is not None:
             raise refusal
+        # a rank that does not see rank 0's lock (a save directory not shared
+        # by its node) cannot prove anything, and writes nothing there in a normal run
+        if token is not None and savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None:
+            savelock.own(save_dir, token, holds_lock=self.save_lock is not None, who=f"rank {self.rank}")
 
     def release_save_dir(self):
+        from .savelock import disown
+        disown()
         lock, self.save_lock = getattr(self, "save_lock", None), None
         if lock is not None:
             lock.release()
@@ -354,7 +371,7 @@ class Trainer:
             parts["balance"] = self.balancer
         self.checkpoints = CheckpointManager(
             cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": self.world, "config": to_yaml(cfg)},
-            parts=parts, is_main=self.is_main, lock=self.save_lock)
+            parts=parts, is_main=self.is_main)
         self.build_timing()
         self.window = StatSums()  # the open log window's stats, this rank only
         self.lr = self.scheduler.get_lr()
@@ -1278,6 +1295,7 @@ class Trainer:
         with Claim(ck.dir / f".emergency-{state.num_updates}.claim",
                    stale_after=self.cfg.distributed.distributed_timeout) as claim:
             if not claim.held:
+                claim.wait_for_writer()  # the lock holder leaves last: its release ends every write of this run
                 return None
             try:
                 atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
@@ -1304,7 +1322,7 @@ class Trainer:
                  else f"another survivor saves update {self.state.num_updates}")
         init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or self.cfg.distributed.distributed_init_method or ""
         if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
-            Path(init[len("file://"):]).unlink(missing_ok=True)
+            remove(init[len("file://"):])
         how = ("torchrun restarts the workers and they resume from it by themselves" if self.agent is not None
                else "rerun with --resume, on any number of ranks (--global-batch-size keeps the global batch)")
         self.release_save_dir()
@@ -1313,10 +1331,7 @@ class Trainer:
 
     def write_results(self, results):
         path = Path(self.cfg.checkpoint.save_dir) / "results.json"
-        lost = self.save_lock.lost() if self.save_lock is not None else None
         try:
-            if lost:
-                raise SaveFailed(f"not writing {path}: {lost}")
             atomic_write_text(path, json.dumps(results, indent=2), make_parents=False)
         except OSError as exc:
             raise SaveFailed(f"could not write {path} ({os_reason(exc)}); the checkpoints are kept") from None
@@ -1395,8 +1410,9 @@ def run(trainer) -> int:
 
 def trainer_stopped(trainer, exc) -> int:
     """A fault the trainer knows (RunStopped): one line and its exit code;
-    anything else is re-raised."""
-    if not isinstance(exc, RunStopped):
+    anything else is re-raised, and so is Superseded: a process that no
+    longer owns its run does nothing more (cli.exit_code)."""
+    if not isinstance(exc, RunStopped) or isinstance(exc, Superseded):
         raise exc
     message = str(exc)
     if getattr(exc, "saves_state", isinstance(exc, DataUnavailable)):
