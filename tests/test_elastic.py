@@ -158,6 +158,54 @@ def test_a_node_leaves_then_one_joins_and_the_run_equals_one_process(data, tmp_p
     assert_params_close(params(save), one_process)
 
 
+def running(pid) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_in_flight(data, tmp_path,
+                                                                                          one_process):
+    """A node dies as a machine does: its agent's whole process group is
+    killed (SIGKILL). torchrun started the worker in a session of its own, so
+    only the kernel's parent-death signal, asked for by the worker itself,
+    ends it; the survivor then saves the last completed update and goes on
+    alone from the update in flight, ending equal to one process."""
+    save = tmp_path / "save"
+    train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
+    port = free_port()
+    a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True)
+    b = Node(port, tmp_path / "b.log", train)
+    try:
+        a.wait_for_update(15)
+        (worker,) = children(b.proc.pid)
+        k = a.last_update()
+        os.killpg(b.proc.pid, signal.SIGKILL)  # the agent's group: its worker is not in it
+        b.proc.wait()
+        deadline = time.monotonic() + 60
+        while running(worker):
+            assert time.monotonic() < deadline, f"the worker {worker} of the killed agent trains on"
+            time.sleep(0.05)
+        assert a.finish(400) == 0, a.text()[-3000:]
+    finally:
+        for node in (a, b):
+            if node.proc.poll() is None:
+                node.die()
+    text = a.text()
+    assert "lost a peer of this run" in text, text[-3000:]
+    (left_at,) = resumed_updates(text)
+    assert left_at >= k - 1, (k, left_at)  # at most the update in flight is redone
+    assert "world size 1" in text.split("resumed from")[1]
+    results = json.loads((save / "results.json").read_text())
+    assert results["num_updates"] == UPDATES and results["samples_trained"] == UPDATES * GLOBAL
+    assert results["world_size"] == 1
+    assert_params_close(params(save), one_process)
+
+
 @pytest.mark.timeout(400)
 def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(data, tmp_path, one_process):
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"

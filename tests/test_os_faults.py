@@ -660,6 +660,70 @@ def test_rank_killed_over_a_file_rendezvous_saves_and_removes_the_file(data, tmp
     assert not rendezvous.exists()
 
 
+# ------------------------------------------- a stopped rank that wakes up in a newer run
+def snapshot(*paths) -> dict:
+    """Every file under ``paths``: its bytes' hash, size and mtime (ns)."""
+    import hashlib
+    found = {}
+    for top in paths:
+        for path in ([top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file())):
+            found[str(path)] = (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size,
+                                path.stat().st_mtime_ns)
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_a_stopped_rank_woken_in_a_newer_run_writes_nothing_and_exits_77(data, tmp_path):
+    """Rank 1 of a file:// run is stopped (SIGSTOP); rank 0 declares it lost,
+    saves and exits 75; a --resume run on the same save directory and
+    rendezvous path takes over and trains past that update. The old rank is
+    then continued (SIGCONT), with the new run held still meanwhile so that
+    every change is the old rank's: it writes nothing (no file of the save
+    directory, nor the new run's rendezvous file, changes) and exits 77 with
+    one line; the new run then ends normally."""
+    out, rendezvous = tmp_path / "out", tmp_path / "rendezvous"
+
+    def ranks(*extra, max_update, timeout):
+        return [Run(mnist_args(data, out, "--log-interval", "1", "--distributed-no-spawn", "--distributed-init-method",
+                               f"file://{rendezvous}", "--distributed-world-size", "2", "--distributed-rank", rank,
+                               "--distributed-timeout", timeout, *LONG, *extra, max_update=max_update))
+                for rank in (0, 1)]
+    old = ranks(max_update=1000000, timeout=10)
+    new = []
+    try:
+        old[0].wait_for_update(3)
+        old[1].proc.send_signal(signal.SIGSTOP)
+        assert old[0].finish(200) == 75, old[0].stderr[-3000:]
+        stopped_at = int(re.search(r"saved update (\d+)", old[0].stderr).group(1))
+        assert not rendezvous.exists() and not (out / "run.lock").exists()
+        new = ranks("--resume", max_update=stopped_at + 60, timeout=120)
+        new[0].wait_for_update(stopped_at + 2)
+        for run in new:  # held still: from here on, a change in the save directory is the old rank's
+            run.proc.send_signal(signal.SIGSTOP)
+        before = snapshot(out, rendezvous)
+        lock = json.loads((out / "run.lock").read_text())
+        assert lock["pid"] == new[0].proc.pid and str(rendezvous) in before
+        old[1].proc.send_signal(signal.SIGCONT)
+        rc = old[1].finish(120)
+        after = snapshot(out, rendezvous)
+        for run in new:
+            run.proc.send_signal(signal.SIGCONT)
+        new_rcs = [run.finish(300) for run in new]
+    finally:
+        for run in old + new:
+            run.proc.send_signal(signal.SIGCONT) if run.proc.poll() is None else None
+            run.kill()
+    assert rc == 77, old[1].stderr[-3000:]
+    errors = error_lines(old[1].stderr)
+    assert len(errors) == 1, old[1].stderr[-3000:]
+    assert "rank 1" in errors[0] and "no longer owns the run" in errors[0] and f"pid {new[0].proc.pid}" in errors[0], \
+        errors[0]
+    assert after == before  # not a byte, not a touch
+    assert new_rcs == [0, 0], new[0].stderr[-3000:] + new[1].stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["num_updates"] == stopped_at + 60
+    assert not (out / "run.lock").exists()
+
+
 # ------------------------------------------------ a child whose parent is already gone
 ORPHAN_SCRIPT = r"""
 import ctypes, os, time
