@@ -190,6 +190,10 @@ def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_i
         while running(worker):
             assert time.monotonic() < deadline, f"the worker {worker} of the killed agent trains on"
             time.sleep(0.05)
+        deadline = time.monotonic() + 240  # A's worker lost its peer: torchrun restarts it alone
+        while not resumed_updates(a.text()):
+            assert a.proc.poll() is None and time.monotonic() < deadline, a.text()[-3000:]
+            time.sleep(0.1)
         assert a.finish(400) == 0, a.text()[-3000:]
     finally:
         for node in (a, b):
