@@ -103,7 +103,8 @@ def test_scaling_expansion_and_update_freq(capsys, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_scaling_runs_two_processes(small_mnist_dir):
-    report, err = run_bench("scaling", "--data", small_mnist_dir, "--updates", 2, "--warmup", 2, "--rounds", 1,
+    # the fewest updates that measure (one window after the first log): start-up is most of the time
+    report, err = run_bench("scaling", "--data", small_mnist_dir, "--updates", 1, "--warmup", 1, "--rounds", 1,
                             "--update-freq", 2, "--max-sentences", 32)
     assert report["processes"] == 2 and report["update_freq"] == 2 and report["batch_per_process"] == 32
     assert report["one_process_samples_per_s"] > 0 and report["n_processes_samples_per_s"] > 0

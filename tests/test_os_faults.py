@@ -271,6 +271,47 @@ def test_lock_of_another_host_refused_while_fresh_taken_over_when_stale(tmp_path
         savelock.SaveDirLock.acquire(tmp_path)
 
 
+def test_a_write_into_a_save_directory_taken_over_is_refused_before_it_lands(tmp_path):
+    """The fence every write primitive passes: while run.lock holds this
+    run's token, writes land; once another run's token is there, or the lock
+    is gone, nothing is written or removed in the directory (77; 74 for the
+    lock holder, whose lock vanished with the directory's contents), and a
+    file elsewhere (data a rank prepares) is not the run's to guard."""
+    from textbox_like import savelock
+    from textbox_like.faults import SaveFailed, Superseded
+    from textbox_like.fileio import atomic_write_text, remove
+    save = tmp_path / "save"
+    save.mkdir()
+    lock = savelock.SaveDirLock.acquire(save)
+    kept = save / "checkpoint_1_3.pt"
+    kept.write_text("the old run's")
+    try:
+        savelock.own(save, lock.token, holds_lock=False, who="rank 1")
+        atomic_write_text(save / "elastic.json", "{}")
+        newer = {**json.loads((save / "run.lock").read_text()), "pid": 4242, "token": "newer"}
+        (save / "run.lock").write_text(json.dumps(newer))
+        with pytest.raises(Superseded, match=r"rank 1 .*no longer owns the run .*another run .*pid 4242"):
+            atomic_write_text(kept, "the woken rank's")
+        with pytest.raises(Superseded):
+            remove(save / "elastic.json")
+        with pytest.raises(Superseded):
+            remove(tmp_path / "rendezvous")  # the run's file elsewhere: checked too
+        atomic_write_text(tmp_path / "data.txt", "prepared")  # not the save directory's
+        assert kept.read_text() == "the old run's" and (save / "elastic.json").exists()
+        assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_3.pt", "elastic.json", "run.lock"]
+        (save / "run.lock").unlink()
+        with pytest.raises(Superseded, match="is gone"):
+            atomic_write_text(kept, "the woken rank's")
+        savelock.own(save, lock.token, holds_lock=True, who="rank 0")
+        with pytest.raises(SaveFailed, match="removed"):
+            atomic_write_text(kept, "the woken rank's")
+        assert kept.read_text() == "the old run's"
+        assert Superseded.exit_code == 77
+    finally:
+        savelock.disown()
+        lock.release()
+
+
 # -------------------------------------------------------------------- signals
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [1, 2])
