@@ -261,7 +261,7 @@ class Balancer:
     def measured(self, split, fresh_since=None):
         """The latest measurement of ``split`` (taken after ``fresh_since``), or None."""
         for entry in reversed(self.tried):
-            if entry["split"] == list(split) and (fresh_since is None or entry["at"] > fresh_since):
+            if entry["split"] == list(split) and (fresh_since is None or entry["at"] >= fresh_since):
                 return entry
         return None
 
