@@ -146,7 +146,7 @@ class Balancer:
     #: a measured gain below this fraction of the update's time is never taken (hysteresis)
     MIN_GAIN = 0.01
     #: ... nor one below this many standard errors of the two measurements' difference (noise guard)
-    Z = 2.0
+    Z = 3.0
     #: measured splits kept (the oldest are forgotten)
     KEEP = 32
 
@@ -173,6 +173,9 @@ class Balancer:
         self.rechecking = False  # a re-check round: neighbours once, no finer steps unless one is faster
         self.anchor = None  # the proportional split when the search last started from it
         self.round_start = 0  # the update where this search or re-check began
+        self.last_move = None  # the move that found the best (a second one the same way doubles the step)
+        self.quiet = 0  # re-checks in a row that found nothing faster
+        self.waited = 0  # intervals since the last re-check's neighbours
         self.reason = "even"
 
     # ---------------------------------------------------------------- steps
@@ -183,6 +186,9 @@ class Balancer:
         while step * 2 <= self.total // (8 * self.world):
             step *= 2
         return step
+
+    def widest_step(self) -> int:
+        return 2 * self.coarse_step()
 
     def recheck_step(self) -> int:
         """The step of a re-check: one grain, so that the neighbours it
@@ -244,8 +250,8 @@ class Balancer:
         continues where it was, on a fresh probe)."""
         if self.phase == "start":
             self.next_check = num_updates + min(self.FIRST, self.interval)
-        elif self.phase == "settled":  # the re-check at its interval, after a timed probe at least
-            self.next_check = max(num_updates + self.probe, (num_updates // self.interval + 1) * self.interval)
+        elif self.phase == "settled":  # the re-check an interval on
+            self.next_check = num_updates + self.interval
         else:
             self.next_check = num_updates + self.probe
         self.mark_at = num_updates + 1
@@ -313,23 +319,54 @@ class Balancer:
                 return self.move(proposal, num_updates, "proportional to the ranks' measured speed")
         elif self.split != self.best and best is not None and self.faster(entry, best):
             gained = f"faster than {self.best} ({entry['s']:.4f} s against {best['s']:.4f} s per update)"
-            self.best, self.rechecking = list(self.split), False
+            move = [a - b for a, b in zip(self.split, self.best)]
+            if self.last_move is not None and [m > 0 for m in move] == [m > 0 for m in self.last_move] and \
+                    [m < 0 for m in move] == [m < 0 for m in self.last_move]:
+                self.step = min(self.step * 2, self.widest_step())  # the same way again: larger strides
+            self.best, self.rechecking, self.last_move, self.quiet = list(self.split), False, move, 0
             self.queue = self.neighbours(self.best, self.step)
+            onward = [b + (self.step if m > 0 else -self.step if m < 0 else 0) for b, m in zip(self.best, move)]
+            if self.allowed(onward):  # the way that paid first
+                self.queue = [onward] + [c for c in self.queue if c != onward]
             return self.next_candidate(num_updates, gained)
-        elif self.split == self.best and was_settled:  # the re-check: the best re-measured over the interval
+        elif self.split == self.best and was_settled:  # the best re-measured over the interval
+            if self.shift is None and self.waited < 2 ** min(self.quiet, 2) - 1:
+                # calm: the neighbours are timed every 1, 2, then 4 intervals while none was faster
+                self.waited += 1
+                self.next_check = num_updates + self.interval
+                return self.hold(num_updates)
             self.phase, self.rechecking, self.step = "search", True, self.recheck_step()
-            self.round_start = num_updates
+            self.round_start, self.last_move, self.waited = num_updates, None, 0
             self.queue = self.neighbours(self.best, self.step)
-            proposal = self.proportional()
-            shift = [p - a for p, a in zip(proposal, self.anchor or proposal)]
-            if max(abs(d) for d in shift) >= self.coarse_step():
-                moved = self.feasible([b + d for b, d in zip(self.best, shift)])
-                self.anchor = proposal
-                if self.allowed(moved) and moved != self.best:
-                    self.queue.insert(0, moved)
-                    return self.move(moved, num_updates, f"the ranks' speeds changed (proportional split now "
-                                                         f"{proposal}): the best moved by as much")
+        if self.phase == "search" and self.shift is not None:
+            return self.restart(num_updates)
         return self.next_candidate(num_updates, "a neighbour of the best")
+
+    @property
+    def shift(self):
+        """How far the proportional split moved since the search last
+        started from it, where that is a coarse step or more (a neighbour
+        came or went, the ranks' speeds changed): else None."""
+        proposal = self.proportional()
+        shift = [p - a for p, a in zip(proposal, self.anchor or proposal)]
+        return shift if max(abs(d) for d in shift) >= self.coarse_step() else None
+
+    def restart(self, num_updates):
+        """The ranks' speeds changed: the times measured before are stale.
+        The search starts again from the best moved by as much as the
+        proportional split moved, at the coarse step."""
+        shift, self.anchor = self.shift, self.proportional()
+        moved = self.feasible([b + d for b, d in zip(self.best, shift)])
+        if not self.allowed(moved):
+            moved = self.anchor
+        why = f"the ranks' speeds changed (proportional split now {self.anchor}): the best {self.best} moved by as much"
+        self.best, self.last_move, self.quiet, self.waited, self.rechecking = list(moved), None, 0, 0, False
+        self.phase, self.round_start, self.step = "search", num_updates, self.coarse_step()
+        self.queue = self.neighbours(self.best, self.step)
+        if moved == self.split:
+            self.mark_at, self.reason = num_updates, why
+            return list(self.split)
+        return self.move(moved, num_updates, why)
 
     def next_candidate(self, num_updates, why):
         """The next untried split of this round; when none is left, a finer
@@ -347,9 +384,10 @@ class Balancer:
                 break
             self.step = max(self.grain, (self.step // 2) // self.grain * self.grain)
             self.queue = self.neighbours(self.best, self.step)
+        self.quiet = self.quiet + 1 if self.rechecking else 0  # a re-check that found nothing faster
         self.phase, self.rechecking = "settled", False
         self.step = self.coarse_step()
-        self.next_check = (num_updates // self.interval + 1) * self.interval
+        self.next_check = num_updates + self.interval  # a whole interval on the best before its next re-check
         best = self.measured(self.best)
         why = (f"{why}; " if why.startswith("faster") else "") + \
             f"the best measured ({best['s']:.4f} s per update); no neighbour faster"
@@ -385,7 +423,8 @@ class Balancer:
                 "search": {"phase": self.phase, "best": self.best, "tried": [dict(e) for e in self.tried],
                            "queue": [list(s) for s in self.queue], "step": self.step,
                            "rechecking": self.rechecking, "anchor": self.anchor, "reason": self.reason,
-                           "round_start": self.round_start,
+                           "round_start": self.round_start, "last_move": self.last_move,
+                           "quiet": self.quiet, "waited": self.waited,
                            "seconds_per_sample": list(self.seconds_per_sample)}}
 
     def load_state_dict(self, state):
@@ -399,7 +438,8 @@ class Balancer:
             self.phase, self.best, self.step = search["phase"], search["best"], int(search["step"])
             self.tried, self.queue = [dict(e) for e in search["tried"]], [list(s) for s in search["queue"]]
             self.rechecking, self.anchor, self.reason = search["rechecking"], search["anchor"], search["reason"]
-            self.round_start = int(search["round_start"])
+            self.round_start, self.last_move = int(search["round_start"]), search["last_move"]
+            self.quiet, self.waited = int(search["quiet"]), int(search["waited"])
             self.seconds_per_sample = list(search["seconds_per_sample"])
         else:  # another world size, global batch or unit: the even split, re-measured
             self.reset(even_split(self.total, self.world, self.multiple))
