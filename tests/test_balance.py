@@ -26,7 +26,7 @@ from test_bert_train import bert_data  # noqa: F401 (a fixture: tiny BERT shards
 from test_faults import build_trainer, run_trainer
 from textbox_like import balance
 from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, micro_batches_by_tokens,
-                                  proportional_split, slowest_rank_line)
+                                  proportional_split, slowest_rank_line, split_name)
 from textbox_like.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -519,20 +519,30 @@ def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_proc
         for key in ("compute_s_per_rank", "data_s_per_rank", "wait_s_per_rank"):
             assert len(record[key]) == 2 and min(record[key]) >= 0, record
     assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank ")
-    assert load_checkpoint(out / "checkpoint_last.pt")["balance"] == {"global_batch_size": 64, "split": [32, 32],
-                                                                     "unit": "samples"}
+    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    assert (saved["global_batch_size"], saved["split"], saved["unit"]) == (64, [32, 32], "samples")
 
 
 def slow(rank, seconds, from_update=0):
     return {**os.environ, balance.SLOW_RANK_ENV: f"{rank}:{seconds}@{from_update}"}
 
 
+def balance_line(record, split_name="batch sizes per rank", unit="samples"):
+    """The log line of a ``balance`` record: the split, why, each tried split's measured time."""
+    was = "kept" if record["batch_sizes"] == record["was"] else f"was {record['was']}"
+    measured = ", ".join(f"{split} {seconds:.4f}" for split, seconds in record["s_per_update"].items())
+    return (f"update {record['update']} | balance: {split_name} {record['batch_sizes']} ({was}): {record['reason']} "
+            f"| s per update {measured} | {unit}/s per rank {record[unit + '_per_s']}")
+
+
 @pytest.mark.timeout(500)
 def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process_64):
-    """Rank 1 becomes 2 ms/sample slower at update 15; with an interval of 5
-    the split favours rank 0 by update 25 (2 intervals). Every re-split is the
-    same on every rank (checked by the trainer at each re-split) and uneven
-    splits give the parameters of one process of 64."""
+    """Rank 1 becomes 4 ms/sample slower at update 15; with an interval of 5
+    the split favours rank 0 by update 25 (2 intervals: the search restarts
+    from the best moved as far as the proportional split moved). Every
+    re-split is the same on every rank (checked by the trainer at each
+    re-split), each line and record says why and what each split tried took,
+    and the splits tried give the parameters of one process of 64."""
     out = tmp_path / "bal"
     proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64",
                                                  "--balance", "--balance-interval", "5",
@@ -541,17 +551,16 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
                                                  "--log-format", "json")],
                env=slow(1, 0.004, 15))
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
-    # a record is a change of split: before the slow-down (update 15) the ranks are
-    # equally fast, so whether the first exchange (by update 10, see
-    # test_balancer_hysteresis_schedule_and_state) moves the split is noise
+    # a record is a change of split (or the search settling on the current one)
     assert records
     lines = [line for line in proc.stderr.splitlines() if "| balance: batch sizes per rank" in line]
-    assert len(lines) == len(records)  # one line per re-split, in the json format too
-    r = records[0]
-    assert lines[0] == (f"update {r['update']} | balance: batch sizes per rank {r['batch_sizes']} (was {r['was']}); "
-                        f"samples/s per rank {r['samples_per_s']}")
+    assert lines == [balance_line(r) for r in records]  # one line per record, in the json format too
     for r in records:
-        assert sum(r["batch_sizes"]) == 64 and len(r["samples_per_s"]) == 2
+        assert sum(r["batch_sizes"]) == 64 and len(r["samples_per_s"]) == 2 and r["reason"]
+        assert split_name(r["was"]) in r["s_per_update"] or r["was"] == r["batch_sizes"], r  # the split left: timed
+        assert all(0 < seconds < 10 for seconds in r["s_per_update"].values())
+    assert any(r["reason"].startswith("the ranks' speeds changed") and 15 < r["update"] <= 25 for r in records), \
+        records
     split_at = {}
     for r in records:
         split_at[r["update"]] = r["batch_sizes"]
@@ -564,7 +573,27 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
     for update in (10, 20, 30, 40):
         assert_params_close(at_update(out, update), at_update(one_process_64, update))
     assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank 1")
-    assert load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"] == current
+    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    assert saved["split"] == current and len(saved["search"]["tried"]) >= 3
+
+
+@pytest.mark.timeout(500)
+def test_a_resume_continues_the_search(data, tmp_path, one_process_64):
+    """The search's state is a checkpoint part: a resume keeps the splits
+    measured before it and goes on from the saved split; the maths is that
+    of one process of 64 whatever the splits tried."""
+    out = tmp_path / "bal"
+    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64", "--balance",
+                      "--balance-interval", "5", "--distributed-world-size", "2", "--save-interval-updates", "10")
+    run([PY, "run_hetseq.py", *argv, "--max-update", "20"], env=slow(1, 0.004))
+    before = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    measured_before = [e for e in before["search"]["tried"]]
+    assert measured_before and before["search"]["phase"] != "start"
+    proc = run([PY, "run_hetseq.py", *argv, "--max-update", "40", "--resume"], env=slow(1, 0.004))
+    assert f"batch sizes per rank {before['split']}" in proc.stderr  # the saved split, not an even one
+    after = load_checkpoint(out / "checkpoint_last.pt")["balance"]["search"]
+    assert any(e["at"] <= 20 for e in after["tried"]), after["tried"]  # measured before the resume, still known
+    assert_params_close(at_update(out, 40), at_update(one_process_64, 40))
 
 
 @pytest.mark.timeout(400)
@@ -582,8 +611,7 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
     assert records, proc.stderr[-3000:]
     r = records[0]
-    assert (f"update {r['update']} | balance: batch sizes per rank {r['batch_sizes']} (was {r['was']}); "
-            f"samples/s per rank {r['samples_per_s']}") in proc.stderr.splitlines()
+    assert balance_line(r) in proc.stderr.splitlines()
     series = scalar_series(out / "tensorboard")
     for name in ("compute", "data", "wait"):
         for rank in (0, 1):
@@ -592,6 +620,8 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
             assert all(value >= 0 for _, value in series[tag])
     assert [step for step, _ in series["balance/batch_sizes/rank0"]] == [r["update"] for r in records]
     assert series["balance/batch_sizes/rank1"][0][1] == r["batch_sizes"][1]
+    for name, seconds in r["s_per_update"].items():  # each tried split's measured update time
+        assert series[f"balance/s_per_update/{name}"][0] == (r["update"], pytest.approx(seconds))
 
 
 @pytest.mark.timeout(500)
@@ -770,7 +800,7 @@ def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(ber
     assert records and records[0]["unit"] == "tokens", proc.stderr[-3000:]
     r = records[0]
     assert sum(r["batch_sizes"]) == 256 and r["batch_sizes"][0] > r["batch_sizes"][1]
-    assert f"| balance: tokens per rank {r['batch_sizes']} (was [128, 128]); tokens/s per rank " in proc.stderr
+    assert r["was"] == [128, 128] and balance_line(r, "tokens per rank", "tokens") in proc.stderr.splitlines()
     assert_close(model_state(out), model_state(tmp_path / "one"))
     saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
     assert saved["unit"] == "tokens" and sum(saved["split"]) == 256
