@@ -309,13 +309,13 @@ class Balancer:
         if any(t is None for t in self.seconds_per_sample) or entry is None:
             return self.hold(num_updates)
         best = self.measured(self.best) if self.best is not None else None
-        if self.phase == "start":
-            self.phase, self.best = "search", list(self.split)
+        if self.phase == "start":  # the search starts from the proportional split, where it pays
             proposal = self.anchor = self.proportional()
-            self.round_start = num_updates
+            taken = proposal != self.split and update_seconds(proposal, self.seconds_per_sample) <= \
+                update_seconds(self.split, self.seconds_per_sample) * (1 - self.THRESHOLD)
+            self.phase, self.best, self.round_start = "search", list(proposal if taken else self.split), num_updates
             self.queue = self.neighbours(self.best, self.step)
-            if proposal != self.split and update_seconds(proposal, self.seconds_per_sample) <= \
-                    update_seconds(self.split, self.seconds_per_sample) * (1 - self.THRESHOLD):
+            if taken:
                 return self.move(proposal, num_updates, "proportional to the ranks' measured speed")
         elif self.split != self.best and best is not None and self.faster(entry, best):
             gained = f"faster than {self.best} ({entry['s']:.4f} s against {best['s']:.4f} s per update)"
@@ -328,7 +328,7 @@ class Balancer:
             onward = [b + (self.step if m > 0 else -self.step if m < 0 else 0) for b, m in zip(self.best, move)]
             if self.allowed(onward):  # the way that paid first
                 self.queue = [onward] + [c for c in self.queue if c != onward]
-            return self.next_candidate(num_updates, gained)
+            return self.next_candidate(num_updates, gained=gained)
         elif self.split == self.best and was_settled:  # the best re-measured over the interval
             if self.shift is None and self.waited < 2 ** min(self.quiet, 2) - 1:
                 # calm: the neighbours are timed every 1, 2, then 4 intervals while none was faster
@@ -340,7 +340,7 @@ class Balancer:
             self.queue = self.neighbours(self.best, self.step)
         if self.phase == "search" and self.shift is not None:
             return self.restart(num_updates)
-        return self.next_candidate(num_updates, "a neighbour of the best")
+        return self.next_candidate(num_updates)
 
     @property
     def shift(self):
@@ -368,18 +368,18 @@ class Balancer:
             return list(self.split)
         return self.move(moved, num_updates, why)
 
-    def next_candidate(self, num_updates, why):
+    def next_candidate(self, num_updates, gained=None):
         """The next untried split of this round; when none is left, a finer
-        step, or the best (settled until the next re-check)."""
+        step, or the best (settled until the next re-check). ``gained``: why
+        the best just changed, for the reason."""
         # a split measured in this round (and recently) is not tried again in it
         fresh_since = max(self.round_start, num_updates - max(self.interval, 4 * self.probe))
         while True:
             while self.queue:
                 candidate = self.queue.pop(0)
                 if candidate != self.best and self.measured(candidate, fresh_since) is None:
-                    return self.move(candidate, num_updates,
-                                     f"{why}; trying {candidate} (step {self.step})" if why != "a neighbour of the best"
-                                     else f"trying a neighbour of the best {self.best} (step {self.step})")
+                    return self.move(candidate, num_updates, (f"{gained}; " if gained else "")
+                                     + f"trying a neighbour of the best {self.best} (step {self.step})")
             if self.rechecking or self.step <= self.grain:
                 break
             self.step = max(self.grain, (self.step // 2) // self.grain * self.grain)
@@ -389,7 +389,7 @@ class Balancer:
         self.step = self.coarse_step()
         self.next_check = num_updates + self.interval  # a whole interval on the best before its next re-check
         best = self.measured(self.best)
-        why = (f"{why}; " if why.startswith("faster") else "") + \
+        why = (f"{gained}; " if gained else "") + \
             f"the best measured ({best['s']:.4f} s per update); no neighbour faster"
         if self.split == self.best:  # kept: reported, since the last line named it a candidate
             self.mark_at, self.reason = num_updates, why
