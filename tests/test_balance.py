@@ -558,7 +558,7 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
     for r in records:
         assert sum(r["batch_sizes"]) == 64 and len(r["samples_per_s"]) == 2 and r["reason"]
         assert split_name(r["was"]) in r["s_per_update"] or r["was"] == r["batch_sizes"], r  # the split left: timed
-        assert all(0 < seconds < 10 for seconds in r["s_per_update"].values())
+        assert all(seconds > 0 for seconds in r["s_per_update"].values())
     assert any(r["reason"].startswith("the ranks' speeds changed") and 15 < r["update"] <= 25 for r in records), \
         records
     split_at = {}
