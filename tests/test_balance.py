@@ -26,7 +26,7 @@ from test_bert_train import bert_data  # noqa: F401 (a fixture: tiny BERT shards
 from test_faults import build_trainer, run_trainer
 from textbox_like import balance
 from textbox_like.balance import (Balancer, MemoryGuard, even_split, micro_batch_sizes, micro_batches_by_tokens,
-                                  proportional_split, slowest_rank_line)
+                                  proportional_split, slowest_rank_line, split_name)
 from textbox_like.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,23 +126,169 @@ def test_balancer_hysteresis_schedule_and_state():
     b = Balancer(64, 2, interval=25)
     b.start(0)
     assert not b.due(9) and b.due(10)  # the first exchange within 10 updates
-    # 3% apart: not worth a re-split
-    assert b.decide([1.00, 1.03], [100, 100], 10) is None and b.split == [32, 32]
-    assert b.next_check == 25 and not b.due(24) and b.due(25)
-    # twice as slow: the split follows, in proportion to speed
-    new = b.decide([1.0, 4.0], [100, 100], 25)
-    assert new == b.split and sum(new) == 64 and new[0] > new[1]
-    assert b.next_check == 50
+    assert b.marks(1) and not b.marks(2)  # the first update warms up: timed from after it
+    # 3% apart: the proportional split is not worth a re-split; the search
+    # tries the even split's neighbours instead (step 4: an eighth of a share)
+    assert b.decide([1.00, 1.03], [100, 100], 10, [(0.9, 0.09, 9)] * 2) == [36, 28]  # to the faster rank first
+    assert b.reason == "trying a neighbour of the best [32, 32] (step 4)"
+    assert b.marks(11) and b.next_check == 20  # a probe of 10 updates, its first not timed
+    # twice as slow: the next exchange's split follows, in proportion to speed (predicted 5% shorter or more)
+    b = Balancer(64, 2, interval=25)
+    b.start(0)
+    new = b.decide([1.0, 4.0], [100, 100], 10, [(0.9, 0.09, 9)] * 2)
+    assert new == b.split == [51, 13] and b.reason == "proportional to the ranks' measured speed"
+    b.decide([1.0, 4.0], [100, 100], 20, [(0.45, 0.0225, 9)] * 2)  # measured: half the even split's time
+    assert b.best == [51, 13] and b.table() == {"32+32": 0.1, "51+13": 0.05}
     state = b.state_dict()
     same = Balancer(64, 2)
-    same.load_state_dict(state)
-    assert same.split == new and same.seconds_per_sample == [None, None]  # re-measures
+    same.load_state_dict(state)  # the search goes on where it was
+    assert same.split == b.split and same.best == b.best and same.tried == b.tried and same.queue == b.queue
     other = Balancer(64, 3)
     other.load_state_dict(state)
-    assert other.split == [22, 21, 21]  # another world size: even again
+    assert other.split == [22, 21, 21] and other.tried == []  # another world size: even again, measured afresh
+    old = Balancer(64, 2)
+    old.load_state_dict({"global_batch_size": 64, "split": [40, 24], "unit": "samples"})  # before the search
+    assert old.split == [40, 24] and old.phase == "start"
     off = Balancer(64, 2, enabled=False)
     off.start(0)
     assert not off.due(10)
+
+
+# ------------------------------------------------------------------ the search, on simulated timings
+def simulate(balancer, seconds_of, updates, noise=0.02, seed=0, speeds=None):
+    """``updates`` updates of a run under ``balancer``, called as the trainer
+    calls it, each taking ``seconds_of(split, update)`` seconds times 1 plus
+    gaussian noise of ``noise``; ``speeds(update)``: each rank's compute
+    seconds per sample (the proportional start's figures). The split of
+    every update."""
+    import random
+    rng = random.Random(seed)
+    speeds = speeds or (lambda update: [0.001] * balancer.world)
+    balancer.start(0)
+    walls = [[0.0, 0.0, 0] for _ in range(balancer.world)]
+    compute, samples, trace = [0.0] * balancer.world, [0] * balancer.world, []
+    for update in range(1, updates + 1):
+        split = list(balancer.split)
+        assert balancer.allowed(split)
+        trace.append(split)
+        took = seconds_of(split, update) * (1 + noise * rng.gauss(0, 1))
+        for r in range(balancer.world):
+            walls[r] = [walls[r][0] + took, walls[r][1] + took * took, walls[r][2] + 1]
+            compute[r] += split[r] * speeds(update)[r]
+            samples[r] += split[r]
+        if balancer.due(update):
+            balancer.decide(compute, samples, update, [tuple(w) for w in walls])
+            compute, samples = [0.0] * balancer.world, [0] * balancer.world
+        if balancer.marks(update):
+            walls = [[0.0, 0.0, 0] for _ in range(balancer.world)]
+    return trace
+
+
+def oscillations_per_interval(trace, interval) -> list:
+    """How often the run went back to the split it had left less than
+    ``interval`` updates before (A, B, A), in each window of ``interval`` updates."""
+    segments = [(0, trace[0])]
+    for update, split in enumerate(trace):
+        if split != segments[-1][1]:
+            segments.append((update, split))
+    counts = [0] * (len(trace) // interval + 1)
+    for (_, a), (left, _), (update, c) in zip(segments, segments[1:], segments[2:]):
+        if a == c and update - left < interval:
+            counts[update // interval] += 1
+    return counts
+
+
+def convex(optimum, curvature=0.0001, base=0.05):
+    return lambda split, update: base + curvature * (split[0] - optimum) ** 2
+
+
+SLOWER_RANK_1 = lambda update: [0.001, 0.0022]  # noqa: E731  (rank 1's compute: 2.2x slower, proportional ~44/20)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_search_finds_the_optimum_not_the_proportional_split(seed):
+    """Update time convex in the split with its optimum at 48/16, where the
+    compute speeds say 44/20: from the proportional start the search ends
+    within one step (--required-batch-size-multiple 4) of 48 and stays."""
+    b = Balancer(64, 2, multiple=4, interval=50)
+    trace = simulate(b, convex(48), 400, seed=seed, speeds=SLOWER_RANK_1)
+    assert trace[10] == [44, 20]  # the proportional start
+    assert abs(b.best[0] - 48) <= 4 and abs(trace[-1][0] - 48) <= 4, (b.best, b.tried)
+    # re-checks cost little (the neighbours are timed less often while none is faster), and
+    # where noise hid the last step at first, a re-check finds it
+    settled = trace[150:]
+    assert sum(convex(48)(split, 0) for split in settled) / len(settled) <= 1.02 * convex(48)([48, 16], 0)
+    assert max(oscillations_per_interval(trace, 50)) <= 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_flat_cost_keeps_the_split_where_it_is(seed):
+    """Every split equally fast, 2% noise: the noise guard keeps the best
+    within one step of the start, and the run on it."""
+    b = Balancer(64, 2, multiple=4, interval=50)
+    trace = simulate(b, lambda split, update: 0.05, 400, seed=seed)
+    assert all(abs(split[0] - 32) <= 4 for split in trace), sorted({tuple(s) for s in trace})
+    assert abs(b.best[0] - 32) <= 4
+    assert max(oscillations_per_interval(trace, 50)) <= 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_search_follows_a_neighbour_that_comes_and_goes(seed):
+    """The optimum is at 40/24 until update 300, at 52/12 while a neighbour
+    slows rank 1 (updates 300-600), then at 40/24 again: each time the best
+    is within one step of the new optimum within 3 intervals."""
+    def optimum(update):
+        return 52 if 300 <= update < 600 else 40
+
+    def speeds(update):
+        return [0.001, 0.0032] if 300 <= update < 600 else [0.001, 0.0015]
+    b = Balancer(64, 2, multiple=4, interval=50)
+    bests = {}
+    trace = simulate(b, lambda split, update: convex(optimum(update))(split, update), 900, seed=seed,
+                     speeds=speeds)
+    for update, split in enumerate(trace, 1):
+        bests[update] = split
+    for settled_by in (290, 450, 750, 900):
+        target = optimum(settled_by)
+        assert abs(trace[settled_by - 1][0] - target) <= 4 or abs(b.best[0] - target) <= 4 and settled_by == 900, \
+            (settled_by, trace[settled_by - 1])
+    assert abs(b.best[0] - 40) <= 4
+    assert max(oscillations_per_interval(trace, 50)) <= 1
+
+
+def test_memory_caps_bound_every_split_tried():
+    """Rank 0 holds at most 40: the optimum beyond it (48) is never tried,
+    the search ends at the cap."""
+    b = Balancer(64, 2, multiple=4, interval=50, caps=[40, 64])
+    trace = simulate(b, convex(48), 300, speeds=SLOWER_RANK_1)
+    assert max(split[0] for split in trace) == 40 and b.best == [40, 24]
+    assert all(split[0] <= 40 for split in [e["split"] for e in b.tried])
+
+
+def test_more_than_two_ranks_move_between_the_slowest_and_the_fastest_first():
+    b = Balancer(96, 3, interval=50)
+    b.seconds_per_sample = [0.001, 0.002, 0.004]
+    assert b.neighbours([32, 32, 32], 4)[:2] == [[36, 32, 28], [28, 32, 36]]
+    trace = simulate(b, lambda split, update: max(s * t for s, t in zip(split, [0.001, 0.002, 0.004])), 400,
+                     speeds=lambda update: [0.001, 0.002, 0.004])
+    assert trace[10] == [55, 27, 14] and abs(trace[-1][2] - 14) <= 2 and abs(trace[-1][0] - 55) <= 2
+
+
+def test_a_resumed_search_goes_on_from_its_state():
+    """A checkpoint mid-search: the resumed balancer keeps the split, the
+    best and the splits measured, re-times the current split on a fresh
+    probe, and reaches the optimum as the uninterrupted one does."""
+    first = Balancer(64, 2, multiple=4, interval=50)
+    simulate(first, convex(48), 35, speeds=SLOWER_RANK_1)
+    state = first.state_dict()
+    resumed = Balancer(64, 2, multiple=4, interval=50)
+    resumed.load_state_dict(state)
+    assert (resumed.split, resumed.best, resumed.tried, resumed.queue) == (first.split, first.best, first.tried,
+                                                                         first.queue)
+    resumed.start(35)
+    assert resumed.marks(36) and resumed.next_check == 45
+    trace = simulate(resumed, lambda split, update: convex(48)(split, update + 35), 300, speeds=SLOWER_RANK_1)
+    assert abs(resumed.best[0] - 48) <= 4 and trace[0] == first.split
 
 
 def test_slowest_rank_line_names_rank_and_bound():
@@ -373,20 +519,30 @@ def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_proc
         for key in ("compute_s_per_rank", "data_s_per_rank", "wait_s_per_rank"):
             assert len(record[key]) == 2 and min(record[key]) >= 0, record
     assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank ")
-    assert load_checkpoint(out / "checkpoint_last.pt")["balance"] == {"global_batch_size": 64, "split": [32, 32],
-                                                                     "unit": "samples"}
+    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    assert (saved["global_batch_size"], saved["split"], saved["unit"]) == (64, [32, 32], "samples")
 
 
 def slow(rank, seconds, from_update=0):
     return {**os.environ, balance.SLOW_RANK_ENV: f"{rank}:{seconds}@{from_update}"}
 
 
+def balance_line(record, split_name="batch sizes per rank", unit="samples"):
+    """The log line of a ``balance`` record: the split, why, each tried split's measured time."""
+    was = "kept" if record["batch_sizes"] == record["was"] else f"was {record['was']}"
+    measured = ", ".join(f"{split} {seconds:.4f}" for split, seconds in record["s_per_update"].items())
+    return (f"update {record['update']} | balance: {split_name} {record['batch_sizes']} ({was}): {record['reason']} "
+            f"| s per update {measured} | {unit}/s per rank {record[unit + '_per_s']}")
+
+
 @pytest.mark.timeout(500)
 def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process_64):
-    """Rank 1 becomes 2 ms/sample slower at update 15; with an interval of 5
-    the split favours rank 0 by update 25 (2 intervals). Every re-split is the
-    same on every rank (checked by the trainer at each re-split) and uneven
-    splits give the parameters of one process of 64."""
+    """Rank 1 becomes 4 ms/sample slower at update 15; with an interval of 5
+    the split favours rank 0 by update 25 (2 intervals: the search restarts
+    from the best moved as far as the proportional split moved). Every
+    re-split is the same on every rank (checked by the trainer at each
+    re-split), each line and record says why and what each split tried took,
+    and the splits tried give the parameters of one process of 64."""
     out = tmp_path / "bal"
     proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64",
                                                  "--balance", "--balance-interval", "5",
@@ -395,17 +551,16 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
                                                  "--log-format", "json")],
                env=slow(1, 0.004, 15))
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
-    # a record is a change of split: before the slow-down (update 15) the ranks are
-    # equally fast, so whether the first exchange (by update 10, see
-    # test_balancer_hysteresis_schedule_and_state) moves the split is noise
+    # a record is a change of split (or the search settling on the current one)
     assert records
     lines = [line for line in proc.stderr.splitlines() if "| balance: batch sizes per rank" in line]
-    assert len(lines) == len(records)  # one line per re-split, in the json format too
-    r = records[0]
-    assert lines[0] == (f"update {r['update']} | balance: batch sizes per rank {r['batch_sizes']} (was {r['was']}); "
-                        f"samples/s per rank {r['samples_per_s']}")
+    assert lines == [balance_line(r) for r in records]  # one line per record, in the json format too
     for r in records:
-        assert sum(r["batch_sizes"]) == 64 and len(r["samples_per_s"]) == 2
+        assert sum(r["batch_sizes"]) == 64 and len(r["samples_per_s"]) == 2 and r["reason"]
+        assert split_name(r["was"]) in r["s_per_update"] or r["was"] == r["batch_sizes"], r  # the split left: timed
+        assert all(seconds > 0 for seconds in r["s_per_update"].values())
+    assert any(r["reason"].startswith("the ranks' speeds changed") and 15 < r["update"] <= 25 for r in records), \
+        records
     split_at = {}
     for r in records:
         split_at[r["update"]] = r["batch_sizes"]
@@ -418,7 +573,27 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
     for update in (10, 20, 30, 40):
         assert_params_close(at_update(out, update), at_update(one_process_64, update))
     assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank 1")
-    assert load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"] == current
+    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    assert saved["split"] == current and len(saved["search"]["tried"]) >= 3
+
+
+@pytest.mark.timeout(500)
+def test_a_resume_continues_the_search(data, tmp_path, one_process_64):
+    """The search's state is a checkpoint part: a resume keeps the splits
+    measured before it and goes on from the saved split; the maths is that
+    of one process of 64 whatever the splits tried."""
+    out = tmp_path / "bal"
+    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64", "--balance",
+                      "--balance-interval", "5", "--distributed-world-size", "2", "--save-interval-updates", "10")
+    run([PY, "run_hetseq.py", *argv, "--max-update", "20"], env=slow(1, 0.004))
+    before = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    measured_before = [e for e in before["search"]["tried"]]
+    assert measured_before and before["search"]["phase"] != "start"
+    proc = run([PY, "run_hetseq.py", *argv, "--max-update", "40", "--resume"], env=slow(1, 0.004))
+    assert f"batch sizes per rank {before['split']}" in proc.stderr  # the saved split, not an even one
+    after = load_checkpoint(out / "checkpoint_last.pt")["balance"]["search"]
+    assert any(e["at"] <= 20 for e in after["tried"]), after["tried"]  # measured before the resume, still known
+    assert_params_close(at_update(out, 40), at_update(one_process_64, 40))
 
 
 @pytest.mark.timeout(400)
@@ -436,8 +611,7 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
     assert records, proc.stderr[-3000:]
     r = records[0]
-    assert (f"update {r['update']} | balance: batch sizes per rank {r['batch_sizes']} (was {r['was']}); "
-            f"samples/s per rank {r['samples_per_s']}") in proc.stderr.splitlines()
+    assert balance_line(r) in proc.stderr.splitlines()
     series = scalar_series(out / "tensorboard")
     for name in ("compute", "data", "wait"):
         for rank in (0, 1):
@@ -446,6 +620,8 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
             assert all(value >= 0 for _, value in series[tag])
     assert [step for step, _ in series["balance/batch_sizes/rank0"]] == [r["update"] for r in records]
     assert series["balance/batch_sizes/rank1"][0][1] == r["batch_sizes"][1]
+    for name, seconds in r["s_per_update"].items():  # each tried split's measured update time
+        assert series[f"balance/s_per_update/{name}"][0] == (r["update"], pytest.approx(seconds))
 
 
 @pytest.mark.timeout(500)
@@ -624,7 +800,7 @@ def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(ber
     assert records and records[0]["unit"] == "tokens", proc.stderr[-3000:]
     r = records[0]
     assert sum(r["batch_sizes"]) == 256 and r["batch_sizes"][0] > r["batch_sizes"][1]
-    assert f"| balance: tokens per rank {r['batch_sizes']} (was [128, 128]); tokens/s per rank " in proc.stderr
+    assert r["was"] == [128, 128] and balance_line(r, "tokens per rank", "tokens") in proc.stderr.splitlines()
     assert_close(model_state(out), model_state(tmp_path / "one"))
     saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
     assert saved["unit"] == "tokens" and sum(saved["split"]) == 256

@@ -104,67 +104,345 @@ def micro_batches_by_tokens(tokens, cap_tokens: int, cap_samples: int | None = N
     return sizes + [count] if count or not sizes else sizes
 
 
+def split_name(split) -> str:
+    """A split as a key of the measured table: ``44+20``."""
+    return "+".join(str(int(s)) for s in split)
+
+
 class Balancer:
     """The split of the global batch over the ranks, and when and how it
-    changes. A checkpoint part: a resume on the same world size starts from
-    the saved split, on another from an even one; either re-measures."""
+    changes. A checkpoint part, with its search: a resume on the same world
+    size, global batch and unit continues from the saved split and the
+    splits measured so far; on another it starts again from an even split.
 
-    #: a new split must shorten the predicted update by this fraction
+    What it optimises is the measured wall time of whole updates (every
+    rank's, from the read of its data to the end of its optimizer step), not
+    a model of it. It starts from the split proportional to the ranks'
+    measured compute speed (taken only where that model predicts an update
+    :attr:`THRESHOLD` shorter), then searches around the best split measured
+    so far: each tried split runs for a probe of :attr:`PROBE` updates (the
+    first of them not timed: new shapes warm up), moving ``step`` samples
+    between two ranks (the slowest and the fastest first), the step coarse
+    at first and halved down to one ``multiple`` when no neighbour is
+    faster. A neighbour replaces the best only when it is faster by more
+    than the noise (:meth:`faster`). Once settled it re-checks every
+    ``interval`` updates: the best re-measured over the interval, its two
+    neighbours at :meth:`recheck_step`, and, where the ranks' speeds moved
+    (a neighbour came or went), the best moved by as much as the
+    proportional split moved; a faster one restarts the search from there.
+    Every split it tries keeps each rank within ``[one multiple, its cap]``.
+
+    Every rank calls it with the same figures (one collective), so every
+    rank computes the same splits."""
+
+    #: the proportional start is taken only where it shortens the predicted update by this fraction
     THRESHOLD = 0.05
-    #: weight of the newest interval's figures against the smoothed ones
+    #: weight of the newest interval's compute figures against the smoothed ones
     NEWEST = 0.5
-    #: the first re-split comes after at most this many updates
+    #: the first exchange comes after at most this many updates
     FIRST = 10
+    #: updates per tried split (at most --balance-interval): the first warms up, the rest are timed
+    PROBE = 10
+    #: a measured gain below this fraction of the update's time is never taken (hysteresis)
+    MIN_GAIN = 0.01
+    #: ... nor one below this many standard errors of the two measurements' difference (noise guard)
+    Z = 3.0
+    #: measured splits kept (the oldest are forgotten)
+    KEEP = 32
 
     def __init__(self, global_batch_size: int, world: int, multiple: int = 1, interval: int = 50,
-                 enabled: bool = True, unit: str = "samples"):
+                 enabled: bool = True, unit: str = "samples", caps=None):
         self.total, self.world, self.multiple = int(global_batch_size), int(world), int(multiple)
         self.unit = unit  # what the split counts: samples, or tokens (--max-tokens)
         self.interval, self.enabled = int(interval), bool(enabled)
-        self.split = even_split(self.total, self.world, self.multiple)
-        self.seconds_per_sample = [None] * self.world
-        self.next_check = None
+        # each rank's largest share (None: any share, cut into micro-batches under its memory cap)
+        self.caps = [int(c) if c else self.total for c in caps] if caps else None
+        self.grain = multiple if multiple > 1 and self.total >= self.world * multiple else 1
+        self.probe = max(2, min(self.interval, self.PROBE))
+        self.next_check = self.mark_at = None
+        self.reset(even_split(self.total, self.world, self.multiple))
 
+    def reset(self, split):
+        self.split = self.feasible(split)
+        self.seconds_per_sample = [None] * self.world
+        self.phase = "start"  # start (the first exchange), search, settled
+        self.best = None  # the fastest split measured (the search's centre)
+        self.tried = []  # {"split", "s" (seconds per update), "se" (its standard error), "n", "at"}
+        self.queue = []  # the splits still to try in this round of the search
+        self.step = self.coarse_step()
+        self.rechecking = False  # a re-check round: neighbours once, no finer steps unless one is faster
+        self.anchor = None  # the proportional split when the search last started from it
+        self.round_start = 0  # the update where this search or re-check began
+        self.last_move = None  # the move that found the best (a second one the same way doubles the step)
+        self.quiet = 0  # re-checks in a row that found nothing faster
+        self.waited = 0  # intervals since the last re-check's neighbours
+        self.reason = "even"
+
+    # ---------------------------------------------------------------- steps
+    def coarse_step(self) -> int:
+        """The search's first step: a power of two times the grain, about
+        an eighth of an even share."""
+        step = self.grain
+        while step * 2 <= self.total // (8 * self.world):
+            step *= 2
+        return step
+
+    def widest_step(self) -> int:
+        return 2 * self.coarse_step()
+
+    def recheck_step(self) -> int:
+        """The step of a re-check: one grain, so that the neighbours it
+        times cost little where the best still is the best (a large move of
+        the ranks' speeds is followed by the proportional shift instead)."""
+        return self.grain
+
+    def feasible(self, split) -> list:
+        """``split`` within every rank's bounds (one grain, its cap), the
+        excess moved to the ranks with room, the rest kept; sums to the total."""
+        split = [int(s) for s in split]
+        if self.caps is None:
+            return split
+        for _ in range(self.world):
+            over = [r for r in range(self.world) if split[r] > self.caps[r]]
+            if not over:
+                break
+            for r in over:
+                excess, split[r] = split[r] - self.caps[r], self.caps[r]
+                room = sorted((r2 for r2 in range(self.world) if split[r2] < self.caps[r2]),
+                              key=lambda r2: split[r2] - self.caps[r2])
+                for r2 in room:
+                    moved = min(excess, self.caps[r2] - split[r2])
+                    split[r2], excess = split[r2] + moved, excess - moved
+                split[r] += excess  # no rank has room: the caps cannot hold the total
+        return split
+
+    def allowed(self, split) -> bool:
+        low = self.grain if self.total >= self.world * self.grain else 0
+        return sum(split) == self.total and all(
+            s >= low and (self.caps is None or s <= self.caps[r]) for r, s in enumerate(split))
+
+    def proportional(self) -> list:
+        return self.feasible(proportional_split(self.total, [1.0 / t for t in self.seconds_per_sample],
+                                                self.multiple))
+
+    def neighbours(self, centre, step) -> list:
+        """``centre`` with ``step`` moved between two ranks: between the
+        slowest and the fastest (by predicted time of their shares) first,
+        towards the fastest first, then the other pairs; splits a rank
+        cannot hold left out."""
+        t = [x or 1.0 for x in self.seconds_per_sample]
+        load = sorted(range(self.world), key=lambda r: (-centre[r] * t[r], r))  # slowest first
+        pairs = [(load[0], load[-1])] + [(a, b) for i, a in enumerate(load) for b in reversed(load[i + 1:])
+                                          if (a, b) != (load[0], load[-1])][:2 * (self.world - 2)]
+        out = []
+        for slow, fast in pairs:
+            for give, take in ((slow, fast), (fast, slow)):
+                split = list(centre)
+                split[give], split[take] = split[give] - step, split[take] + step
+                if self.allowed(split) and split not in out:
+                    out.append(split)
+        return out
+
+    # ---------------------------------------------------------------- measuring
     def start(self, num_updates: int):
-        """Measuring starts (a fresh run or a resume)."""
-        self.next_check = num_updates + min(self.FIRST, self.interval)
+        """Measuring starts (a fresh run or a resume): the first update warms
+        up, the exchange after at most FIRST updates (a resume's search
+        continues where it was, on a fresh probe)."""
+        if self.phase == "start":
+            self.next_check = num_updates + min(self.FIRST, self.interval)
+        elif self.phase == "settled":  # the re-check an interval on
+            self.next_check = num_updates + self.interval
+        else:
+            self.next_check = num_updates + self.probe
+        self.mark_at = num_updates + 1
 
     def due(self, num_updates: int) -> bool:
         return self.enabled and self.next_check is not None and num_updates >= self.next_check
 
-    def decide(self, seconds, samples, num_updates: int):
+    def marks(self, num_updates: int) -> bool:
+        """Whether the timing of the current split starts after this update
+        (the update after a new split warms up and is not timed)."""
+        return self.enabled and self.mark_at == num_updates
+
+    def measured(self, split, fresh_since=None):
+        """The latest measurement of ``split`` (taken after ``fresh_since``), or None."""
+        for entry in reversed(self.tried):
+            if entry["split"] == list(split) and (fresh_since is None or entry["at"] >= fresh_since):
+                return entry
+        return None
+
+    def record(self, walls, num_updates):
+        """The current split's measured update time: each rank's (seconds,
+        sum of squared seconds, count) of whole updates since the mark; the
+        mean over ranks, with its standard error from the spread of updates."""
+        walls = [w for w in walls if w[2] > 0]
+        if not walls:
+            return None
+        n = min(w[2] for w in walls)
+        means = [w[0] / w[2] for w in walls]
+        variances = [max(w[1] / w[2] - m * m, 0.0) for w, m in zip(walls, means)]
+        entry = {"split": list(self.split), "s": sum(means) / len(means),
+                 "se": math.sqrt(sum(variances) / len(variances) / max(n, 1)), "n": int(n), "at": int(num_updates)}
+        self.tried = [e for e in self.tried if e["split"] != entry["split"]][-(self.KEEP - 1):] + [entry]
+        return entry
+
+    def faster(self, a, b) -> bool:
+        """Measurement ``a`` beats ``b`` by more than MIN_GAIN and Z standard errors."""
+        margin = max(self.MIN_GAIN * b["s"], self.Z * math.hypot(a["se"], b["se"]))
+        return a["s"] < b["s"] - margin
+
+    def decide(self, seconds, samples, num_updates: int, walls=None):
         """Fold in each rank's compute seconds and samples since the last
-        check (the same lists on every rank); the new split, or None to keep
-        the current one."""
-        self.next_check = (num_updates // self.interval + 1) * self.interval
+        exchange and, in ``walls``, its timed whole updates on the current
+        split (the same lists on every rank); the split from now on (a new
+        one, or the current one where the search settles on it), or None:
+        nothing to report. :attr:`reason` says why."""
         for r, (s, n) in enumerate(zip(seconds, samples)):
             if n > 0 and s > 0:
                 newest = s / n
                 old = self.seconds_per_sample[r]
                 self.seconds_per_sample[r] = newest if old is None else \
                     self.NEWEST * newest + (1 - self.NEWEST) * old
-        if any(t is None for t in self.seconds_per_sample):
-            return None
-        proposal = proportional_split(self.total, [1.0 / t for t in self.seconds_per_sample], self.multiple)
-        if proposal == self.split or update_seconds(proposal, self.seconds_per_sample) > \
-                update_seconds(self.split, self.seconds_per_sample) * (1 - self.THRESHOLD):
-            return None
-        self.split = proposal
-        return proposal
+        was_settled = self.phase == "settled"
+        self.next_check = num_updates + self.probe
+        entry = self.record(walls or [], num_updates)
+        if any(t is None for t in self.seconds_per_sample) or entry is None:
+            return self.hold(num_updates)
+        best = self.measured(self.best) if self.best is not None else None
+        if self.phase == "start":  # the search starts from the proportional split, where it pays
+            proposal = self.anchor = self.proportional()
+            taken = proposal != self.split and update_seconds(proposal, self.seconds_per_sample) <= \
+                update_seconds(self.split, self.seconds_per_sample) * (1 - self.THRESHOLD)
+            self.phase, self.best, self.round_start = "search", list(proposal if taken else self.split), num_updates
+            self.queue = self.neighbours(self.best, self.step)
+            if taken:
+                return self.move(proposal, num_updates, "proportional to the ranks' measured speed")
+        elif self.split != self.best and best is not None and self.faster(entry, best):
+            gained = f"faster than {self.best} ({entry['s']:.4f} s against {best['s']:.4f} s per update)"
+            move = [a - b for a, b in zip(self.split, self.best)]
+            if self.last_move is not None and [m > 0 for m in move] == [m > 0 for m in self.last_move] and \
+                    [m < 0 for m in move] == [m < 0 for m in self.last_move]:
+                self.step = min(self.step * 2, self.widest_step())  # the same way again: larger strides
+            self.best, self.rechecking, self.last_move, self.quiet = list(self.split), False, move, 0
+            self.queue = self.neighbours(self.best, self.step)
+            onward = [b + (self.step if m > 0 else -self.step if m < 0 else 0) for b, m in zip(self.best, move)]
+            if self.allowed(onward):  # the way that paid first
+                self.queue = [onward] + [c for c in self.queue if c != onward]
+            return self.next_candidate(num_updates, gained=gained)
+        elif self.split == self.best and was_settled:  # the best re-measured over the interval
+            if self.shift is None and self.waited < 2 ** min(self.quiet, 2) - 1:
+                # calm: the neighbours are timed every 1, 2, then 4 intervals while none was faster
+                self.waited += 1
+                self.next_check = num_updates + self.interval
+                return self.hold(num_updates)
+            self.phase, self.rechecking, self.step = "search", True, self.recheck_step()
+            self.round_start, self.last_move, self.waited = num_updates, None, 0
+            self.queue = self.neighbours(self.best, self.step)
+        if self.phase == "search" and self.shift is not None:
+            return self.restart(num_updates)
+        return self.next_candidate(num_updates)
+
+    @property
+    def shift(self):
+        """How far the proportional split moved since the search last
+        started from it, where that is a coarse step or more (a neighbour
+        came or went, the ranks' speeds changed): else None."""
+        proposal = self.proportional()
+        shift = [p - a for p, a in zip(proposal, self.anchor or proposal)]
+        return shift if max(abs(d) for d in shift) >= self.coarse_step() else None
+
+    def restart(self, num_updates):
+        """The ranks' speeds changed: the times measured before are stale.
+        The search starts again from the best moved by as much as the
+        proportional split moved, at the coarse step."""
+        shift, self.anchor = self.shift, self.proportional()
+        moved = self.feasible([b + d for b, d in zip(self.best, shift)])
+        if not self.allowed(moved):
+            moved = self.anchor
+        why = f"the ranks' speeds changed (proportional split now {self.anchor}): the best {self.best} moved by as much"
+        self.best, self.last_move, self.quiet, self.waited, self.rechecking = list(moved), None, 0, 0, False
+        self.phase, self.round_start, self.step = "search", num_updates, self.coarse_step()
+        self.queue = self.neighbours(self.best, self.step)
+        if moved == self.split:
+            self.mark_at, self.reason = num_updates, why
+            return list(self.split)
+        return self.move(moved, num_updates, why)
+
+    def next_candidate(self, num_updates, gained=None):
+        """The next untried split of this round; when none is left, a finer
+        step, or the best (settled until the next re-check). ``gained``: why
+        the best just changed, for the reason."""
+        # a split measured in this round (and recently) is not tried again in it
+        fresh_since = max(self.round_start, num_updates - max(self.interval, 4 * self.probe))
+        while True:
+            while self.queue:
+                candidate = self.queue.pop(0)
+                if candidate != self.best and self.measured(candidate, fresh_since) is None:
+                    return self.move(candidate, num_updates, (f"{gained}; " if gained else "")
+                                     + f"trying a neighbour of the best {self.best} (step {self.step})")
+            if self.rechecking or self.step <= self.grain:
+                break
+            self.step = max(self.grain, (self.step // 2) // self.grain * self.grain)
+            self.queue = self.neighbours(self.best, self.step)
+        self.quiet = self.quiet + 1 if self.rechecking else 0  # a re-check that found nothing faster
+        self.phase, self.rechecking = "settled", False
+        self.step = self.coarse_step()
+        self.next_check = num_updates + self.interval  # a whole interval on the best before its next re-check
+        best = self.measured(self.best)
+        why = (f"{gained}; " if gained else "") + \
+            f"the best measured ({best['s']:.4f} s per update); no neighbour faster"
+        if self.split == self.best:  # kept: reported, since the last line named it a candidate
+            self.mark_at, self.reason = num_updates, why
+            return list(self.split)
+        return self.move(list(self.best), num_updates, why, settled=True)
+
+    def move(self, split, num_updates, why, settled=False):
+        self.split, self.reason = list(split), why
+        self.mark_at = num_updates + 1  # the first update on a new split warms up
+        if not settled:
+            self.next_check = num_updates + self.probe
+        return list(split)
+
+    def hold(self, num_updates):
+        """Nothing measured yet: keep the split, time it afresh."""
+        self.mark_at = num_updates
+        return None
+
+    def table(self) -> dict:
+        """The measured seconds per update of the best split and of the
+        splits tried in this search or re-check: ``{"44+20": 0.0528}``."""
+        return {split_name(e["split"]): round(e["s"], 5) for e in self.tried
+                if e["at"] >= self.round_start or e["split"] == self.best}
 
     def units_per_s(self) -> list:
         """Each rank's smoothed speed, in samples (or tokens) per second."""
         return [round(1.0 / t, 1) if t else None for t in self.seconds_per_sample]
 
     def state_dict(self):
-        return {"global_batch_size": self.total, "split": list(self.split), "unit": self.unit}
+        return {"global_batch_size": self.total, "split": list(self.split), "unit": self.unit,
+                "search": {"phase": self.phase, "best": self.best, "tried": [dict(e) for e in self.tried],
+                           "queue": [list(s) for s in self.queue], "step": self.step,
+                           "rechecking": self.rechecking, "anchor": self.anchor, "reason": self.reason,
+                           "round_start": self.round_start, "last_move": self.last_move,
+                           "quiet": self.quiet, "waited": self.waited,
+                           "seconds_per_sample": list(self.seconds_per_sample)}}
 
     def load_state_dict(self, state):
         split = [int(s) for s in state["split"]]
-        if len(split) == self.world and sum(split) == self.total and state.get("unit", "samples") == self.unit:
+        if len(split) == self.world and self.allowed(split) and state.get("unit", "samples") == self.unit:
+            search = state.get("search")
+            if search is None:  # a checkpoint from before the search: its split, measured afresh
+                self.reset(split)
+                return
             self.split = split
-        # else another world size, global batch or unit: the even split, re-measured
-        self.seconds_per_sample = [None] * self.world
+            self.phase, self.best, self.step = search["phase"], search["best"], int(search["step"])
+            self.tried, self.queue = [dict(e) for e in search["tried"]], [list(s) for s in search["queue"]]
+            self.rechecking, self.anchor, self.reason = search["rechecking"], search["anchor"], search["reason"]
+            self.round_start, self.last_move = int(search["round_start"]), search["last_move"]
+            self.quiet, self.waited = int(search["quiet"]), int(search["waited"])
+            self.seconds_per_sample = list(search["seconds_per_sample"])
+        else:  # another world size, global batch or unit: the even split, re-measured
+            self.reset(even_split(self.total, self.world, self.multiple))
 
 
 # ------------------------------------------------------------------ timing
@@ -184,6 +462,10 @@ class RankTimer:
         self.cuda = getattr(device, "type", str(device)) == "cuda"
         self.compute = self.wait = self.data = 0.0
         self.samples = self.updates = 0
+        # whole updates (data, compute, all-reduce, step) on the host clock:
+        # what --balance minimises; the squares give its noise
+        self.wall = self.wall_sq = 0.0
+        self.timed = 0
         self.pending = []  # CUDA: (which total, start event, end event), in stream order
         self.started = self.grads_at = None
         self.handle = torch.autograd.graph.register_multi_grad_hook(
@@ -235,6 +517,17 @@ class RankTimer:
                 return
             setattr(self, which, getattr(self, which) + start.elapsed_time(end) / 1000.0)
             self.pending.pop(0)
+
+    def update_took(self, seconds: float):
+        """One whole update took ``seconds`` (from the read of its data to
+        the end of its step)."""
+        self.wall += seconds
+        self.wall_sq += seconds * seconds
+        self.timed += 1
+
+    def host_totals(self) -> dict:
+        """The whole-update figures, host counters only (no device wait)."""
+        return {"wall": self.wall, "wall_sq": self.wall_sq, "timed": self.timed}
 
     def snapshot(self):
         return (self.compute, self.wait, self.data, self.samples, self.updates, len(self.pending))

@@ -270,8 +270,8 @@ class DistributedConfig(Section):
     bucket_cap_mb: int | None = setting(None, "DDP gradient bucket size in MiB (default: 25, DDP's own, on CUDA; 4 on CPU, where gloo sums on a CPU thread and smaller buckets start summing during the backward pass)", type=positive_int)
     find_unused_parameters: bool = setting(False, 'DDP: allow parameters without gradient', switch=True)
     distributed_timeout: int = setting(300, 'seconds to wait for a missing rank before failing', type=positive_int)
-    balance: bool = setting(False, 'with --global-batch-size: re-split it over the ranks in proportion to their measured compute speed', switch=True)
-    balance_interval: int = setting(50, 'updates between the ranks\' speed exchanges under --balance (the first after at most 10)', type=positive_int, metavar='UPDATES')
+    balance: bool = setting(False, 'with --global-batch-size: re-split it over the ranks to the split with the shortest measured update time, searched from the one proportional to their compute speed', switch=True)
+    balance_interval: int = setting(50, 'updates between re-checks of the split under --balance (the first exchange after at most 10; each split tried runs min(10, this) updates)', type=positive_int, metavar='UPDATES')
     ddp_comm_hook: str = setting('none', "compress DDP's gradient all-reduce for slow links (Accelerate's comm_hook; lossy, so opt-in): fp16, bf16 or powersgd (rank-1 PowerSGD)", choices=['none', 'fp16', 'bf16', 'powersgd'])
 
 

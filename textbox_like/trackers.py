@@ -75,7 +75,8 @@ def hyperparameters(config: dict) -> dict:
 
 def scalars(kind: str, record: dict) -> dict:
     """One log record as tracker scalars: numbers only, prefixed by the event
-    kind; a list of numbers (one per rank) as one scalar per rank, ``kind/key/rankN``."""
+    kind; a list of numbers (one per rank) as one scalar per rank, ``kind/key/rankN``; a mapping
+    of numbers as one scalar per name, ``kind/key/name``."""
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -87,4 +88,6 @@ def scalars(kind: str, record: dict) -> dict:
             out[f"{kind}/{k}"] = float(v)
         elif isinstance(v, list):
             out.update((f"{kind}/{k}/rank{r}", float(x)) for r, x in enumerate(v) if number(x))
+        elif isinstance(v, dict):  # named figures (a split's measured seconds per update: "44+20")
+            out.update((f"{kind}/{k}/{name}", float(x)) for name, x in v.items() if number(x))
     return out

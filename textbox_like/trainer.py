@@ -435,6 +435,8 @@ class Trainer:
             snapshot = False
             for micro_batches, totals in self.updates_of_this_epoch():
                 stepped, self.update_offset = self.train_step(micro_batches, totals), None  # the update is over
+                if self.timer is not None:
+                    self.timer.update_took(time.perf_counter() - self.update_began)
                 if not stepped:
                     continue  # skipped (not finite, or the loss scaler's overflow): nothing moved
                 snapshot = self.crossed_snapshot(totals["nsamples"])
@@ -783,6 +785,7 @@ class Trainer:
                 batches.close()
                 batches, plan = iter(self.iterator), self.iterator.plan_version
             started, offset = time.perf_counter(), self.iterator.offset
+            self.update_began = started  # a whole update's time runs from here (RankTimer.update_took)
             if self.world > 1:  # what an emergency save rewinds to if a peer is lost during this update
                 self.update_start = {"offset": offset, "updates": self.state.num_updates, "rng": rng_state()}
             failure = None
@@ -886,27 +889,40 @@ class Trainer:
         return crosses(before, self.state.samples_trained, self.cfg.checkpoint.snapshot_interval)
 
     def rebalance(self):
-        """--balance: every interval, the ranks' compute seconds and samples
-        in one host all-reduce, and from them the same new split on every
-        rank (checked: a rank that computed another stops the run)."""
+        """--balance: at each of the balancer's exchanges, the ranks' compute
+        seconds and samples and their timed whole updates on the current
+        split in one host all-reduce, and from them the same next split on
+        every rank (checked: a rank that computed another stops the run).
+        Timing a split starts after its first update (balance.Balancer.marks)."""
         balancer, state = self.balancer, self.state
-        if balancer is None or not balancer.due(state.num_updates):
+        if balancer is None:
             return
-        window = self.timer_window("balance")
-        figures = self.per_rank([window["compute"], window["samples"]])
-        was = list(balancer.split)
-        new = balancer.decide([f[0] for f in figures], [f[1] for f in figures], state.num_updates)
+        from .balance import since
+        new, was = None, list(balancer.split)
+        if balancer.due(state.num_updates):
+            window = self.timer_window("balance")
+            timed = since(self.timer.host_totals(), self.timer_marks.get("probe"))
+            figures = self.per_rank([window["compute"], window["samples"], timed["wall"], timed["wall_sq"],
+                                     timed["timed"]])
+            new = balancer.decide([f[0] for f in figures], [f[1] for f in figures], state.num_updates,
+                                  walls=[f[2:] for f in figures])
+        if balancer.marks(state.num_updates):
+            self.timer_marks["probe"] = self.timer.host_totals()
         if new is None:
             return
         splits = self.per_rank(new)
         if any(row != splits[0] for row in splits):
             raise RuntimeError(f"the ranks computed different splits of the global batch: {splits}")
-        self.apply_split()
-        rates, unit = balancer.units_per_s(), balancer.unit
+        if new != was:
+            self.apply_split()
+        rates, unit, table = balancer.units_per_s(), balancer.unit, balancer.table()
+        measured = ", ".join(f"{split} {seconds:.4f}" for split, seconds in table.items())
         self.log.event("balance", {"update": state.num_updates, "batch_sizes": new, "was": was,
-                                   f"{unit}_per_s": rates, "unit": unit},
-                       f"update {state.num_updates} | balance: {self.split_name} {new} (was {was}); "
-                       f"{unit}/s per rank {rates}")
+                                   "reason": balancer.reason, "s_per_update": table, f"{unit}_per_s": rates,
+                                   "unit": unit},
+                       f"update {state.num_updates} | balance: {self.split_name} {new} "
+                       f"({'kept' if new == was else f'was {was}'}): "
+                       f"{balancer.reason} | s per update {measured} | {unit}/s per rank {rates}")
 
     def every(self, interval, ahead=0) -> bool:
         """True on every ``interval``-th update (``ahead``: for the update about to happen)."""
