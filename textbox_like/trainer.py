@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from . import distributed
-from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_state
+from .checkpoint import CheckpointManager, changes_numbers, refuse_rerun, rng_state, set_rng_state
 from .compat import default_notes
 from .config import to_yaml
 from .errors import UserError
@@ -40,6 +40,7 @@ from .fileio import atomic_write_text
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .tasks import TASKS
+from .tasks.base import best_metric_direction
 from .validate import Validator
 
 #: the longest a run goes without a progress record, in seconds of rank 0's
@@ -191,8 +192,10 @@ class Trainer:
         if self.is_main and not self.cfg.checkpoint.no_save:
             try:
                 self.save_lock = SaveDirLock.acquire(self.cfg.checkpoint.save_dir)
+                refuse_rerun(self.cfg.checkpoint)
             except UserError as exc:
                 refusal = exc
+                self.release_save_dir()
         if self.world > 1 and self.sum_over_ranks([float(refusal is not None)])[0] and refusal is None:
             refusal = UserError("rank 0 could not take the save directory (see its message)")
         if refusal is not None:
@@ -334,9 +337,7 @@ class Trainer:
 
     def build_components(self):
         cfg, acc, task = self.cfg, self.accelerator, self.task
-        best_metric = cfg.validation.best_checkpoint_metric or task.default_best_metric
-        maximize = cfg.validation.maximize_best_checkpoint_metric if cfg.validation.maximize_best_checkpoint_metric is not None \
-            else task.default_maximize_best_metric
+        best_metric, maximize = best_metric_direction(cfg.validation, task)
         self.state = TrainState(best_metric, maximize)
         largest = max(self.valid_data.values(), key=len, default=None)
         size = valid_batch_size(cfg.data)
@@ -353,7 +354,8 @@ class Trainer:
         if self.balancer is not None:
             parts["balance"] = self.balancer
         self.checkpoints = CheckpointManager(
-            cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": self.world, "config": to_yaml(cfg)},
+            cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": self.world, "config": to_yaml(cfg),
+                                  "precision": {"mixed": acc.mixed_precision, "source": self.sources["precision"]}},
             parts=parts, is_main=self.is_main, lock=self.save_lock)
         self.build_timing()
         self.window = StatSums()  # the open log window's stats, this rank only
@@ -1082,7 +1084,8 @@ class Trainer:
             return
         state_dict, path = self.checkpoints.load_newest(path, self.log.info)
         if cfg.checkpoint.resume:  # the same run, continued (--restore-file may start another)
-            self.checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg))
+            self.checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg),
+                                                  defaults={"model_conf": self.task.model_conf_defaults()})
         fresh = self.checkpoints.restore(state_dict, path)
         self.previous_data_failure = state_dict.get("data_failure")
         del state_dict
@@ -1198,6 +1201,8 @@ class Trainer:
                 + f" | precision {acc.mixed_precision}" + (f" ({sources})" if sources else "")
                 + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                 + f" | {batches} | train {len(self.train_data):,} samples"
+                + ("" if cfg.validation.disable_validation else
+                   f" | best {self.state.best_metric} ({'higher' if self.state.maximize else 'lower'} is better)")
                 + (" (in memory: read inline, --num-workers not needed)"
                    if cfg.data.num_workers and not self.iterator.num_workers else "")
                 + "".join(f" | {line}" for line in default_notes(cfg)))

@@ -39,7 +39,6 @@ class BertTask(Task):
     split_files = True
     width_key = "hidden_size"
     default_best_metric = "loss"
-    default_maximize_best_metric = False
 
     @staticmethod
     def add_args(options):
