@@ -132,7 +132,8 @@ def test_no_save_writes_nothing(small_mnist_dir, tmp_path):
     assert not out.exists() or list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize("metric,maximize", [("accuracy", None), ("loss", "false"), ("loss", "true")])
+@pytest.mark.parametrize("metric,maximize", [("accuracy", None), ("loss", None), ("loss", "false"),
+                                             ("loss", "true")])
 def test_best_checkpoint_metric(small_mnist_dir, tmp_path, metric, maximize):
     extra = ["--best-checkpoint-metric", metric, "--validate-interval-updates", "1", "--max-sentences-valid", "100"]
     if maximize is not None:
@@ -141,7 +142,7 @@ def test_best_checkpoint_metric(small_mnist_dir, tmp_path, metric, maximize):
     valid = records(out, "valid")
     assert [r["update"] for r in valid] == [1, 2, 3, 4]
     values = [r[metric] for r in valid]
-    higher = maximize in (None, "true")
+    higher = maximize == "true" or maximize is None and metric == "accuracy"  # loss: lower is better
     best_value = max(values) if higher else min(values)
     best_update = valid[values.index(best_value)]["update"]  # first reaching the best
     best = load(out / "checkpoint_best.pt")

@@ -59,10 +59,10 @@ MIRRORED = {"optim_conf": ("lr", "weight_decay", "eps")}
 def describe_precision(precision: dict) -> str:
     """A checkpoint's precision record (``{"mixed": "bf16", "source": "--bf16"}``) in words."""
     mixed = precision.get("mixed")
-    words = {"no": "no mixed precision", "bf16": "bf16 mixed precision",
+    words = {"no": "float32 (no mixed precision)", "bf16": "bf16 mixed precision",
              "fp16": "fp16 mixed precision"}.get(mixed, mixed)
     source = precision.get("source")
-    return f"{words}, from {source}" if source and source != "default" else str(words)
+    return f"{words} (from {source})" if source and source != "default" else str(words)
 
 
 def changes_numbers(cfg) -> dict:
@@ -99,7 +99,9 @@ def run_held_in(directory) -> str | None:
             update = ""  # unreadable: named all the same, it is still a run's file
         more = f" and {len(found) - 1} other checkpoint(s)" if len(found) > 1 else ""
         return f"{newest.name}{update}{more}"
-    held = [name for name in ("metrics.jsonl", "results.json") if (directory / name).is_file()]
+    # metrics.jsonl is opened (created empty) with the log, before this check
+    held = [name for name in ("metrics.jsonl", "results.json")
+            if (directory / name).is_file() and (directory / name).stat().st_size]
     return " and ".join(held) or None
 
 
@@ -415,7 +417,7 @@ class CheckpointManager:
         # --mixed_precision, and the CPU's fallback), not the flags that chose it
         was, is_ = state.get("precision"), self.metadata.get("precision")
         if isinstance(was, dict) and isinstance(is_, dict) and was.get("mixed") != is_.get("mixed"):
-            raise UserError(f"--resume: {path} was trained in precision {describe_precision(was)}, this run has "
+            raise UserError(f"--resume: {path} was trained in {describe_precision(was)}, this run has "
                             f"{describe_precision(is_)}, which changes the numbers; use the same precision"
                             f"{NEW_RUN_FIX}")
 
