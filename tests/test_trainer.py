@@ -150,6 +150,15 @@ def test_best_checkpoint_metric(small_mnist_dir, tmp_path, metric, maximize):
     assert results(out)["best"][metric] == pytest.approx(best_value)
 
 
+def test_textbox_metrics_for_best_model_takes_the_direction_of_its_metric(small_mnist_dir, tmp_path, capsys):
+    out = train(small_mnist_dir, tmp_path / "o", "--metrics_for_best_model", "['loss']", "--log-format", "simple",
+                "--validate-interval-updates", "1", "--max-sentences-valid", "100", max_update=4)
+    valid = records(out, "valid")
+    values = [r["loss"] for r in valid]
+    assert load(out / "checkpoint_best.pt")["train"]["num_updates"] == valid[values.index(min(values))]["update"]
+    assert "best loss (lower is better)" in capsys.readouterr().err  # the start line says the direction used
+
+
 def test_unknown_best_checkpoint_metric_is_a_user_error(small_mnist_dir, tmp_path, capsys):
     train(small_mnist_dir, tmp_path / "o", "--best-checkpoint-metric", "accuracyy", max_update=1, rc=2)
     err = capsys.readouterr().err
