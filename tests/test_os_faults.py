@@ -514,6 +514,11 @@ def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data
         assert len(errors) == 1, errors
         assert f"checkpoint of task {saved!r}" in errors[0] and f"--task {saved}" in errors[0], errors[0]
         assert now in errors[0], errors[0]
+    # bert's --model_conf too is compared with what the model had: its config file's width is no change
+    width = json.loads((bert_data / "bert_config.json").read_text())["hidden_size"]
+    same = run_cli(bert_args(bert_data, bert_out, "--model_conf", f"hidden_size={width}", "--resume", max_update=3))
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert load_checkpoint(bert_out / "checkpoint_last.pt")["train"]["num_updates"] == 3
 
 
 # -------------------------------------------------------- out of memory
