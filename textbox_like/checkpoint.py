@@ -105,11 +105,22 @@ def run_held_in(directory) -> str | None:
     return " and ".join(held) or None
 
 
+def restores_own_checkpoint(cfg) -> bool:
+    """--restore-file names a checkpoint of the save directory itself
+    (fairseq's way to go on from an earlier point of the same run)."""
+    if not cfg.restore_file:
+        return False
+    path, directory = Path(cfg.restore_file), Path(cfg.save_dir)
+    if not path.is_absolute() and not path.exists():
+        path = directory / path
+    return path.is_file() and directory.is_dir() and path.resolve().parent == directory.resolve()
+
+
 def refuse_rerun(cfg) -> None:
     """A new run (no --resume) in a save directory that holds a run would
     overwrite its checkpoints and append to its metrics.jsonl: refused
     before anything is written (``cfg``: the checkpoint section)."""
-    if cfg.resume or cfg.no_save:
+    if cfg.resume or cfg.no_save or restores_own_checkpoint(cfg):
         return
     held = run_held_in(cfg.save_dir)
     if held:
