@@ -46,6 +46,29 @@ def test_train_and_evaluate_from_python(small_mnist_dir, tmp_path):
     assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] > 0
 
 
+def test_training_twice_into_one_save_dir_raises_and_resume_true_continues(small_mnist_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = python(f"""
+        import json, textbox_like
+        from textbox_like.errors import UserError
+        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "save_dir": {str(out)!r},
+                "threads": 1, "report_to": "none", "log_format": "none", "disable_validation": True}}
+        first = textbox_like.train(base, max_update=2)
+        try:
+            textbox_like.train(base, max_update=4)
+            refused = None
+        except UserError as exc:
+            refused = str(exc)
+        resumed = textbox_like.train(base, max_update=4, resume=True)
+        print(json.dumps({{"first": first["num_updates"], "refused": refused, "resumed": resumed["num_updates"]}}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["first"] == 2 and got["resumed"] == 4
+    assert "already holds a run (checkpoint_last.pt at update 2" in got["refused"], got
+    assert "--resume" in got["refused"]
+
+
 def test_a_bad_key_raises_the_command_lines_one_line_error():
     import textbox_like
     with pytest.raises(UserError) as err:

@@ -143,3 +143,19 @@ def test_data_one_named_file_trains_on_it(bert_data, tmp_path):
     run([*args, "--disable-validation"])
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["num_updates"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_best_checkpoint_of_nsp_accuracy_is_its_highest(bert_data, tmp_path):
+    """An accuracy is better higher, though the task's default metric (loss) is better lower."""
+    out = tmp_path / "out"
+    run(train_args(bert_data, out, "--max-sentences", "8", "--max-update", "8", "--lr", "0.005",
+                   "--warmup-updates", "2", "--validate-interval-updates", "1",
+                   "--best-checkpoint-metric", "nsp_accuracy"))
+    valid = [json.loads(x) for x in open(out / "metrics.jsonl") if '"valid"' in x]
+    values = [r["nsp_accuracy"] for r in valid]
+    assert len(set(values)) > 1, values  # else highest and lowest would be one checkpoint
+    best_update = valid[values.index(max(values))]["update"]  # the first reaching the highest
+    best = torch.load(out / "checkpoint_best.pt", map_location="cpu", weights_only=True)
+    assert best["train"]["num_updates"] == best_update, (values, best["train"]["num_updates"])
+    assert json.loads((out / "results.json").read_text())["best"]["nsp_accuracy"] == pytest.approx(max(values))

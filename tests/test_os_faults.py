@@ -469,6 +469,99 @@ def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
 
 
+def files_of(directory):
+    """Every file of a save directory and its bytes (the lock and the logs of trackers aside)."""
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(Path(directory).rglob("*"))
+            if p.is_file() and p.name != "run.lock" and "tensorboard" not in p.parts}
+
+
+def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(mnist_args(data, out, max_update=2)).returncode == 0
+    before = files_of(out)
+    assert {"checkpoint_last.pt", "metrics.jsonl", "results.json", "config.yaml"} <= {p.name for p in before}
+    again = run_cli(mnist_args(data, out, "--lr", "0.5", max_update=4))  # config.yaml would change too
+    assert again.returncode == 2, again.stderr[-3000:]
+    errors = error_lines(again.stderr)
+    assert len(errors) == 1, errors
+    assert str(out) in errors[0] and "checkpoint_last.pt at update 2" in errors[0], errors[0]
+    assert "--resume" in errors[0] and "another --save-dir" in errors[0], errors[0]
+    assert files_of(out) == before  # not a byte overwritten or appended
+    # the same command with --resume continues it
+    resumed = run_cli(mnist_args(data, out, "--resume", max_update=4))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
+
+
+def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_not(data, tmp_path):
+    metrics_only = tmp_path / "metrics_only"
+    metrics_only.mkdir()
+    (metrics_only / "metrics.jsonl").write_text('{"kind": "train", "update": 7}\n')
+    refused = run_cli(mnist_args(data, metrics_only, max_update=1))
+    assert refused.returncode == 2 and "metrics.jsonl" in error_lines(refused.stderr)[0], refused.stderr[-3000:]
+    assert (metrics_only / "metrics.jsonl").read_text() == '{"kind": "train", "update": 7}\n'
+    # a run that failed before training leaves only its config.yaml: a new run may use the directory
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "config.yaml").write_text("task: mnist\n")
+    assert run_cli(mnist_args(data, failed, max_update=1)).returncode == 0
+
+
+def test_resume_refuses_a_change_of_precision(data, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(mnist_args(data, out, max_update=2)).returncode == 0
+    before = files_of(out)
+    for flag in ("--bf16", "--fp16"):  # on CPU float16 runs as bfloat16: a change all the same
+        other = run_cli(mnist_args(data, out, flag, "--resume", max_update=4))
+        assert other.returncode == 2, other.stderr[-3000:]
+        errors = error_lines(other.stderr)
+        assert len(errors) == 1 and "float32" in errors[0] and "bf16" in errors[0], errors
+        assert flag in errors[0] and "--restore-file" in errors[0], errors[0]
+    # Accelerate's --mixed_precision (accelerate launch / accelerate config) reaches the run by the environment
+    env = {**clean_env(), "ACCELERATE_MIXED_PRECISION": "bf16"}
+    launched = subprocess.run([sys.executable, "run_hetseq.py", *mnist_args(data, out, "--resume", max_update=4)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert launched.returncode == 2, launched.stderr[-3000:]
+    assert "accelerate" in error_lines(launched.stderr)[0], launched.stderr[-3000:]
+    assert files_of(out) == before
+    # a run trained in bf16 resumes in bf16
+    bf16 = tmp_path / "bf16"
+    assert run_cli(mnist_args(data, bf16, "--bf16", max_update=2)).returncode == 0
+    assert run_cli(mnist_args(data, bf16, "--bf16", "--resume", max_update=3)).returncode == 0
+    assert load_checkpoint(bf16 / "checkpoint_last.pt")["train"]["num_updates"] == 3
+
+
+def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli(mnist_args(data, out, max_update=2)).returncode == 0
+    same = run_cli(mnist_args(data, out, "--model_conf", "hidden=128", "--resume", max_update=3))  # the default
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 3
+    other = run_cli(mnist_args(data, out, "--model_conf", "hidden=64", "--resume", max_update=4))
+    assert other.returncode == 2, other.stderr[-3000:]
+    errors = error_lines(other.stderr)
+    assert len(errors) == 1 and "hidden=128" in errors[0] and "64" in errors[0], errors
+
+
+def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data, tmp_path):  # noqa: F811
+    bert_out, mnist_out = tmp_path / "bert", tmp_path / "mnist"
+    assert run_cli(bert_args(bert_data, bert_out, max_update=2)).returncode == 0
+    assert run_cli(mnist_args(data, mnist_out, max_update=2)).returncode == 0
+    for args, saved, now in [(mnist_args(data, bert_out, "--resume", max_update=4), "bert", "mnist"),
+                             (bert_args(bert_data, mnist_out, "--resume", max_update=4), "mnist", "bert")]:
+        proc = run_cli(args, timeout=240)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = error_lines(proc.stderr)
+        assert len(errors) == 1, errors
+        assert f"checkpoint of task {saved!r}" in errors[0] and f"--task {saved}" in errors[0], errors[0]
+        assert now in errors[0], errors[0]
+    # bert's --model_conf too is compared with what the model had: its config file's width is no change
+    width = json.loads((bert_data / "bert_config.json").read_text())["hidden_size"]
+    same = run_cli(bert_args(bert_data, bert_out, "--model_conf", f"hidden_size={width}", "--resume", max_update=3))
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert load_checkpoint(bert_out / "checkpoint_last.pt")["train"]["num_updates"] == 3
+
+
 # -------------------------------------------------------- out of memory
 @pytest.fixture(scope="module")
 def data_1k(tmp_path_factory):

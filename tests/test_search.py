@@ -514,6 +514,18 @@ def test_multi_seed_resolves_once_and_draws_from_the_configured_seed(tmp_path, m
     assert [flag(c, "seed") for c in runner.started] == S.draw_seeds(3, 5)
 
 
+def test_multi_seed_refuses_an_output_holding_an_earlier_run_of_a_seed_before_any_starts(tmp_path):
+    earlier = tmp_path / "out" / "seed_7"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.jsonl").write_text('{"kind": "train", "update": 3}\n')
+    runner = FakeRunner(score=lambda cfg: 0.5)
+    search = SearchConfig.for_command("run_multi_seed.py", seeds=[3, 7], output=str(tmp_path / "out"))
+    with pytest.raises(UserError, match=r"already holds a run of seed 7 in seed_7 \(metrics.jsonl\); choose another --output"):
+        S.multi_seed.seeds_locally(search, BASE_B, runner, quiet)
+    assert runner.started == [] and not (tmp_path / "out" / "seed_3").exists()
+    assert (earlier / "metrics.jsonl").read_text() == '{"kind": "train", "update": 3}\n'
+
+
 # ---------------------------------------------------------------- Ray: trials get the resolved configuration
 def test_ray_trials_get_a_configuration_resolved_in_the_driver(tmp_path):
     import pickle

@@ -132,7 +132,8 @@ def test_no_save_writes_nothing(small_mnist_dir, tmp_path):
     assert not out.exists() or list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize("metric,maximize", [("accuracy", None), ("loss", "false"), ("loss", "true")])
+@pytest.mark.parametrize("metric,maximize", [("accuracy", None), ("loss", None), ("loss", "false"),
+                                             ("loss", "true")])
 def test_best_checkpoint_metric(small_mnist_dir, tmp_path, metric, maximize):
     extra = ["--best-checkpoint-metric", metric, "--validate-interval-updates", "1", "--max-sentences-valid", "100"]
     if maximize is not None:
@@ -141,12 +142,21 @@ def test_best_checkpoint_metric(small_mnist_dir, tmp_path, metric, maximize):
     valid = records(out, "valid")
     assert [r["update"] for r in valid] == [1, 2, 3, 4]
     values = [r[metric] for r in valid]
-    higher = maximize in (None, "true")
+    higher = maximize == "true" or maximize is None and metric == "accuracy"  # loss: lower is better
     best_value = max(values) if higher else min(values)
     best_update = valid[values.index(best_value)]["update"]  # first reaching the best
     best = load(out / "checkpoint_best.pt")
     assert best["train"]["num_updates"] == best_update, (values, best["train"])
     assert results(out)["best"][metric] == pytest.approx(best_value)
+
+
+def test_textbox_metrics_for_best_model_takes_the_direction_of_its_metric(small_mnist_dir, tmp_path, capsys):
+    out = train(small_mnist_dir, tmp_path / "o", "--metrics_for_best_model", "['loss']", "--log-format", "simple",
+                "--validate-interval-updates", "1", "--max-sentences-valid", "100", max_update=4)
+    valid = records(out, "valid")
+    values = [r["loss"] for r in valid]
+    assert load(out / "checkpoint_best.pt")["train"]["num_updates"] == valid[values.index(min(values))]["update"]
+    assert "best loss (lower is better)" in capsys.readouterr().err  # the start line says the direction used
 
 
 def test_unknown_best_checkpoint_metric_is_a_user_error(small_mnist_dir, tmp_path, capsys):

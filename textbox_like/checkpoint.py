@@ -49,8 +49,20 @@ CHANGES_NUMBERS = {
     "dropout": (), "max_pred_length": (), "freeze_encoder": (),
 }
 
+#: how a refusal of a setting without a --reset-* option ends
+NEW_RUN_FIX = ", or start a new run from its weights with --restore-file and another --save-dir"
+
 #: entries of a dict setting that mirror a setting compared on its own
 MIRRORED = {"optim_conf": ("lr", "weight_decay", "eps")}
+
+
+def describe_precision(precision: dict) -> str:
+    """A checkpoint's precision record (``{"mixed": "bf16", "source": "--bf16"}``) in words."""
+    mixed = precision.get("mixed")
+    words = {"no": "float32 (no mixed precision)", "bf16": "bf16 mixed precision",
+             "fp16": "fp16 mixed precision"}.get(mixed, mixed)
+    source = precision.get("source")
+    return f"{words} (from {source})" if source and source != "default" else str(words)
 
 
 def changes_numbers(cfg) -> dict:
@@ -60,6 +72,60 @@ def changes_numbers(cfg) -> dict:
     found.update((key, ("reset_optimizer",)) for key in vars(cfg.optimizer_options))
     found.update((key, ("reset_lr_scheduler",)) for key in vars(cfg.scheduler_options))
     return found
+
+
+def checkpoints_newest_first(directory) -> list:
+    """The checkpoints in a directory, newest first (hard links share a time:
+    checkpoint_last.pt first among equals)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.glob("checkpoint*.pt") if p.is_file()]
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "checkpoint_last.pt"), reverse=True)
+
+
+def run_held_in(directory) -> str | None:
+    """What a save directory holds of an earlier run, for a message
+    (``checkpoint_last.pt at update 142``), or None where it holds none: a
+    directory that is empty or holds only a config.yaml (a run that failed
+    before training) is not a run."""
+    directory = Path(directory)
+    found = checkpoints_newest_first(directory)
+    if found:
+        newest = found[0]
+        try:
+            update = f" at update {int(load_checkpoint(newest, verify=False)['train']['num_updates'])}"
+        except (UserError, KeyError, TypeError, ValueError):
+            update = ""  # unreadable: named all the same, it is still a run's file
+        more = f" and {len(found) - 1} other checkpoint(s)" if len(found) > 1 else ""
+        return f"{newest.name}{update}{more}"
+    # metrics.jsonl is opened (created empty) with the log, before this check
+    held = [name for name in ("metrics.jsonl", "results.json")
+            if (directory / name).is_file() and (directory / name).stat().st_size]
+    return " and ".join(held) or None
+
+
+def restores_own_checkpoint(cfg) -> bool:
+    """--restore-file names a checkpoint of the save directory itself
+    (fairseq's way to go on from an earlier point of the same run)."""
+    if not cfg.restore_file:
+        return False
+    path, directory = Path(cfg.restore_file), Path(cfg.save_dir)
+    if not path.is_absolute() and not path.exists():
+        path = directory / path
+    return path.is_file() and directory.is_dir() and path.resolve().parent == directory.resolve()
+
+
+def refuse_rerun(cfg) -> None:
+    """A new run (no --resume) in a save directory that holds a run would
+    overwrite its checkpoints and append to its metrics.jsonl: refused
+    before anything is written (``cfg``: the checkpoint section)."""
+    if cfg.resume or cfg.no_save or restores_own_checkpoint(cfg):
+        return
+    held = run_held_in(cfg.save_dir)
+    if held:
+        raise UserError(f"--save-dir {cfg.save_dir} already holds a run ({held}); continue it with --resume, "
+                        f"or start a new run in another --save-dir")
 
 
 # --------------------------------------------------------------------- RNG
@@ -239,10 +305,7 @@ class CheckpointManager:
     def candidates(self) -> list:
         """Checkpoints in the save dir, newest first (hard links share a time:
         checkpoint_last.pt first among equals)."""
-        if not self.dir.is_dir():
-            return []
-        found = [p for p in self.dir.glob("checkpoint*.pt") if p.is_file()]
-        return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "checkpoint_last.pt"), reverse=True)
+        return checkpoints_newest_first(self.dir)
 
     def _prune(self):
         cfg = self.cfg
@@ -308,16 +371,34 @@ class CheckpointManager:
             raise UserError(f"{'; '.join(skipped)}; no other checkpoint in {self.dir} verifies: start without "
                             f"--resume") from None
 
-    def check_resumed_config(self, state, path, settings: dict) -> None:
-        """--resume continues the same run: refuse a checkpoint whose
-        configuration differs in a setting that changes the numbers (``settings``:
-        see :func:`changes_numbers`), naming it, unless a --reset-* option
-        given allows the change."""
+    def check_task(self, state, path, resuming=False) -> None:
+        """A checkpoint of another task fits nothing of this run: said before
+        any setting it differs in (each would be a symptom of this)."""
+        task, saved = self.metadata.get("task"), state.get("task")
+        if saved == task:
+            return
+        if resuming:
+            raise UserError(f"--resume: {path} is a checkpoint of task {saved!r}, and this run is task {task!r}; "
+                            f"continue it with --task {saved}, or start this {task} run in another --save-dir")
+        raise UserError(f"{path} is a checkpoint of task {saved!r}, not {task!r}")
+
+    def check_resumed_config(self, state, path, settings: dict, defaults=None) -> None:
+        """--resume continues the same run: refuse a checkpoint of another task,
+        or whose configuration differs in a setting that changes the numbers
+        (``settings``: see :func:`changes_numbers`) or in the precision chosen,
+        naming it, unless a --reset-* option given allows the change.
+        ``defaults``: setting -> the values a dict setting's missing entries
+        take (``--model_conf hidden=128`` is the default, not a change)."""
         import yaml
+        self.check_task(state, path, resuming=True)
         saved, now = state.get("config"), self.metadata.get("config")
         if not isinstance(saved, str) or not isinstance(now, str):
             return  # a checkpoint of an older version: nothing to compare
         saved, now = yaml.safe_load(saved) or {}, yaml.safe_load(now) or {}
+        for key, filled in (defaults or {}).items():
+            for config in (saved, now):
+                if isinstance(config.get(key), dict):
+                    config[key] = {**filled, **config[key]}
         overrides = self.cfg.optimizer_overrides or {}
         for key, resets in settings.items():
             if key not in saved or key not in now:
@@ -336,17 +417,21 @@ class CheckpointManager:
                 continue
             if any(getattr(self.cfg, reset) for reset in resets) or key in overrides:
                 continue
-            fix = (" or pass " + " or ".join(f"--{r.replace('_', '-')}" for r in resets)) if resets else \
-                ", or start a new run from its weights with --restore-file and another --save-dir"
+            fix = (" or pass " + " or ".join(f"--{r.replace('_', '-')}" for r in resets)) if resets else NEW_RUN_FIX
             raise UserError(f"--resume: {path} was trained with {flag}{'' if flag.endswith('=') else ' '}{was!r}, "
                             f"this run has {is_!r}, which changes the numbers; use the same value{fix}")
+        # the precision chosen (--fp16, --bf16, --train_dtype or Accelerate's
+        # --mixed_precision, and the CPU's fallback), not the flags that chose it
+        was, is_ = state.get("precision"), self.metadata.get("precision")
+        if isinstance(was, dict) and isinstance(is_, dict) and was.get("mixed") != is_.get("mixed"):
+            raise UserError(f"--resume: {path} was trained in {describe_precision(was)}, this run has "
+                            f"{describe_precision(is_)}, which changes the numbers; use the same precision"
+                            f"{NEW_RUN_FIX}")
 
     def restore(self, state, path) -> list:
         """Load every part that the reset policy keeps; returns the names of
         the parts left fresh."""
-        task = self.metadata.get("task")
-        if state.get("task") != task:
-            raise UserError(f"{path} is a checkpoint of task {state.get('task')!r}, not {task!r}")
+        self.check_task(state, path)
         fresh = []
         for name, part in self.parts.items():
             flag = RESET_FLAGS.get(name)

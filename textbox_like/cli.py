@@ -199,6 +199,7 @@ def finalize(options, ns, found):
     from .lr_scheduler import resolve_scheduler_conf
     from .optim import resolve_optim_conf
     from .tasks import TASKS
+    from .tasks.base import best_metric_direction
 
     def user_gave(dest):
         return found.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
@@ -219,11 +220,7 @@ def finalize(options, ns, found):
     builtin_optimizer = options.actions["optimizer"].default
     resolve_optim_conf(ns, found.sources, found.dict_sources.get("optim_conf", {}), found.layer_values,
                        builtin_optimizer)
-    task = TASKS.get(ns.task)
-    maximize = ns.maximize_best_checkpoint_metric
-    if maximize is None:
-        maximize = task.default_maximize_best_metric if not ns.best_checkpoint_metric or \
-            ns.best_checkpoint_metric == task.default_best_metric else None
+    _, maximize = best_metric_direction(ns, TASKS.get(ns.task))  # ReduceLROnPlateau's mode follows it
     resolve_scheduler_conf(ns, options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", []), maximize)
 
 

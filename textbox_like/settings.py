@@ -195,7 +195,7 @@ class ValidationConfig(Section):
     best_checkpoint_metric: str | None = setting(None, 'metric for checkpoint_best.pt (task default if unset)', type=metric_name)
     patience: int = setting(-1, 'fairseq: stop after this many validations in a row without improvement of --best-checkpoint-metric (-1: never)', type=int)
     metrics: list | None = setting(None, "TextBox: the metrics to report, like ['accuracy']: every metric of the task is reported; a name it does not report is refused", type=metric_names)
-    maximize_best_checkpoint_metric: bool | None = setting(None, 'higher is better for --best-checkpoint-metric (task default if unset)', type=BOOL, optional_value=True)
+    maximize_best_checkpoint_metric: bool | None = setting(None, 'higher is better for --best-checkpoint-metric (default: by the metric: lower for loss, *_loss, ppl; higher for accuracy, F1, ROUGE, BLEU)', type=BOOL, optional_value=True)
 
 
 @dataclass(frozen=True)

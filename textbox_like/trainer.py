@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from . import distributed
-from .checkpoint import CheckpointManager, changes_numbers, rng_state, set_rng_state
+from .checkpoint import CheckpointManager, changes_numbers, refuse_rerun, rng_state, set_rng_state
 from .compat import default_notes
 from .config import to_yaml
 from .errors import UserError
@@ -41,6 +41,7 @@ from .fileio import atomic_write_text, remove
 from .meters import Logger, StatSums, TrainClock
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .tasks import TASKS
+from .tasks.base import best_metric_direction
 from .validate import Validator
 
 #: the longest a run goes without a progress record, in seconds of rank 0's
@@ -198,8 +199,10 @@ class Trainer:
             self.save_lock = savelock.SaveDirLock(save_dir)
             try:
                 self.save_lock.take()
+                refuse_rerun(self.cfg.checkpoint)
             except UserError as exc:
-                self.save_lock, refusal = None, exc
+                refusal = exc
+                self.release_save_dir()
         token = self.save_lock.token if self.save_lock is not None else None
         if self.world > 1:
             per_rank = distributed.gather_per_rank(self.accelerator, [refusal is not None, token])
@@ -351,9 +354,7 @@ class Trainer:
 
     def build_components(self):
         cfg, acc, task = self.cfg, self.accelerator, self.task
-        best_metric = cfg.validation.best_checkpoint_metric or task.default_best_metric
-        maximize = cfg.validation.maximize_best_checkpoint_metric if cfg.validation.maximize_best_checkpoint_metric is not None \
-            else task.default_maximize_best_metric
+        best_metric, maximize = best_metric_direction(cfg.validation, task)
         self.state = TrainState(best_metric, maximize)
         largest = max(self.valid_data.values(), key=len, default=None)
         size = valid_batch_size(cfg.data)
@@ -370,7 +371,8 @@ class Trainer:
         if self.balancer is not None:
             parts["balance"] = self.balancer
         self.checkpoints = CheckpointManager(
-            cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": self.world, "config": to_yaml(cfg)},
+            cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": self.world, "config": to_yaml(cfg),
+                                  "precision": {"mixed": acc.mixed_precision, "source": self.sources["precision"]}},
             parts=parts, is_main=self.is_main)
         self.build_timing()
         self.window = StatSums()  # the open log window's stats, this rank only
@@ -1115,7 +1117,8 @@ class Trainer:
             return
         state_dict, path = self.checkpoints.load_newest(path, self.log.info)
         if cfg.checkpoint.resume:  # the same run, continued (--restore-file may start another)
-            self.checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg))
+            self.checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg),
+                                                  defaults={"model_conf": self.task.model_conf_defaults()})
         fresh = self.checkpoints.restore(state_dict, path)
         self.previous_data_failure = state_dict.get("data_failure")
         del state_dict
@@ -1231,6 +1234,8 @@ class Trainer:
                 + f" | precision {acc.mixed_precision}" + (f" ({sources})" if sources else "")
                 + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                 + f" | {batches} | train {len(self.train_data):,} samples"
+                + ("" if cfg.validation.disable_validation else
+                   f" | best {self.state.best_metric} ({'higher' if self.state.maximize else 'lower'} is better)")
                 + (" (in memory: read inline, --num-workers not needed)"
                    if cfg.data.num_workers and not self.iterator.num_workers else "")
                 + "".join(f" | {line}" for line in default_notes(cfg)))

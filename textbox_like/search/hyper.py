@@ -25,6 +25,7 @@ def resolve_metric(ns, metric=None, maximize=None):
     """(metric, maximize) from --metric/--maximize/--minimize, the configured
     --best-checkpoint-metric, or the task's defaults."""
     from ..tasks import TASKS
+    from ..tasks.base import higher_is_better
     task = TASKS.get(ns.data.task)
     configured = ns.validation.best_checkpoint_metric or task.default_best_metric
     metric = metric or configured
@@ -34,10 +35,8 @@ def resolve_metric(ns, metric=None, maximize=None):
     if maximize is None:
         if metric == configured and ns.validation.maximize_best_checkpoint_metric is not None:
             maximize = bool(ns.validation.maximize_best_checkpoint_metric)
-        elif metric == task.default_best_metric:
-            maximize = task.default_maximize_best_metric
         else:
-            maximize = not any(s in metric for s in ("loss", "ppl", "perplexity", "error", "wer", "cer"))
+            maximize = higher_is_better(metric)
     return metric, maximize
 
 

@@ -44,11 +44,25 @@ def plan_seeds(search, base_argv, out=print):
     if ns.checkpoint.no_save:
         raise UserError("each run's results.json is needed: remove no_save from the configuration")
     if search.seeds is not None:
-        return configs, ns, list(search.seeds)
-    base = search.seed if search.seed is not None else ns.numerics.seed
-    seeds = draw_seeds(search.multi_seed, base)
-    out(f"seeds: {', '.join(map(str, seeds))} ({search.multi_seed} drawn from seed {base})")
+        seeds = list(search.seeds)
+    else:
+        base = search.seed if search.seed is not None else ns.numerics.seed
+        seeds = draw_seeds(search.multi_seed, base)
+        out(f"seeds: {', '.join(map(str, seeds))} ({search.multi_seed} drawn from seed {base})")
+    refuse_earlier_runs(search.output, seeds)
     return configs, ns, seeds
+
+
+def refuse_earlier_runs(output, seeds):
+    """Every seed starts afresh in ``output/seed_<seed>``: a directory that
+    holds an earlier run of that seed is refused before any seed starts (the
+    trainer would refuse it alone, after the others had run)."""
+    from ..checkpoint import run_held_in
+    for seed in seeds:
+        held = run_held_in(Path(output) / f"seed_{seed}")
+        if held:
+            raise UserError(f"--output {output} already holds a run of seed {seed} in seed_{seed} ({held}); "
+                            f"choose another --output, or remove the earlier runs")
 
 
 def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,

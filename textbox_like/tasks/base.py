@@ -11,6 +11,26 @@ fast), so they import torch and friends inside methods, not at module top.
 from __future__ import annotations
 
 
+#: parts of a metric's name that mean lower is better (loss, mlm_loss, ppl, error rates);
+#: any other metric (accuracy, F1, ROUGE*, BLEU, ...) is better higher
+LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "error", "wer", "cer")
+
+
+def higher_is_better(metric: str) -> bool:
+    """The direction of a metric, by its name: the one place that decides it."""
+    name = metric.lower()
+    return not any(part in name for part in LOWER_IS_BETTER)
+
+
+def best_metric_direction(validation, task) -> tuple:
+    """(the metric of checkpoint_best.pt, whether higher is better): the
+    user's --maximize-best-checkpoint-metric where given, else the metric's
+    own direction."""
+    metric = validation.best_checkpoint_metric or task.default_best_metric
+    given = validation.maximize_best_checkpoint_metric
+    return metric, (bool(given) if given is not None else higher_is_better(metric))
+
+
 class Task:
     #: registry name, set by ``register_task``
     name: str = ""
@@ -40,9 +60,8 @@ class Task:
     #: --best-checkpoint-metric before training starts)
     metric_names: tuple = ("loss",)
 
-    #: metric used by default for ``checkpoint_best.pt``
+    #: metric used by default for ``checkpoint_best.pt`` (its direction: :func:`higher_is_better`)
     default_best_metric: str = "loss"
-    default_maximize_best_metric: bool = False
 
     @staticmethod
     def add_args(parser) -> None:
@@ -78,6 +97,11 @@ class Task:
     # -- model ------------------------------------------------------------
     def build_model(self):
         raise NotImplementedError
+
+    def model_conf_defaults(self) -> dict:
+        """The values the model takes for the --model_conf keys left out, so
+        that a resume compares what the models are, not what was typed."""
+        return {}
 
     def count(self, batch) -> dict:
         """This batch's count for each name in ``denominators``, read from the

@@ -39,7 +39,6 @@ class BertTask(Task):
     split_files = True
     width_key = "hidden_size"
     default_best_metric = "loss"
-    default_maximize_best_metric = False
 
     @staticmethod
     def add_args(options):
@@ -149,23 +148,31 @@ class BertTask(Task):
     # -- model --------------------------------------------------------------
     def model_config(self):
         if getattr(self, "_config", None) is None:
-            from ..models.bert import build_bert_config, is_transformers_dir
-
-            cfg = self.cfg
-            base = None
-            init = cfg.task_options.init_checkpoint
-            if not cfg.task_options.config_file and not cfg.task_options.model_preset and is_transformers_dir(init):
-                import json
-                base = json.loads((Path(init) / "config.json").read_text())
-            config = build_bert_config(
-                config_file=cfg.task_options.config_file, preset=cfg.task_options.model_preset, vocab_file=cfg.task_options.dict,
-                dimension=cfg.task_options.dimension, num_heads=cfg.task_options.num_heads, dim_feedforward=cfg.task_options.dim_feedforward,
-                num_layers=cfg.task_options.num_layers, activation=cfg.task_options.activation_function, dropout=cfg.task_options.dropout,
-                base=base)
-            for key, value in cfg.model.model_conf.items():
+            config = self.config_without_model_conf()
+            for key, value in self.cfg.model.model_conf.items():
                 setattr(config, key, value)
             self._config = config
         return self._config
+
+    def config_without_model_conf(self):
+        """The BertConfig of the preset, config file or weights and the size options, before --model_conf."""
+        from ..models.bert import build_bert_config, is_transformers_dir
+
+        cfg = self.cfg
+        base = None
+        init = cfg.task_options.init_checkpoint
+        if not cfg.task_options.config_file and not cfg.task_options.model_preset and is_transformers_dir(init):
+            import json
+            base = json.loads((Path(init) / "config.json").read_text())
+        return build_bert_config(
+            config_file=cfg.task_options.config_file, preset=cfg.task_options.model_preset, vocab_file=cfg.task_options.dict,
+            dimension=cfg.task_options.dimension, num_heads=cfg.task_options.num_heads, dim_feedforward=cfg.task_options.dim_feedforward,
+            num_layers=cfg.task_options.num_layers, activation=cfg.task_options.activation_function, dropout=cfg.task_options.dropout,
+            base=base)
+
+    def model_conf_defaults(self):
+        config = self.config_without_model_conf()
+        return {key: getattr(config, key) for key in sorted(_BERT_CONF_KEYS) if hasattr(config, key)}
 
     def build_model(self):
         from ..models.bert import BertForPreTrainingMasked, freeze_encoder, load_init_checkpoint

@@ -11,7 +11,6 @@ MODEL_OPTIONS = {"hidden": 128, "dropout1": 0.25, "dropout2": 0.5}
 class MNISTTask(Task):
     metric_names = ("loss", "accuracy")
     default_best_metric = "accuracy"
-    default_maximize_best_metric = True
 
     @classmethod
     def resolve_config(cls, ns):
@@ -62,6 +61,9 @@ class MNISTTask(Task):
             print("note: --checkpointing (activation checkpointing) has no use for mnist's 1.2M-parameter CNN, "
                   "whose activations are small; ignored", file=sys.stderr)
         return MNISTNet(**{**MODEL_OPTIONS, **self.cfg.model.model_conf})
+
+    def model_conf_defaults(self):
+        return dict(MODEL_OPTIONS)
 
     def loss(self, model, batch):
         import torch.nn.functional as F
