@@ -270,3 +270,50 @@ def test_other_tools_users_hear_where_our_defaults_differ(small_mnist_dir, tmp_p
     assert len(espnet) == 1 and "--cudnn-deterministic false (ESPnet2: true)" in espnet[0]
     hetseq = default_notes(cli.parse(["--task", "mnist", "--fast-stat-sync", "--seed", "19940802"]))
     assert len(hetseq) == 1 and "--clip-norm 0 (HetSeq: 25)" in hetseq[0] and "--seed" not in hetseq[0]
+
+
+# ------------------------------------------------------------------ issue 29, item 9: ESPnet2's users
+def test_espnet2_optim_conf_key_of_another_optimizer_names_it(capsys):
+    """ESPnet2's documented --optim_conf rho=0.8 is adadelta's: the line says so."""
+    from textbox_like.cli import main
+    capsys.readouterr()
+    assert main(["--task", "mnist", "--optim_conf", "rho=0.8", "--print_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown key 'rho' in --optim_conf for optimizer adam" in err[0]
+    assert "'rho' is an option of adadelta: add --optim adadelta" in err[0], err
+
+
+def test_espnet2_batch_size_is_over_all_processes(tmp_path, small_mnist_dir):
+    """--batch_size 10 --ngpu 2 (two processes, on CPU here) trains 10 samples
+    per update in all, 5 per process, as ESPnet2 does."""
+    from conftest import run_cli
+    out = run_cli(["--task", "mnist", "--data", small_mnist_dir, "--batch_size", "10", "--ngpu", "2",
+                   "--max-update", "2", "--log-interval", "1", "--log-format", "none", "--save-dir", tmp_path / "run",
+                   "--disable-validation"], timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--batch_size 10 is ESPnet2's batch over all 2 processes, so --max-sentences 5 per process" in out.stderr
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["max_sentences"] == 5 and saved["distributed_world_size"] == 2
+    records = train_records(tmp_path / "run")
+    assert [round(r["samples_per_s"] / r["updates_per_s"]) for r in records] == [10, 10]
+
+
+def test_espnet2_batch_size_that_does_not_divide_becomes_the_global_batch(capsys):
+    data, err = printed(capsys, "--task", "mnist", "--batch_size", "9", "--ngpu", "2")
+    assert data["global_batch_size"] == 9 and "--global-batch-size 9, split over them" in err
+    data, _ = printed(capsys, "--task", "mnist", "--max-sentences", "9", "--ngpu", "1")
+    assert data["global_batch_size"] is None and data["max_sentences"] == 9    # one process: nothing to split
+
+
+@pytest.mark.parametrize("option", ["--encoder_conf", "--decoder_conf"])
+def test_espnet2_encoder_and_decoder_conf_say_our_models_have_no_such_parts(capsys, tmp_path, option):
+    from textbox_like.cli import main
+    capsys.readouterr()
+    assert main(["--task", "mnist", option, "hidden=3", "--print_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "have no separate encoder/decoder parts" in err[0] and "--model_conf" in err[0], err
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{option[2:]}: {{hidden: 3}}\n")
+    assert main(["--task", "mnist", "--config", str(path), "--print_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "--model_conf" in err[0], err

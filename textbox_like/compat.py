@@ -80,6 +80,21 @@ TEXTBOX_ALIASES = {
 }
 
 
+#: other tools' options for parts our models do not have: ESPnet2's --encoder_conf and --decoder_conf
+NO_SUCH_PART = {"encoder_conf": "encoder", "decoder_conf": "decoder"}
+
+
+def no_such_part(name):
+    """The line for another tool's option (``--encoder_conf`` or the config
+    key ``encoder_conf``) that names a model part we do not have, or None."""
+    key = str(name).split("=", 1)[0].lstrip("-").replace("-", "_")
+    if key not in NO_SUCH_PART:
+        return None
+    return (f"ESPnet2's --{key} configures a model's {NO_SUCH_PART[key]}, and this toolkit's models (mnist's "
+            f"network, BERT) have no separate encoder/decoder parts: give their options with --model_conf "
+            f"key=value (BERT's sizes: --model-preset, or --model_conf hidden_size=...)")
+
+
 #: kanachan's / Apex's --amp-optimization-level -> our --train_dtype
 AMP_LEVELS = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16"}
 
@@ -337,6 +352,30 @@ def _devices(ns, user_gave, sources):
             raise UserError(f"--ngpu {ns.ngpu} (processes on this node) and --distributed-world-size "
                             f"{ns.distributed_world_size} differ on a single node; give "
                             f"--distributed-init-method for several nodes, or keep one")
+        if ns.ngpu > 1:
+            _espnet2_batch(ns, user_gave, sources)
+
+
+def _espnet2_batch(ns, user_gave, sources):
+    """ESPnet2's --batch_size N with --ngpu K is the batch of one step over
+    all processes, ours (--max-sentences) is per process: N is split over
+    the world (N/K each where K divides N, else as --global-batch-size N)."""
+    if not user_gave("max_sentences") or user_gave("global_batch_size") or ns.max_sentences is None:
+        return
+    total, world = ns.max_sentences, ns.distributed_world_size
+    if world <= 1:
+        return
+    if total % world == 0:
+        _rewrite(ns, sources, "max_sentences", total // world, "ngpu")
+        note(f"--ngpu {ns.ngpu}: --batch_size {total} is ESPnet2's batch over all {world} processes, so "
+             f"--max-sentences {total // world} per process (ours is per process)")
+    elif list(ns.update_freq) == [1]:
+        _rewrite(ns, sources, "global_batch_size", total, "ngpu")
+        note(f"--ngpu {ns.ngpu}: --batch_size {total} is ESPnet2's batch over all {world} processes: "
+             f"--global-batch-size {total}, split over them")
+    else:
+        raise UserError(f"--ngpu {ns.ngpu}: --batch_size {total} is ESPnet2's batch over all {world} processes, "
+                        f"which cannot split evenly with --accum_grad; give a multiple of {world}")
 
 
 def _data_paths(ns, user_gave, rank_of, sources):
