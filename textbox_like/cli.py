@@ -267,9 +267,9 @@ def run(cfg):
     """Start the processes this configuration asks for on this node, or train
     in this one."""
     from . import distributed
-    from .compat import apply_gpu_id, launcher_note
+    from .compat import apply_gpu_id, apply_hetseq_gpus, launcher_note
     launcher_note()
-    cfg = apply_gpu_id(cfg)
+    cfg = apply_hetseq_gpus(apply_gpu_id(cfg))
     dist = cfg.distributed
     if distributed.placement_from_env(cfg) is None:
         if dist.distributed_no_spawn and dist.distributed_init_method:

@@ -10,7 +10,8 @@ ESPnet2, TextBox, torch.distributed.launch and Accelerate.
   rewritten onto ours once, while the configuration is resolved; the start
   line and ``--print_config`` still show both, and each rewritten value names
   the option it came from as its source (``cfg.source(key)``);
-  ``apply_gpu_id``: TextBox's --gpu_id, when the run starts.
+  ``apply_gpu_id``: TextBox's --gpu_id, when the run starts; ``apply_hetseq_gpus``:
+  HetSeq's every visible GPU where no world size is given, when the run starts.
 - ``default_notes``: where a user of another tool, by the spellings used,
   would get our default instead of that tool's documented one.
 - Other tools' value types (TextBox's metric lists, kanachan's --device,
@@ -203,10 +204,13 @@ FOREIGN_OPTIONS = {
 #: each tool's documented default where ours differs (hetseq/options.py;
 #: kanachan/training/bert/phase1/README.md; espnet2/tasks/abs_task.py;
 #: TextBox's textbox/properties/overall.yaml). TextBox's adamw is our adam
-#: (decoupled weight decay), so the optimizer is not listed for it.
+#: (decoupled weight decay), so the optimizer is not listed for it. A value
+#: that depends on the optimizer is a dict by optimizer name (kanachan's lr:
+#: 0.1 for sgd, 0.001 for the others; its sgd momentum 0.9).
 THEIR_DEFAULTS = {
     "HetSeq": {"lr": [0.25], "clip_norm": 25.0, "seed": 19940802, "log_interval": 1},
-    "kanachan": {"optimizer": "lamb", "clip_norm": 1.0},
+    "kanachan": {"optimizer": "lamb", "clip_norm": 1.0, "num_workers": 2, "momentum": {"sgd": 0.9},
+                 "lr": {"sgd": [0.1], "adam": [0.001], "radam": [0.001], "lamb": [0.001]}},
     "ESPnet2": {"max_epoch": 40, "clip_norm": 5.0, "cudnn_deterministic": True},
     "TextBox": {"max_epoch": 50, "max_sentences": 16, "lr": [3e-5], "clip_norm": 0.1, "seed": 2020},
 }
@@ -228,8 +232,10 @@ def default_notes(cfg):
     users would otherwise expect theirs."""
     lines = []
     for tool in tools_used(cfg):
-        differing = [(key, cfg.get(key), theirs) for key, theirs in THEIR_DEFAULTS[tool].items()
-                     if key in cfg.keys and not cfg.given(key) and cfg.get(key) != theirs]
+        defaults = {key: theirs.get(cfg.optim.optimizer) if isinstance(theirs, dict) else theirs
+                    for key, theirs in THEIR_DEFAULTS[tool].items()}
+        differing = [(key, cfg.get(key), theirs) for key, theirs in defaults.items()
+                     if theirs is not None and key in cfg.keys and not cfg.given(key) and cfg.get(key) != theirs]
         if differing:
             lines.append(f"{tool}'s defaults differ from ours here: "
                          + ", ".join(f"--{key.replace('_', '-')} {_shown(ours)} ({tool}: {_shown(theirs)})"
@@ -275,6 +281,26 @@ def apply_gpu_id(cfg):
             and placement_from_env(cfg) is None:
         return cfg.replace(foreign_source(cfg.sources, "gpu_id"), distributed_world_size=count)
     return cfg
+
+
+def apply_hetseq_gpus(cfg, device_count=None):
+    """HetSeq's commands for several GPUs on one node give no world size:
+    HetSeq (fairseq's default) then uses every visible GPU. A run with
+    HetSeq's spellings and no world size, placement or device choice of its
+    own does the same, and says so. ``device_count``: the visible CUDA GPUs
+    (None: ask torch). The configuration to run."""
+    from .distributed import placement_from_env
+    dist = cfg.distributed
+    if "HetSeq" not in tools_used(cfg) or cfg.runtime.cpu or dist.distributed_init_method \
+            or any(cfg.given(key) for key in ("distributed_world_size", "ngpu", "gpu_id", "device", "device_id")) \
+            or placement_from_env(cfg) is not None:
+        return cfg
+    count = _cuda_devices() if device_count is None else device_count
+    if count <= 1:
+        return cfg
+    note(f"no --distributed-world-size: training on all {count} visible GPUs, one process each, as HetSeq does "
+         f"(--distributed-world-size 1 for one)")
+    return cfg.replace("HetSeq's default (every visible GPU)", distributed_world_size=count)
 
 
 def apply_foreign_settings(ns, user_gave, rank_of, sources=None):
