@@ -191,6 +191,18 @@ def parse(argv=(), overrides=None, overrides_name="textbox_like.train()"):
     return resolve(argv, overrides, overrides_name=overrides_name)[0]
 
 
+def _credit_optim_conf_lr(found):
+    """An lr given as --optim_conf lr=X is the run's lr (resolve_optim_conf:
+    at the same layer --optim_conf wins): its source is where that
+    --optim_conf came from, not the layer of the --lr it replaced."""
+    rank = found.dict_sources.get("optim_conf", {}).get("lr")
+    if rank is None or rank < found.sources.get("lr", C.BUILTIN):
+        return
+    layer = found.names.get("optim_conf") if found.sources.get("optim_conf") == rank else None
+    found.sources["lr"] = rank
+    found.names["lr"] = f"{layer or C.LAYER_NAMES.get(rank, 'default')} (--optim_conf lr)"
+
+
 def finalize(options, ns, found):
     """Options of other tools that stand for ours, and the values that
     depend on several options, resolved once, so that --print_config and
@@ -219,6 +231,7 @@ def finalize(options, ns, found):
     builtin_optimizer = options.actions["optimizer"].default
     resolve_optim_conf(ns, found.sources, found.dict_sources.get("optim_conf", {}), found.layer_values,
                        builtin_optimizer)
+    _credit_optim_conf_lr(found)
     task = TASKS.get(ns.task)
     maximize = ns.maximize_best_checkpoint_metric
     if maximize is None:

@@ -164,8 +164,6 @@ class Trainer:
 
     def __init__(self, cfg):
         self.cfg = cfg  # a settings.RunConfig
-        if not cfg.checkpoint.no_save:
-            check_writable(cfg.checkpoint.save_dir)  # before minutes of data loading, not at the first save
         from .elastic import Agent
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
@@ -190,6 +188,9 @@ class Trainer:
         self.save_lock, refusal = None, None
         if self.is_main and not self.cfg.checkpoint.no_save:
             try:
+                # only the writer creates the directory (another node's would stay empty), and checks
+                # it before minutes of data loading, not at the first save
+                check_writable(self.cfg.checkpoint.save_dir)
                 self.save_lock = SaveDirLock.acquire(self.cfg.checkpoint.save_dir)
             except UserError as exc:
                 refusal = exc
@@ -1195,12 +1196,25 @@ class Trainer:
         return (f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
                 f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})"
                                           if acc.device.type == "cpu" else "")
-                + f" | precision {acc.mixed_precision}" + (f" ({sources})" if sources else "")
+                + f" | precision {self.precision_name()}" + (f" ({sources})" if sources else "")
                 + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                 + f" | {batches} | train {len(self.train_data):,} samples"
                 + (" (in memory: read inline, --num-workers not needed)"
                    if cfg.data.num_workers and not self.iterator.num_workers else "")
+                + f" | {self.saved_where()}"
                 + "".join(f" | {line}" for line in default_notes(cfg)))
+
+    def precision_name(self) -> str:
+        """Accelerate's mixed precision (fp16, bf16), or where it has none
+        ("no"), the dtype the model trains in: float32 (float64)."""
+        chosen = self.accelerator.mixed_precision
+        return self.cfg.numerics.train_dtype if chosen == "no" else chosen
+
+    def saved_where(self) -> str:
+        """Where the run is saved, for its start and done lines."""
+        if self.cfg.checkpoint.no_save:
+            return "not saved (--no-save)"
+        return f"saved in {os.path.abspath(self.cfg.checkpoint.save_dir)}"
 
     def finish(self) -> int:
         self.settle()
@@ -1249,7 +1263,7 @@ class Trainer:
                             f"(--patience) at update {state.num_updates}"}.get(reason, f"done | updates {state.num_updates}")
         figures = (" | last validation: " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
                    if state.last_valid else " | not validated")
-        return head + figures + f" | wall {state.clock.elapsed():.1f}s"
+        return head + figures + f" | wall {state.clock.elapsed():.1f}s | {self.saved_where()}"
 
     # ------------------------------------------------------------- elastic
     def global_batch(self) -> int:
