@@ -302,8 +302,10 @@ def test_espnet2_batch_size_is_over_all_processes(tmp_path, small_mnist_dir):
 def test_espnet2_batch_size_that_does_not_divide_becomes_the_global_batch(capsys):
     data, err = printed(capsys, "--task", "mnist", "--batch_size", "9", "--ngpu", "2")
     assert data["global_batch_size"] == 9 and "--global-batch-size 9, split over them" in err
-    data, _ = printed(capsys, "--task", "mnist", "--max-sentences", "9", "--ngpu", "1")
+    data, _ = printed(capsys, "--task", "mnist", "--batch_size", "9", "--ngpu", "1")
     assert data["global_batch_size"] is None and data["max_sentences"] == 9    # one process: nothing to split
+    data, _ = printed(capsys, "--task", "mnist", "--max-sentences", "10", "--ngpu", "2")
+    assert data["global_batch_size"] is None and data["max_sentences"] == 10   # ours is per process
 
 
 @pytest.mark.parametrize("option", ["--encoder_conf", "--decoder_conf"])

@@ -178,7 +178,8 @@ def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.
     options = build_options()
     ns, keys, found = C.resolve(options, list(argv), TASKS, groups_for, overrides=overrides,
                                 environment=environment_settings(environ), overrides_name=overrides_name)
-    finalize(options, ns, found)
+    # ESPnet2's spelling of the batch size means the batch over all --ngpu processes (compat.py)
+    finalize(options, ns, found, espnet2_batch="--batch_size" in {str(a).split("=", 1)[0] for a in argv})
     plugin_keys = {"task_options": options.groups.get(f"task:{ns.task}", []),
                    "optimizer_options": options.groups.get(f"optimizer:{ns.optimizer}", []),
                    "scheduler_options": options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])}
@@ -203,7 +204,7 @@ def _credit_optim_conf_lr(found):
     found.names["lr"] = f"{layer or C.LAYER_NAMES.get(rank, 'default')} (--optim_conf lr)"
 
 
-def finalize(options, ns, found):
+def finalize(options, ns, found, espnet2_batch=False):
     """Options of other tools that stand for ours, and the values that
     depend on several options, resolved once, so that --print_config and
     config.yaml show what the run uses."""
@@ -215,7 +216,8 @@ def finalize(options, ns, found):
     def user_gave(dest):
         return found.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
 
-    apply_foreign_settings(ns, user_gave, lambda dest: found.sources.get(dest, C.BUILTIN), found.names)
+    apply_foreign_settings(ns, user_gave, lambda dest: found.sources.get(dest, C.BUILTIN), found.names,
+                           espnet2_batch=espnet2_batch)
     # the model's sizes, after the rewrites (--model_path and --initial-encoder
     # name the weights whose config.json gives them) and before anything reads them
     TASKS.get(ns.task).resolve_config(ns)

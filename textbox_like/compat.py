@@ -303,14 +303,15 @@ def apply_hetseq_gpus(cfg, device_count=None):
     return cfg.replace("HetSeq's default (every visible GPU)", distributed_world_size=count)
 
 
-def apply_foreign_settings(ns, user_gave, rank_of, sources=None):
+def apply_foreign_settings(ns, user_gave, rank_of, sources=None, espnet2_batch=False):
     """Rewrite other tools' settings onto ours, on the namespace being
     resolved. ``user_gave(dest)``: the user set it (file or command line);
     ``rank_of(dest)``: the layer it came from; ``sources``: {dest: where its
-    value came from, in words}, updated for every value rewritten."""
+    value came from, in words}, updated for every value rewritten;
+    ``espnet2_batch``: the batch size was given as ESPnet2's --batch_size."""
     sources = {} if sources is None else sources
     _precision(ns, user_gave, sources)
-    _devices(ns, user_gave, sources)
+    _devices(ns, user_gave, sources, espnet2_batch)
     _data_paths(ns, user_gave, rank_of, sources)
     _save_dir(ns, user_gave, rank_of, sources)
     _model(ns, sources)
@@ -340,7 +341,7 @@ def _cuda_devices():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _devices(ns, user_gave, sources):
+def _devices(ns, user_gave, sources, espnet2_batch=False):
     if ns.device is not None:
         if ns.device == "cpu":
             _rewrite(ns, sources, "cpu", True, "device")
@@ -378,14 +379,15 @@ def _devices(ns, user_gave, sources):
             raise UserError(f"--ngpu {ns.ngpu} (processes on this node) and --distributed-world-size "
                             f"{ns.distributed_world_size} differ on a single node; give "
                             f"--distributed-init-method for several nodes, or keep one")
-        if ns.ngpu > 1:
+        if ns.ngpu > 1 and espnet2_batch:
             _espnet2_batch(ns, user_gave, sources)
 
 
 def _espnet2_batch(ns, user_gave, sources):
     """ESPnet2's --batch_size N with --ngpu K is the batch of one step over
-    all processes, ours (--max-sentences) is per process: N is split over
-    the world (N/K each where K divides N, else as --global-batch-size N)."""
+    all processes, ours (--max-sentences, --batch-size) is per process: N is
+    split over the world (N/K each where K divides N, else as
+    --global-batch-size N)."""
     if not user_gave("max_sentences") or user_gave("global_batch_size") or ns.max_sentences is None:
         return
     total, world = ns.max_sentences, ns.distributed_world_size
