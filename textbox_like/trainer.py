@@ -164,6 +164,11 @@ class Trainer:
 
     def __init__(self, cfg):
         self.cfg = cfg  # a settings.RunConfig
+        placement = distributed.placement_from_env(cfg)
+        if not cfg.checkpoint.no_save and (placement is None or placement.rank == 0):
+            # before minutes of data loading, not at the first save; only the writer
+            # creates the directory (on another node it would stay empty)
+            check_writable(cfg.checkpoint.save_dir)
         from .elastic import Agent
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
@@ -188,9 +193,6 @@ class Trainer:
         self.save_lock, refusal = None, None
         if self.is_main and not self.cfg.checkpoint.no_save:
             try:
-                # only the writer creates the directory (another node's would stay empty), and checks
-                # it before minutes of data loading, not at the first save
-                check_writable(self.cfg.checkpoint.save_dir)
                 self.save_lock = SaveDirLock.acquire(self.cfg.checkpoint.save_dir)
             except UserError as exc:
                 refusal = exc
