@@ -115,7 +115,7 @@ def test_no_launcher_settings_means_float32_default(data, tmp_path):
     proc = launch(["--config_file", config], ours(data, tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = start_lines(proc.stderr)
-    assert len(lines) == 1 and "precision no |" in lines[0], lines
+    assert len(lines) == 1 and "precision float32 |" in lines[0], lines
 
 
 # ----------------------------------------------------- gradient accumulation

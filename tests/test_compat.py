@@ -260,9 +260,10 @@ def test_other_tools_users_hear_where_our_defaults_differ(small_mnist_dir, tmp_p
     start = [line for line in err.getvalue().splitlines() if line.startswith("task mnist |")]
     assert len(start) == 1 and start[0].endswith(
         " | kanachan's defaults differ from ours here: --optimizer adam (kanachan: lamb), --clip-norm 0 "
-        "(kanachan: 1); give them to train with kanachan's"), err.getvalue()[-2000:]
+        "(kanachan: 1), --num-workers 0 (kanachan: 2); give them to train with kanachan's"), err.getvalue()[-2000:]
     # given values need no word, nor do our own spellings
-    assert default_notes(cli.parse(["--learning-rate", "0.01", "--optimizer", "lamb", "--max-gradient-norm", "1"])) == []
+    assert default_notes(cli.parse(["--learning-rate", "0.01", "--optimizer", "lamb", "--max-gradient-norm", "1",
+                                    "--num-workers", "2"])) == []
     assert default_notes(cli.parse(["--task", "mnist", "--lr", "0.01", "--max-update", "1"])) == []
     textbox = default_notes(cli.parse(["--task", "mnist", "--epochs", "2"]))
     assert len(textbox) == 1 and "--seed 1 (TextBox: 2020)" in textbox[0] and "--max-epoch" not in textbox[0]
@@ -270,3 +271,100 @@ def test_other_tools_users_hear_where_our_defaults_differ(small_mnist_dir, tmp_p
     assert len(espnet) == 1 and "--cudnn-deterministic false (ESPnet2: true)" in espnet[0]
     hetseq = default_notes(cli.parse(["--task", "mnist", "--fast-stat-sync", "--seed", "19940802"]))
     assert len(hetseq) == 1 and "--clip-norm 0 (HetSeq: 25)" in hetseq[0] and "--seed" not in hetseq[0]
+
+
+# ------------------------------------------------------------------ issue 29, item 9: ESPnet2's users
+def test_espnet2_optim_conf_key_of_another_optimizer_names_it(capsys):
+    """ESPnet2's documented --optim_conf rho=0.8 is adadelta's: the line says so."""
+    from textbox_like.cli import main
+    capsys.readouterr()
+    assert main(["--task", "mnist", "--optim_conf", "rho=0.8", "--print_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown key 'rho' in --optim_conf for optimizer adam" in err[0]
+    assert "'rho' is an option of adadelta: add --optim adadelta" in err[0], err
+
+
+def test_espnet2_batch_size_is_over_all_processes(tmp_path, small_mnist_dir):
+    """--batch_size 10 --ngpu 2 (two processes, on CPU here) trains 10 samples
+    per update in all, 5 per process, as ESPnet2 does."""
+    from conftest import run_cli
+    out = run_cli(["--task", "mnist", "--data", small_mnist_dir, "--batch_size", "10", "--ngpu", "2",
+                   "--max-update", "2", "--log-interval", "1", "--log-format", "none", "--save-dir", tmp_path / "run",
+                   "--disable-validation"], timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--batch_size 10 is ESPnet2's batch over all 2 processes, so --max-sentences 5 per process" in out.stderr
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["max_sentences"] == 5 and saved["distributed_world_size"] == 2
+    records = train_records(tmp_path / "run")
+    assert [round(r["samples_per_s"] / r["updates_per_s"]) for r in records] == [10, 10]
+
+
+def test_espnet2_batch_size_that_does_not_divide_becomes_the_global_batch(capsys):
+    data, err = printed(capsys, "--task", "mnist", "--batch_size", "9", "--ngpu", "2")
+    assert data["global_batch_size"] == 9 and "--global-batch-size 9, split over them" in err
+    data, _ = printed(capsys, "--task", "mnist", "--batch_size", "9", "--ngpu", "1")
+    assert data["global_batch_size"] is None and data["max_sentences"] == 9    # one process: nothing to split
+    data, _ = printed(capsys, "--task", "mnist", "--max-sentences", "10", "--ngpu", "2")
+    assert data["global_batch_size"] is None and data["max_sentences"] == 10   # ours is per process
+
+
+@pytest.mark.parametrize("option", ["--encoder_conf", "--decoder_conf"])
+def test_espnet2_encoder_and_decoder_conf_say_our_models_have_no_such_parts(capsys, tmp_path, option):
+    from textbox_like.cli import main
+    capsys.readouterr()
+    assert main(["--task", "mnist", option, "hidden=3", "--print_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "have no separate encoder/decoder parts" in err[0] and "--model_conf" in err[0], err
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{option[2:]}: {{hidden: 3}}\n")
+    assert main(["--task", "mnist", "--config", str(path), "--print_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "--model_conf" in err[0], err
+
+
+# ------------------------------------------------------------------ issue 29, item 10: HetSeq's and kanachan's users
+def test_kanachan_users_hear_every_default_of_theirs_left_unset():
+    """kanachan's sgd has momentum 0.9 and lr 0.1, its adam/radam/lamb lr
+    0.001, its loader 2 workers: each unset one that differs is named."""
+    from textbox_like import cli
+    from textbox_like.compat import default_notes
+    sgd = default_notes(cli.parse(["--task", "mnist", "--training-batch-size", "8", "--optimizer", "sgd"]))
+    assert len(sgd) == 1 and "--momentum 0 (kanachan: 0.9)" in sgd[0] and "--num-workers 0 (kanachan: 2)" in sgd[0]
+    assert "--lr" not in sgd[0]                     # sgd's 0.1 is kanachan's too
+    adam = default_notes(cli.parse(["--task", "bert", "--training-batch-size", "8", "--optimizer", "adam"]))
+    assert len(adam) == 1 and "--lr 0.0001 (kanachan: 0.001)" in adam[0] and "--momentum" not in adam[0]
+    mnist = default_notes(cli.parse(["--task", "mnist", "--training-batch-size", "8"]))
+    assert "--lr 0.003 (kanachan: 0.001)" in mnist[0]
+    given = default_notes(cli.parse(["--task", "mnist", "--training-batch-size", "8", "--optimizer", "sgd",
+                                     "--momentum", "0.9", "--num-workers", "2", "--max-gradient-norm", "1"]))
+    assert given == []
+
+
+HETSEQ_ONE_NODE = ["--task", "mnist", "--optimizer", "adadelta", "--max-sentences", "64", "--fast-stat-sync",
+                   "--max-epoch", "1"]
+
+
+def test_hetseq_command_without_a_world_size_uses_every_visible_gpu(capsys):
+    """HetSeq's several-GPUs-on-one-node commands give no world size: every
+    visible GPU (here 4, faked: this machine has none) gets a process."""
+    from textbox_like import cli
+    from textbox_like.compat import apply_hetseq_gpus
+    cfg = cli.parse(HETSEQ_ONE_NODE)
+    capsys.readouterr()
+    four = apply_hetseq_gpus(cfg, device_count=4)
+    assert four.distributed.distributed_world_size == 4
+    assert four.source("distributed_world_size") == "HetSeq's default (every visible GPU)"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "training on all 4 visible GPUs" in err[0] and "--distributed-world-size 1" in err[0]
+    # one GPU or none, a world size, --cpu, a launcher's placement, our own spellings: unchanged
+    assert apply_hetseq_gpus(cfg, device_count=1).distributed.distributed_world_size == 1
+    assert apply_hetseq_gpus(cfg, device_count=0).distributed.distributed_world_size == 1
+    for extra in (["--distributed-world-size", "1"], ["--cpu"], ["--device-id", "0"]):
+        assert apply_hetseq_gpus(cli.parse(HETSEQ_ONE_NODE + extra), device_count=4) \
+            .distributed.distributed_world_size == 1, extra
+    ours = cli.parse(["--task", "mnist", "--max-sentences", "64"])
+    assert apply_hetseq_gpus(ours, device_count=4).distributed.distributed_world_size == 1
+    import os
+    os.environ.update(RANK="0", WORLD_SIZE="1")   # torchrun/accelerate placed this process
+    assert apply_hetseq_gpus(cfg, device_count=4).distributed.distributed_world_size == 1
+    assert "visible GPUs" not in capsys.readouterr().err

@@ -261,3 +261,13 @@ def test_missing_rendezvous_directory_is_one_line(data, tmp_path):
                                                      "--distributed-world-size", "2", "--distributed-gpus", "1")],
                          capture_output=True, text=True, cwd=REPO, timeout=50)
     assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(200)
+def test_second_node_creates_no_save_directory(data, tmp_path):
+    """Only rank 0 writes: rank 1, another 'node' with its own --save-dir,
+    leaves no empty directory behind."""
+    codes, errs, _ = _two_nodes_differing(data, tmp_path, [], [], timeout=180)
+    assert codes == [0, 0], errs
+    assert (tmp_path / "out0" / "checkpoint_last.pt").is_file()
+    assert not (tmp_path / "out1").exists(), list((tmp_path / "out1").iterdir())

@@ -209,3 +209,59 @@ def test_init_checkpoint_that_is_no_local_path_is_one_line(exported, tmp_path):
                           "'bert-base-uncased'", "no model can be downloaded", "save_pretrained directory")
     assert_one_line_error(run([*common, "--init-checkpoint", root / "run"]),
                           "without config.json", "checkpoint_last.pt")
+
+
+@pytest.fixture(scope="module")
+def bad_weights(tmp_path_factory):
+    """Tiny shards and transformers save directories whose weights file is
+    bad: a truncated pytorch_model.bin, a pickle holding code (the
+    weights-only load refuses it), a garbage model.safetensors."""
+    from transformers import BertConfig, BertForPreTraining
+
+    root = tmp_path_factory.mktemp("bad_weights")
+    tokens = write_vocab(root / "vocab.txt")
+    write_corpus(root / "corpus.txt", n_docs=20)
+    assert prepare(["--input", str(root / "corpus.txt"), "--vocab", str(root / "vocab.txt"),
+                    "--output", str(root / "shards"), "--max-seq-length", "32", "--max-predictions-per-seq", "5",
+                    "--dupe-factor", "1", "--valid-fraction", "0.1", "--no-progress-bar"]) == 0
+    model = BertForPreTraining(BertConfig(vocab_size=len(tokens), hidden_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=64))
+    model.config.to_json_file(str(root / "config.json"))
+    torch.save(model.state_dict(), root / "good.bin")
+    whole = (root / "good.bin").read_bytes()
+
+    class RunsCode:
+        def __reduce__(self):
+            return (print, ("code ran",))
+
+    files = {"truncated": "pytorch_model.bin", "code": "pytorch_model.bin", "garbage": "model.safetensors"}
+    for name, weights in files.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_bytes((root / "config.json").read_bytes())
+    (root / "truncated" / "pytorch_model.bin").write_bytes(whole[: len(whole) // 2])
+    torch.save({"bert.pooler.dense.bias": RunsCode()}, root / "code" / "pytorch_model.bin")
+    (root / "garbage" / "model.safetensors").write_bytes(b"not safetensors at all " * 40)
+    return root, files
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flag, bad, problem", [
+    ("--init-checkpoint", "truncated", "truncated or not a torch file"),
+    ("--model_path", "code", "the safe (weights-only) load refuses"),
+    ("--initial-encoder", "garbage", "not a valid safetensors file"),
+    ("--model_path", "truncated", "truncated or not a torch file"),
+    ("--initial-encoder", "code", "the safe (weights-only) load refuses"),
+    ("--init-checkpoint", "garbage", "not a valid safetensors file"),
+])
+def test_bad_weights_file_in_a_save_directory_is_one_line(bad_weights, tmp_path, flag, bad, problem):
+    """Each spelling of the initial weights, each kind of bad weights file:
+    one line naming the file and its problem, exit 2; torch's advice to load
+    with weights_only=False is never passed on, and the code never runs."""
+    root, files = bad_weights
+    out = run(["run_hetseq.py", "--task", "bert", "--data", root / "shards", "--dict", root / "vocab.txt",
+               "--max-sentences", "4", "--max-update", "1", "--save-dir", tmp_path / "out", "--log-format", "none",
+               flag, root / bad])
+    assert_one_line_error(out, str(root / bad / files[bad]), problem)
+    assert "weights_only=False" not in out.stderr and "weights_only` set to `False" not in out.stderr
+    assert "code ran" not in out.stdout + out.stderr
+    assert not (tmp_path / "out" / "checkpoint_last.pt").exists()

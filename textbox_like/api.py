@@ -70,9 +70,11 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False) -> 
 
     from .checkpoint import load_checkpoint
     from .cli import parse
+    from .errors import notes_muted
     state = load_checkpoint(checkpoint)
     saved = yaml.safe_load(state["config"])
-    cfg = parse(overrides={**saved, **({"data": data} if data else {})})
+    with notes_muted():  # the training run's notes, said to it already
+        cfg = parse(overrides={**saved, **({"data": data} if data else {})})
     init = vars(cfg.task_options).get("init_checkpoint")
     if init and not (Path(init) / "config.json").is_file():
         # the checkpoint's own weights replace it anyway; a save_pretrained

@@ -196,6 +196,26 @@ def atomic_save(state: dict, path, make_parents=True) -> None:
     atomic_write(path, lambda handle: torch.save(state, handle), make_parents=make_parents)
 
 
+def unreadable_weights_reason(exc) -> str:
+    """Why torch.load(weights_only=True) or safetensors refused a file, in a
+    few words for an error line. torch's own message on a pickle that the
+    safe load refuses advises loading it with ``weights_only=False``, which
+    would run the code it holds: that advice is never passed on."""
+    text = str(exc).strip()
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if refused or "Weights only load failed" in text:
+        what = f" ({refused.group(1)})" if refused else ""
+        return (f"it holds a Python object{what} besides tensors, which the safe (weights-only) load refuses "
+                f"because loading it could run code; it was not loaded: re-save the weights as tensors only "
+                f"(save_pretrained writes model.safetensors)")
+    if type(exc).__name__ == "SafetensorError":
+        return f"not a valid safetensors file ({text.splitlines()[0] if text else 'unreadable header'})"
+    if isinstance(exc, OSError) and exc.errno == 22 or "PytorchStreamReader" in text or "zip archive" in text:
+        return "truncated or not a torch file (its zip archive cannot be read)"
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first[:160]
+
+
 def load_checkpoint(path, verify=True) -> dict:
     """Load one of our checkpoints (memory-mapped: ranks do not each hold a
     full host copy) and check its digest; one clear error for anything else."""
@@ -209,8 +229,7 @@ def load_checkpoint(path, verify=True) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # truncated, foreign pickle, not a zip file ...
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"checkpoint {path} cannot be read ({reason[:160]}); "
+        raise UserError(f"checkpoint {path} cannot be read ({unreadable_weights_reason(exc)}); "
                         f"it is truncated or not a textbox_like checkpoint") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{path} is not a textbox_like checkpoint (no '{FORMAT}' marker)")

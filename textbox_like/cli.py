@@ -178,7 +178,8 @@ def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.
     options = build_options()
     ns, keys, found = C.resolve(options, list(argv), TASKS, groups_for, overrides=overrides,
                                 environment=environment_settings(environ), overrides_name=overrides_name)
-    finalize(options, ns, found)
+    # ESPnet2's spelling of the batch size means the batch over all --ngpu processes (compat.py)
+    finalize(options, ns, found, espnet2_batch="--batch_size" in {str(a).split("=", 1)[0] for a in argv})
     plugin_keys = {"task_options": options.groups.get(f"task:{ns.task}", []),
                    "optimizer_options": options.groups.get(f"optimizer:{ns.optimizer}", []),
                    "scheduler_options": options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", [])}
@@ -191,7 +192,19 @@ def parse(argv=(), overrides=None, overrides_name="textbox_like.train()"):
     return resolve(argv, overrides, overrides_name=overrides_name)[0]
 
 
-def finalize(options, ns, found):
+def _credit_optim_conf_lr(found):
+    """An lr given as --optim_conf lr=X is the run's lr (resolve_optim_conf:
+    at the same layer --optim_conf wins): its source is where that
+    --optim_conf came from, not the layer of the --lr it replaced."""
+    rank = found.dict_sources.get("optim_conf", {}).get("lr")
+    if rank is None or rank < found.sources.get("lr", C.BUILTIN):
+        return
+    layer = found.names.get("optim_conf") if found.sources.get("optim_conf") == rank else None
+    found.sources["lr"] = rank
+    found.names["lr"] = f"{layer or C.LAYER_NAMES.get(rank, 'default')} (--optim_conf lr)"
+
+
+def finalize(options, ns, found, espnet2_batch=False):
     """Options of other tools that stand for ours, and the values that
     depend on several options, resolved once, so that --print_config and
     config.yaml show what the run uses."""
@@ -204,7 +217,8 @@ def finalize(options, ns, found):
     def user_gave(dest):
         return found.sources.get(dest, C.BUILTIN) >= C.CONFIG_FILE
 
-    apply_foreign_settings(ns, user_gave, lambda dest: found.sources.get(dest, C.BUILTIN), found.names)
+    apply_foreign_settings(ns, user_gave, lambda dest: found.sources.get(dest, C.BUILTIN), found.names,
+                           espnet2_batch=espnet2_batch)
     # the model's sizes, after the rewrites (--model_path and --initial-encoder
     # name the weights whose config.json gives them) and before anything reads them
     TASKS.get(ns.task).resolve_config(ns)
@@ -220,6 +234,7 @@ def finalize(options, ns, found):
     builtin_optimizer = options.actions["optimizer"].default
     resolve_optim_conf(ns, found.sources, found.dict_sources.get("optim_conf", {}), found.layer_values,
                        builtin_optimizer)
+    _credit_optim_conf_lr(found)
     _, maximize = best_metric_direction(ns, TASKS.get(ns.task))  # ReduceLROnPlateau's mode follows it
     resolve_scheduler_conf(ns, options.groups.get(f"lr_scheduler:{ns.lr_scheduler}", []), maximize)
 
@@ -270,9 +285,9 @@ def run(cfg):
     """Start the processes this configuration asks for on this node, or train
     in this one."""
     from . import distributed
-    from .compat import apply_gpu_id, launcher_note
+    from .compat import apply_gpu_id, apply_hetseq_gpus, launcher_note
     launcher_note()
-    cfg = apply_gpu_id(cfg)
+    cfg = apply_hetseq_gpus(apply_gpu_id(cfg))
     dist = cfg.distributed
     if distributed.placement_from_env(cfg) is None:
         if dist.distributed_no_spawn and dist.distributed_init_method:

@@ -10,7 +10,8 @@ ESPnet2, TextBox, torch.distributed.launch and Accelerate.
   rewritten onto ours once, while the configuration is resolved; the start
   line and ``--print_config`` still show both, and each rewritten value names
   the option it came from as its source (``cfg.source(key)``);
-  ``apply_gpu_id``: TextBox's --gpu_id, when the run starts.
+  ``apply_gpu_id``: TextBox's --gpu_id, when the run starts; ``apply_hetseq_gpus``:
+  HetSeq's every visible GPU where no world size is given, when the run starts.
 - ``default_notes``: where a user of another tool, by the spellings used,
   would get our default instead of that tool's documented one.
 - Other tools' value types (TextBox's metric lists, kanachan's --device,
@@ -78,6 +79,21 @@ TEXTBOX_ALIASES = {
     "weight_decay": "weight_decay",
     "embedding_size": "model_conf.hidden_size",     # the model width (tasks with a width_key: BERT)
 }
+
+
+#: other tools' options for parts our models do not have: ESPnet2's --encoder_conf and --decoder_conf
+NO_SUCH_PART = {"encoder_conf": "encoder", "decoder_conf": "decoder"}
+
+
+def no_such_part(name):
+    """The line for another tool's option (``--encoder_conf`` or the config
+    key ``encoder_conf``) that names a model part we do not have, or None."""
+    key = str(name).split("=", 1)[0].lstrip("-").replace("-", "_")
+    if key not in NO_SUCH_PART:
+        return None
+    return (f"ESPnet2's --{key} configures a model's {NO_SUCH_PART[key]}, and this toolkit's models (mnist's "
+            f"network, BERT) have no separate encoder/decoder parts: give their options with --model_conf "
+            f"key=value (BERT's sizes: --model-preset, or --model_conf hidden_size=...)")
 
 
 #: kanachan's / Apex's --amp-optimization-level -> our --train_dtype
@@ -188,10 +204,13 @@ FOREIGN_OPTIONS = {
 #: each tool's documented default where ours differs (hetseq/options.py;
 #: kanachan/training/bert/phase1/README.md; espnet2/tasks/abs_task.py;
 #: TextBox's textbox/properties/overall.yaml). TextBox's adamw is our adam
-#: (decoupled weight decay), so the optimizer is not listed for it.
+#: (decoupled weight decay), so the optimizer is not listed for it. A value
+#: that depends on the optimizer is a dict by optimizer name (kanachan's lr:
+#: 0.1 for sgd, 0.001 for the others; its sgd momentum 0.9).
 THEIR_DEFAULTS = {
     "HetSeq": {"lr": [0.25], "clip_norm": 25.0, "seed": 19940802, "log_interval": 1},
-    "kanachan": {"optimizer": "lamb", "clip_norm": 1.0},
+    "kanachan": {"optimizer": "lamb", "clip_norm": 1.0, "num_workers": 2, "momentum": {"sgd": 0.9},
+                 "lr": {"sgd": [0.1], "adam": [0.001], "radam": [0.001], "lamb": [0.001]}},
     "ESPnet2": {"max_epoch": 40, "clip_norm": 5.0, "cudnn_deterministic": True},
     "TextBox": {"max_epoch": 50, "max_sentences": 16, "lr": [3e-5], "clip_norm": 0.1, "seed": 2020},
 }
@@ -213,8 +232,10 @@ def default_notes(cfg):
     users would otherwise expect theirs."""
     lines = []
     for tool in tools_used(cfg):
-        differing = [(key, cfg.get(key), theirs) for key, theirs in THEIR_DEFAULTS[tool].items()
-                     if key in cfg.keys and not cfg.given(key) and cfg.get(key) != theirs]
+        defaults = {key: theirs.get(cfg.optim.optimizer) if isinstance(theirs, dict) else theirs
+                    for key, theirs in THEIR_DEFAULTS[tool].items()}
+        differing = [(key, cfg.get(key), theirs) for key, theirs in defaults.items()
+                     if theirs is not None and key in cfg.keys and not cfg.given(key) and cfg.get(key) != theirs]
         if differing:
             lines.append(f"{tool}'s defaults differ from ours here: "
                          + ", ".join(f"--{key.replace('_', '-')} {_shown(ours)} ({tool}: {_shown(theirs)})"
@@ -262,14 +283,35 @@ def apply_gpu_id(cfg):
     return cfg
 
 
-def apply_foreign_settings(ns, user_gave, rank_of, sources=None):
+def apply_hetseq_gpus(cfg, device_count=None):
+    """HetSeq's commands for several GPUs on one node give no world size:
+    HetSeq (fairseq's default) then uses every visible GPU. A run with
+    HetSeq's spellings and no world size, placement or device choice of its
+    own does the same, and says so. ``device_count``: the visible CUDA GPUs
+    (None: ask torch). The configuration to run."""
+    from .distributed import placement_from_env
+    dist = cfg.distributed
+    if "HetSeq" not in tools_used(cfg) or cfg.runtime.cpu or dist.distributed_init_method \
+            or any(cfg.given(key) for key in ("distributed_world_size", "ngpu", "gpu_id", "device", "device_id")) \
+            or placement_from_env(cfg) is not None:
+        return cfg
+    count = _cuda_devices() if device_count is None else device_count
+    if count <= 1:
+        return cfg
+    note(f"no --distributed-world-size: training on all {count} visible GPUs, one process each, as HetSeq does "
+         f"(--distributed-world-size 1 for one)")
+    return cfg.replace("HetSeq's default (every visible GPU)", distributed_world_size=count)
+
+
+def apply_foreign_settings(ns, user_gave, rank_of, sources=None, espnet2_batch=False):
     """Rewrite other tools' settings onto ours, on the namespace being
     resolved. ``user_gave(dest)``: the user set it (file or command line);
     ``rank_of(dest)``: the layer it came from; ``sources``: {dest: where its
-    value came from, in words}, updated for every value rewritten."""
+    value came from, in words}, updated for every value rewritten;
+    ``espnet2_batch``: the batch size was given as ESPnet2's --batch_size."""
     sources = {} if sources is None else sources
     _precision(ns, user_gave, sources)
-    _devices(ns, user_gave, sources)
+    _devices(ns, user_gave, sources, espnet2_batch)
     _data_paths(ns, user_gave, rank_of, sources)
     _save_dir(ns, user_gave, rank_of, sources)
     _model(ns, sources)
@@ -299,7 +341,7 @@ def _cuda_devices():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _devices(ns, user_gave, sources):
+def _devices(ns, user_gave, sources, espnet2_batch=False):
     if ns.device is not None:
         if ns.device == "cpu":
             _rewrite(ns, sources, "cpu", True, "device")
@@ -337,6 +379,31 @@ def _devices(ns, user_gave, sources):
             raise UserError(f"--ngpu {ns.ngpu} (processes on this node) and --distributed-world-size "
                             f"{ns.distributed_world_size} differ on a single node; give "
                             f"--distributed-init-method for several nodes, or keep one")
+        if ns.ngpu > 1 and espnet2_batch:
+            _espnet2_batch(ns, user_gave, sources)
+
+
+def _espnet2_batch(ns, user_gave, sources):
+    """ESPnet2's --batch_size N with --ngpu K is the batch of one step over
+    all processes, ours (--max-sentences, --batch-size) is per process: N is
+    split over the world (N/K each where K divides N, else as
+    --global-batch-size N)."""
+    if not user_gave("max_sentences") or user_gave("global_batch_size") or ns.max_sentences is None:
+        return
+    total, world = ns.max_sentences, ns.distributed_world_size
+    if world <= 1:
+        return
+    if total % world == 0:
+        _rewrite(ns, sources, "max_sentences", total // world, "ngpu")
+        note(f"--ngpu {ns.ngpu}: --batch_size {total} is ESPnet2's batch over all {world} processes, so "
+             f"--max-sentences {total // world} per process (ours is per process)")
+    elif list(ns.update_freq) == [1]:
+        _rewrite(ns, sources, "global_batch_size", total, "ngpu")
+        note(f"--ngpu {ns.ngpu}: --batch_size {total} is ESPnet2's batch over all {world} processes: "
+             f"--global-batch-size {total}, split over them")
+    else:
+        raise UserError(f"--ngpu {ns.ngpu}: --batch_size {total} is ESPnet2's batch over all {world} processes, "
+                        f"which cannot split evenly with --accum_grad; give a multiple of {world}")
 
 
 def _data_paths(ns, user_gave, rank_of, sources):

@@ -333,6 +333,9 @@ def _check_keys(layer, options, source):
     for key, value in layer.items():
         dest = options.aliases.get(key, key)
         if dest not in options.actions:
+            from .compat import no_such_part
+            if no_such_part(key):
+                raise UserError(f"{key!r} in {source}: {no_such_part(key)}")
             raise UserError(f"unknown key {key!r} in {source}"
                             f"{closest(key, list(options.actions) + list(options.aliases))}; "
                             f"run with --help for the valid options")
@@ -392,6 +395,9 @@ def raise_user_errors(parser):
         if message.startswith("unrecognized arguments"):
             bad = message.split(":", 1)[1].split()[0]
             flag = bad.split("=")[0]
+            from .compat import no_such_part
+            if no_such_part(flag):
+                raise UserError(no_such_part(flag))
             known = [s for a in parser_actions(parser) for s in a.option_strings]
             raise UserError(f"unknown option {flag}{closest(flag, known)}; run with --help for the valid options")
         raise UserError(message)

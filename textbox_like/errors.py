@@ -83,9 +83,26 @@ def unknown(kind, word, choices):
     return UserError(f"unknown {kind} {word!r}{closest(word, choices)}; choose from: {', '.join(map(str, choices))}")
 
 
+#: notes are muted while a saved configuration is re-resolved (evaluation of a
+#: checkpoint): they were said to the run that wrote it
+_muted = []
+
+
+class notes_muted:
+    """``with notes_muted(): ...``: no note lines inside."""
+
+    def __enter__(self):
+        _muted.append(True)
+
+    def __exit__(self, *exc):
+        _muted.pop()
+
+
 def note(message):
     """One line on stderr, from the first process only."""
     import os
     import sys
+    if _muted:
+        return
     if os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"note: {message}", file=sys.stderr, flush=True)

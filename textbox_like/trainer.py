@@ -166,8 +166,11 @@ class Trainer:
 
     def __init__(self, cfg):
         self.cfg = cfg  # a settings.RunConfig
-        if not cfg.checkpoint.no_save:
-            check_writable(cfg.checkpoint.save_dir)  # before minutes of data loading, not at the first save
+        placement = distributed.placement_from_env(cfg)
+        if not cfg.checkpoint.no_save and (placement is None or placement.rank == 0):
+            # before minutes of data loading, not at the first save; only the writer
+            # creates the directory (on another node it would stay empty)
+            check_writable(cfg.checkpoint.save_dir)
         from .elastic import Agent
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
@@ -1231,14 +1234,27 @@ class Trainer:
         return (f"task {cfg.data.task} | {self.n_params:,} parameters | world size {self.world} | "
                 f"device {acc.device}" + (f" ({self.threads} thread{'s' if self.threads > 1 else ''})"
                                           if acc.device.type == "cpu" else "")
-                + f" | precision {acc.mixed_precision}" + (f" ({sources})" if sources else "")
+                + f" | precision {self.precision_name()}" + (f" ({sources})" if sources else "")
                 + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
                 + f" | {batches} | train {len(self.train_data):,} samples"
                 + ("" if cfg.validation.disable_validation else
                    f" | best {self.state.best_metric} ({'higher' if self.state.maximize else 'lower'} is better)")
                 + (" (in memory: read inline, --num-workers not needed)"
                    if cfg.data.num_workers and not self.iterator.num_workers else "")
+                + f" | {self.saved_where()}"
                 + "".join(f" | {line}" for line in default_notes(cfg)))
+
+    def precision_name(self) -> str:
+        """Accelerate's mixed precision (fp16, bf16), or where it has none
+        ("no"), the dtype the model trains in: float32 (float64)."""
+        chosen = self.accelerator.mixed_precision
+        return self.cfg.numerics.train_dtype if chosen == "no" else chosen
+
+    def saved_where(self) -> str:
+        """Where the run is saved, for its start and done lines."""
+        if self.cfg.checkpoint.no_save:
+            return "not saved (--no-save)"
+        return f"saved in {os.path.abspath(self.cfg.checkpoint.save_dir)}"
 
     def finish(self) -> int:
         self.settle()
@@ -1287,7 +1303,7 @@ class Trainer:
                             f"(--patience) at update {state.num_updates}"}.get(reason, f"done | updates {state.num_updates}")
         figures = (" | last validation: " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
                    if state.last_valid else " | not validated")
-        return head + figures + f" | wall {state.clock.elapsed():.1f}s"
+        return head + figures + f" | wall {state.clock.elapsed():.1f}s | {self.saved_where()}"
 
     # ------------------------------------------------------------- elastic
     def global_batch(self) -> int:

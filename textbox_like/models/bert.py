@@ -168,12 +168,53 @@ def _strip_prefix(state):
     return state
 
 
+def weights_files(directory):
+    """The weights files that ``from_pretrained`` reads in a save directory:
+    model.safetensors (or its shards) before pytorch_model.bin (or its shards)."""
+    import json
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (directory / single).is_file():
+            return [directory / single]
+        if (directory / index).is_file():
+            try:
+                shards = json.loads((directory / index).read_text(encoding="utf-8"))["weight_map"].values()
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UserError(f"--init-checkpoint: {str(directory / index)!r} is not a valid shard index "
+                                f"({type(exc).__name__}: {exc}); re-save the model with save_pretrained") from None
+            return [directory / name for name in dict.fromkeys(shards)]
+    return []
+
+
+def check_weights_files(directory):
+    """Each weights file of a save directory opens with the safe loaders
+    (header and extent of a safetensors file; a weights-only, memory-mapped
+    torch.load of a .bin): a truncated, garbage or code-carrying file is one
+    line naming it, before transformers reaches it."""
+    from ..checkpoint import unreadable_weights_reason
+    for weights in weights_files(directory):
+        if not weights.is_file():
+            raise UserError(f"--init-checkpoint: weights file {str(weights)!r} is missing (named by the shard "
+                            f"index); re-save the model with save_pretrained")
+        try:
+            if weights.suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(weights), framework="pt") as handle:
+                    handle.keys()
+            else:
+                torch.load(str(weights), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to read is a bad file
+            raise UserError(f"--init-checkpoint: weights file {str(weights)!r} cannot be loaded: "
+                            f"{unreadable_weights_reason(exc)}") from None
+
+
 def read_init_state(path):
     """State dict of ``--init-checkpoint``: one of our checkpoints (a
     torch.save'd dict with key "model") or a transformers save directory."""
     check_init_checkpoint(path)
     path = Path(path)
     if path.is_dir():
+        check_weights_files(path)
         from transformers.utils import logging as transformers_logging
 
         # its per-tensor progress bar would sit among the run's log lines
@@ -191,8 +232,9 @@ def read_init_state(path):
     try:
         data = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"--init-checkpoint {str(path)!r} is not a readable checkpoint ({first})") from None
+        from ..checkpoint import unreadable_weights_reason
+        raise UserError(f"--init-checkpoint {str(path)!r} is not a readable checkpoint "
+                        f"({unreadable_weights_reason(exc)})") from None
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         state = data["model"]
     elif isinstance(data, dict) and data and all(torch.is_tensor(v) for v in data.values()):

@@ -130,11 +130,27 @@ def typed_like(value, default, key, optimizer, flag="--optim_conf"):
     return value
 
 
+def optimizers_with_key(key) -> list:
+    """The optimizers whose constructor takes ``key`` (ESPnet2's documented
+    rho=0.8 is adadelta's)."""
+    found = []
+    for name, spec in OPTIMIZERS.items():
+        try:
+            keys = spec.defaults()
+        except UserError:  # an optimizer this torch lacks
+            continue
+        if key in keys:
+            found.append(name)
+    return found
+
+
 def _check_conf_keys(conf, valid, optimizer, flag="--optim_conf"):
     for key in conf:
         if key not in valid:
+            owners = optimizers_with_key(key)
+            hint = f"; {key!r} is an option of {', '.join(owners)}: add --optim {owners[0]}" if owners else ""
             raise UserError(f"unknown key {key!r} in {flag} for optimizer {optimizer}"
-                            f"{closest(key, valid)}; valid keys: {', '.join(valid)}")
+                            f"{closest(key, valid)}{hint}; valid keys: {', '.join(valid)}")
 
 
 def optimizer_kwargs(optim) -> dict:

@@ -1,0 +1,39 @@
+"""What the start and done lines say (issue 29, item 11): the lr given by
+--optim_conf lr= is the command line's, the precision without mixed
+precision is float32, both lines say where the run is saved; evaluating a
+checkpoint does not repeat the training run's notes."""
+from __future__ import annotations
+
+from conftest import run_cli
+
+
+def test_start_and_done_lines_name_lr_source_precision_and_save_dir(small_mnist_dir, tmp_path):
+    save = tmp_path / "run"
+    out = run_cli(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", "16", "--max-update", "2",
+                   "--optim_conf", "lr=0.01", "--fast-stat-sync", "--log-format", "simple", "--threads", "1",
+                   "--save-dir", save])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    start = [line for line in lines if line.startswith("task mnist |")]
+    assert len(start) == 1, out.stderr[-3000:]
+    assert "| adam lr 0.01 (command line (--optim_conf lr)) |" in start[0], start[0]
+    assert "| precision float32 " in start[0] and "precision no" not in start[0], start[0]
+    assert f"| saved in {save} " in start[0] + " ", start[0]
+    done = [line for line in lines if line.startswith("done |")]
+    assert len(done) == 1 and done[0].endswith(f"| saved in {save}"), out.stderr[-3000:]
+    assert (save / "checkpoint_last.pt").is_file()
+
+    # the checkpoint's evaluation: its result, not the training run's notes again
+    assert "note: --fast-stat-sync" in out.stderr
+    ev = run_cli(["--model_ckpt", save / "checkpoint_last.pt", "--subset", "test"], module="textbox_like.eval")
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "note:" not in ev.stderr, ev.stderr
+    assert len(ev.stdout.strip().splitlines()) == 1 and "num_updates 2" in ev.stdout, ev.stdout
+
+
+def test_no_save_says_so_on_both_lines(small_mnist_dir, tmp_path):
+    out = run_cli(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", "16", "--max-update", "1",
+                   "--no-save", "--log-format", "simple", "--threads", "1", "--save-dir", tmp_path / "run"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if line.startswith(("task mnist |", "done |"))]
+    assert len(said) == 2 and all("| not saved (--no-save)" in line for line in said), said
