@@ -177,15 +177,25 @@ class HostCopy:
         return float(self.host)
 
 
-def check_writable(directory) -> None:
-    """Refuse a save directory that cannot be written, before any data is loaded."""
+def check_writable(directory, create=True) -> None:
+    """Refuse a save directory that cannot be written, before any data is
+    loaded. ``create``: this process is the run's writer and makes the
+    directory; another rank only tests the directory, or where it would be
+    made (its nearest existing parent), so that on a shared file system every
+    rank refuses at once, and on a node of its own no empty directory is left."""
     import os
     import tempfile
+    from pathlib import Path
 
     from .errors import UserError
+    where = Path(directory)
     try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
+        if create:
+            os.makedirs(directory, exist_ok=True)
+        else:
+            while not where.exists() and where != where.parent:
+                where = where.parent
+        with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as exc:
         raise UserError(f"--save-dir {directory} cannot be written ({os_reason(exc)}); choose a writable "

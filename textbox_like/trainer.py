@@ -167,10 +167,10 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg  # a settings.RunConfig
         placement = distributed.placement_from_env(cfg)
-        if not cfg.checkpoint.no_save and (placement is None or placement.rank == 0):
+        if not cfg.checkpoint.no_save:
             # before minutes of data loading, not at the first save; only the writer
             # creates the directory (on another node it would stay empty)
-            check_writable(cfg.checkpoint.save_dir)
+            check_writable(cfg.checkpoint.save_dir, create=placement is None or placement.rank == 0)
         from .elastic import Agent
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
