@@ -371,3 +371,12 @@ def test_single_process_needs_no_port(small_mnist_dir, tmp_path, monkeypatch):
         train(small_mnist_dir, tmp_path / "o", "--disable-validation", max_update=1)
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("metric,higher", [
+    ("loss", False), ("mlm_loss", False), ("nsp_loss", False), ("ppl", False), ("perplexity", False),
+    ("valid/nll", False), ("WER", False), ("accuracy", True), ("nsp_accuracy", True), ("f1", True),
+    ("ROUGE-1", True), ("BLEU", True), ("answer_f1", True), ("lower_bound", True)])
+def test_a_metric_takes_its_direction_from_its_name(metric, higher):
+    from textbox_like.tasks.base import higher_is_better
+    assert higher_is_better(metric) is higher

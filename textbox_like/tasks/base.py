@@ -11,15 +11,16 @@ fast), so they import torch and friends inside methods, not at module top.
 from __future__ import annotations
 
 
-#: parts of a metric's name that mean lower is better (loss, mlm_loss, ppl, error rates);
-#: any other metric (accuracy, F1, ROUGE*, BLEU, ...) is better higher
-LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "error", "wer", "cer")
+#: words of a metric's name that mean lower is better (loss, mlm_loss, ppl, error rates);
+#: any other metric (accuracy, F1, ROUGE*, BLEU, ...) is better higher. Whole words:
+#: 'answer_f1' holds 'wer' but is an F1
+LOWER_IS_BETTER = frozenset({"loss", "nll", "ppl", "perplexity", "error", "err", "wer", "cer", "mse", "mae", "rmse"})
 
 
 def higher_is_better(metric: str) -> bool:
     """The direction of a metric, by its name: the one place that decides it."""
-    name = metric.lower()
-    return not any(part in name for part in LOWER_IS_BETTER)
+    import re
+    return not LOWER_IS_BETTER.intersection(re.split(r"[^a-z0-9]+", metric.lower()))
 
 
 def best_metric_direction(validation, task) -> tuple:
