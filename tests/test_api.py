@@ -69,6 +69,25 @@ def test_training_twice_into_one_save_dir_raises_and_resume_true_continues(small
     assert "--resume" in got["refused"]
 
 
+def test_a_refused_run_of_two_processes_returns_its_exit_code_not_the_earlier_runs_results(small_mnist_dir, tmp_path):
+    """Two local processes: the refusal is the children's exit 2, and the
+    results.json in the directory is the earlier run's, not this one's."""
+    out = tmp_path / "run"
+    proc = python(f"""
+        import json, textbox_like
+        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "save_dir": {str(out)!r},
+                "threads": 1, "report_to": "none", "log_format": "none", "disable_validation": True}}
+        first = textbox_like.train(base, max_update=2)
+        again = textbox_like.train(base, max_update=4, distributed_world_size=2)
+        print(json.dumps({{"first": first, "again": again}}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["first"]["num_updates"] == 2
+    assert got["again"] == {"exit_code": 2}, got
+    assert "already holds a run" in proc.stderr
+
+
 def test_a_bad_key_raises_the_command_lines_one_line_error():
     import textbox_like
     with pytest.raises(UserError) as err:

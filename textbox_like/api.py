@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -46,8 +47,9 @@ def train(config=None, **settings) -> dict:
     processes on this node starts them as the command line does."""
     from .cli import run
     cfg = resolve_config(config, **settings)
+    started = time.time()
     code = run(cfg)
-    results = _read_results(cfg) or {}
+    results = _read_results(cfg, written_since=started) or {}
     if code not in (0, None):
         results.setdefault("exit_code", code)
     else:
@@ -55,9 +57,11 @@ def train(config=None, **settings) -> dict:
     return results
 
 
-def _read_results(cfg):
+def _read_results(cfg, written_since: float):
+    """This run's results.json; not an earlier run's (a run refused, or
+    stopped before it wrote one, leaves that file as it was)."""
     path = Path(cfg.checkpoint.save_dir) / "results.json"
-    if cfg.checkpoint.no_save or not path.is_file():
+    if cfg.checkpoint.no_save or not path.is_file() or path.stat().st_mtime < written_since - 1:
         return None
     return json.loads(path.read_text())
 
