@@ -274,6 +274,22 @@ def test_more_than_two_ranks_move_between_the_slowest_and_the_fastest_first():
     assert trace[10] == [55, 27, 14] and abs(trace[-1][2] - 14) <= 2 and abs(trace[-1][0] - 55) <= 2
 
 
+@pytest.mark.parametrize("world,total,updates", [(4, 256, 1200), (8, 512, 2400)])
+def test_many_ranks_of_equal_speed_settle_and_keep_the_best_measured(world, total, updates):
+    """Equal ranks (the proportional split is already the best) and many
+    neighbours: a search round tries more splits than it keeps times of, and
+    the best split's time is never the one dropped (it is what the search
+    compares with): the run goes on on the even split."""
+    b = Balancer(total, world, interval=50)
+    even = [total // world] * world
+    trace = simulate(b, lambda split, update: 0.05 + 0.0001 * max(split), updates, noise=0.0)
+    assert b.best == even and b.measured(b.best) is not None and len(b.tried) <= b.KEEP
+    # settled, re-checks time two neighbours (one sample off) at most every interval
+    late = trace[updates // 2:]
+    assert sum(split == even for split in late) >= 0.5 * len(late)
+    assert all(max(abs(share - total // world) for share in split) <= 1 for split in late)
+
+
 def test_a_resumed_search_goes_on_from_its_state():
     """A checkpoint mid-search: the resumed balancer keeps the split, the
     best and the splits measured, re-times the current split on a fresh

@@ -303,6 +303,21 @@ def test_resume_after_interrupt_keeps_finished_trials_and_the_same_parameters(tm
     assert params_of(out) == params_of(reference)
 
 
+def test_an_interrupted_trial_with_only_interval_checkpoints_is_resumed(tmp_path, options):
+    """A trial run with --no-last-checkpoints (or stopped in its first save)
+    holds interval checkpoints only: it is continued from them, not started
+    afresh in a directory that holds a run (which the trainer refuses)."""
+    space = S.parse_textbox(TEXTBOX_EXAMPLE, "f", options)
+    out = tmp_path / "out"
+    code, _ = S.run_search(space, "tpe", 4, 5, BASE, out, runner=FakeRunner(interrupt_at=2), out=quiet)
+    assert code == S.INTERRUPTED
+    (out / "trial_2" / "checkpoint_1_10.pt").write_bytes(b"a checkpoint")
+    runner = FakeRunner()
+    S.run_search(space, "tpe", 4, 5, BASE, out, runner=runner, out=quiet, resume=True)
+    resumed = [cfg for cfg in runner.started if Path(flag(cfg, "save_dir")).name == "trial_2"]
+    assert resumed and flag(resumed[0], "resume") is True
+
+
 def test_parallel_runs_n_trials_at_once(tmp_path, options):
     space = S.parse_textbox(TEXTBOX_EXAMPLE, "f", options)
     runner = FakeRunner(polls=3)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -47,9 +46,9 @@ def train(config=None, **settings) -> dict:
     processes on this node starts them as the command line does."""
     from .cli import run
     cfg = resolve_config(config, **settings)
-    started = time.time()
+    earlier = _results_file(cfg)
     code = run(cfg)
-    results = _read_results(cfg, written_since=started) or {}
+    results = _read_results(cfg, earlier) or {}
     if code not in (0, None):
         results.setdefault("exit_code", code)
     else:
@@ -57,11 +56,22 @@ def train(config=None, **settings) -> dict:
     return results
 
 
-def _read_results(cfg, written_since: float):
-    """This run's results.json; not an earlier run's (a run refused, or
-    stopped before it wrote one, leaves that file as it was)."""
+def _results_file(cfg):
+    """results.json's identity (inode, modification time, size), or None:
+    written atomically, a new one is a new file."""
+    try:
+        found = (Path(cfg.checkpoint.save_dir) / "results.json").stat()
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
+
+
+def _read_results(cfg, earlier):
+    """This run's results.json; not an earlier run's (``earlier``: the file
+    as it was before the run; a run refused, or stopped before it wrote one,
+    leaves it as it was)."""
     path = Path(cfg.checkpoint.save_dir) / "results.json"
-    if cfg.checkpoint.no_save or not path.is_file() or path.stat().st_mtime < written_since - 1:
+    if cfg.checkpoint.no_save or not path.is_file() or _results_file(cfg) == earlier:
         return None
     return json.loads(path.read_text())
 

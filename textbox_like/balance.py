@@ -283,7 +283,10 @@ class Balancer:
         variances = [max(w[1] / w[2] - m * m, 0.0) for w, m in zip(walls, means)]
         entry = {"split": list(self.split), "s": sum(means) / len(means),
                  "se": math.sqrt(sum(variances) / len(variances) / max(n, 1)), "n": int(n), "at": int(num_updates)}
-        self.tried = [e for e in self.tried if e["split"] != entry["split"]][-(self.KEEP - 1):] + [entry]
+        kept = [e for e in self.tried if e["split"] != entry["split"]]
+        while len(kept) > self.KEEP - 1:  # the oldest go, never the best's measurement (the search compares with it)
+            del kept[next(i for i, e in enumerate(kept) if self.best is None or e["split"] != list(self.best))]
+        self.tried = kept + [entry]
         return entry
 
     def faster(self, a, b) -> bool:
@@ -337,7 +340,9 @@ class Balancer:
                 return self.hold(num_updates)
             self.phase, self.rechecking, self.step = "search", True, self.recheck_step()
             self.round_start, self.last_move, self.waited = num_updates, None, 0
-            self.queue = self.neighbours(self.best, self.step)
+            # two neighbours, between the slowest and the fastest rank: with many ranks,
+            # timing every pair's would keep the run off the best most of the time
+            self.queue = self.neighbours(self.best, self.step)[:2]
         if self.phase == "search" and self.shift is not None:
             return self.restart(num_updates)
         return self.next_candidate(num_updates)

@@ -1319,6 +1319,7 @@ class Trainer:
         with the data position rewound to the start of the update in flight
         and this rank's RNG as of then. One writer among the survivors (a
         claim file); the path, or None where another survivor writes it."""
+        from . import elastic
         from .checkpoint import FORMAT, atomic_save
         from .elastic import Claim
         ck, state, start = self.checkpoints, self.state, self.update_start
@@ -1332,7 +1333,9 @@ class Trainer:
         with Claim(ck.dir / f".emergency-{state.num_updates}.claim",
                    stale_after=self.cfg.distributed.distributed_timeout) as claim:
             if not claim.held:
-                claim.wait_for_writer()  # the lock holder leaves last: its release ends every write of this run
+                # every write of this run is the claim holder's, made before it lets go of
+                # the claim; the lock holder leaves last: its release ends the run's writes
+                claim.wait_for_writer()
                 return None
             try:
                 atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
@@ -1341,25 +1344,25 @@ class Trainer:
                     raise
                 raise SaveFailed(f"rank {self.rank}: lost a peer, and could not write the emergency checkpoint "
                                  f"{path} ({os_reason(exc)}); the newest earlier checkpoint is kept") from None
+            elastic.write_handoff(self.cfg.checkpoint.save_dir, self.agent, state.num_updates, self.global_batch(),
+                                  "lost peer")
+            init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or self.cfg.distributed.distributed_init_method or ""
+            if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
+                remove(init[len("file://"):])
         return path
 
     def peer_lost(self, exc) -> int:
-        """Every survivor: the emergency checkpoint, the hand-off note for
-        the restart, one line, and 75 (torchrun restarts on it)."""
-        from . import elastic
+        """Every survivor: the emergency checkpoint and the hand-off note for
+        the restart (one survivor writes both), one line, and 75 (torchrun
+        restarts on it)."""
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         where = f"rank {self.rank}: lost a peer of this run at update {self.state.num_updates + 1} ({first})"
         if not self.checkpoints.enabled:
             print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         path = self.emergency_save()
-        elastic.write_handoff(self.cfg.checkpoint.save_dir, self.agent, self.state.num_updates,
-                              self.global_batch(), "lost peer")
         saved = (f"saved update {self.state.num_updates} to {path}" if path is not None
-                 else f"another survivor saves update {self.state.num_updates}")
-        init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or self.cfg.distributed.distributed_init_method or ""
-        if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
-            remove(init[len("file://"):])
+                 else f"another survivor saved update {self.state.num_updates}")
         how = ("torchrun restarts the workers and they resume from it by themselves" if self.agent is not None
                else "rerun with --resume, on any number of ranks (--global-batch-size keeps the global batch)")
         self.release_save_dir()

@@ -9,6 +9,7 @@ import math
 import time
 from pathlib import Path
 
+from ..checkpoint import checkpoints_newest_first
 from ..errors import UserError, closest
 from .algos import DEFAULT_EVALS, Sampler, canonical_algo
 from .report import format_params, search_png, search_table, write_search_csv
@@ -267,7 +268,9 @@ class Search:
             return None
         rec.status = "running"
         save_dir = Path(rec.save_dir)
-        resume = resume and (save_dir / "checkpoint_last.pt").exists()
+        # any checkpoint of its own: a trial run with --no-last-checkpoints, or stopped in its
+        # first save, has interval ones (and a fresh start there would be refused as a rerun)
+        resume = resume and bool(checkpoints_newest_first(save_dir))
         for stale in ["results.json"] + ([] if resume else ["metrics.jsonl"]):
             if (save_dir / stale).exists():
                 (save_dir / stale).unlink()

@@ -18,6 +18,7 @@ import socket
 import time
 from pathlib import Path
 
+from ..checkpoint import checkpoints_newest_first
 from ..config import read_resolved, write_resolved
 from ..distributed import usable_cpus
 from ..errors import UserError
@@ -170,7 +171,7 @@ def make_trainable(spec):
         save_dir = claim_dir(spec["output"], trial_id, config.get("__dir__"))
         save_dir.mkdir(parents=True, exist_ok=True)
         params = {n: plain_value(config[n]) for n in spec["names"]}
-        resume = (save_dir / "checkpoint_last.pt").exists()
+        resume = bool(checkpoints_newest_first(save_dir))  # its own, of any kind (see hyper.py)
         (save_dir / "ray_stopped").unlink(missing_ok=True)  # an earlier attempt's, stopped with its search
         if not resume:
             for stale in ("results.json", "metrics.jsonl"):
