@@ -243,6 +243,39 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
     assert_params_close(params(save), one_process)
 
 
+def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
+    """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75
+    with one line each; one writes the emergency checkpoint, the hand-off
+    note and removes the rendezvous file, before the other (rank 0, the lock
+    holder, or not) lets go of the run; nobody is refused as no longer
+    owning it (77)."""
+    save, rdzv = tmp_path / "save", tmp_path / "rdzv"
+    train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
+    ranks = [subprocess.Popen([PY, "run_hetseq.py", *train, "--distributed-init-method", f"file://{rdzv}",
+                               "--distributed-world-size", "3", "--distributed-rank", str(r), "--distributed-no-spawn"],
+                              cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / f"r{r}.log", "w"), text=True) for r in range(3)]
+    log0 = tmp_path / "r0.log"
+    deadline = time.monotonic() + 300
+    while not re.search(r"\| update (?:[5-9]|1\d) \|", log0.read_text()):
+        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+        time.sleep(0.05)
+    ranks[2].kill()
+    assert [ranks[r].wait(timeout=180) for r in (0, 1)] == [75, 75], \
+        [(tmp_path / f"r{r}.log").read_text()[-2000:] for r in (0, 1)]
+    lines = []
+    for r in (0, 1):
+        text = (tmp_path / f"r{r}.log").read_text()
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in text and "no longer owns" not in text, text[-3000:]
+        lines.append(errors[0])
+    writers = [line for line in lines if re.search(r"saved update \d+ to ", line)]
+    assert len(writers) == 1 and sum("another survivor saved update" in line for line in lines) == 1, lines
+    saved = int(re.search(r"saved update (\d+)", writers[0]).group(1))
+    assert list(save.glob(f"checkpoint_*_{saved}.pt")) and (save / "elastic.json").exists()
+    assert not rdzv.exists() and not (save / "run.lock").exists() and not list(save.glob(".emergency-*"))
+
+
 # A peer lost at update 7 of a run of "two" ranks (the process group is not
 # needed for the survivor's path: the failing collective is what it sees).
 LOSE_A_PEER = """
