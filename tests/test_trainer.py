@@ -309,7 +309,7 @@ def test_mixed_precision_choice():
     (["--train_dtype", "bfloat16"], "bf16", False),
     (["--fp16"], "bf16", True),
     (["--train_dtype", "float16"], "bf16", True),
-    (["--train_dtype", "float32"], "no", False),
+    (["--train_dtype", "float32"], "float32", False),
 ])
 def test_precision_runs_on_cpu(small_mnist_dir, tmp_path, capsys, extra, precision, warns):
     out = train(small_mnist_dir, tmp_path / "o", *extra, "--log-format", "simple", "--log-interval", "1",
