@@ -30,7 +30,7 @@ import torch
 from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, run_cli, small_mnist_fixture, write_mnist
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
 from test_faults import mnist_args as fault_args
-from textbox_like.checkpoint import load_checkpoint
+from textbox_like.checkpoint import atomic_save, load_checkpoint
 
 
 data = small_mnist_fixture("mnist_os_faults", seed=12)
@@ -529,6 +529,28 @@ def test_resume_refuses_a_change_of_precision(data, tmp_path):
     assert run_cli(mnist_args(data, bf16, "--bf16", max_update=2)).returncode == 0
     assert run_cli(mnist_args(data, bf16, "--bf16", "--resume", max_update=3)).returncode == 0
     assert load_checkpoint(bf16 / "checkpoint_last.pt")["train"]["num_updates"] == 3
+
+
+def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_warning(data, tmp_path):
+    """fp16 needs CUDA: a GPU's --fp16 run continued on a CPU under --fp16 goes
+    on in bf16 (its GPU may be gone), said in a warning; any other flag is
+    still a refused change. The checkpoint is a CPU one whose precision record
+    says what a GPU's would (the CUDA round trip is tests/test_gpu.py's)."""
+    out = tmp_path / "out"
+    assert run_cli(mnist_args(data, out, "--fp16", max_update=2)).returncode == 0
+    path = out / "checkpoint_last.pt"
+    state = load_checkpoint(path)
+    assert state["precision"] == {"mixed": "bf16", "source": "--fp16"}
+    state["precision"] = {"mixed": "fp16", "source": "--fp16"}
+    atomic_save({k: v for k, v in state.items() if k != "digest"}, path)
+    before = files_of(out)
+    refused = run_cli(mnist_args(data, out, "--bf16", "--resume", max_update=3))
+    assert refused.returncode == 2 and "fp16 mixed precision" in error_lines(refused.stderr)[0], refused.stderr
+    assert files_of(out) == before
+    resumed = run_cli(mnist_args(data, out, "--fp16", "--resume", max_update=3))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "this run has bf16 mixed precision (from --fp16): the same flags on another device" in resumed.stderr
+    assert load_checkpoint(path)["train"]["num_updates"] == 3
 
 
 def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path):

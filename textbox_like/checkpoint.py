@@ -56,6 +56,12 @@ NEW_RUN_FIX = ", or start a new run from its weights with --restore-file and ano
 MIRRORED = {"optim_conf": ("lr", "weight_decay", "eps")}
 
 
+def device_fallback(was: dict, is_: dict) -> bool:
+    """The same flags chose fp16 on one side and bf16 on the other: the
+    only way is accelerator.precision's CPU fallback (fp16 needs CUDA)."""
+    return was.get("source") == is_.get("source") and {was.get("mixed"), is_.get("mixed")} == {"fp16", "bf16"}
+
+
 def describe_precision(precision: dict) -> str:
     """A checkpoint's precision record (``{"mixed": "bf16", "source": "--bf16"}``) in words."""
     mixed = precision.get("mixed")
@@ -401,13 +407,16 @@ class CheckpointManager:
                             f"continue it with --task {saved}, or start this {task} run in another --save-dir")
         raise UserError(f"{path} is a checkpoint of task {saved!r}, not {task!r}")
 
-    def check_resumed_config(self, state, path, settings: dict, defaults=None) -> None:
+    def check_resumed_config(self, state, path, settings: dict, defaults=None, log=print) -> None:
         """--resume continues the same run: refuse a checkpoint of another task,
         or whose configuration differs in a setting that changes the numbers
         (``settings``: see :func:`changes_numbers`) or in the precision chosen,
         naming it, unless a --reset-* option given allows the change.
         ``defaults``: setting -> the values a dict setting's missing entries
-        take (``--model_conf hidden=128`` is the default, not a change)."""
+        take (``--model_conf hidden=128`` is the default, not a change).
+        A move between CUDA and CPU under the same --fp16 (CPU runs it in
+        bf16) is the one precision change allowed, with a warning through ``log``:
+        refusing it would strand a run whose GPU is gone."""
         import yaml
         self.check_task(state, path, resuming=True)
         saved, now = state.get("config"), self.metadata.get("config")
@@ -443,6 +452,11 @@ class CheckpointManager:
         # --mixed_precision, and the CPU's fallback), not the flags that chose it
         was, is_ = state.get("precision"), self.metadata.get("precision")
         if isinstance(was, dict) and isinstance(is_, dict) and was.get("mixed") != is_.get("mixed"):
+            if device_fallback(was, is_):
+                log(f"warning: --resume: {path} was trained in {describe_precision(was)}, this run has "
+                    f"{describe_precision(is_)}: the same flags on another device (a CPU runs fp16 as bf16), "
+                    f"going on; the numbers change")
+                return
             raise UserError(f"--resume: {path} was trained in {describe_precision(was)}, this run has "
                             f"{describe_precision(is_)}, which changes the numbers; use the same precision"
                             f"{NEW_RUN_FIX}")

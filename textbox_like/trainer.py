@@ -1121,7 +1121,8 @@ class Trainer:
         state_dict, path = self.checkpoints.load_newest(path, self.log.info)
         if cfg.checkpoint.resume:  # the same run, continued (--restore-file may start another)
             self.checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg),
-                                                  defaults={"model_conf": self.task.model_conf_defaults()})
+                                                  defaults={"model_conf": self.task.model_conf_defaults()},
+                                                  log=self.log.info)
         fresh = self.checkpoints.restore(state_dict, path)
         self.previous_data_failure = state_dict.get("data_failure")
         del state_dict
