@@ -907,3 +907,18 @@ def test_child_of_a_parent_that_died_before_the_prctl_stops():
     proc = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], capture_output=True, text=True, env=clean_env(),
                           timeout=60)
     assert proc.returncode == 0 and proc.stdout.split() == ["143"], proc.stdout + proc.stderr
+
+
+def test_a_checkpoint_without_loss_scaler_state_leaves_the_scaler_at_its_start():
+    """A GPU's --fp16 run continued on a CPU (bf16, no scaler) saves no scaler
+    state; back on the GPU its fresh scaler starts from the initial scale
+    (tests/test_gpu.py runs the whole round trip on CUDA)."""
+    from types import SimpleNamespace
+    from textbox_like.trainer import LossScalerPart
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    part = LossScalerPart(SimpleNamespace(scaler=scaler))
+    part.load_state_dict(None)
+    assert scaler.state_dict()["scale"] == 1024.0
+    part.load_state_dict({**scaler.state_dict(), "scale": 8.0})
+    assert scaler.state_dict()["scale"] == 8.0
+    assert LossScalerPart(SimpleNamespace(scaler=None)).state_dict() is None

@@ -129,7 +129,8 @@ class _Optimizer:
         self.optimizer.load_state_dict(state)
 
 
-class _Scaler:
+class LossScalerPart:
+    """The loss scaler (fp16 on CUDA) as a checkpoint part; None where there is none."""
     def __init__(self, accelerator):
         self.scaler = accelerator.scaler
 
@@ -137,7 +138,9 @@ class _Scaler:
         return self.scaler.state_dict() if self.scaler is not None else None
 
     def load_state_dict(self, state):
-        if self.scaler is not None:
+        # None: saved without a scaler (a CPU leg of a GPU's --fp16 run runs
+        # bf16); this scaler then starts from its initial scale
+        if self.scaler is not None and state is not None:
             self.scaler.load_state_dict(state)
 
 
@@ -370,7 +373,7 @@ class Trainer:
         parts = {"model": _Model(acc, self.model), "optimizer": _Optimizer(self.optimizer, cfg.optim.optimizer,
                                                                           not cfg.checkpoint.no_save_optimizer_state),
                  "scheduler": self.scheduler, "iterator": self.iterator, "train": self.state,
-                 "scaler": _Scaler(acc), "rng": _RNG(acc, self.reseed)}
+                 "scaler": LossScalerPart(acc), "rng": _RNG(acc, self.reseed)}
         if self.balancer is not None:
             parts["balance"] = self.balancer
         self.checkpoints = CheckpointManager(
