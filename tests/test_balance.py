@@ -522,6 +522,25 @@ def at_update(save_dir, update):
     return state["model"]
 
 
+SEARCHED_ARGS = ("--global-batch-size", "64", "--max-sentences", "64", "--balance", "--balance-interval", "5",
+                 "--distributed-world-size", "2", "--save-interval-updates", "10")
+
+
+@pytest.fixture(scope="module")
+def searched_20(data, tmp_path_factory):
+    """Two ranks, rank 1 slowed, --balance: 20 updates of the search, the
+    first leg that the resume tests below continue (each in a copy)."""
+    out = tmp_path_factory.mktemp("searched") / "run"
+    run([PY, "run_hetseq.py", *mnist_args(data, out, *SEARCHED_ARGS, "--max-update", "20")], env=slow(1, 0.004))
+    return out
+
+
+def copy_of(run_dir, tmp_path):
+    """A copy of a finished run to resume (the run itself stays as it ended)."""
+    import shutil
+    return Path(shutil.copytree(run_dir, tmp_path / run_dir.name))
+
+
 @pytest.mark.timeout(400)
 def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_process_64):
     out = tmp_path / "two"
@@ -594,14 +613,12 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
 
 
 @pytest.mark.timeout(500)
-def test_a_resume_continues_the_search(data, tmp_path, one_process_64):
+def test_a_resume_continues_the_search(data, tmp_path, one_process_64, searched_20):
     """The search's state is a checkpoint part: a resume keeps the splits
     measured before it and goes on from the saved split; the maths is that
     of one process of 64 whatever the splits tried."""
-    out = tmp_path / "bal"
-    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64", "--balance",
-                      "--balance-interval", "5", "--distributed-world-size", "2", "--save-interval-updates", "10")
-    run([PY, "run_hetseq.py", *argv, "--max-update", "20"], env=slow(1, 0.004))
+    out = copy_of(searched_20, tmp_path)
+    argv = mnist_args(data, out, *SEARCHED_ARGS)
     before = load_checkpoint(out / "checkpoint_last.pt")["balance"]
     measured_before = [e for e in before["search"]["tried"]]
     assert measured_before and before["search"]["phase"] != "start"
@@ -642,12 +659,8 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, world):
-    out = tmp_path / "resume"
-    run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64",
-                                          "--balance", "--balance-interval", "5", "--distributed-world-size", "2",
-                                          "--max-update", "20", "--save-interval-updates", "10")],
-        env=slow(1, 0.004))
+def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, searched_20, world):
+    out = copy_of(searched_20, tmp_path)
     saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
     assert saved["split"][0] > saved["split"][1]
     proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32",
