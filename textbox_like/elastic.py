@@ -32,30 +32,8 @@ from pathlib import Path
 
 from .fileio import atomic_write_text, remove
 from .savelock import check_owner
+from .torchrun_env import HANDOFF_NAME, Agent, read_handoff  # noqa: F401  (elastic's names)
 
-HANDOFF_NAME = "elastic.json"
-
-
-class Agent:
-    """The torchrun (torch.distributed.elastic) agent this worker runs under."""
-
-    def __init__(self, run_id: str, restart_count: int, max_restarts: int):
-        self.run_id, self.restart_count, self.max_restarts = run_id, restart_count, max_restarts
-
-    @classmethod
-    def from_env(cls, environ=None):
-        """The agent, or None when this process was not started by torchrun."""
-        env = os.environ if environ is None else environ
-        if "TORCHELASTIC_RUN_ID" not in env:
-            return None
-
-        def number(name):
-            try:
-                return int(env.get(name, "0"))
-            except ValueError:
-                return 0
-        return cls(env["TORCHELASTIC_RUN_ID"], number("TORCHELASTIC_RESTART_COUNT"),
-                   number("TORCHELASTIC_MAX_RESTARTS"))
 
 
 def joining_note(agent, environ=None):
@@ -74,15 +52,6 @@ def joining_note(agent, environ=None):
 
 
 # ------------------------------------------------------------ the hand-off
-def read_handoff(save_dir):
-    """The hand-off note of ``save_dir`` (a dict), or None."""
-    try:
-        note = json.loads((Path(save_dir) / HANDOFF_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return note if isinstance(note, dict) else None
-
-
 def write_handoff(save_dir, agent, update: int, global_batch: int, why: str) -> None:
     """Say that this run stopped mid-way for its agent to restart it."""
     note = {"run_id": agent.run_id if agent else None, "update": int(update), "global_batch": int(global_batch),

@@ -126,7 +126,7 @@ def _earlier_worker_group(holder, agent, save_dir):
         return None
     if int(holder.get("elastic_restart", 0)) < agent.restart_count:
         return f"a worker of torchrun's worker group {holder.get('elastic_restart', 0)} of this run, since restarted"
-    from .elastic import read_handoff
+    from .torchrun_env import read_handoff
     note = read_handoff(save_dir) if save_dir is not None else None
     if note and note.get("run_id") == agent.run_id and float(note.get("written", 0)) >= float(holder.get("started", 0)):
         return f"a worker of this run's worker group that stopped at update {note.get('update')} for torchrun"
@@ -142,7 +142,7 @@ class SaveDirLock:
         self.token = uuid.uuid4().hex
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                        "proc_start": _process_start(os.getpid()), "token": self.token}
-        from .elastic import Agent
+        from .torchrun_env import Agent
         self.agent = Agent.from_env()
         if self.agent is not None:  # lets the next worker group of this run take the lock over
             self.holder.update(elastic_run=self.agent.run_id, elastic_restart=self.agent.restart_count)
