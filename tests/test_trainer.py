@@ -380,3 +380,27 @@ def test_single_process_needs_no_port(small_mnist_dir, tmp_path, monkeypatch):
 def test_a_metric_takes_its_direction_from_its_name(metric, higher):
     from textbox_like.tasks.base import higher_is_better
     assert higher_is_better(metric) is higher
+
+
+def test_a_periodic_event_of_ones_own_is_one_class_and_one_line(small_mnist_dir, tmp_path):
+    """A new periodic event is one class (an EveryUpdates and what it does)
+    and one line (Trainer.add_event): in a real run it fires after every
+    third update, and sees that update counted."""
+    from test_faults import build_trainer, mnist_args, run_trainer
+    from textbox_like.train.due import EveryUpdates
+
+    class RecordUpdates(EveryUpdates):
+        def __init__(self, interval):
+            super().__init__(interval)
+            self.fired = []
+
+        def run(self, trainer):
+            self.fired.append((trainer.state.num_updates, trainer.state.samples_trained))
+
+    trainer, _, _ = build_trainer(mnist_args(small_mnist_dir, tmp_path / "out", "--disable-validation",
+                                             max_update=10))
+    every_third = RecordUpdates(3)
+    trainer.add_event(every_third)
+    assert run_trainer(trainer) == 0
+    assert trainer.state.num_updates == 10
+    assert every_third.fired == [(3, 24), (6, 48), (9, 72)]  # 8 samples an update (mnist_args)

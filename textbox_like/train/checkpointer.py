@@ -22,7 +22,7 @@ class Checkpointer:
         parts = {"model": ModelPart(acc, t.model),
                  "optimizer": OptimizerPart(t.optimizer, cfg.optim.optimizer, not cfg.checkpoint.no_save_optimizer_state),
                  "scheduler": t.scheduler, "iterator": t.iterator, "train": t.state,
-                 "scaler": LossScalerPart(acc), "rng": RNGPart(acc, t.reseed)}
+                 "scaler": LossScalerPart(acc), "rng": RNGPart(acc, t.reseed, t.host_group)}
         if t.global_batch.balancer is not None:
             parts["balance"] = t.global_batch.balancer
         self.checkpoints = CheckpointManager(

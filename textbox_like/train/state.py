@@ -3,7 +3,7 @@ made of: each stateful part of the run as a ``state_dict`` /
 ``load_state_dict`` pair for :class:`~textbox_like.checkpoint.CheckpointManager`."""
 from __future__ import annotations
 
-from .. import distributed
+from .. import collectives
 from ..checkpoint import rng_state, set_rng_state
 from ..errors import UserError
 from ..meters import StatSums, TrainClock
@@ -105,11 +105,11 @@ class LossScalerPart:
 class RNGPart:
     """Every rank's RNG streams (python, numpy, torch, CUDA); gathers over ranks."""
 
-    def __init__(self, accelerator, reseed):
-        self.accelerator, self.reseed = accelerator, reseed
+    def __init__(self, accelerator, reseed, host_group):
+        self.accelerator, self.reseed, self.host_group = accelerator, reseed, host_group
 
     def state_dict(self):
-        return distributed.gather_per_rank(self.accelerator, rng_state())
+        return collectives.one_per_rank(rng_state(), self.accelerator.num_processes, self.host_group)
 
     def load_state_dict(self, states):
         if len(states) == self.accelerator.num_processes and all(s is not None for s in states):
