@@ -404,3 +404,20 @@ def test_a_periodic_event_of_ones_own_is_one_class_and_one_line(small_mnist_dir,
     assert run_trainer(trainer) == 0
     assert trainer.state.num_updates == 10
     assert every_third.fired == [(3, 24), (6, 48), (9, 72)]  # 8 samples an update (mnist_args)
+
+
+def test_an_error_without_a_message_is_named_by_its_type(small_mnist_dir, tmp_path, monkeypatch, capfd):
+    """--initial-optimizer whose read fails with an empty message (EOFError()):
+    one line naming the error's type, exit 2 (the first line of an empty
+    message was an IndexError)."""
+    from textbox_like.errors import first_line
+    assert first_line(KeyError()) == "KeyError" and first_line(ValueError("\n  two\nlines"), 3) == "two"
+    path = tmp_path / "optimizer.pt"
+    path.write_bytes(b"x")
+
+    def unreadable(*args, **kwargs):
+        raise EOFError()
+    monkeypatch.setattr(torch, "load", unreadable)
+    assert run_main(base_args(small_mnist_dir, tmp_path / "out", "--initial-optimizer", path, max_update=1)) == 2
+    err = capfd.readouterr().err
+    assert f"--initial-optimizer {path} cannot be read (EOFError)" in err and "Traceback" not in err
