@@ -163,6 +163,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
+        """Restore, start, epochs of updates until stop_reason() names one, finish: the exit code."""
         self.lifecycle.restore()
         self.lifecycle.start()
         self.hooks.limit_memory(self.state.num_updates)
