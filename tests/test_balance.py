@@ -402,7 +402,7 @@ def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monk
         assert run_trainer(trainer) == 0
     monkeypatch.undo()
     # the first updates all-reduce by hand once every micro-batch ran: no empty micro-batch
-    assert calls[:6] == [64, 32, 16, 16, 16, 16] and trainer.micro_cap == 16
+    assert calls[:6] == [64, 32, 16, 16, 16, 16] and trainer.global_batch.micro_cap == 16
     assert "out of memory on a micro-batch of 64" in err.getvalue()
     state = trainer.state
     assert state.num_updates == 6 and state.samples_trained == 6 * 64 and state.samples_seen == 6 * 64
@@ -434,7 +434,7 @@ def test_out_of_memory_after_the_first_updates_joins_ddps_all_reduce_empty(data,
                                              "--max-update", "6"))
     assert run_trainer(trainer) == 0
     monkeypatch.undo()
-    assert calls[:8] == [64, 64, 64, 64, 0, 32, 32, 32] and trainer.micro_cap == 32
+    assert calls[:8] == [64, 64, 64, 64, 0, 32, 32, 32] and trainer.global_batch.micro_cap == 32
     assert trainer.state.samples_trained == 6 * 64
     run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "6")])
     assert_params_close(params(tmp_path / "oom"), params(tmp_path / "one"))
@@ -464,7 +464,7 @@ def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch):
         assert run_trainer(trainer) == 0
     monkeypatch.undo()
     assert "rank 0: micro-batches of at most 20 fit in its memory (measured at update 2)" in err.getvalue()
-    assert calls[:10] == [64, 64, 16, 16, 16, 16, 16, 16, 16, 16] and trainer.micro_cap == 20
+    assert calls[:10] == [64, 64, 16, 16, 16, 16, 16, 16, 16, 16] and trainer.global_batch.micro_cap == 20
     run([PY, "run_hetseq.py", *mnist_args(data, tmp_path / "one", "--max-sentences", "64", "--max-update", "4")])
     assert_params_close(params(tmp_path / "cap"), params(tmp_path / "one"))
     # a resume measures again, on its own second update
@@ -479,7 +479,7 @@ def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch):
         assert run_trainer(trainer) == 0
     monkeypatch.undo()
     assert "rank 0: micro-batches of at most 8 fit in its memory (measured at update 6)" in err.getvalue()
-    assert trainer.micro_cap == 8
+    assert trainer.global_batch.micro_cap == 8
 
 
 # ------------------------------------------------------------------ exact maths

@@ -280,13 +280,15 @@ def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
 # needed for the survivor's path: the failing collective is what it sees).
 LOSE_A_PEER = """
 import os, sys
-from textbox_like import trainer as T
+from textbox_like import collectives
+from textbox_like.train import elastic as E, global_batch as G, trainer as T
 real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
 def init(self, cfg):
     real_init(self, cfg)
-    self.world = 2  # one of two ranks, whose sums over ranks are its own numbers
-    self.sum_over_ranks = lambda numbers, group=None: list(numbers)
-    self.build_timing()
+    self.world = 2  # one of two ranks, whose host collectives give its own numbers
+    collectives.host_sum = lambda numbers, group=None: list(numbers)
+    collectives.one_per_rank = lambda value, world, group=None: [value] * world
+    self.timing = G.RankTiming(self)
 def step(self, micro_batches, totals):
     if self.state.num_updates == 6:
         os.environ["WORLD_SIZE"] = "2"
@@ -300,11 +302,11 @@ import signal, torch
 def half_then_killed(obj, handle, *a, **k):
     handle.write(b"PK" + bytes(1 << 20)); handle.flush(); os.fsync(handle.fileno())
     os.kill(os.getpid(), signal.SIGKILL)
-real_emergency = T.Trainer.emergency_save
-def emergency(self):
+real_emergency = E.emergency_save
+def emergency(trainer):
     torch.save = half_then_killed
-    return real_emergency(self)
-T.Trainer.emergency_save = emergency
+    return real_emergency(trainer)
+E.emergency_save = emergency
 """
 
 
@@ -353,21 +355,24 @@ def test_nccl_dead_peer_is_saved_from_the_start_of_the_update_in_flight(data, tm
     its data position rewound to where the update in flight started."""
     from conftest import _reset_accelerate
     from test_faults import build_trainer
+    from textbox_like import collectives
     from textbox_like import trainer as T
+    from textbox_like.train.global_batch import RankTiming
     trainer, _, _ = build_trainer(args(data, tmp_path / "save", "--max-sentences", 16, "--max-update", 10))
-    trainer.world, trainer.data_can_fail = 2, True  # one of two ranks: every update sums a flag over them
-    trainer.build_timing()
+    trainer.world, trainer.feed.data_can_fail = 2, True  # one of two ranks: every update sums a flag over them
+    trainer.timing = RankTiming(trainer)
     seen = {}
 
     def sum_over_ranks(numbers, group=None):
         # update 6's data read: its sum of flags (not the log's, after update 5)
-        if trainer.state.num_updates == 5 and trainer.update_start["updates"] == 5:
-            seen["start"], seen["read_to"] = dict(trainer.update_start), trainer.iterator.offset
+        if trainer.state.num_updates == 5 and trainer.in_flight.start["updates"] == 5:
+            seen["start"], seen["read_to"] = dict(trainer.in_flight.start), trainer.iterator.offset
             monkeypatch.setenv("WORLD_SIZE", "2")
             raise torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0. Original reason for "
                                                      "failure was: watchdog caught collective operation timeout")
         return list(numbers)
-    monkeypatch.setattr(trainer, "sum_over_ranks", sum_over_ranks)
+    monkeypatch.setattr(collectives, "host_sum", sum_over_ranks)
+    monkeypatch.setattr(collectives, "one_per_rank", lambda value, world, group=None: [value] * world)
     try:
         assert T.run(trainer) == 75
     finally:

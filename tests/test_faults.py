@@ -61,7 +61,7 @@ def run_trainer(trainer):
         try:
             return trainer.train()
         except DataUnavailable as exc:
-            trainer.save(end_of_epoch=False, is_best=False, final=True)
+            trainer.checkpointer.save(end_of_epoch=False, is_best=False, final=True)
             print(f"error: {exc}", flush=True, file=__import__("sys").stderr)
             return exc.exit_code
         except RunStopped as exc:
@@ -245,7 +245,7 @@ def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_
     with contextlib.redirect_stderr(err):
         rc = run_trainer(trainer)
     assert rc == 0, err.getvalue()[-3000:]
-    assert trainer.skips_on_device
+    assert trainer.step.skips_on_device
     # each update's norm is read after the next update's forward and backward
     # (or at the end): the host never waits for the update it is stepping
     reads = [i for i, e in enumerate(events) if e == "read"]
@@ -263,7 +263,7 @@ def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_
     assert "update 3: gradient norm nan is not finite; update skipped (1 in a row)" in err.getvalue()
     assert trainer.state.num_updates == 8 and trainer.state.skipped_updates == 1 and len(record) == 9
     assert trainer.scheduler.num_updates == 8
-    assert trainer.lr == trainer.scheduler.lr_at(8)
+    assert trainer.step.lr == trainer.scheduler.lr_at(8)
     for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters():
         assert torch.isfinite(p).all(), name
 
@@ -282,7 +282,7 @@ def test_device_skip_lagged_equals_settled_every_update(data, tmp_path):
             assert run_trainer(trainer) == 0
         module = trainer.accelerator.unwrap_model(trainer.model)
         finals.append({"model": {k: v.detach().clone() for k, v in module.state_dict().items()},
-                       "optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "lr": trainer.lr,
+                       "optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "lr": trainer.step.lr,
                        "counts": (trainer.state.num_updates, trainer.state.skipped_updates, calls["n"],
                                   trainer.state.samples_trained)})
     assert finals[0]["counts"] == (7, 2, 9, 7 * 8)
@@ -304,7 +304,7 @@ def test_first_update_nan_under_fused_sgd_momentum_is_checked_on_the_host(data, 
     poison_batches(trainer, {1})
     with contextlib.redirect_stderr(io.StringIO()):
         assert run_trainer(trainer) == 0
-    assert trainer.skips_on_device and trainer.state.skipped_updates == 1 and trainer.state.num_updates == 4
+    assert trainer.step.skips_on_device and trainer.state.skipped_updates == 1 and trainer.state.num_updates == 4
     assert copies == [1, 2, 3]  # updates 2..4 lagged; the skipped first and the state-creating second on the host
     for buffers in trainer.optimizer.optimizer.state.values():
         assert torch.isfinite(buffers["momentum_buffer"]).all()
@@ -352,7 +352,7 @@ def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, mon
     monkeypatch.setattr(ckpt, "atomic_write", atomic_write)
     trainer, ns, keys = build_trainer(mnist_args(data, out, "--save-interval-updates", "2", "--disable-validation",
                                                  "--log-interval", "1", max_update=6))
-    from textbox_like import trainer as trainer_module
+    from textbox_like.train import outcome as trainer_module
     monkeypatch.setattr(trainer_module, "Trainer", lambda cfg: trainer)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -520,7 +520,7 @@ def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            from textbox_like import trainer as trainer_module
+            from textbox_like.train import outcome as trainer_module
             original = trainer_module.Trainer
             trainer_module.Trainer = lambda cfg: trainer
             try:

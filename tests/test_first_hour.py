@@ -231,16 +231,16 @@ def test_patience_stops_after_n_validations_without_improvement(small_mnist_dir,
 def test_the_last_line_of_a_stopped_run_says_stopped_and_whose_figures():
     from types import SimpleNamespace
 
-    from textbox_like.trainer import Trainer
-    fake = SimpleNamespace(state=SimpleNamespace(num_updates=15, last_valid={"loss": 0.5, "accuracy": 0.9},
-                                                 best_metric="accuracy",
-                                                 clock=SimpleNamespace(elapsed=lambda: 12.0)),
-                           cfg=SimpleNamespace(validation=SimpleNamespace(patience=-1)),
-                           saved_where=lambda: "saved in /runs/a")
-    line = Trainer.last_line(fake, "preempted")
+    from textbox_like.train.reporting import Reporting
+    run = SimpleNamespace(state=SimpleNamespace(num_updates=15, last_valid={"loss": 0.5, "accuracy": 0.9},
+                                                best_metric="accuracy",
+                                                clock=SimpleNamespace(elapsed=lambda: 12.0)),
+                          cfg=SimpleNamespace(validation=SimpleNamespace(patience=-1)))
+    fake = SimpleNamespace(trainer=run, saved_where=lambda: "saved in /runs/a")
+    line = Reporting.last_line(fake, "preempted")
     assert line == ("stopped by a signal at update 15 | last validation: loss 0.5000 | accuracy 0.9000 | wall 12.0s"
                     " | saved in /runs/a")
-    assert Trainer.last_line(fake, "max_update").startswith("done | updates 15 | last validation: loss 0.5000")
+    assert Reporting.last_line(fake, "max_update").startswith("done | updates 15 | last validation: loss 0.5000")
 
 
 def test_console_command_help_names_itself():
@@ -330,8 +330,9 @@ def test_slow_updates_log_by_wall_time_as_well(small_mnist_dir, tmp_path, monkey
     than --log-interval alone would, and every --log-interval-th update still
     logs (the user's interval is the longest spacing)."""
     from conftest import base_args, read_jsonl, run_main
-    from textbox_like import balance, trainer
-    monkeypatch.setattr(trainer, "LOG_EVERY_S", 0.2)                  # a few seconds, scaled to a short test
+    from textbox_like import balance
+    from textbox_like.train import reporting
+    monkeypatch.setattr(reporting, "LOG_EVERY_S", 0.2)                  # a few seconds, scaled to a short test
     monkeypatch.setenv(balance.SLOW_RANK_ENV, "0:0.02")              # 0.16 s an update of 8 samples
     out = tmp_path / "o"
     assert run_main(base_args(small_mnist_dir, out, "--log-interval", "5", "--disable-validation",

@@ -137,7 +137,7 @@ def test_fp16_loss_scaler_skips_are_not_updates(small_mnist_dir, tmp_path):
                                              "--log-interval", "1", "--no-save", "--disable-validation",
                                              max_update=8))
     acc = trainer.accelerator
-    assert acc.device.type == "cuda" and acc.scaler is not None and not trainer.skips_on_device
+    assert acc.device.type == "cuda" and acc.scaler is not None and not trainer.step.skips_on_device
     module = acc.unwrap_model(trainer.model)
     assert all(p.device.type == "cuda" for p in module.parameters())
     calls = poison_batches(trainer, {3})
@@ -178,7 +178,7 @@ def test_fused_optimizer_skips_nan_on_the_device_and_reads_one_update_late(small
     with contextlib.redirect_stderr(io.StringIO()) as err:
         rc = run_trainer(trainer)
     assert rc == 0, err.getvalue()[-3000:]
-    assert trainer.skips_on_device
+    assert trainer.step.skips_on_device
     reads = [i for i, e in enumerate(events) if e == "read"]
     losses = {e: i for i, e in enumerate(events) if e.startswith("loss")}
     for k in range(2, 8):  # the first step (it creates the optimizer's state) is checked on the host

@@ -638,8 +638,9 @@ def test_out_of_memory_mid_training_saves_the_last_update_and_exits_71(data_1k, 
 def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
     """An allocation that really fails (more than any machine has) while the
     trainer is built: a UserError naming the batch size, not a traceback."""
-    from textbox_like import cli, trainer
+    from textbox_like import cli
     from textbox_like.errors import UserError
+    from textbox_like.train import outcome as trainer
     from textbox_like.faults import allocation_failed
 
     def build(cfg):

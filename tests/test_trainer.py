@@ -380,3 +380,44 @@ def test_single_process_needs_no_port(small_mnist_dir, tmp_path, monkeypatch):
 def test_a_metric_takes_its_direction_from_its_name(metric, higher):
     from textbox_like.tasks.base import higher_is_better
     assert higher_is_better(metric) is higher
+
+
+def test_a_periodic_event_of_ones_own_is_one_class_and_one_line(small_mnist_dir, tmp_path):
+    """A new periodic event is one class (an EveryUpdates and what it does)
+    and one line (Trainer.add_event): in a real run it fires after every
+    third update, and sees that update counted."""
+    from test_faults import build_trainer, mnist_args, run_trainer
+    from textbox_like.train.due import EveryUpdates
+
+    class RecordUpdates(EveryUpdates):
+        def __init__(self, interval):
+            super().__init__(interval)
+            self.fired = []
+
+        def run(self, trainer):
+            self.fired.append((trainer.state.num_updates, trainer.state.samples_trained))
+
+    trainer, _, _ = build_trainer(mnist_args(small_mnist_dir, tmp_path / "out", "--disable-validation",
+                                             max_update=10))
+    every_third = RecordUpdates(3)
+    trainer.add_event(every_third)
+    assert run_trainer(trainer) == 0
+    assert trainer.state.num_updates == 10
+    assert every_third.fired == [(3, 24), (6, 48), (9, 72)]  # 8 samples an update (mnist_args)
+
+
+def test_an_error_without_a_message_is_named_by_its_type(small_mnist_dir, tmp_path, monkeypatch, capfd):
+    """--initial-optimizer whose read fails with an empty message (EOFError()):
+    one line naming the error's type, exit 2 (the first line of an empty
+    message was an IndexError)."""
+    from textbox_like.errors import first_line
+    assert first_line(KeyError()) == "KeyError" and first_line(ValueError("\n  two\nlines"), 3) == "two"
+    path = tmp_path / "optimizer.pt"
+    path.write_bytes(b"x")
+
+    def unreadable(*args, **kwargs):
+        raise EOFError()
+    monkeypatch.setattr(torch, "load", unreadable)
+    assert run_main(base_args(small_mnist_dir, tmp_path / "out", "--initial-optimizer", path, max_update=1)) == 2
+    err = capfd.readouterr().err
+    assert f"--initial-optimizer {path} cannot be read (EOFError)" in err and "Traceback" not in err

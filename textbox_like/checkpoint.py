@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .faults import SaveFailed, failed_writing, os_reason
 from .fileio import atomic_copy, atomic_write, remove, what_file_holds
 
@@ -215,11 +215,10 @@ def unreadable_weights_reason(exc) -> str:
                 f"because loading it could run code; it was not loaded: re-save the weights as tensors only "
                 f"(save_pretrained writes model.safetensors)")
     if type(exc).__name__ == "SafetensorError":
-        return f"not a valid safetensors file ({text.splitlines()[0] if text else 'unreadable header'})"
+        return f"not a valid safetensors file ({first_line(text, empty='unreadable header')})"
     if isinstance(exc, OSError) and exc.errno == 22 or "PytorchStreamReader" in text or "zip archive" in text:
         return "truncated or not a torch file (its zip archive cannot be read)"
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return first[:160]
+    return first_line(exc, 160)
 
 
 def load_checkpoint(path, verify=True) -> dict:
@@ -476,7 +475,7 @@ class CheckpointManager:
             except UserError:
                 raise
             except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:150]
+                reason = first_line(exc, 150)
                 raise UserError(f"the {name} state in {path} does not fit this run ({reason}); "
                                 f"{MISFIT_HINTS.get(name, 'start without --resume')}") from None
         return fresh

@@ -9,6 +9,16 @@ class UserError(Exception):
     """Bad input: the message names the problem and the fix."""
 
 
+def first_line(exc, limit=None, empty=None) -> str:
+    """The first line of an exception's message (of a text, given one),
+    cut to ``limit`` characters; an empty message gives ``empty``, or the
+    exception's type name: never an IndexError on an empty message."""
+    lines = str(exc).strip().splitlines()
+    if lines:
+        return lines[0][:limit]
+    return (type(exc).__name__ if empty is None else empty)[:limit]
+
+
 def _norm(text):
     return str(text).lstrip("-").lower().replace("_", "-")
 

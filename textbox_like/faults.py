@@ -1,6 +1,7 @@
 """Faults that end a run with a one-line message and an exit code a script can
 act on (sysexits.h), as opposed to :class:`~textbox_like.errors.UserError`
 (bad input, exit 2) and preemption (exit 75, see :mod:`preemption`)."""
+from .errors import first_line
 
 
 class RunStopped(Exception):
@@ -69,8 +70,7 @@ def os_reason(exc: BaseException) -> str:
     for link in _chain(exc):
         if isinstance(link, OSError) and link.strerror:
             return link.strerror
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
+    return first_line(exc, 200)
 
 
 def failed_writing(exc: BaseException) -> bool:

@@ -23,7 +23,7 @@ before the first step.
 """
 import math
 
-from .errors import UserError, closest
+from .errors import UserError, closest, first_line
 from .registry import Registry
 
 
@@ -381,7 +381,7 @@ def check_scheduler(cfg):
     try:
         scheduler.step_epoch(1)
     except (ValueError, TypeError, ZeroDivisionError, KeyError) as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise UserError(f"--scheduler {cfg.schedule.lr_scheduler}: {first}; check --scheduler_conf") from None
 
 

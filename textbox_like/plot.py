@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .fileio import atomic_write
 
 # keys of a log record that are not metrics to plot against updates
@@ -252,7 +252,7 @@ def plot_runs(run_dirs, output):
         plot([run_dirs] if isinstance(run_dirs, (str, os.PathLike)) else list(run_dirs), output)
         return True
     except Exception as exc:  # noqa: BLE001 - a failed plot must never end a training run
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc)
         print(f"warning: curves not written to {output}: {message}", file=sys.stderr)
         return False
 

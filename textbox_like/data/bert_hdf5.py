@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..faults import DataUnavailable, os_reason
 from ..fileio import what_file_holds
 from .base import BatchDataset, shuffled_blocks
@@ -100,7 +100,7 @@ def _open(path):
         if kind != "an HDF5 file":
             raise UserError(f"shard {str(path)!r} is {kind}, not an HDF5 file; "
                             f"recreate it with python -m textbox_like.data.prepare_bert") from None
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first = first_line(exc)
         raise UserError(f"shard {str(path)!r} is not a readable HDF5 file ({first}); "
                         f"recreate it with python -m textbox_like.data.prepare_bert") from None
 
@@ -259,9 +259,8 @@ class BertHDF5Dataset(BatchDataset):
                 raise DataUnavailable(f"shard {self.files[i]!r}: reading rows {start}..{stop} failed "
                                       f"({os_reason(exc)})") from None
             except (ValueError, KeyError) as exc:
-                first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise UserError(f"shard {self.files[i]!r} is corrupt: reading rows {start}..{stop} "
-                                f"failed ({first_line}); recreate it") from None
+                                raise UserError(f"shard {self.files[i]!r} is corrupt: reading rows {start}..{stop} "
+                                f"failed ({first_line(exc)}); recreate it") from None
             pos += stop - start
             i += 1
         rows = {k: (v[0] if len(v) == 1 else np.concatenate(v)) for k, v in parts.items()}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..fileio import what_file_holds
 from .base import BatchDataset
 
@@ -78,7 +78,7 @@ def read_processed(path: Path):
         images, labels = value
         images, labels = images.numpy(), labels.numpy()
     except Exception as exc:  # unpickling errors come in many types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:150]
+        first = first_line(exc, 150)
         raise UserError(f"{path} is not a torchvision MNIST file (a tuple of image and label tensors): "
                         f"{first}; replace it or point --data elsewhere") from None
     if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.ndim != 1 or len(images) != len(labels):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import BertConfig, BertForPreTraining
 
 from ..config import PROPERTIES, load_yaml
-from ..errors import UserError
+from ..errors import UserError, first_line
 from . import PRESETS, check_init_checkpoint, checked_vocab_size, read_bert_json
 IGNORE_INDEX = -100
 
@@ -224,7 +224,7 @@ def read_init_state(path):
             model = BertForPreTraining.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
             raise UserError(f"--init-checkpoint {str(path)!r} is not a transformers BERT save directory: "
-                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+                            f"{first_line(exc)}") from None
         finally:
             if bar:
                 transformers_logging.enable_progress_bar()

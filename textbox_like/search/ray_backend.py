@@ -21,7 +21,7 @@ from pathlib import Path
 from ..checkpoint import checkpoints_newest_first
 from ..config import read_resolved, write_resolved
 from ..distributed import usable_cpus
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..fileio import atomic_write_text
 from ..internals import ray_init_local
 from .algos import plain_value
@@ -79,7 +79,7 @@ def start_ray(address, root, out=print):
             # address="local": a new instance even when `ray start` runs a cluster on this machine
             ray_init_local(ray, temp, num_cpus=usable_cpus(), include_dashboard=False, **kwargs)
     except Exception as exc:                  # ConnectionError, AuthenticationError, RuntimeError ...
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc, 200)
         if "auth" in first.lower():
             first += " (Ray's token authentication: export RAY_AUTH_MODE=token with the head's ~/.ray/auth_token)"
         raise UserError(f"--ray-address {address or '(local)'}: cannot join Ray: {first}") from None

@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from ..config import read_text_file, with_numbers
-from ..errors import UserError, closest, nearest
+from ..errors import UserError, closest, first_line, nearest
 
 # kind -> argument names (hyperopt's order)
 KINDS = {
@@ -307,7 +307,7 @@ def parse_yaml(text, source, options=None):
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source} line {mark.line + 1}" if mark is not None else source
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or first_line(exc)
         raise UserError(f"{where}: not valid YAML: {problem}") from None
     if not isinstance(data, dict) or not data:
         raise UserError(f"{source}: expected 'option: {{kind: args}}' lines (YAML) or "

@@ -1,0 +1,82 @@
+"""Saving: when a save is due (every --save-interval-updates, a
+--snapshot-interval crossed), and the save itself, which every rank takes
+part in (CheckpointManager writes on the main one)."""
+from __future__ import annotations
+
+import time
+
+from .. import collectives, distributed
+from ..checkpoint import CheckpointManager
+from ..config import to_yaml
+from ..faults import Diverged, SaveFailed
+from .due import crosses, every
+from .state import LossScalerPart, ModelPart, OptimizerPart, RNGPart
+
+
+class Checkpointer:
+    """The checkpoint parts of the run, the save schedule and the save."""
+
+    def __init__(self, trainer):
+        self.trainer = t = trainer
+        cfg, acc = t.cfg, t.accelerator
+        parts = {"model": ModelPart(acc, t.model),
+                 "optimizer": OptimizerPart(t.optimizer, cfg.optim.optimizer, not cfg.checkpoint.no_save_optimizer_state),
+                 "scheduler": t.scheduler, "iterator": t.iterator, "train": t.state,
+                 "scaler": LossScalerPart(acc), "rng": RNGPart(acc, t.reseed, t.host_group)}
+        if t.global_batch.balancer is not None:
+            parts["balance"] = t.global_batch.balancer
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": t.world, "config": to_yaml(cfg),
+                                  "precision": {"mixed": acc.mixed_precision, "source": t.sources["precision"]}},
+            parts=parts, is_main=t.is_main)
+        self.snapshot = False  # the last update taken crossed a multiple of --snapshot-interval samples
+        self.snapshot_before = False  # what it was before that update (restored if the update is taken back)
+
+    def count_samples(self, samples_in_update: int):
+        """An update taken: its samples, and kanachan's --snapshot-interval:
+        whether they crossed a multiple of N training samples."""
+        state = self.trainer.state
+        before = state.samples_trained
+        state.samples_trained += samples_in_update
+        self.snapshot_before = self.snapshot
+        self.snapshot = crosses(before, state.samples_trained, self.trainer.cfg.checkpoint.snapshot_interval)
+
+    def take_back_samples(self, samples_in_update: int):
+        """The last update turned out skipped (UpdateStep.settle): its samples are not trained."""
+        self.trainer.state.samples_trained -= samples_in_update
+        self.snapshot = self.snapshot_before
+
+    def new_epoch(self):
+        self.snapshot = self.snapshot_before = False
+
+    def should_save(self, update: int) -> bool:
+        """Every --save-interval-updates, and where the update crossed a snapshot."""
+        return every(update, self.trainer.cfg.checkpoint.save_interval_updates) or self.snapshot
+
+    def save(self, end_of_epoch, is_best, final=False, snapshot=False):
+        t = self.trainer
+        t.step.settle()
+        state = t.state
+        names = self.checkpoints.names(state.epoch, state.num_updates, end_of_epoch, is_best, final,
+                                       snapshot)
+        if not names:
+            return
+        started = time.perf_counter()
+        t.reporting.fold_log_window()  # so the saved meters are already summed over ranks
+        if not all(bool(p.isfinite().all()) for p in t.grad_params):
+            raise Diverged(f"the weights are not finite at update {state.num_updates}; not saving them. "
+                           f"The last finite checkpoint is {self.checkpoints.newest_good()}")
+        failure = None
+        time.sleep(t.hooks.save_delay)
+        try:
+            self.checkpoints.save(names)
+        except SaveFailed as exc:
+            failure = exc
+        # instead of a barrier: every rank learns whether the main one could
+        # write (on the long-timeout group: a large checkpoint takes a while)
+        if collectives.any_rank_failed(failure is not None, t.world, distributed.long_group())[0] \
+                and failure is None:
+            failure = SaveFailed("rank 0 could not write a checkpoint (see its message); stopping")
+        if failure is not None:
+            raise failure
+        state.clock.paused += time.perf_counter() - started

@@ -1,0 +1,227 @@
+"""The run's start and end: the save directory's lock, restoring from a
+checkpoint, the checks and the start line before the first update, and at
+the end results.json, the last line, the curves and the exit code."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .. import collectives, distributed
+from ..checkpoint import changes_numbers, refuse_rerun
+from ..config import to_yaml
+from ..errors import UserError, first_line
+from ..faults import SaveFailed, os_reason
+from ..fileio import atomic_write_text
+from ..preemption import PREEMPTED_EXIT_CODE
+
+
+class Lifecycle:
+    """Start and finish, and the save directory held in between."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.save_lock = None           # savelock.SaveDirLock, on the main process while it holds it
+        self.updates_at_start = None    # num_updates when this start's first update began (out_of_memory)
+
+    def claim_save_dir(self):
+        """One run per save directory: the main process takes its lock
+        (savelock.py) before any data is read; every rank learns whether it
+        got it, so a refusal ends all of them alike, and the lock's token,
+        which each rank's writes into the directory check from then on
+        (savelock.check_owner)."""
+        from .. import savelock
+        t = self.trainer
+        save_dir = t.cfg.checkpoint.save_dir
+        refusal = None
+        if t.is_main and not t.cfg.checkpoint.no_save:
+            # held before its file exists: a signal at any moment of take()
+            # (SIGTERM during start-up) finds it here, and release_save_dir removes the file
+            self.save_lock = savelock.SaveDirLock(save_dir)
+            try:
+                self.save_lock.take()
+                refuse_rerun(t.cfg.checkpoint)
+            except UserError as exc:
+                refusal = exc
+                self.release_save_dir()
+        token = self.save_lock.token if self.save_lock is not None else None
+        if t.world > 1:
+            per_rank = collectives.one_per_rank([refusal is not None, token], t.world, t.host_group)
+            if any(refused for refused, _ in per_rank) and refusal is None:
+                refusal = UserError("rank 0 could not take the save directory (see its message)")
+            token = per_rank[0][1]
+        if refusal is not None:
+            raise refusal
+        # a rank that does not see rank 0's lock (a save directory not shared
+        # by its node) cannot prove anything, and writes nothing there in a normal run
+        if token is not None and savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None:
+            savelock.own(save_dir, token, holds_lock=self.save_lock is not None, who=f"rank {t.rank}")
+
+    def release_save_dir(self):
+        from ..savelock import disown
+        disown()
+        lock, self.save_lock = self.save_lock, None
+        if lock is not None:
+            lock.release()
+
+    def restore(self):
+        """Continue from --restore-file, or checkpoint_last.pt under --resume."""
+        t = self.trainer
+        cfg, state, checkpoints, feed = t.cfg, t.state, t.checkpointer.checkpoints, t.feed
+        path = checkpoints.resume_path()
+        if path is None:
+            if cfg.checkpoint.resume:
+                t.log.info(f"no checkpoint_last.pt in {cfg.checkpoint.save_dir}: starting fresh")
+            if cfg.checkpoint.initial_optimizer:
+                self.load_initial_optimizer(cfg.checkpoint.initial_optimizer)
+            t.iterator.set_epoch(state.epoch)
+            return
+        state_dict, path = checkpoints.load_newest(path, t.log.info)
+        if cfg.checkpoint.resume:  # the same run, continued (--restore-file may start another)
+            checkpoints.check_resumed_config(state_dict, path, changes_numbers(cfg),
+                                             defaults={"model_conf": t.task.model_conf_defaults()},
+                                             log=t.log.info)
+        fresh = checkpoints.restore(state_dict, path)
+        feed.previous_data_failure = state_dict.get("data_failure")
+        del state_dict
+        if cfg.checkpoint.reset_meters:
+            state.reset_meters()
+        if "iterator" in fresh:  # --reset-dataloader: a new pass from the start, same update count
+            state.epoch, state.updates_in_epoch = 1, 0
+            t.iterator.set_epoch(1)
+            if "rng" in fresh:
+                t.reseed("--reset-dataloader")
+        else:
+            state.epoch = t.iterator.epoch
+        overrides = cfg.checkpoint.optimizer_overrides or {}
+        for group in t.optimizer.param_groups:
+            group.update({k: v for k, v in overrides.items() if not (k == "weight_decay" and group.get("no_decay"))})
+        if overrides.get("lr") is not None:
+            t.scheduler.rebase(float(overrides["lr"]))
+        if "scheduler" in fresh:
+            t.scheduler.step_update(state.num_updates)  # the schedule at the restored update, not at 0
+        if t.global_batch.balancer is not None:  # the saved split, or an even one on another world size
+            t.global_batch.apply_split()
+        if feed.end_of_epoch():
+            feed.next_epoch()
+        t.log.forget_after(state.num_updates)
+        t.log.info(f"resumed from {path}: epoch {state.epoch}, update {state.num_updates}")
+
+    def load_initial_optimizer(self, path):
+        """kanachan's --initial-optimizer: the optimizer state of one of our
+        checkpoints, or a file of ``optimizer.state_dict()``."""
+        import torch
+        t = self.trainer
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise UserError(f"--initial-optimizer {path} cannot be read ({first_line(exc, 150)})") from None
+        if isinstance(saved, dict) and "optimizer" in saved and "param_groups" not in saved:
+            saved = saved["optimizer"]
+        if not isinstance(saved, dict) or "param_groups" not in saved:
+            raise UserError(f"--initial-optimizer {path} holds no optimizer state")
+        saved = {k: v for k, v in saved.items() if k != "name"}
+        try:
+            t.optimizer.load_state_dict(saved)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise UserError(f"--initial-optimizer {path} does not fit this model and optimizer "
+                            f"({first_line(exc, 150)})") from None
+        t.log.info(f"optimizer state from {path}")
+
+    def agreed_settings(self) -> dict:
+        """What every rank must have alike: the position, the data, the
+        precision actually chosen, and every setting that is not per node."""
+        import yaml
+        t = self.trainer
+        settings = {"position (update, epoch, offset)": (t.state.num_updates, t.iterator.epoch, t.iterator.offset),
+                    "training samples": len(t.train_data),
+                    "precision": t.accelerator.mixed_precision}
+        for key, value in yaml.safe_load(to_yaml(t.cfg)).items():
+            if key not in distributed.PER_NODE_SETTINGS:
+                settings[f"--{key.replace('_', '-')}"] = value
+        return settings
+
+    def start(self):
+        t = self.trainer
+        cfg, acc, state = t.cfg, t.accelerator, t.state
+        # every node has its own command line: settings that change the
+        # numbers or the order of collectives must agree, or the replicas
+        # drift apart or hang
+        distributed.check_ranks_agree(acc, self.agreed_settings())
+        if t.is_main and not cfg.checkpoint.no_save:
+            from ..config import write_config
+            write_config(cfg, cfg.checkpoint.save_dir)
+        if acc.log_with:
+            import yaml
+
+            from ..trackers import hyperparameters
+            acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
+        memory = t.global_batch.memory
+        if memory is not None:  # measured on the second update of this start (a resume too)
+            memory.measure_at = state.num_updates + 2
+        if t.global_batch.balancer is not None:
+            t.global_batch.balancer.start(state.num_updates)
+        t.log.info(t.reporting.start_line())
+        state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
+        t.reporting.start()
+        t.step.decide_device_skips()
+        t.model.train()
+        self.updates_at_start = state.num_updates  # an allocation failing before the next one fails the batch size
+        t.preemption.started = True  # from here a signal saves and stops; before, it stops at once
+
+    def finish(self) -> int:
+        t = self.trainer
+        t.step.settle()
+        cfg, state, acc = t.cfg, t.state, t.accelerator
+        reason = t.stop_reason() or "completed"
+        results = {"task": cfg.data.task, "num_updates": state.num_updates, "epochs_completed": state.epoch - 1,
+                   "wall_time": state.clock.elapsed(),
+                   "best_metric": state.best_metric, "best": state.best_valid, "final": state.last_valid,
+                   "stopped": "preempted" if reason == "preempted" else "completed", "stop_reason": reason,
+                   "world_size": t.world, "samples_trained": state.samples_trained}
+        if t.is_main and not cfg.checkpoint.no_save:
+            self.write_results(results)
+            from .. import elastic
+            if reason != "preempted":
+                elastic.clear_handoff(cfg.checkpoint.save_dir)
+            elif t.agent is not None:  # torchrun stops workers with SIGTERM when a node joins
+                elastic.write_handoff(cfg.checkpoint.save_dir, t.agent, state.num_updates, t.global_batch.total(),
+                                      "membership change or preemption")
+        t.log.info(t.reporting.last_line(reason))
+        timer = t.timing.timer
+        if t.world > 1 and timer is not None:
+            from ..balance import slowest_rank_line
+            totals = timer.totals()
+            keys = ("compute", "data", "wait", "updates")
+            rows = collectives.one_per_rank([float(totals[k]) for k in keys], t.world, t.host_group)
+            t.log.info(slowest_rank_line([dict(zip(keys, row)) for row in rows]))
+        if timer is not None:
+            timer.close()
+        t.log.close()
+        t.preemption.close()
+        acc.wait_for_everyone()
+        acc.end_training()
+        if t.is_main and not cfg.checkpoint.no_save:
+            self.plot_curves()
+        self.release_save_dir()
+        distributed.cleanup()
+        if reason == "preempted":
+            print(t.preemption.message(t.checkpointer.checkpoints.enabled and not cfg.checkpoint.no_last_checkpoints),
+                  file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+        return 0
+
+    def write_results(self, results):
+        path = Path(self.trainer.cfg.checkpoint.save_dir) / "results.json"
+        try:
+            atomic_write_text(path, json.dumps(results, indent=2), make_parents=False)
+        except OSError as exc:
+            raise SaveFailed(f"could not write {path} ({os_reason(exc)}); the checkpoints are kept") from None
+
+    def plot_curves(self):
+        try:
+            from ..plot import plot_runs
+        except ImportError:  # matplotlib missing: curves are a convenience
+            return
+        save_dir = self.trainer.cfg.checkpoint.save_dir
+        plot_runs([save_dir], Path(save_dir) / "curves.png")

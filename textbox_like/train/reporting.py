@@ -1,0 +1,187 @@
+"""What the run says: the logging schedule (every --log-interval updates,
+and sooner by wall time) and its records, the epoch's record, the start
+line and the last line."""
+from __future__ import annotations
+
+import os
+import time
+
+from .. import collectives
+from ..compat import default_notes
+from ..meters import StatSums
+from .due import every
+
+#: the longest a run goes without a progress record, in seconds of rank 0's
+#: wall clock (as near as a schedule decided at log time can keep it)
+LOG_EVERY_S = 5.0
+#: rank 0's seconds since its last log decision, shared in the log window's sum
+CLOCK_KEY = "log_clock_s_rank0"
+
+
+class Reporting:
+    """The open log window and the schedule that decides when it is logged."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.window = StatSums()  # the open log window's stats, this rank only
+        # the wall-clock schedule (schedule_time_log), set at start()
+        self.time_log_at, self.time_log_mark = None, None
+        self.first_log_probe = True
+        self.interval_for = (None, None)  # (target updates, the log interval worked out for it)
+
+    def start(self):
+        """The wall-clock log schedule (schedule_time_log) learns the pace at this run's first update."""
+        state = self.trainer.state
+        self.time_log_at, self.time_log_mark = state.num_updates + 1, (time.perf_counter(), state.num_updates)
+        self.first_log_probe = True
+
+    def fold_log_window(self, share_clock=False) -> dict:
+        """Sum the open log window over ranks (one collective) into the
+        epoch's meters; ``share_clock``: with rank 0's clock in the same sum,
+        for the wall-clock log schedule."""
+        t = self.trainer
+        t.step.settle()
+        if share_clock:
+            elapsed = time.perf_counter() - self.time_log_mark[0] if t.is_main else 0.0
+            self.window.add({CLOCK_KEY: elapsed})   # every rank the key: the same collective everywhere
+        sums = self.window.reduce(t.accelerator)
+        self.window.reset()
+        if share_clock:
+            self.schedule_time_log(sums.pop(CLOCK_KEY))
+        t.state.epoch_sums.add(sums)
+        t.state.samples_seen += int(sums.get("nsamples", 0))
+        return sums
+
+    def target_updates(self) -> int:
+        """The update the run will stop at (0: not known)."""
+        known = [n for n in (self.trainer.cfg.schedule.max_update, self.trainer.planned_updates) if n]
+        return min(known) if known else 0
+
+    def log_interval(self) -> int:
+        """--log-interval, shortened so that a short run still logs about ten
+        times (a 20-update run with the default 100 would print nothing); a
+        user's own --log-interval is kept. The longest spacing of records in
+        updates; should_log adds records by wall time."""
+        target = self.target_updates()
+        if self.interval_for[0] != target:   # asked every update: worked out once
+            cfg = self.trainer.cfg
+            interval = cfg.logging.log_interval
+            if not (cfg.given("log_interval") or not target or interval <= 0):
+                interval = min(interval, max(1, target // 10))
+            self.interval_for = (target, interval)
+        return self.interval_for[1]
+
+    def should_log(self, ahead=0) -> bool:
+        """Whether the update ``num_updates + ahead`` logs: every --log-interval
+        updates (log_interval), and sooner where the wall-clock schedule
+        (schedule_time_log) says so; the same answer on every rank."""
+        interval, update = self.log_interval(), self.trainer.state.num_updates + ahead
+        return interval > 0 and (update % interval == 0 or update >= self.time_log_at)
+
+    def schedule_time_log(self, rank0_seconds: float):
+        """The next update to log so that records come at least every
+        LOG_EVERY_S seconds: from rank 0's seconds per update since the last
+        decision, which every rank received in the same sum, so all ranks
+        pick the same update without a collective of their own."""
+        num_updates = self.trainer.state.num_updates
+        updates = max(num_updates - self.time_log_mark[1], 1)
+        spacing = max(1, int(LOG_EVERY_S * updates / max(rank0_seconds, 1e-9)))
+        self.time_log_at = num_updates + spacing
+        self.time_log_mark = (time.perf_counter(), num_updates)
+
+    def log_train(self):
+        if not self.should_log():
+            return
+        t = self.trainer
+        state = t.state
+        sums = self.fold_log_window(share_clock=True)
+        if self.first_log_probe:
+            # the first update of a run is folded to learn its pace, not
+            # printed (unless --log-interval asks for it)
+            self.first_log_probe = False
+            if not every(state.num_updates, self.log_interval()):
+                return
+        rates = state.clock.window(state.samples_seen, state.num_updates)
+        gnorm = t.step.gnorm
+        record = {"epoch": state.epoch, "update": state.num_updates, **t.task.metrics(sums), "lr": t.step.lr,
+                  "gnorm": float(gnorm) if gnorm is not None else None, **rates}
+        if "ntokens" in sums:
+            record["tokens_per_s"] = rates["samples_per_s"] * sums["ntokens"] / max(sums.get("nsamples", 0), 1)
+        target = self.target_updates()
+        if target and rates["updates_per_s"] > 0:
+            record["eta_s"] = max(target - state.num_updates, 0) / rates["updates_per_s"]
+        if t.accelerator.device.type == "cuda":
+            record["peak_mem_gib"] = self.peak_memory_per_rank()
+        if t.world > 1:
+            record.update(self.seconds_per_rank())
+        record["wall"] = state.clock.elapsed()
+        t.log.log("train", record)
+
+    def seconds_per_rank(self) -> dict:
+        """Each rank's compute, data and all-reduce wait seconds per update
+        in this log window (one host collective)."""
+        t = self.trainer
+        window = t.timing.window("log")
+        updates = max(window["updates"], 1)
+        mine = [float(window["compute"] / updates), float(window["data"] / updates), float(window["wait"] / updates)]
+        rows = collectives.one_per_rank(mine, t.world, t.host_group)
+        return {f"{name}_s_per_rank": [round(row[i], 5) for row in rows]
+                for i, name in enumerate(("compute", "data", "wait"))}
+
+    def log_epoch(self):
+        t = self.trainer
+        state = t.state
+        self.fold_log_window()
+        t.log.log("train_epoch", {"epoch": state.epoch, "update": state.num_updates,
+                                  **t.task.metrics(state.epoch_sums.state_dict()),
+                                  "wall": state.clock.elapsed()})
+        state.epoch_sums.reset()
+
+    def peak_memory_per_rank(self) -> list:
+        import torch
+        t = self.trainer
+        # in the default dtype, as a device tensor of it held the figure before
+        peak = torch.tensor(torch.cuda.max_memory_allocated() / 2 ** 30, dtype=torch.get_default_dtype()).item()
+        return [round(float(v), 3) for v in collectives.one_per_rank(peak, t.world, t.host_group)]
+
+    def start_line(self) -> str:
+        """What the run is: task, size, devices, precision and where it was
+        chosen, optimizer and lr (and why that lr), batches, data."""
+        from ..optim import lr_explained
+        t = self.trainer
+        cfg, acc = t.cfg, t.accelerator
+        sources = ", ".join(f"{k} from {v}" for k, v in t.sources.items() if v != "default")
+        return (f"task {cfg.data.task} | {t.n_params:,} parameters | world size {t.world} | "
+                f"device {acc.device}" + (f" ({t.threads} thread{'s' if t.threads > 1 else ''})"
+                                          if acc.device.type == "cpu" else "")
+                + f" | precision {self.precision_name()}" + (f" ({sources})" if sources else "")
+                + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
+                + f" | {t.global_batch.describe()} | train {len(t.train_data):,} samples"
+                + ("" if cfg.validation.disable_validation else
+                   f" | best {t.state.best_metric} ({'higher' if t.state.maximize else 'lower'} is better)")
+                + (" (in memory: read inline, --num-workers not needed)"
+                   if cfg.data.num_workers and not t.iterator.num_workers else "")
+                + f" | {self.saved_where()}"
+                + "".join(f" | {line}" for line in default_notes(cfg)))
+
+    def precision_name(self) -> str:
+        """Accelerate's mixed precision (fp16, bf16), or where it has none
+        ("no"), the dtype the model trains in: float32 (float64)."""
+        chosen = self.trainer.accelerator.mixed_precision
+        return self.trainer.cfg.numerics.train_dtype if chosen == "no" else chosen
+
+    def saved_where(self) -> str:
+        """Where the run is saved, for its start and done lines."""
+        if self.trainer.cfg.checkpoint.no_save:
+            return "not saved (--no-save)"
+        return f"saved in {os.path.abspath(self.trainer.cfg.checkpoint.save_dir)}"
+
+    def last_line(self, reason):
+        """How the run ended, and whose the figures are (the last validation's)."""
+        state, cfg = self.trainer.state, self.trainer.cfg
+        head = {"preempted": f"stopped by a signal at update {state.num_updates}",
+                "patience": f"done: no better {state.best_metric} in {cfg.validation.patience} validations "
+                            f"(--patience) at update {state.num_updates}"}.get(reason, f"done | updates {state.num_updates}")
+        figures = (" | last validation: " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
+                   if state.last_valid else " | not validated")
+        return head + figures + f" | wall {state.clock.elapsed():.1f}s | {self.saved_where()}"

@@ -1,0 +1,260 @@
+"""The training loop, top to bottom: read :meth:`Trainer.train` first.
+
+Accelerate places the model, wraps it in DDP and runs mixed precision; the
+trainer builds the run in the order it needs, then runs epochs of updates,
+asking each component after every update whether it is due. The components,
+each owning its state and its own "is it due" check:
+
+- :class:`~.step.UpdateStep` (step.py): one update and the non-finite guard;
+  :class:`~.step.InFlight`: the update under way;
+- :class:`~.global_batch.GlobalBatch`: the split of ``--global-batch-size``
+  over the ranks, micro-batches, the memory guard, ``--balance``;
+- :class:`~.feed.Feed`: epochs and the data position;
+- :class:`~.reporting.Reporting`: ``should_log``, the records and lines;
+- :class:`~.validation.Validation`: ``should_validate``;
+- :class:`~.checkpointer.Checkpointer`: ``should_save`` and the save;
+- :class:`~textbox_like.preemption.Preemption`: ``due``, stopping on SIGTERM/SIGUSR1;
+- :class:`~.lifecycle.Lifecycle`: restore, start, finish, the save-dir lock;
+- :mod:`.outcome`: an exception as (save or not, one line, exit code);
+  :mod:`.elastic`: a lost peer;
+- periodic events of one's own: a :class:`~.due.EveryUpdates` registered
+  with :meth:`Trainer.add_event`.
+"""
+from __future__ import annotations
+
+import os
+
+from .. import distributed
+from ..errors import UserError
+from ..faults import check_writable
+from ..meters import Logger
+from ..preemption import Preemption
+from ..tasks import TASKS
+from ..tasks.base import best_metric_direction
+from .checkpointer import Checkpointer
+from .feed import Feed
+from .global_batch import GlobalBatch, RankTiming
+from .hooks import TestHooks
+from .lifecycle import Lifecycle
+from .reporting import Reporting
+from .state import TrainState
+from .step import InFlight, UpdateStep
+from .validation import Validation
+
+
+class Trainer:
+    """Built in the order a run needs: processes and Accelerate, data, model
+    and optimizer, batch plan, then the components that watch over them."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg  # a settings.RunConfig
+        placement = distributed.placement_from_env(cfg)
+        if not cfg.checkpoint.no_save:
+            # before minutes of data loading, not at the first save; only the writer
+            # creates the directory (on another node it would stay empty)
+            check_writable(cfg.checkpoint.save_dir, create=placement is None or placement.rank == 0)
+        from ..elastic import Agent
+        self.agent = Agent.from_env()  # torchrun's, if it started this worker
+        self.setup_processes()
+        self.lifecycle = Lifecycle(self)
+        try:
+            self.lifecycle.claim_save_dir()  # inside: a signal during it ends here, where the lock is released
+            self.hooks = TestHooks(self.rank)
+            from accelerate.utils import set_seed
+            set_seed(cfg.numerics.seed)
+            self.task = TASKS.get(cfg.data.task)(cfg)
+            self.build_data()
+            self.build_model()
+            self.build_components()
+        except BaseException:
+            self.lifecycle.release_save_dir()
+            raise
+
+    def setup_processes(self):
+        from ..accelerator import build_accelerator
+        from ..malloc import keep_freed_heap
+        from ..trackers import log_with, requested
+        cfg = self.cfg
+        trackers = requested(cfg.logging)  # before any process group: a missing package is one line
+        placement = distributed.placement_from_env(cfg) or distributed.Placement()
+        # processes sharing a node share its cores; Accelerate would otherwise
+        # set 2 threads each, whatever the machine
+        threads = cfg.runtime.threads or max(1, distributed.usable_cpus() // max(placement.local_world_size, 1))
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+        # before any data or model is allocated: updates reuse freed heap
+        # instead of faulting fresh pages in (malloc.py says why)
+        keep_freed_heap()
+        import torch
+        distributed.init_process_group(placement, cfg)
+        self.accelerator, self.sources = build_accelerator(
+            cfg, placement, log_with(trackers, cfg.checkpoint.save_dir) if trackers and not cfg.checkpoint.no_save else None)
+        acc = self.accelerator
+        self.rank, self.world, self.is_main = acc.process_index, acc.num_processes, acc.is_main_process
+        self.host_group = distributed.host_group()
+        self.preemption = Preemption(self.host_group, self.world)
+        self.log = Logger(cfg, self.is_main, acc)
+        torch.set_num_threads(threads)
+        self.threads = threads
+
+    def build_data(self):
+        import time
+        cfg, task = self.cfg, self.task
+        # once per run, then once per node (nodes may not share a file system),
+        # on a long-timeout group: preparing data can take long
+        time.sleep(self.hooks.start_delay)  # test-only: slow data
+        with distributed.main_then_local_main_first(self.accelerator):
+            task.prepare_data()
+        self.train_data = task.build_dataset(cfg.data.train_subset)
+        if len(self.train_data) == 0:
+            raise UserError(f"the {cfg.data.train_subset!r} split of --data {cfg.data.data} holds no samples")
+        self.valid_data = {} if cfg.validation.disable_validation else {s: task.build_dataset(s) for s in cfg.data.valid_subset}
+
+    def build_model(self):
+        import torch
+
+        from ..accelerator import compile_regions
+        from ..lr_scheduler import build_scheduler
+        from ..optim import build_optimizer
+        cfg = self.cfg
+        if cfg.numerics.train_dtype == "float64":
+            torch.set_default_dtype(torch.float64)
+        model = self.task.build_model()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        acc = self.accelerator
+        # before prepare(): a model may name the parts worth compiling here
+        self.compiled_regions = compile_regions(acc, model)
+        if self.compiled_regions is not None:
+            self.sources["compile"] += f", regions {', '.join(self.compiled_regions)} on {acc.device.type}"
+        optimizer = build_optimizer(cfg.optim, self.task.param_groups(model, cfg.optim.weight_decay),
+                                    fused_default=acc.device.type == "cuda" and acc.scaler is None)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
+        # each rank its own dropout stream; rank 0 keeps the seed's own stream
+        if self.rank:
+            torch.manual_seed(cfg.numerics.seed + self.rank)
+
+    def build_components(self):
+        """In the order of their collectives (the same on every rank)."""
+        best_metric, maximize = best_metric_direction(self.cfg.validation, self.task)
+        self.state = TrainState(best_metric, maximize)
+        self.global_batch = GlobalBatch(self)
+        self.feed = Feed(self)
+        self.iterator = self.feed.iterator
+        if self.global_batch.balancer is not None:
+            self.global_batch.check_token_caps()
+            self.global_batch.apply_split()
+        self.planned_updates = self.scheduler.planned_updates = \
+            self.feed.updates_of_epochs(self.cfg.schedule.max_epoch or 0)
+        self.validation = Validation(self, best_metric, maximize)
+        self.checkpointer = Checkpointer(self)
+        self.timing = RankTiming(self)
+        self.global_batch.build_memory_guard()
+        self.in_flight = InFlight(compile_pending=self.sources["compile"] != "default")
+        self.step = UpdateStep(self)
+        self.reporting = Reporting(self)
+        self.events = []  # periodic events of one's own (add_event)
+
+    def add_event(self, event):
+        """A periodic event (a due.EveryUpdates): asked after every update
+        taken, and counted in anything_due."""
+        self.events.append(event)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> int:
+        """Restore, start, epochs of updates until stop_reason() names one, finish: the exit code."""
+        self.lifecycle.restore()
+        self.lifecycle.start()
+        self.hooks.limit_memory(self.state.num_updates)
+        while self.stop_reason() is None:
+            self.feed.begin_epoch()
+            self.checkpointer.new_epoch()
+            for micro_batches, totals in self.updates_of_this_epoch():
+                stepped = self.train_step(micro_batches, totals)
+                self.in_flight.update_over(self.timing.timer)
+                if stepped and self.after_update():
+                    break  # the end of the epoch (its own validation and save follow) or of the run
+            self.log.end_epoch()
+            if self.feed.end_of_epoch():
+                self.end_epoch()
+        return self.lifecycle.finish()
+
+    def after_update(self) -> bool:
+        """Whatever is due after an update that moved the weights, each
+        component deciding by its own check; True where the epoch's loop
+        ends here: at the end of the epoch, or of the run."""
+        state = self.state
+        self.reporting.log_train()
+        self.global_batch.rebalance()
+        self.preemption.poll(state.num_updates)
+        self.hooks.limit_memory(state.num_updates)
+        for event in self.events:
+            if event.should_run(state.num_updates):
+                event.run(self)
+        if self.feed.end_of_epoch():
+            return True
+        stopping = self.stop_reason() is not None
+        saving = self.checkpointer.should_save(state.num_updates)
+        # HetSeq validates at every interval save; a run that ends
+        # validates its final weights (unless preempted: leave fast)
+        improved = self.validation.validate() if (self.validation.should_validate(state.num_updates) or saving or (
+            stopping and not self.preemption.agreed)) else False
+        stopping = stopping or self.stop_reason() is not None  # --patience ran out at this validation
+        if saving or improved or stopping:
+            self.checkpointer.save(end_of_epoch=False, is_best=improved, final=stopping,
+                                   snapshot=self.checkpointer.snapshot)
+        return stopping
+
+    def anything_due(self) -> bool:
+        """Whether after_update will act after this update beyond the next
+        one: the same components' checks (UpdateStep reads the gradient norm
+        at once then, so every decision sees the settled count)."""
+        update = self.state.num_updates
+        return (self.reporting.should_log() or self.checkpointer.should_save(update)
+                or self.validation.should_validate(update) or self.preemption.due(update)
+                or self.feed.end_of_epoch() or self.stop_reason() is not None
+                or any(event.should_run(update) for event in self.events))
+
+    def end_epoch(self):
+        """The epoch's record, its validation (every --validate-interval epochs), its save, the next epoch."""
+        self.reporting.log_epoch()
+        improved = self.validation.validate() if self.validation.should_validate_epoch(self.state.epoch) else False
+        self.checkpointer.save(end_of_epoch=True, is_best=improved, final=self.stop_reason(next_epoch=True) is not None,
+                               snapshot=self.checkpointer.snapshot)
+        if not self.preemption.agreed:
+            self.feed.next_epoch()
+
+    def stop_reason(self, next_epoch=False):
+        """Why the run stops now, or None: the one place that knows."""
+        cfg, state = self.cfg, self.state
+        if self.preemption.agreed:
+            return "preempted"
+        if cfg.schedule.max_update and state.num_updates >= cfg.schedule.max_update:
+            return "max_update"
+        if cfg.schedule.max_epoch and state.epoch + int(next_epoch) > cfg.schedule.max_epoch:
+            return "max_epoch"
+        if cfg.validation.patience > 0 and state.validations_since_best >= cfg.validation.patience:
+            return "patience"
+        return None
+
+    def train_step(self, micro_batches, totals) -> bool:
+        """One update (UpdateStep.update); False when it was skipped."""
+        return self.step.update(micro_batches, totals)
+
+    def updates_of_this_epoch(self):
+        """The rest of this epoch, update by update (Feed.updates)."""
+        return self.feed.updates()
+
+    # ------------------------------------------------------------- helpers
+    def to_device(self, batch):
+        batch = self.task.collate_to_device(batch, self.accelerator.device)
+        if self.cfg.numerics.train_dtype == "float64":
+            import torch
+            batch = {k: v.double() if torch.is_floating_point(v) else v for k, v in batch.items()}
+        return batch
+
+    def reseed(self, why):
+        import torch
+        torch.manual_seed(self.cfg.numerics.seed + 7919 * self.state.num_updates + self.rank)
+        self.log.info(f"{why}: reseeding")
