@@ -396,7 +396,7 @@ def build_scheduler(cfg, optimizer):
     (checked by resolve_scheduler_conf) stand for the schedule's own settings
     (--lr, --warmup-updates, --end-learning-rate, ...), for the schedule only.
     A torch scheduler gets --scheduler_conf as its constructor arguments."""
-    from .config import float_list
+    from .config.value_types import float_list
     cls = SCHEDULERS.get(cfg.schedule.lr_scheduler)
     if issubclass(cls, TorchScheduler):
         return cls(cfg, optimizer)

@@ -93,7 +93,7 @@ class BetasEpsSpec(OptimizerSpec):
 
     @classmethod
     def add_args(cls, options):
-        from ..config import float_tuple
+        from ..config.value_types import float_tuple
         options.add(f"--{cls.prefix}-betas", type=float_tuple, default="(0.9, 0.999)",
                     help=f"{cls.prefix} betas, as a Python tuple literal")
         options.add(f"--{cls.prefix}-eps", type=float, default=cls.eps, help=f"{cls.prefix} epsilon")
@@ -179,7 +179,7 @@ def resolve_optim_conf(ns, sources, conf_sources, layer_values, builtin_optimize
     optimizer than the one the properties files' lr was meant for, the
     optimizer's own default applies: 0.1 for sgd, 0.001 for the Adam family
     (adam, adamw, radam, lamb), the class's default for the others."""
-    from ..config import CONFIG_FILE
+    from ..config.layers import CONFIG_FILE
     spec = OPTIMIZERS.get(ns.optimizer)
     defaults = spec.defaults()
     user_conf = dict(ns.optim_conf or {})
@@ -256,7 +256,7 @@ def lr_explained(cfg) -> str:
     meant_lr, meant_for = None, None
     name = "default"
     if source != "default" and Path(source).is_file():
-        from ..config import PROPERTIES
+        from ..config.layers import PROPERTIES
         path = Path(source)
         name = str(path.relative_to(PROPERTIES.parent)) if path.is_relative_to(PROPERTIES.parent) else path.name
         import yaml

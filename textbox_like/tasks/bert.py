@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..config import nonneg_int, positive_int
+from ..config.value_types import nonneg_int, positive_int
 from ..errors import UserError
 from . import register_task
 from .base import Task
@@ -83,7 +83,8 @@ class BertTask(Task):
             if sizes is None:  # one of our checkpoints, or a bad directory (check_config says so)
                 return
         else:
-            from ..config import PROPERTIES, load_yaml
+            from ..config.files import load_yaml
+            from ..config.layers import PROPERTIES
             sizes = load_yaml(PROPERTIES / "model" / f"{ns.model_preset or 'base'}.yaml", "model preset")
         if ns.dim_feedforward is None:
             ns.dim_feedforward = 4 * ns.dimension if ns.dimension else sizes["intermediate_size"]
