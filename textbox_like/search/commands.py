@@ -10,7 +10,7 @@ from ..errors import UserError, closest
 
 def search_options(command, description, epilog):
     """The parser of ``command`` (run_hyper.py or run_multi_seed.py), from
-    the declarations of settings.SearchConfig, as the trainer's parser is
+    the declarations of config.schema.SearchConfig, as the trainer's parser is
     built from its sections (each flag in both spellings)."""
     from ..config.schema import SearchConfig
     own, differs = SearchConfig.COMMANDS[command]

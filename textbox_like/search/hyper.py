@@ -132,7 +132,7 @@ class Setup:
     """Everything checked before the first trial."""
 
     def __init__(self, space, search, base_argv, out=print):
-        """``search``: the typed settings.SearchConfig of run_hyper.py."""
+        """``search``: the typed config.schema.SearchConfig of run_hyper.py."""
         self.space, self.search, self.algo, self.seed = space, search, canonical_algo(search.algo), int(search.seed)
         self.base_argv, self.output = list(base_argv), Path(search.output)
         self.parallel, self.gpus_per_trial, self.resume, self.out = \

@@ -35,7 +35,7 @@ def draw_seeds(n, seed):
 def plan_seeds(search, base_argv, out=print):
     """The base command line checked and resolved once, and the seeds:
     (TrialConfigs, the resolved RunConfig, seeds). ``search``: the typed
-    settings.SearchConfig of run_multi_seed.py."""
+    config.schema.SearchConfig of run_multi_seed.py."""
     configs = TrialConfigs(list(base_argv))
     for name, hint in NOT_HERE:
         if name in configs.given:

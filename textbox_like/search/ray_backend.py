@@ -313,7 +313,7 @@ def _searcher(setup, hspace, prepare):
 
 
 def ray_search(space, search, rest, out=print):
-    """run_hyper.py --backend ray; ``search``: its typed settings.SearchConfig."""
+    """run_hyper.py --backend ray; ``search``: its typed config.schema.SearchConfig."""
     from .trials import ROOT
     if search.algo and search.algo.strip().lower() in ("atpe", "atpe.suggest", "hyperopt.atpe.suggest"):
         raise UserError("--backend ray runs exhaustive, random, tpe and anneal (HyperOptSearch); "
@@ -432,7 +432,7 @@ def _unpack_point(trainable, names):
 
 # ====================================================================== seeds
 def ray_multi_seed(search, rest, out=print):
-    """run_multi_seed.py --backend ray; ``search``: its typed settings.SearchConfig."""
+    """run_multi_seed.py --backend ray; ``search``: its typed config.schema.SearchConfig."""
     from ray import tune
 
     from .hyper import resolve_metric
