@@ -139,7 +139,8 @@ def test_the_walker_finds_a_cycle_through_a_lazy_import(tmp_path):
 
 def test_no_import_cycle_among_textbox_like_modules():
     graph = import_graph(PACKAGE_DIR, "textbox_like")
-    assert "textbox_like.config.resolution" in graph and "textbox_like.config.schema" in graph["textbox_like.config.files"]
+    # the walk sees top-level and lazy imports alike (resolution imports the task registry inside functions)
+    assert {"textbox_like.config.schema", "textbox_like.tasks"} <= graph["textbox_like.config.resolution"]
     found = set(cycles(graph))
     new = found - KNOWN_CYCLES
     assert not new, "import cycles: " + " | ".join(describe(c, graph) for c in new)

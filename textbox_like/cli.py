@@ -11,9 +11,9 @@ import os
 import sys
 
 from .config.checks import check  # noqa: F401  (the command line's names, as callers use them)
-from .config.files import read_resolved, to_yaml
+from .config.files import to_yaml
 from .config.options import build_options  # noqa: F401
-from .config.resolution import finalize, groups_for, parse, resolve  # noqa: F401
+from .config.resolution import finalize, groups_for, parse, read_resolved, resolve  # noqa: F401
 from .errors import UserError
 from .faults import RunStopped, StoppedEarly, Superseded
 from .preemption import guard_startup

@@ -11,7 +11,6 @@ from pathlib import Path
 import yaml
 
 from ..errors import UserError
-from .schema import RunConfig
 
 
 def read_text_file(path, what, kind) -> str:
@@ -81,14 +80,10 @@ def write_config(cfg, directory):
 def write_resolved(cfg, path):
     """A resolved configuration for a process that runs it as it is (a spawned
     rank, a search trial): the values, where each came from, and which
-    options are the task's, optimizer's and scheduler's own."""
+    options are the task's, optimizer's and scheduler's own. Read back by
+    resolution.read_resolved."""
     from ..fileio import atomic_write_text
     data = {"config": _plain(cfg.as_dict()), "sources": dict(cfg.sources),
             "plugins": {part: list(vars(getattr(cfg, part)))
                         for part in ("task_options", "optimizer_options", "scheduler_options")}}
     return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
-
-
-def read_resolved(path):
-    data = load_yaml(path, "resolved configuration")
-    return RunConfig.from_values(data["config"], list(data["config"]), data["plugins"], data["sources"])

@@ -1,7 +1,7 @@
 """Option building: the command-line parser, from the settings' declarations
 (schema.py), the other tools' spellings (compat.py) and each task's,
-optimizer's and LR scheduler's own options; and the one-line errors of
-every parser of ours.
+optimizer's and LR scheduler's own section, declared the same way; and the
+one-line errors of every parser of ours.
 
 Every option has one name in the resolved config (``max_update``) and answers
 to both spellings on the command line (``--max-update``, ``--max_update``), as
@@ -20,7 +20,7 @@ import yaml
 from ..errors import UserError, closest
 from ..internals import parser_actions
 from . import compat
-from .schema import GROUPS, declared_settings
+from .schema import GROUPS, PLUGIN_PARTS, declared_settings, plugin_group
 from .value_types import parse_dict, switch
 
 
@@ -165,60 +165,68 @@ def add_aliases(options, aliases=compat.ALIASES, title="other tools' spellings")
         options.add_alias(flag, dest, help=help, tool=help.split(":", 1)[0] if help else None)
 
 
+def plugin_registries() -> dict:
+    """The registries of the plugins, by PLUGIN_PARTS' names: tasks,
+    optimizers, LR schedulers."""
+    from ..lr_scheduler import SCHEDULERS
+    from ..optim import OPTIMIZERS
+    from ..tasks import TASKS
+    return {"task_options": TASKS, "optimizer_options": OPTIMIZERS, "scheduler_options": SCHEDULERS}
+
+
 _built = {}
 
 
 def build_options():
     """The parser of run_hetseq.py. Built once per set of registered
     components: resolving never changes it."""
-    from ..lr_scheduler import SCHEDULERS
-    from ..optim import OPTIMIZERS
-    from ..tasks import TASKS
-    key = (program_name("run_hetseq.py"), tuple(TASKS.choices()), tuple(OPTIMIZERS.choices()),
-           tuple(SCHEDULERS.choices()))
+    registries = plugin_registries()
+    key = (program_name("run_hetseq.py"), *(tuple(registry.choices()) for registry in registries.values()))
     if key not in _built:
         _built.clear()
-        _built[key] = _build_options()
+        _built[key] = _build_options(registries)
     return _built[key]
 
 
-def _build_options():
-    from ..lr_scheduler import SCHEDULERS
-    from ..lr_scheduler import add_args as add_scheduler_args
-    from ..optim import OPTIMIZERS
-    from ..optim import add_args as add_optimizer_args
-    from ..tasks import TASKS
+def add_setting(o, f, help_text):
+    """The option of one declared setting (a field of a section: schema.setting)."""
+    meta = f.metadata
+    kwargs = {"default": meta["cli_default"], "help": help_text}
+    if meta["switch"]:
+        kwargs["action"] = "store_true"
+    elif meta["merge"]:
+        kwargs["action"] = MergeDict
+    for key in ("type", "choices", "metavar"):
+        if meta[key] is not None:
+            kwargs[key] = meta[key]
+    if meta["optional_value"]:
+        kwargs.update(nargs="?", const=True)
+    o.add(meta["flag"] or "--" + f.name.replace("_", "-"), **kwargs)
+
+
+def _build_options(registries):
     from ..trackers import TRACKERS
+    tasks, optimizers, schedulers = (registries[part] for part in PLUGIN_PARTS)
 
     o = Options(program_name("run_hetseq.py"), "Train a task on one process, one node or several unlike nodes.")
     o.group("meta", "configuration files")
     o.add("--config", action="append", default=[], metavar="FILE",
           help="YAML file of option: value (repeatable; later files win; the command line wins over all)")
     o.add("--print_config", action="store_true", help="print the resolved configuration as YAML and exit")
-    choices = {"task": f"{', '.join(TASKS.names())}", "optimizer": f"one of: {', '.join(OPTIMIZERS.choices())}",
-               "lr_scheduler": f"one of: {', '.join(SCHEDULERS.choices())}", "report_to": ", ".join(TRACKERS)}
+    choices = {"task": f"{', '.join(tasks.names())}", "optimizer": f"one of: {', '.join(optimizers.choices())}",
+               "lr_scheduler": f"one of: {', '.join(schedulers.choices())}", "report_to": ", ".join(TRACKERS)}
     group = None
     for _, section, f in declared_settings():
-        meta = f.metadata
         if group != section.group_of(f):
             group = section.group_of(f)
             o.group(group, GROUPS[group])
-        kwargs = {"default": meta["cli_default"], "help": meta["help"].replace("{choices}", choices.get(f.name, ""))}
-        if meta["switch"]:
-            kwargs["action"] = "store_true"
-        elif meta["merge"]:
-            kwargs["action"] = MergeDict
-        for key in ("type", "choices", "metavar"):
-            if meta[key] is not None:
-                kwargs[key] = meta[key]
-        if meta["optional_value"]:
-            kwargs.update(nargs="?", const=True)
-        o.add(meta["flag"] or "--" + f.name.replace("_", "-"), **kwargs)
+        add_setting(o, f, f.metadata["help"].replace("{choices}", choices.get(f.name, "")))
     add_aliases(o)
-    for name, cls in TASKS.items():
-        o.group(f"task:{name}", f"task {name}")
-        cls.add_args(o)
-    add_optimizer_args(o)
-    add_scheduler_args(o)
+    # each plugin's own section, in a group of its own
+    for part, (_, kind) in PLUGIN_PARTS.items():
+        for name, cls in registries[part].items():
+            o.group(plugin_group(part, name), f"{kind} {name}")
+            for f in cls.options.settings():
+                add_setting(o, f, f.metadata["help"])
     add_aliases(o, compat.PLUGIN_ALIASES, "other tools' spellings of the optimizers' options")
     return o

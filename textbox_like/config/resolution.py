@@ -21,8 +21,8 @@ from ..internals import appends, parser_actions
 from . import compat, layers
 from .files import load_yaml
 from .layers import BUILTIN, COMMAND_LINE, CONFIG_FILE, ENVIRONMENT, LAYER_NAMES, OVERALL, TASK_FILE
-from .options import Options, build_options, raise_user_errors
-from .schema import GROUPS, RunConfig, plugin_groups
+from .options import Options, build_options, plugin_registries, raise_user_errors
+from .schema import GROUPS, PLUGIN_PARTS, RunConfig, plugin_group
 
 
 def _check_keys(layer, options, source):
@@ -240,7 +240,7 @@ def groups_for(ns):
     compat.check_optimizer_name(ns.optimizer, OPTIMIZERS, SCHEDULERS)
     ns.optimizer = OPTIMIZERS.canonical(ns.optimizer)
     ns.lr_scheduler = SCHEDULERS.canonical(ns.lr_scheduler)
-    return [*GROUPS, *plugin_groups(ns.task, ns.optimizer, ns.lr_scheduler)]
+    return [*GROUPS, *(plugin_group(part, getattr(ns, chooser)) for part, (chooser, _) in PLUGIN_PARTS.items())]
 
 
 def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.train()"):
@@ -255,12 +255,22 @@ def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.
                                         overrides_name=overrides_name)
     # ESPnet2's spelling of the batch size means the batch over all --ngpu processes (compat.py)
     finalize(options, ns, found, espnet2_batch="--batch_size" in {str(a).split("=", 1)[0] for a in argv})
-    task_group, optimizer_group, scheduler_group = plugin_groups(ns.task, ns.optimizer, ns.lr_scheduler)
-    plugin_keys = {"task_options": options.groups.get(task_group, []),
-                   "optimizer_options": options.groups.get(optimizer_group, []),
-                   "scheduler_options": options.groups.get(scheduler_group, [])}
-    cfg = RunConfig.from_values(vars(ns), keys, plugin_keys, found.names)
+    cfg = RunConfig.from_values(vars(ns), keys, plugin_sections(vars(ns)), found.names)
     return cfg, bool(ns.print_config)
+
+
+def plugin_sections(values) -> dict:
+    """The sections of the own options of the task, optimizer and LR
+    scheduler that ``values`` (by setting name) choose."""
+    registries = plugin_registries()
+    return {part: registries[part].get(values[chooser]).options for part, (chooser, _) in PLUGIN_PARTS.items()}
+
+
+def read_resolved(path):
+    """A configuration written by files.write_resolved, as it was resolved."""
+    data = load_yaml(path, "resolved configuration")
+    values = data["config"]
+    return RunConfig.from_values(values, list(values), plugin_sections(values), data["sources"])
 
 
 def parse(argv=(), overrides=None, overrides_name="textbox_like.train()"):
@@ -312,5 +322,4 @@ def finalize(options, ns, found, espnet2_batch=False):
                        builtin_optimizer)
     _credit_optim_conf_lr(found)
     _, maximize = best_metric_direction(ns, task)  # ReduceLROnPlateau's mode follows it
-    resolve_scheduler_conf(ns, options.groups.get(plugin_groups(ns.task, ns.optimizer, ns.lr_scheduler)[2], []),
-                           maximize)
+    resolve_scheduler_conf(ns, options.groups.get(plugin_group("scheduler_options", ns.lr_scheduler), []), maximize)

@@ -6,9 +6,10 @@ Each setting is declared once, here, with its command-line flag, type, default
 and help; the parser is built from these declarations (options.build_options),
 so a new setting is one line in the section of the component that reads it.
 Spellings of other tools (HetSeq, kanachan, ESPnet2, TextBox, Accelerate) live
-in compat.py. A task, an optimizer and an LR scheduler add their own options
-(``add_args``); a run's values of those are ``task_options``,
-``optimizer_options`` and ``scheduler_options``.
+in compat.py. A task, an optimizer and an LR scheduler declare their own
+options the same way, as a section of their own (their class's ``options``,
+or ``dataclass=`` to their registry's decorator); a run's values of those are
+``task_options``, ``optimizer_options`` and ``scheduler_options``.
 
 ``group`` is where a setting is printed in ``--print_config`` and
 ``config.yaml``: files written by earlier versions keep loading and diffing
@@ -32,14 +33,19 @@ from .value_types import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, device_name, d
                           metric_name, metric_names, nonneg_int, positive_float, positive_int, seed_int, seed_list)
 
 #: the printed groups, in order, with their titles in --help; a plugin's
-#: options follow them (plugin_groups)
+#: options follow them (plugin_group)
 GROUPS = {"common": "task and data", "optimization": "optimization", "validation": "validation",
           "checkpoint": "checkpoints and resuming", "logging": "logging", "distributed": "distributed training"}
 
+#: the plugins' own options in a RunConfig: its attribute -> (the setting that
+#: chooses the plugin, the plugin's kind in --help's group titles)
+PLUGIN_PARTS = {"task_options": ("task", "task"), "optimizer_options": ("optimizer", "optimizer"),
+                "scheduler_options": ("lr_scheduler", "lr scheduler")}
 
-def plugin_groups(task, optimizer, lr_scheduler):
-    """The groups of the chosen task's, optimizer's and LR scheduler's own options."""
-    return [f"task:{task}", f"optimizer:{optimizer}", f"lr_scheduler:{lr_scheduler}"]
+
+def plugin_group(part, name):
+    """The group of the own options of the plugin ``name`` (``task:bert``)."""
+    return f"{PLUGIN_PARTS[part][0]}:{name}"
 
 
 _declared = itertools.count()
@@ -353,15 +359,9 @@ def declared_settings():
 SECTION_OF = {f.name: name for name, _, f in declared_settings()}
 
 
-class PluginOptions(types.SimpleNamespace):
-    """The chosen task's, optimizer's or LR scheduler's own options; read-only."""
-
-    def __setattr__(self, name, value):
-        raise dataclasses.FrozenInstanceError(f"cannot assign to option {name!r}: a run's configuration is "
-                                              f"resolved once")
-
-    def as_dict(self):
-        return dict(vars(self))
+@dataclass(frozen=True)
+class NoOptions(Section):
+    """The section of a task, optimizer or LR scheduler without options of its own."""
 
 
 @dataclass(frozen=True)
@@ -379,20 +379,21 @@ class RunConfig:
     logging: LoggingConfig
     runtime: RuntimeConfig
     distributed: DistributedConfig
-    task_options: PluginOptions = field(default_factory=PluginOptions)
-    optimizer_options: PluginOptions = field(default_factory=PluginOptions)
-    scheduler_options: PluginOptions = field(default_factory=PluginOptions)
+    task_options: Section = field(default_factory=NoOptions)
+    optimizer_options: Section = field(default_factory=NoOptions)
+    scheduler_options: Section = field(default_factory=NoOptions)
     keys: tuple = ()
     sources: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_values(cls, values: Mapping, keys, plugin_keys: Mapping[str, list], sources: Mapping[str, str]):
-        """From resolved values by setting name; ``plugin_keys``: the names of
-        the task's, optimizer's and scheduler's own options."""
+    def from_values(cls, values: Mapping, keys, plugin_sections: Mapping[str, type], sources: Mapping[str, str]):
+        """From resolved values by setting name; ``plugin_sections``: the
+        sections of the chosen task's, optimizer's and scheduler's own options
+        (by PLUGIN_PARTS' names)."""
         sections = {name: section(**{f.name: values[f.name] for f in section.settings()})
                     for name, section in SECTIONS.items()}
-        plugins = {part: PluginOptions(**{k: values[k] for k in plugin_keys.get(part, ())})
-                   for part in ("task_options", "optimizer_options", "scheduler_options")}
+        plugins = {part: section(**{f.name: values[f.name] for f in section.settings()})
+                   for part, section in plugin_sections.items()}
         return cls(**sections, **plugins, keys=tuple(keys), sources=types.MappingProxyType(dict(sources)))
 
     def get(self, key):
@@ -430,11 +431,11 @@ class RunConfig:
                 continue
             for part in ("task_options", "optimizer_options", "scheduler_options"):
                 if key in vars(getattr(self, part)):
-                    plugins.setdefault(part, getattr(self, part).as_dict())[key] = value
+                    plugins.setdefault(part, {})[key] = value
                     break
             else:
                 raise UserError(f"unknown setting {key!r}{closest(key, list(SECTION_OF))}")
         return dataclasses.replace(
             self, **{name: dataclasses.replace(getattr(self, name), **values) for name, values in sections.items()},
-            **{part: PluginOptions(**values) for part, values in plugins.items()},
+            **{part: dataclasses.replace(getattr(self, part), **values) for part, values in plugins.items()},
             sources=types.MappingProxyType({**self.sources, **{key: source for key in changes}}))

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from ..checkpoint import checkpoints_newest_first
-from ..config.files import read_resolved, write_resolved
+from ..config.files import write_resolved
+from ..config.resolution import read_resolved
 from ..distributed import usable_cpus
 from ..errors import UserError
 from ..fileio import atomic_write_text
