@@ -17,15 +17,6 @@ import textbox_like
 
 PACKAGE_DIR = Path(textbox_like.__file__).resolve().parent
 
-#: cycles that exist in files outside the configuration's, kept here until
-#: their owners remove them; the test fails on any other cycle, and when
-#: one of these is gone (delete its entry then)
-KNOWN_CYCLES = {
-    # fileio -> savelock (top) -> elastic (lazy, read_handoff/Agent) -> fileio, savelock:
-    # the save-dir lock and the elastic hand-off, being reshaped by issue 30 item 1
-    frozenset({"textbox_like.elastic", "textbox_like.fileio", "textbox_like.savelock"}),
-}
-
 
 def module_files(package_dir: Path, package: str) -> dict:
     """{module name: (path, whether it is a package's __init__)} of every .py under ``package_dir``."""
@@ -141,11 +132,8 @@ def test_no_import_cycle_among_textbox_like_modules():
     graph = import_graph(PACKAGE_DIR, "textbox_like")
     # the walk sees top-level and lazy imports alike (resolution imports the task registry inside functions)
     assert {"textbox_like.config.schema", "textbox_like.tasks"} <= graph["textbox_like.config.resolution"]
-    found = set(cycles(graph))
-    new = found - KNOWN_CYCLES
-    assert not new, "import cycles: " + " | ".join(describe(c, graph) for c in new)
-    gone = KNOWN_CYCLES - found
-    assert not gone, f"no longer a cycle, delete it from KNOWN_CYCLES: {[sorted(c) for c in gone]}"
+    found = cycles(graph)
+    assert not found, "import cycles: " + " | ".join(describe(c, graph) for c in found)
 
 
 def test_the_configuration_is_layered():
