@@ -348,7 +348,7 @@ def test_hetseq_command_without_a_world_size_uses_every_visible_gpu(capsys):
     """HetSeq's several-GPUs-on-one-node commands give no world size: every
     visible GPU (here 4, faked: this machine has none) gets a process."""
     from textbox_like import cli
-    from textbox_like.compat import apply_hetseq_gpus
+    from textbox_like.launch import apply_hetseq_gpus
     cfg = cli.parse(HETSEQ_ONE_NODE)
     capsys.readouterr()
     four = apply_hetseq_gpus(cfg, device_count=4)

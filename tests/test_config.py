@@ -9,6 +9,7 @@ import pytest
 from conftest import base_args, run_main
 
 from textbox_like import config as C
+from textbox_like.config import layers
 from textbox_like.cli import main, parse
 
 
@@ -167,7 +168,7 @@ def test_layering_full_chain(tmp_path, monkeypatch):
     (props / "task").mkdir(parents=True)
     (props / "overall.yaml").write_text("task: mnist\nlr: 0.2\nseed: 5\nclip_norm: 3.0\nlog_interval: 7\n")
     (props / "task" / "mnist.yaml").write_text("lr: 0.3\nclip_norm: 4.0\nlog_interval: 8\n")
-    monkeypatch.setattr(C, "PROPERTIES", props)
+    monkeypatch.setattr(layers, "PROPERTIES", props)
     ns = cfg_of()
     assert (ns.numerics.seed, ns.optim.lr, ns.schedule.clip_norm, ns.logging.log_interval) == (5, [0.3], 4.0, 8)  # task yaml > overall
     first = tmp_path / "a.yaml"
@@ -372,9 +373,9 @@ def test_ngpu_sets_processes_on_this_node():
 
 
 def test_device_option(monkeypatch):
-    from textbox_like import compat
+    from textbox_like.config import compat
     assert cfg_of("--device", "cpu").get("cpu") is True
-    monkeypatch.setattr(compat, "_cuda_devices", lambda: 2)   # as on a machine with two GPUs
+    monkeypatch.setattr(compat, "cuda_devices", lambda: 2)   # as on a machine with two GPUs
     assert cfg_of("--device", "cuda1").get("device_id") == 1
     assert cfg_of("--device", "cuda:0").get("device_id") == 0
 

@@ -188,7 +188,7 @@ def test_usable_cpus_is_the_affinity(monkeypatch):
 
 
 def test_accelerate_launch_without_multi_gpu_says_it_started_one_process(capsys):
-    from textbox_like.compat import launcher_note
+    from textbox_like.launch import launcher_note
     one = {"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     assert launcher_note(one) is True
     assert "accelerate launch started one process" in capsys.readouterr().err

@@ -2,14 +2,9 @@
 
 ``textbox_like.train(config)`` and ``textbox_like.evaluate(checkpoint)``: see api.py.
 """
-import os as _os
+from .parent_process import STARTED_BY  # noqa: F401  first: read as early as anything of ours runs
 
 __version__ = "0.1.0"
-
-#: the process that started this one, read as early as anything of ours runs:
-#: a worker compares it with getppid() to tell that its launcher (torchrun's
-#: agent) died before the worker asked to die with it (cli.elastic_restart)
-STARTED_BY = _os.getppid()
 
 
 def train(config=None, **settings):

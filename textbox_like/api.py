@@ -25,7 +25,7 @@ def resolve_config(config=None, **settings):
     """A RunConfig from a mapping, a YAML path or a RunConfig, with
     ``settings`` (by name) on top; checked as the command line checks it."""
     from .cli import check, parse
-    from .settings import RunConfig
+    from .config.schema import RunConfig
     if isinstance(config, RunConfig):
         cfg = config.replace("textbox_like.train()", **settings) if settings else config
     elif config is None or isinstance(config, Mapping):

@@ -308,23 +308,16 @@ def die_with_parent():
     return preexec
 
 
-def spawn(placements, cfg):
-    """Start one child per placement, each handed this run's resolved
-    configuration (a file: nothing is parsed again) and its rank variables;
-    forward signals, and fail fast: when one child fails, the others are
-    stopped. Returns the exit code for this node."""
-    from .config import write_resolved
-    timeout = cfg.distributed.distributed_timeout
-    fd, resolved = tempfile.mkstemp(prefix="textbox_like_config_", suffix=".yaml")
-    os.close(fd)
-    write_resolved(cfg, resolved)
+def spawn(placements, resolved, timeout):
+    """Start one child per placement, each handed ``resolved``, the path of
+    this run's resolved configuration, already written (launch.spawn), and
+    its rank variables; forward signals, and fail fast: when one child fails,
+    the others are stopped after at most ``timeout`` seconds (30 at most).
+    Returns the exit code for this node."""
     argv = [sys.executable, "-c", "import sys; from textbox_like.cli import run_resolved; "
                                   "from textbox_like.preemption import leaving; "
                                   "sys.exit(leaving(run_resolved(sys.argv[1])))", resolved]
-    try:
-        return _supervise(placements, argv, timeout)
-    finally:
-        os.unlink(resolved)
+    return _supervise(placements, argv, timeout)
 
 
 def _supervise(placements, argv, timeout):

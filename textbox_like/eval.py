@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from .config import positive_int, switch
+from .config.value_types import positive_int, switch
 
 
 def main(argv=None):

@@ -182,7 +182,7 @@ def build_parser():
 
 
 def main(argv=None):
-    from .config import run_tool
+    from .config.options import run_tool
     return run_tool(build_parser(), argv, export_and_report)
 
 

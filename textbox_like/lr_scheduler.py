@@ -22,7 +22,9 @@ best-checkpoint metric, ``state_dict()``/``load_state_dict()``;
 before the first step.
 """
 import math
+from dataclasses import dataclass
 
+from .config.schema import NoOptions, Section, setting
 from .errors import UserError, closest, first_line
 from .registry import Registry
 
@@ -35,9 +37,8 @@ class Scheduler:
         self.num_updates = 0
         self.planned_updates = 0  # updates of --max-epoch epochs, set by the trainer from the batch plan
 
-    @staticmethod
-    def add_args(options):
-        pass
+    #: its own options: a section (config/schema.py); values in cfg.scheduler_options
+    options = NoOptions
 
     @property
     def lrs(self):
@@ -100,17 +101,17 @@ def _total_updates(cfg, planned_updates=0):
     return min(ends) if ends else 0
 
 
-@register_scheduler("PolynomialDecayScheduler", "polynomial_decay", "polynomial")
+@dataclass(frozen=True)
+class PolynomialDecayOptions(Section):
+    end_learning_rate: float = setting(0.0, "LR at the end of the decay", type=float)
+    power: float = setting(1.0, "decay exponent", type=float)
+    force_anneal: int | None = setting(None, "with a per-epoch --lr list, keep the last LR from this epoch on", type=int)
+
+
+@register_scheduler("PolynomialDecayScheduler", "polynomial_decay", "polynomial", dataclass=PolynomialDecayOptions)
 class PolynomialDecay(Scheduler):
     """Linear warm-up, then (1 - progress)^power decay to --end-learning-rate
     at --total-num-update (fairseq's polynomial_decay, HetSeq's default)."""
-
-    @staticmethod
-    def add_args(options):
-        options.add("--end-learning-rate", type=float, default=0.0, help="LR at the end of the decay")
-        options.add("--power", type=float, default=1.0, help="decay exponent")
-        options.add("--force-anneal", type=int, default=None,
-                    help="with a per-epoch --lr list, keep the last LR from this epoch on")
 
     def lr_at(self, n):
         lr, warmup, end = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.end_learning_rate
@@ -132,13 +133,14 @@ class Constant(Scheduler):
         return lr * max(n, 1) / warmup if warmup > 0 and n < warmup else lr
 
 
-@register_scheduler("inverse_sqrt")
+@dataclass(frozen=True)
+class InverseSqrtOptions(Section):
+    warmup_init_lr: float = setting(0.0, "LR at update 0", type=float)
+
+
+@register_scheduler("inverse_sqrt", dataclass=InverseSqrtOptions)
 class InverseSqrt(Scheduler):
     """Linear warm-up from --warmup-init-lr, then lr * sqrt(warmup / update)."""
-
-    @staticmethod
-    def add_args(options):
-        options.add("--warmup-init-lr", type=float, default=0.0, help="LR at update 0")
 
     def lr_at(self, n):
         lr, warmup, init = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.warmup_init_lr
@@ -147,13 +149,14 @@ class InverseSqrt(Scheduler):
         return lr * math.sqrt(max(warmup, 1) / max(n, 1))
 
 
-@register_scheduler("cosine")
+@dataclass(frozen=True)
+class CosineOptions(Section):
+    min_lr: float = setting(0.0, "LR at the end of the cosine", type=float)
+
+
+@register_scheduler("cosine", dataclass=CosineOptions)
 class Cosine(Scheduler):
     """Linear warm-up, then half a cosine from --lr to --min-lr at --total-num-update."""
-
-    @staticmethod
-    def add_args(options):
-        options.add("--min-lr", type=float, default=0.0, help="LR at the end of the cosine")
 
     def lr_at(self, n):
         lr, warmup, low = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.min_lr
@@ -190,6 +193,13 @@ def _quiet():
     return context
 
 
+@dataclass(frozen=True)
+class TorchSchedulerOptions(Section):
+    scheduler_interval: str = setting("auto", "torch schedulers: step once per epoch or per update (auto: ESPnet2's "
+                                              "choice for the class; ReduceLROnPlateau always steps per validation)",
+                                      choices=["auto", "epoch", "update"])
+
+
 class TorchScheduler(Scheduler):
     """A torch.optim.lr_scheduler class behind our interface. Built at the
     first step (the run's length is known then); its state is torch's plus the
@@ -198,12 +208,7 @@ class TorchScheduler(Scheduler):
     LR."""
     torch_name = None
     interval = "epoch"
-
-    @classmethod
-    def add_args(cls, options):
-        options.add("--scheduler-interval", choices=["auto", "epoch", "update"], default="auto",
-                    help="torch schedulers: step once per epoch or per update (auto: ESPnet2's choice "
-                         "for the class; ReduceLROnPlateau always steps per validation)")
+    options = TorchSchedulerOptions
 
     @classmethod
     def scheduler_class(cls):
@@ -385,18 +390,12 @@ def check_scheduler(cfg):
         raise UserError(f"--scheduler {cfg.schedule.lr_scheduler}: {first}; check --scheduler_conf") from None
 
 
-def add_args(options):
-    for name, cls in SCHEDULERS.items():
-        options.group(f"lr_scheduler:{name}", f"lr scheduler {name}")
-        cls.add_args(options)
-
-
 def build_scheduler(cfg, optimizer):
     """The scheduler of --lr-scheduler. For ours, --scheduler_conf keys
     (checked by resolve_scheduler_conf) stand for the schedule's own settings
     (--lr, --warmup-updates, --end-learning-rate, ...), for the schedule only.
     A torch scheduler gets --scheduler_conf as its constructor arguments."""
-    from .config import float_list
+    from .config.value_types import float_list
     cls = SCHEDULERS.get(cfg.schedule.lr_scheduler)
     if issubclass(cls, TorchScheduler):
         return cls(cfg, optimizer)

@@ -1,5 +1,7 @@
 """Name -> class registries for tasks, optimizers and LR schedulers (fairseq's
-pattern): a new one is a decorated class in its package, nothing else."""
+pattern): a new one is a decorated class in its package, nothing else. Its
+own options are a typed section (config/schema.py), given as ``dataclass=``
+to the decorator or as the class's ``options``."""
 from .errors import UserError, unknown
 
 
@@ -13,7 +15,11 @@ class Registry:
         self._entries = {}
         self._aliases = {}
 
-    def register(self, name, *aliases):
+    def register(self, name, *aliases, dataclass=None):
+        """A class decorator. ``dataclass``: the section of the class's own
+        options (a frozen dataclass of ``setting`` fields, as fairseq's
+        ``@register_optimizer("adam", dataclass=...)``); left out, the
+        class's ``options`` (inherited: none of its own)."""
         def deco(cls):
             if self.base is not None and not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise TypeError(f"{self.kind} {name!r}: {cls!r} is not a subclass of {self.base.__name__}")
@@ -23,6 +29,8 @@ class Registry:
                                      f"({self._entries.get(self.canonical(taken))!r})")
             self._entries[name] = cls
             cls.name = name
+            if dataclass is not None:
+                cls.options = dataclass
             for alias in aliases:
                 self._aliases[alias] = name
             return cls

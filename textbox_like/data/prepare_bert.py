@@ -48,7 +48,8 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 
 # ---------------------------------------------------------------- options
 def build_parser():
-    from ..config import Options, positive_int
+    from ..config.options import Options
+    from ..config.value_types import positive_int
 
     def probability(text):
         value = float(text)
@@ -518,7 +519,7 @@ def prepare(args):
 
 
 def main(argv=None):
-    from ..config import run_tool
+    from ..config.options import run_tool
     return run_tool(build_parser(), argv, prepare_and_report)
 
 

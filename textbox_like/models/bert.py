@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForPreTraining
 
-from ..config import PROPERTIES, load_yaml
+from ..config.files import load_yaml
+from ..config.layers import PROPERTIES
 from ..errors import UserError, first_line
 from . import PRESETS, check_init_checkpoint, checked_vocab_size, read_bert_json
 IGNORE_INDEX = -100

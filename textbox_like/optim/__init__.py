@@ -1,15 +1,19 @@
 """Optimizers by name.
 
-Each entry registers its own command-line options (group ``optimizer:<name>``)
-and turns the resolved config into constructor keyword arguments;
+Each entry declares its own options as a typed section (its ``options``:
+group ``optimizer:<name>``, values in ``cfg.optimizer_options``) and turns
+the resolved config into constructor keyword arguments;
 ``--optim_conf key=value`` overrides those arguments and is checked against
 them. Every module of this package is imported, so a new optimizer is one new
 module. Heavy imports stay inside ``build``.
 """
+import dataclasses
 import importlib
 import pkgutil
 from pathlib import Path
 
+from ..config.schema import NoOptions, Section, setting
+from ..config.value_types import float_tuple
 from ..errors import UserError, closest
 from ..registry import Registry
 
@@ -28,10 +32,7 @@ class OptimizerSpec:
     overrides = {}       # our constructor defaults where they differ from the class's
     unusable = None      # why this trainer cannot run it (a reason), or None
     links = {"lr": ["lr"], "weight_decay": ["weight_decay"]}
-
-    @staticmethod
-    def add_args(options):
-        pass
+    options = NoOptions  # its own options: a section (config/schema.py)
 
     @classmethod
     def optimizer_class(cls):
@@ -84,25 +85,29 @@ def _option_value(dest, value):
     return value
 
 
+def betas_eps_options(prefix, eps):
+    """The section of an optimizer of the Adam family: betas and epsilon
+    under its own prefix (``--adam-betas``, ``--lamb-eps``, ...)."""
+    return dataclasses.make_dataclass(
+        f"{prefix.capitalize()}Options",
+        [(f"{prefix}_betas", list, setting("(0.9, 0.999)", f"{prefix} betas, as a Python tuple literal",
+                                          type=float_tuple)),
+         (f"{prefix}_eps", float, setting(eps, f"{prefix} epsilon", type=float))],
+        bases=(Section,), frozen=True)
+
+
 class BetasEpsSpec(OptimizerSpec):
     """The Adam family: betas and epsilon under the optimizer's own prefix
-    (``--adam-betas``, ``--lamb-eps``, ...)."""
-    prefix = "adam"
-    eps = 1e-8
+    (its options: ``betas_eps_options(prefix, eps)``), which feed the
+    constructor's betas and eps."""
     default_lr = 0.001
-
-    @classmethod
-    def add_args(cls, options):
-        from ..config import float_tuple
-        options.add(f"--{cls.prefix}-betas", type=float_tuple, default="(0.9, 0.999)",
-                    help=f"{cls.prefix} betas, as a Python tuple literal")
-        options.add(f"--{cls.prefix}-eps", type=float, default=cls.eps, help=f"{cls.prefix} epsilon")
 
     @classmethod
     def option_links(cls, defaults):
         links = super().option_links(defaults)
-        links["betas"] = [f"{cls.prefix}_betas"]
-        links["eps"] = [f"{cls.prefix}_eps", "epsilon"]
+        betas, eps = (f.name for f in cls.options.settings())
+        links["betas"] = [betas]
+        links["eps"] = [eps, "epsilon"]
         return links
 
 
@@ -179,7 +184,7 @@ def resolve_optim_conf(ns, sources, conf_sources, layer_values, builtin_optimize
     optimizer than the one the properties files' lr was meant for, the
     optimizer's own default applies: 0.1 for sgd, 0.001 for the Adam family
     (adam, adamw, radam, lamb), the class's default for the others."""
-    from ..config import CONFIG_FILE
+    from ..config.layers import CONFIG_FILE
     spec = OPTIMIZERS.get(ns.optimizer)
     defaults = spec.defaults()
     user_conf = dict(ns.optim_conf or {})
@@ -256,7 +261,7 @@ def lr_explained(cfg) -> str:
     meant_lr, meant_for = None, None
     name = "default"
     if source != "default" and Path(source).is_file():
-        from ..config import PROPERTIES
+        from ..config.layers import PROPERTIES
         path = Path(source)
         name = str(path.relative_to(PROPERTIES.parent)) if path.is_relative_to(PROPERTIES.parent) else path.name
         import yaml
@@ -300,12 +305,6 @@ def build_optimizer(optim, param_groups, fused_default=False):
     for group, source in zip(optimizer.param_groups, param_groups):
         group["no_decay"] = bool(source.get("no_decay", False))  # kept for --optimizer-overrides
     return optimizer
-
-
-def add_args(options):
-    for name, spec in OPTIMIZERS.items():
-        options.group(f"optimizer:{name}", f"optimizer {name}")
-        spec.add_args(options)
 
 
 for _info in pkgutil.iter_modules(__path__):

@@ -14,7 +14,7 @@ every tensor, also those without weight decay (as in the paper; NVIDIA's
 apex FusedLAMB skips it there unless use_nvlamb). Gradient clipping is the
 trainer's --clip-norm.
 """
-from . import BetasEpsSpec, register_optimizer
+from . import BetasEpsSpec, betas_eps_options, register_optimizer
 
 
 def make_lamb():
@@ -90,10 +90,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@register_optimizer("lamb")
+@register_optimizer("lamb", dataclass=betas_eps_options("lamb", 1e-6))
 class LambSpec(BetasEpsSpec):
-    prefix, eps = "lamb", 1e-6
-
     @classmethod
     def optimizer_class(cls):
         return __getattr__("Lamb")

@@ -1,9 +1,9 @@
 """RAdam (Liu et al. 2020, "On the Variance of the Adaptive Learning Rate and
 Beyond"): torch.optim.RAdam, with decoupled weight decay like our adam."""
-from . import BetasEpsSpec, register_optimizer
+from . import BetasEpsSpec, betas_eps_options, register_optimizer
 
 
-@register_optimizer("radam")
+@register_optimizer("radam", dataclass=betas_eps_options("radam", 1e-8))
 class RAdam(BetasEpsSpec):
-    prefix, eps, torch_name = "radam", 1e-8, "RAdam"
+    torch_name = "RAdam"
     overrides = {"decoupled_weight_decay": True}

@@ -5,7 +5,7 @@ Modules: ``space`` (space files, both formats), ``algos`` (hyperopt's
 algorithms, ask/tell), ``trials`` (trainer runs as child processes, a pool),
 ``hyper`` (the search), ``multi_seed`` (seeds), ``report`` (statistics,
 tables, CSV, PNG), ``commands`` (the two command lines, parsed into
-settings.SearchConfig), ``ray_backend`` (the same on Ray Tune). See docs/search.md.
+config.schema.SearchConfig), ``ray_backend`` (the same on Ray Tune). See docs/search.md.
 """
 from .algos import ALGO_NAMES, Sampler, canonical_algo
 from .commands import hyper_main, multi_seed_main

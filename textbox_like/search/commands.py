@@ -4,19 +4,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import config as C
+from ..config.options import Options, program_name, raise_user_errors
 from ..errors import UserError, closest
 
 
 def search_options(command, description, epilog):
     """The parser of ``command`` (run_hyper.py or run_multi_seed.py), from
-    the declarations of settings.SearchConfig, as the trainer's parser is
+    the declarations of config.schema.SearchConfig, as the trainer's parser is
     built from its sections (each flag in both spellings)."""
-    from ..settings import SearchConfig
+    from ..config.schema import SearchConfig
     own, differs = SearchConfig.COMMANDS[command]
-    o = C.Options(C.program_name(command), description)
+    o = Options(program_name(command), description)
     o.parser.epilog, o.parser.formatter_class = epilog, argparse.RawDescriptionHelpFormatter
-    C.raise_user_errors(o.parser)
+    raise_user_errors(o.parser)
     o.group("search", "options of " + command)
     fields = {f.name: f for f in SearchConfig.settings()}
     for name in own:
@@ -42,7 +42,7 @@ def search_options(command, description, epilog):
 def parse_search(command, argv, description="", epilog=""):
     """(the typed SearchConfig, the rest of argv: the trainer's options),
     checked: names of choices, and the options that go together."""
-    from ..settings import SearchConfig
+    from ..config.schema import SearchConfig
     o = search_options(command, description, epilog)
     ns, rest = o.parser.parse_known_args(argv)
     own = SearchConfig.COMMANDS[command][0]
@@ -53,7 +53,7 @@ def parse_search(command, argv, description="", epilog=""):
 
 def check_search(search, command):
     """What argparse cannot see: a choice's name (with the closest), and the options that go together."""
-    from ..settings import SearchConfig
+    from ..config.schema import SearchConfig
     for f in SearchConfig.settings():
         choices, value = f.metadata["choices"], getattr(search, f.name)
         if choices and value not in choices:

@@ -132,7 +132,7 @@ class Setup:
     """Everything checked before the first trial."""
 
     def __init__(self, space, search, base_argv, out=print):
-        """``search``: the typed settings.SearchConfig of run_hyper.py."""
+        """``search``: the typed config.schema.SearchConfig of run_hyper.py."""
         self.space, self.search, self.algo, self.seed = space, search, canonical_algo(search.algo), int(search.seed)
         self.base_argv, self.output = list(base_argv), Path(search.output)
         self.parallel, self.gpus_per_trial, self.resume, self.out = \
@@ -380,7 +380,7 @@ def finish(setup, records, interrupted, backend="local"):
 def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), output="checkpoints/hyper",
                metric=None, maximize=None, runner=None, out=print, parallel=1, gpus_per_trial=0, resume=False):
     """The search from Python, with run_hyper.py's options as arguments."""
-    from ..settings import SearchConfig
+    from ..config.schema import SearchConfig
     search = SearchConfig.for_command("run_hyper.py", algo=algo, max_evals=max_evals, seed=seed, output=str(output),
                                       metric=metric, maximize=maximize, parallel=parallel,
                                       gpus_per_trial=gpus_per_trial, resume=resume)

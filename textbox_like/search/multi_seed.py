@@ -35,7 +35,7 @@ def draw_seeds(n, seed):
 def plan_seeds(search, base_argv, out=print):
     """The base command line checked and resolved once, and the seeds:
     (TrialConfigs, the resolved RunConfig, seeds). ``search``: the typed
-    settings.SearchConfig of run_multi_seed.py."""
+    config.schema.SearchConfig of run_multi_seed.py."""
     configs = TrialConfigs(list(base_argv))
     for name, hint in NOT_HERE:
         if name in configs.given:
@@ -68,7 +68,7 @@ def refuse_earlier_runs(output, seeds):
 def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,
                    runner=None, out=print, parallel=1, gpus_per_trial=0):
     """These seeds from Python, with run_multi_seed.py's options as arguments; returns (exit code, summary)."""
-    from ..settings import SearchConfig
+    from ..config.schema import SearchConfig
     search = SearchConfig.for_command("run_multi_seed.py", seeds=list(seeds), output=str(output), metric=metric,
                                       maximize=maximize, parallel=parallel, gpus_per_trial=gpus_per_trial)
     return seeds_locally(search, base_argv, runner, out)

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from ..checkpoint import checkpoints_newest_first
-from ..config import read_resolved, write_resolved
+from ..config.files import write_resolved
+from ..config.resolution import read_resolved
 from ..distributed import usable_cpus
 from ..errors import UserError, first_line
 from ..fileio import atomic_write_text
@@ -313,7 +314,7 @@ def _searcher(setup, hspace, prepare):
 
 
 def ray_search(space, search, rest, out=print):
-    """run_hyper.py --backend ray; ``search``: its typed settings.SearchConfig."""
+    """run_hyper.py --backend ray; ``search``: its typed config.schema.SearchConfig."""
     from .trials import ROOT
     if search.algo and search.algo.strip().lower() in ("atpe", "atpe.suggest", "hyperopt.atpe.suggest"):
         raise UserError("--backend ray runs exhaustive, random, tpe and anneal (HyperOptSearch); "
@@ -432,7 +433,7 @@ def _unpack_point(trainable, names):
 
 # ====================================================================== seeds
 def ray_multi_seed(search, rest, out=print):
-    """run_multi_seed.py --backend ray; ``search``: its typed settings.SearchConfig."""
+    """run_multi_seed.py --backend ray; ``search``: its typed config.schema.SearchConfig."""
     from ray import tune
 
     from .hyper import resolve_metric

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from ..config import read_text_file, with_numbers
+from ..config.files import read_text_file
+from ..config.value_types import with_numbers
 from ..errors import UserError, closest, first_line, nearest
 
 # kind -> argument names (hyperopt's order)
@@ -47,7 +48,7 @@ KINDS = {
 FINITE = ("choice", "pchoice", "randint", "uniformint", "quniform", "qloguniform")
 MAX_GRID_VALUES = 100_000
 
-from ..compat import TEXTBOX_ALIASES  # noqa: E402  TextBox's option names with a counterpart here
+from ..config.compat import TEXTBOX_ALIASES  # noqa: E402  TextBox's option names with a counterpart here
 
 
 def _g(value):

@@ -276,7 +276,7 @@ class Handle:
     it (written to the trial's directory as trial_config.yaml)."""
 
     def __init__(self, cfg, save_dir, env=None):
-        from ..config import write_resolved
+        from ..config.files import write_resolved
         self.save_dir = Path(save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
         self.stopping = False

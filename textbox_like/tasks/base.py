@@ -10,6 +10,7 @@ fast), so they import torch and friends inside methods, not at module top.
 """
 from __future__ import annotations
 
+from ..config.schema import NoOptions
 
 #: words of a metric's name that mean lower is better (loss, mlm_loss, ppl, error rates);
 #: any other metric (accuracy, F1, ROUGE*, BLEU, ...) is better higher. Whole words:
@@ -64,9 +65,10 @@ class Task:
     #: metric used by default for ``checkpoint_best.pt`` (its direction: :func:`higher_is_better`)
     default_best_metric: str = "loss"
 
-    @staticmethod
-    def add_args(parser) -> None:
-        """Register task options on an argparse (sub)parser. Keep it import-light."""
+    #: the task's own options: a frozen dataclass of ``setting`` fields
+    #: (config/schema.py), shown by --help and --print_config and typed like
+    #: the core sections; a run's values are ``cfg.task_options``
+    options: type = NoOptions
 
     @classmethod
     def resolve_config(cls, ns) -> None:

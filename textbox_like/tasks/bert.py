@@ -15,9 +15,11 @@ its update total, so an update is the same whatever the ranks' batch sizes.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import nonneg_int, positive_int
+from ..config.schema import Section, setting
+from ..config.value_types import nonneg_int, positive_int
 from ..errors import UserError
 from . import register_task
 from .base import Task
@@ -32,39 +34,33 @@ def _probability(text):
     return value
 
 
-@register_task("bert")
+@dataclass(frozen=True)
+class BertOptions(Section):
+    """The bert task's own options (``cfg.task_options``)."""
+    dict: str | None = setting(None, "WordPiece vocab.txt; sets the vocabulary size (must match --config_file's vocab_size)", metavar="VOCAB")
+    config_file: str | None = setting(None, "BERT model configuration (Google/NVIDIA bert_config.json); wins over --model-preset", metavar="JSON", flag="--config_file")
+    model_preset: str | None = setting(None, "model size when no --config_file is given (default base): layers/hidden/heads "
+                                             "tiny 2/128/2, mini 4/256/4, small 4/512/8, medium 8/512/8, base 12/768/12, large 24/1024/16", choices=PRESETS)
+    dimension: int | None = setting(None, "override: hidden size (feed-forward follows at 4x)", type=positive_int)
+    num_heads: int | None = setting(None, "override: attention heads", type=positive_int)
+    dim_feedforward: int | None = setting(None, "override: feed-forward size", type=positive_int)
+    num_layers: int | None = setting(None, "override: transformer layers", type=positive_int)
+    activation_function: str | None = setting(None, "override: activation", choices=["relu", "gelu"])
+    dropout: float | None = setting(None, "override: hidden and attention dropout", type=_probability)
+    max_pred_length: int = setting(512, "use at most this many masked positions of each instance", type=positive_int, flag="--max_pred_length")
+    num_file: int = setting(0, "use the first N shards of a split (0: all)", type=nonneg_int, flag="--num_file")
+    init_checkpoint: str | None = setting(None, "start from these weights: one of our checkpoints (.pt) or a transformers save directory")
+    freeze_encoder: bool = setting(False, "train only the pooler and the pre-training heads (embeddings and layers frozen)", switch=True)
+    shuffle_block: int = setting(8192, "rows per shuffled block of the epoch order (the unit read from disk)", type=positive_int)
+
+
+@register_task("bert", dataclass=BertOptions)
 class BertTask(Task):
     denominators = ("masked_tokens",)
     initial_weights_setting = "init_checkpoint"
     split_files = True
     width_key = "hidden_size"
     default_best_metric = "loss"
-
-    @staticmethod
-    def add_args(options):
-        add = options.add
-        add("--dict", default=None, metavar="VOCAB",
-            help="WordPiece vocab.txt; sets the vocabulary size (must match --config_file's vocab_size)")
-        add("--config_file", default=None, metavar="JSON",
-            help="BERT model configuration (Google/NVIDIA bert_config.json); wins over --model-preset")
-        add("--model-preset", default=None, choices=PRESETS,
-            help="model size when no --config_file is given (default base): layers/hidden/heads "
-                 "tiny 2/128/2, mini 4/256/4, small 4/512/8, medium 8/512/8, base 12/768/12, large 24/1024/16")
-        add("--dimension", type=positive_int, default=None, help="override: hidden size (feed-forward follows at 4x)")
-        add("--num-heads", type=positive_int, default=None, help="override: attention heads")
-        add("--dim-feedforward", type=positive_int, default=None, help="override: feed-forward size")
-        add("--num-layers", type=positive_int, default=None, help="override: transformer layers")
-        add("--activation-function", choices=["relu", "gelu"], default=None, help="override: activation")
-        add("--dropout", type=_probability, default=None, help="override: hidden and attention dropout")
-        add("--max_pred_length", type=positive_int, default=512,
-            help="use at most this many masked positions of each instance")
-        add("--num_file", type=nonneg_int, default=0, help="use the first N shards of a split (0: all)")
-        add("--init-checkpoint", default=None,
-            help="start from these weights: one of our checkpoints (.pt) or a transformers save directory")
-        add("--freeze-encoder", action="store_true",
-            help="train only the pooler and the pre-training heads (embeddings and layers frozen)")
-        add("--shuffle-block", type=positive_int, default=8192,
-            help="rows per shuffled block of the epoch order (the unit read from disk)")
 
     # -- checks before anything heavy ---------------------------------------
     @classmethod
@@ -83,7 +79,8 @@ class BertTask(Task):
             if sizes is None:  # one of our checkpoints, or a bad directory (check_config says so)
                 return
         else:
-            from ..config import PROPERTIES, load_yaml
+            from ..config.files import load_yaml
+            from ..config.layers import PROPERTIES
             sizes = load_yaml(PROPERTIES / "model" / f"{ns.model_preset or 'base'}.yaml", "model preset")
         if ns.dim_feedforward is None:
             ns.dim_feedforward = 4 * ns.dimension if ns.dimension else sizes["intermediate_size"]
