@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 CHILD_ENV = "TEXTBOX_LIKE_SPAWNED"
 
@@ -422,7 +422,7 @@ def init_process_group(p: Placement, cfg):
     except UserError:
         raise
     except Exception as exc:  # timeout or refused connection
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, 200)
         raise UserError(f"rank {p.rank}: could not gather {p.world_size} processes at {p.init_method} within "
                         f"{cfg.distributed.distributed_timeout}s ({first}); start every node with the same "
                         f"--distributed-world-size and init method") from None
