@@ -176,3 +176,21 @@ def test_registries_refuse_a_duplicate_name_and_a_foreign_class():
     exact.register("Name")(type("Thing", (), {}))
     with pytest.raises(UserError, match="unknown thing 'name'"):
         exact.canonical("name")  # case matters unless any_case
+
+
+def test_no_module_of_the_package_hides_its_api_functions():
+    """Importing a submodule binds it as an attribute of the package: a module
+    named train or evaluate would replace textbox_like.train() for every later
+    call in the process (the trainer package is textbox_like.training)."""
+    import importlib
+    import pkgutil
+
+    import textbox_like
+    api = {name: getattr(textbox_like, name) for name in ("train", "evaluate")}
+    for module in pkgutil.walk_packages(textbox_like.__path__, "textbox_like."):
+        if module.name.split(".")[1] in ("train", "evaluate"):
+            pytest.fail(f"{module.name} would replace textbox_like.{module.name.split('.')[1]}()")
+        if "ray" not in module.name:  # ray is an extra
+            importlib.import_module(module.name)
+    for name, function in api.items():
+        assert getattr(textbox_like, name) is function and callable(function), name

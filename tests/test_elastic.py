@@ -281,7 +281,7 @@ def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
 LOSE_A_PEER = """
 import os, sys
 from textbox_like import collectives
-from textbox_like.train import elastic as E, global_batch as G, trainer as T
+from textbox_like.training import elastic as E, global_batch as G, trainer as T
 real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
 def init(self, cfg):
     real_init(self, cfg)
@@ -357,7 +357,7 @@ def test_nccl_dead_peer_is_saved_from_the_start_of_the_update_in_flight(data, tm
     from test_faults import build_trainer
     from textbox_like import collectives
     from textbox_like import trainer as T
-    from textbox_like.train.global_batch import RankTiming
+    from textbox_like.training.global_batch import RankTiming
     trainer, _, _ = build_trainer(args(data, tmp_path / "save", "--max-sentences", 16, "--max-update", 10))
     trainer.world, trainer.feed.data_can_fail = 2, True  # one of two ranks: every update sums a flag over them
     trainer.timing = RankTiming(trainer)

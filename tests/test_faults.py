@@ -352,7 +352,7 @@ def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, mon
     monkeypatch.setattr(ckpt, "atomic_write", atomic_write)
     trainer, ns, keys = build_trainer(mnist_args(data, out, "--save-interval-updates", "2", "--disable-validation",
                                                  "--log-interval", "1", max_update=6))
-    from textbox_like.train import outcome as trainer_module
+    from textbox_like.training import outcome as trainer_module
     monkeypatch.setattr(trainer_module, "Trainer", lambda cfg: trainer)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -520,7 +520,7 @@ def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            from textbox_like.train import outcome as trainer_module
+            from textbox_like.training import outcome as trainer_module
             original = trainer_module.Trainer
             trainer_module.Trainer = lambda cfg: trainer
             try:

@@ -231,7 +231,7 @@ def test_patience_stops_after_n_validations_without_improvement(small_mnist_dir,
 def test_the_last_line_of_a_stopped_run_says_stopped_and_whose_figures():
     from types import SimpleNamespace
 
-    from textbox_like.train.reporting import Reporting
+    from textbox_like.training.reporting import Reporting
     run = SimpleNamespace(state=SimpleNamespace(num_updates=15, last_valid={"loss": 0.5, "accuracy": 0.9},
                                                 best_metric="accuracy",
                                                 clock=SimpleNamespace(elapsed=lambda: 12.0)),
@@ -331,7 +331,7 @@ def test_slow_updates_log_by_wall_time_as_well(small_mnist_dir, tmp_path, monkey
     logs (the user's interval is the longest spacing)."""
     from conftest import base_args, read_jsonl, run_main
     from textbox_like import balance
-    from textbox_like.train import reporting
+    from textbox_like.training import reporting
     monkeypatch.setattr(reporting, "LOG_EVERY_S", 0.2)                  # a few seconds, scaled to a short test
     monkeypatch.setenv(balance.SLOW_RANK_ENV, "0:0.02")              # 0.16 s an update of 8 samples
     out = tmp_path / "o"

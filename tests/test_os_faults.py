@@ -640,7 +640,7 @@ def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
     trainer is built: a UserError naming the batch size, not a traceback."""
     from textbox_like import cli
     from textbox_like.errors import UserError
-    from textbox_like.train import outcome as trainer
+    from textbox_like.training import outcome as trainer
     from textbox_like.faults import allocation_failed
 
     def build(cfg):

@@ -387,7 +387,7 @@ def test_a_periodic_event_of_ones_own_is_one_class_and_one_line(small_mnist_dir,
     and one line (Trainer.add_event): in a real run it fires after every
     third update, and sees that update counted."""
     from test_faults import build_trainer, mnist_args, run_trainer
-    from textbox_like.train.due import EveryUpdates
+    from textbox_like.training.due import EveryUpdates
 
     class RecordUpdates(EveryUpdates):
         def __init__(self, interval):

@@ -14,7 +14,7 @@ from .config.checks import check  # noqa: F401  (the command line's names, as ca
 from .config.files import to_yaml
 from .config.options import build_options  # noqa: F401
 from .config.resolution import finalize, groups_for, parse, read_resolved, resolve  # noqa: F401
-from .errors import UserError
+from .errors import UserError, first_line
 from .faults import RunStopped, StoppedEarly, Superseded
 from .preemption import guard_startup
 
@@ -95,13 +95,13 @@ def run(cfg):
         raise
     except Exception as exc:
         if cfg.numerics.cudnn_deterministic and isinstance(exc, RuntimeError) and "deterministic" in str(exc):
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            first = first_line(exc, 200)
             print(f"error: --cudnn_deterministic: {first}; leave it out to train with this operation",
                   file=sys.stderr)
             return 2
         if not distributed.lost_peer(exc):
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc, 200)
         init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or dist.distributed_init_method or ""
         stale = (f"; if the rendezvous file {init[len('file://'):]} was left by an earlier run, delete it and "
                  f"rerun") if init.startswith("file://") else ""

@@ -4,8 +4,8 @@ CUDA_VISIBLE_DEVICES; HetSeq's runs take every visible GPU), the note on
 Accelerate's one-process launcher, and the hand-off of the resolved
 configuration to the processes started here (distributed.spawn).
 
-The configuration (textbox_like/config/) only resolves and checks; nothing
-there changes the environment.
+The configuration (textbox_like/config/) resolves and checks; the one
+variable it sets is TextBox's run name (see its package docstring).
 """
 from __future__ import annotations
 

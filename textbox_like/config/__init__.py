@@ -17,8 +17,11 @@ only those above it in this list:
   into one RunConfig (``resolve``, ``parse``).
 - ``checks``: what argparse cannot see, before anything heavy starts.
 
-Nothing here changes the environment: what happens when a run starts on
-this node is textbox_like/launch.py's. Modules of this package import each
+What happens when a run starts on this node is textbox_like/launch.py's.
+One exception stays here: TextBox's --output_prefix names its run by the
+time of the first resolution and keeps that name in the environment
+(TEXTBOX_LIKE_EXPERIMENT_NAME, compat), so every later resolution in the
+process and its children lands in the same directory. Modules of this package import each
 other by module (``from .schema import RunConfig``), never through this
 file, which only keeps the names the one-module ``textbox_like.config``
 had.

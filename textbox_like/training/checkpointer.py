@@ -30,7 +30,6 @@ class Checkpointer:
                                   "precision": {"mixed": acc.mixed_precision, "source": t.sources["precision"]}},
             parts=parts, is_main=t.is_main)
         self.snapshot = False  # the last update taken crossed a multiple of --snapshot-interval samples
-        self.snapshot_before = False  # what it was before that update (restored if the update is taken back)
 
     def count_samples(self, samples_in_update: int):
         """An update taken: its samples, and kanachan's --snapshot-interval:
@@ -38,16 +37,18 @@ class Checkpointer:
         state = self.trainer.state
         before = state.samples_trained
         state.samples_trained += samples_in_update
-        self.snapshot_before = self.snapshot
         self.snapshot = crosses(before, state.samples_trained, self.trainer.cfg.checkpoint.snapshot_interval)
 
     def take_back_samples(self, samples_in_update: int):
-        """The last update turned out skipped (UpdateStep.settle): its samples are not trained."""
+        """The last update turned out skipped (UpdateStep.settle, one update
+        late): its samples are not trained. It crossed no snapshot (an update
+        that crosses one is due, so settled at once); an earlier crossing was
+        saved when it happened."""
         self.trainer.state.samples_trained -= samples_in_update
-        self.snapshot = self.snapshot_before
+        self.snapshot = False
 
     def new_epoch(self):
-        self.snapshot = self.snapshot_before = False
+        self.snapshot = False
 
     def should_save(self, update: int) -> bool:
         """Every --save-interval-updates, and where the update crossed a snapshot."""

@@ -1,7 +1,7 @@
 """When a periodic event is due: the schedule arithmetic every component's
 own check uses, and :class:`EveryUpdates`, the shape of a periodic event
 that needs nothing but a trainer (register one with
-:meth:`~textbox_like.train.trainer.Trainer.add_event`)."""
+:meth:`~textbox_like.training.trainer.Trainer.add_event`)."""
 from __future__ import annotations
 
 
