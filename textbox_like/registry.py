@@ -65,7 +65,7 @@ class Registry:
             if self.base is not None and not (isinstance(cls, type) and issubclass(cls, self.base)):
                 what = cls.__qualname__ if isinstance(cls, type) else repr(cls)
                 raise WrongKind(f"{self.kind} {name!r} ({defined_at(cls)}): {what} is not a subclass of "
-                                f"{self.base_name}; a {self.kind} derives from {self.base_name}")
+                                f"{self.base_name}; derive it from {self.base_name}")
             for taken in (name, *aliases):
                 if self._key(taken) in self._keys():
                     holder = self._entries[self.canonical(taken)]
