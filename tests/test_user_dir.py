@@ -87,10 +87,13 @@ def trainer(*args, cwd, env=None):
                           env=env or clean_env(), capture_output=True, text=True, timeout=300)
 
 
+#: a toy run of 2 updates, its user dir given relative to tmp_path/work
+TOY = ["--user-dir", "../proj/toytask", "--task", "toy", "--max-sentences", "8", "--max-update", "2", "--cpu",
+       "--log-interval", "1"]
+
+
 def toy_run(save_dir, *extra):
-    """A toy run of 2 updates, its user dir given relative to tmp_path/work."""
-    return ["--user-dir", "../proj/toytask", "--task", "toy", "--max-sentences", "8", "--max-update", "2", "--cpu",
-            "--log-interval", "1", "--save-dir", save_dir, *extra]
+    return [*TOY, "--save-dir", save_dir, *extra]
 
 
 def train_records(save_dir):
@@ -245,3 +248,44 @@ def test_an_installed_package_registers_through_the_entry_point_group(tmp_path):
     printed = trainer("--task", "mnist", "--lr_scheduler", "my_flat", "--print_config", cwd=tmp_path, env=env)
     assert printed.returncode == 0, printed.stderr
     assert yaml.safe_load(printed.stdout)["lr_scheduler"] == "my_flat"
+
+
+@pytest.mark.timeout(120)
+def test_the_public_names_are_the_registries_and_import_no_torch(project):
+    """``textbox_like.Task`` and the decorators come on first use; neither
+    they nor a user dir's --help import torch (its task imports it in its
+    methods, as ours do)."""
+    _, work = project
+    probe = ("import sys, textbox_like\n"
+             "from textbox_like.lr_scheduler import SCHEDULERS\n"
+             "from textbox_like.optim import OPTIMIZERS\n"
+             "from textbox_like.tasks import TASKS, base\n"
+             "assert textbox_like.Task is base.Task and textbox_like.register_task == TASKS.register\n"
+             "assert textbox_like.register_optimizer == OPTIMIZERS.register\n"
+             "assert textbox_like.register_scheduler == SCHEDULERS.register\n"
+             "from textbox_like.cli import main\n"
+             "try:\n    main(['--user-dir', '../proj/toytask', '--help'])\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=work, env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "task toy:" in proc.stdout and proc.stderr.split() == ["False"]
+
+
+@pytest.mark.timeout(600)
+def test_a_search_over_the_user_dirs_option_runs_each_trial_with_it(project, tmp_path):
+    """run_hyper.py passes --user-dir on: the space names the user task's
+    option, and each trial's process (handed its resolved configuration)
+    imports the folder before reading it."""
+    _, work = project
+    (work / "space.txt").write_text("toy_width choice [4, 8]\n")
+    search = subprocess.run([sys.executable, str(REPO / "run_hyper.py"), "--space", "space.txt", "--max_evals", "2",
+                             "--output", str(tmp_path / "search"), *TOY],
+                            cwd=work, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert search.returncode == 0, search.stderr
+    widths = set()
+    for trial in ("trial_1", "trial_2"):
+        results = json.loads((tmp_path / "search" / trial / "results.json").read_text())
+        assert results["num_updates"] == 2
+        widths.add(yaml.safe_load((tmp_path / "search" / trial / "config.yaml").read_text())["toy_width"])
+    assert widths == {4, 8}
