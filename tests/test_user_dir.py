@@ -116,7 +116,7 @@ def test_help_and_print_config_show_the_user_dirs_typed_options(project):
 
 
 @pytest.mark.timeout(600)
-def test_one_process_trains_then_its_config_yaml_reruns_it_and_resume_continues_it(project, tmp_path):
+def test_one_process_trains_then_config_yaml_reruns_it_resume_continues_it_and_eval_reads_it(project, tmp_path):
     package, work = project
     first = tmp_path / "first"
     done = trainer(*toy_run(first), cwd=work)
@@ -135,6 +135,13 @@ def test_one_process_trains_then_its_config_yaml_reruns_it_and_resume_continues_
     assert resumed.returncode == 0, resumed.stderr
     assert [r["update"] for r in train_records(first)] == [1, 2, 3]
     assert json.loads((first / "results.json").read_text())["num_updates"] == 3
+
+    evaluated = subprocess.run([sys.executable, "-m", "textbox_like.eval", "--model_ckpt",
+                                str(first / "checkpoint_last.pt"), "--json"], cwd=tmp_path, env=clean_env(),
+                               capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr
+    record = json.loads(evaluated.stdout)
+    assert record["num_updates"] == 3 and record["samples"] == 64 and 0 <= record["accuracy"] <= 1
 
 
 @pytest.mark.timeout(600)
