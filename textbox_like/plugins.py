@@ -53,9 +53,18 @@ def load_installed():
         except UserError:
             raise
         except Exception as exc:
-            exc.add_note(f"(raised while importing the installed plugin {point.name} = {point.value}, entry point "
-                         f"group {ENTRY_POINT_GROUP}: the traceback above ends in that package's code)")
+            add_note(exc, f"(raised while importing the installed plugin {point.name} = {point.value}, entry point "
+                          f"group {ENTRY_POINT_GROUP}: the traceback above ends in that package's code)")
             raise
+
+
+def add_note(exc, text):
+    """``exc.add_note(text)`` where Python has it (3.11); before, the text
+    goes to stderr ahead of the traceback."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        print(text, file=sys.stderr)
 
 
 def import_user_dir(user_dir):
@@ -97,6 +106,6 @@ def import_user_dir(user_dir):
         except BaseException as exc:
             sys.modules.pop(name, None)
             if isinstance(exc, Exception) and not isinstance(exc, UserError):
-                exc.add_note(f"(raised while importing --user-dir {folder}: the traceback above ends in your code)")
+                add_note(exc, f"(raised while importing --user-dir {folder}: the traceback above ends in your code)")
             raise
     _imported_dirs.add(folder)
