@@ -4,8 +4,8 @@ own options are a typed section (config/schema.py), given as ``dataclass=``
 to the decorator or as the class's ``options``.
 
 A registration refused (a taken name, a class of the wrong kind) is a
-``RegistrationError``: one line naming the files of both classes, as a
-user's component from ``--user-dir`` meets it (plugins.py)."""
+``RegistrationError``, one line naming the files of the classes: what a
+user's component from ``--user-dir`` (plugins.py) gets to read."""
 from .errors import UserError, unknown
 
 
@@ -70,9 +70,10 @@ class Registry:
                 if self._key(taken) in self._keys():
                     holder = self._entries[self.canonical(taken)]
                     whose = "the built-in" if holder.__module__.split(".")[0] == __name__.split(".")[0] else "the"
-                    raise NameTaken(f"{self.kind} {taken!r} of {getattr(cls, '__qualname__', cls)!s} ({defined_at(cls)}) is registered "
-                                    f"already: {whose} {self.kind} {holder.__qualname__} ({defined_at(holder)}) has "
-                                    f"that name; register yours under another name")
+                    mine = getattr(cls, "__qualname__", cls)
+                    raise NameTaken(f"{self.kind} {taken!r} of {mine} ({defined_at(cls)}) is registered already: "
+                                    f"{whose} {self.kind} {holder.__qualname__} ({defined_at(holder)}) has that name; "
+                                    f"register yours under another name")
             self._entries[name] = cls
             cls.name = name
             if dataclass is not None:
