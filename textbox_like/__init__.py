@@ -1,6 +1,8 @@
 """textbox_like: distributed training on heterogeneous infrastructure, on Accelerate.
 
 ``textbox_like.train(config)`` and ``textbox_like.evaluate(checkpoint)``: see api.py.
+A user's own components (``--user-dir DIR``, plugins.py) derive from and
+register with the names of ``PUBLIC``.
 """
 from .parent_process import STARTED_BY  # noqa: F401  first: read as early as anything of ours runs
 
@@ -18,3 +20,39 @@ def evaluate(checkpoint, **kwargs):
     """Loss and metrics of a checkpoint on a split. See textbox_like.api."""
     from .api import evaluate as run
     return run(checkpoint, **kwargs)
+
+
+#: the public surface for a user's own components (README "Your own
+#: components"), imported on first use: ``import textbox_like`` and --help
+#: stay light (no torch)
+PUBLIC = ("Task", "register_task", "OptimizerSpec", "register_optimizer", "Scheduler", "register_scheduler",
+          "Section", "setting", "BatchDataset")
+
+
+def __getattr__(name):
+    if name == "Task":
+        from .tasks.base import Task as found
+    elif name == "register_task":
+        from .tasks import register_task as found
+    elif name == "OptimizerSpec":
+        from .optim import OptimizerSpec as found
+    elif name == "register_optimizer":
+        from .optim import register_optimizer as found
+    elif name == "Scheduler":
+        from .lr_scheduler import Scheduler as found
+    elif name == "register_scheduler":
+        from .lr_scheduler import register_scheduler as found
+    elif name == "Section":
+        from .config.schema import Section as found
+    elif name == "setting":
+        from .config.schema import setting as found
+    elif name == "BatchDataset":
+        from .data.base import BatchDataset as found
+    else:
+        raise AttributeError(f"module 'textbox_like' has no attribute {name!r}")
+    globals()[name] = found
+    return found
+
+
+def __dir__():
+    return sorted({*globals(), *PUBLIC})

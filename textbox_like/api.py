@@ -76,10 +76,11 @@ def _read_results(cfg, earlier):
     return json.loads(path.read_text())
 
 
-def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False) -> dict:
+def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, user_dir=None) -> dict:
     """Loss and metrics of a checkpoint on a split (the run's first valid
     subset by default), averaged over all samples; ``data``: another data
-    directory than the one the run trained on."""
+    directory than the one the run trained on; ``user_dir``: the folder of
+    the run's own components, where it is not the one the run recorded."""
     import yaml
 
     from .checkpoint import load_checkpoint
@@ -88,7 +89,8 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False) -> 
     state = load_checkpoint(checkpoint)
     saved = yaml.safe_load(state["config"])
     with notes_muted():  # the training run's notes, said to it already
-        cfg = parse(overrides={**saved, **({"data": data} if data else {})})
+        cfg = parse(overrides={**saved, **({"data": data} if data else {}),
+                               **({"user_dir": user_dir} if user_dir else {})})
     init = vars(cfg.task_options).get("init_checkpoint")
     if init and not (Path(init) / "config.json").is_file():
         # the checkpoint's own weights replace it anyway; a save_pretrained

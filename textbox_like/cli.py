@@ -34,7 +34,8 @@ def main(argv=None):
 
 
 def run_resolved(path):
-    """A spawned rank: run the configuration its launcher resolved."""
+    """A spawned rank (or a search trial): run the configuration its
+    launcher resolved; reading it imports the run's --user-dir first."""
     guard_startup()
     return exit_code(lambda: run(read_resolved(path)))
 

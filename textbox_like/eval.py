@@ -23,6 +23,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", "--batch_size", type=positive_int, default=None, help="batch size")
     parser.add_argument("--json", type=switch, nargs="?", const=True, default=False, metavar="BOOL",
                         help="print one JSON object")
+    parser.add_argument("--user-dir", "--user_dir", default=None, metavar="DIR",
+                        help="the folder of the run's own components (default: the one the run recorded)")
     parser.add_argument("--cpu", type=switch, nargs="?", const=True, default=False, metavar="BOOL",
                         help="evaluate on CPU even when CUDA is present")
 
@@ -37,7 +39,7 @@ def main(argv=None):
     from .errors import UserError
     try:
         record = evaluate(args.model_ckpt, subset=args.subset, data=args.data, batch_size=args.batch_size,
-                          cpu=args.cpu)
+                          cpu=args.cpu, user_dir=args.user_dir)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -89,7 +89,7 @@ class Scheduler:
         self.step_update(int(state["num_updates"]))
 
 
-SCHEDULERS = Registry("lr scheduler", base=Scheduler, any_case=True)
+SCHEDULERS = Registry("lr scheduler", base=Scheduler, any_case=True, base_name="textbox_like.Scheduler")
 register_scheduler = SCHEDULERS.register
 
 def _total_updates(cfg, planned_updates=0):

@@ -1,8 +1,46 @@
 """Name -> class registries for tasks, optimizers and LR schedulers (fairseq's
 pattern): a new one is a decorated class in its package, nothing else. Its
 own options are a typed section (config/schema.py), given as ``dataclass=``
-to the decorator or as the class's ``options``."""
+to the decorator or as the class's ``options``.
+
+A registration refused (a taken name, a class of the wrong kind) is a
+``RegistrationError``, one line naming the files of the classes: what a
+user's component from ``--user-dir`` (plugins.py) gets to read."""
 from .errors import UserError, unknown
+
+
+class RegistrationError(UserError):
+    """A class the registry refuses; a UserError (one line, exit 2) that
+    code catching the ValueError or TypeError of a refused registration
+    still catches (NameTaken, WrongKind)."""
+
+
+class NameTaken(RegistrationError, ValueError):
+    pass
+
+
+class WrongKind(RegistrationError, TypeError):
+    pass
+
+
+def defined_at(cls) -> str:
+    """Where a class is defined: ``FILE:LINE`` (our own files from the
+    package's folder on: ``textbox_like/tasks/mnist.py:11``)."""
+    import inspect
+    from pathlib import Path
+    try:
+        path = inspect.getsourcefile(cls)
+        line = inspect.getsourcelines(cls)[1]
+    except (OSError, TypeError):
+        return getattr(cls, "__module__", None) or repr(cls)
+    if path is None:
+        return cls.__module__
+    ours = Path(__file__).resolve().parent
+    try:
+        path = str(Path(ours.name) / Path(path).resolve().relative_to(ours))
+    except ValueError:
+        pass
+    return f"{path}:{line}"
 
 
 class Registry:
@@ -10,8 +48,11 @@ class Registry:
     names are found in any case (ESPnet2 writes adam and sgd, torch Adam and
     SGD)."""
 
-    def __init__(self, kind, base=None, any_case=False):
+    def __init__(self, kind, base=None, any_case=False, base_name=None):
+        """``base_name``: the base's public name, which a refusal tells the
+        user to derive from (default: its module's)."""
         self.kind, self.base, self.any_case = kind, base, any_case
+        self.base_name = base_name or (base and f"{base.__module__}.{base.__qualname__}")
         self._entries = {}
         self._aliases = {}
 
@@ -22,11 +63,17 @@ class Registry:
         class's ``options`` (inherited: none of its own)."""
         def deco(cls):
             if self.base is not None and not (isinstance(cls, type) and issubclass(cls, self.base)):
-                raise TypeError(f"{self.kind} {name!r}: {cls!r} is not a subclass of {self.base.__name__}")
+                what = cls.__qualname__ if isinstance(cls, type) else repr(cls)
+                raise WrongKind(f"{self.kind} {name!r} ({defined_at(cls)}): {what} is not a subclass of "
+                                f"{self.base_name}; derive it from {self.base_name}")
             for taken in (name, *aliases):
                 if self._key(taken) in self._keys():
-                    raise ValueError(f"{self.kind} {taken!r} is registered already "
-                                     f"({self._entries.get(self.canonical(taken))!r})")
+                    holder = self._entries[self.canonical(taken)]
+                    whose = "the built-in" if holder.__module__.split(".")[0] == __name__.split(".")[0] else "the"
+                    mine = getattr(cls, "__qualname__", cls)
+                    raise NameTaken(f"{self.kind} {taken!r} of {mine} ({defined_at(cls)}) is registered already: "
+                                    f"{whose} {self.kind} {holder.__qualname__} ({defined_at(holder)}) has that name; "
+                                    f"register yours under another name")
             self._entries[name] = cls
             cls.name = name
             if dataclass is not None:

@@ -243,12 +243,43 @@ def groups_for(ns):
     return [*GROUPS, *(plugin_group(part, getattr(ns, chooser)) for part, (chooser, _) in PLUGIN_PARTS.items())]
 
 
+def user_dir_given(argv=(), overrides=None):
+    """The user dir (--user-dir) a command line and its Python settings
+    ask for, found as the resolution will find it, before the parser that
+    depends on it is built: the command line's, else Python's, else the
+    last --config file's that names one; None where none does."""
+    scan = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    scan.add_argument("--user-dir", "--user_dir", dest="user_dir")
+    scan.add_argument("--config", action="append", default=[])
+    raise_user_errors(scan)
+    given, _ = scan.parse_known_args([str(arg) for arg in argv])
+    if given.user_dir is not None:
+        return given.user_dir
+    overrides = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}
+    if overrides.get("user_dir") is not None:
+        return overrides["user_dir"]
+    files = overrides.get("config")
+    files = [] if files is None else list(files) if isinstance(files, (list, tuple)) else [files]
+    found = None
+    for path in [*given.config, *files]:
+        found = load_yaml(path).get("user_dir", found)
+    return found
+
+
+def import_plugins(argv=(), overrides=None):
+    """Import the installed plugins and the user dir a command line asks
+    for (plugins.py): their components then take part in the parser."""
+    from ..plugins import load_plugins
+    load_plugins(user_dir_given(argv, overrides))
+
+
 def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.train()"):
     """(the resolved RunConfig, whether --print_config was asked for).
     ``overrides``: settings by name, from Python (textbox_like.train, a
     search's trial), at the command line's rank; ``overrides_name`` says
     where they came from."""
     from ..tasks import TASKS
+    import_plugins(argv, overrides)
     options = build_options()
     ns, keys, found = resolve_namespace(options, list(argv), TASKS, groups_for, overrides=overrides,
                                         environment=compat.environment_settings(environ),
@@ -268,8 +299,10 @@ def plugin_sections(values) -> dict:
 
 def read_resolved(path):
     """A configuration written by files.write_resolved, as it was resolved."""
+    from ..plugins import load_plugins
     data = load_yaml(path, "resolved configuration")
     values = data["config"]
+    load_plugins(values.get("user_dir"))   # before their sections are read
     return RunConfig.from_values(values, list(values), plugin_sections(values), data["sources"])
 
 

@@ -29,8 +29,8 @@ from typing import ClassVar, Mapping
 
 from ..errors import UserError, closest
 from . import layers
-from .value_types import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, device_name, dtype_name, float_list, gpu_ids,
-                          metric_name, metric_names, nonneg_int, positive_float, positive_int, seed_int, seed_list)
+from .value_types import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, absolute_path, device_name, dtype_name, float_list,
+                          gpu_ids, metric_name, metric_names, nonneg_int, positive_float, positive_int, seed_int, seed_list)
 
 #: the printed groups, in order, with their titles in --help; a plugin's
 #: options follow them (plugin_group)
@@ -84,6 +84,7 @@ class DataConfig(Section):
     group = "common"
 
     task: str = setting('mnist', 'one of: {choices}')
+    user_dir: str | None = setting(None, "your own tasks, optimizers and LR schedulers: a folder that is a Python package (DIR/__init__.py importing your modules, whose @register_task, @register_optimizer, @register_scheduler then count), imported before the command line is read, in every process of the run (fairseq's and HetSeq's --user-dir)", type=absolute_path, metavar='DIR')
     data: str | None = setting(None, 'data directory or file (MNIST: the idx files; fetched when left out)')
     train_subset: str = setting('train', 'split to train on')
     valid_subset: list = setting('valid', 'comma-separated splits to validate on', type=STR_LIST)

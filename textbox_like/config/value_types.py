@@ -24,6 +24,14 @@ def _int(text, low, what):
     return value
 
 
+def absolute_path(text):
+    """A path made absolute (and ``~`` expanded), for a setting that every
+    process of a run, and a later ``--config SAVE_DIR/config.yaml`` from
+    another directory, must read as the same file or folder."""
+    import os
+    return os.path.abspath(os.path.expanduser(str(text)))
+
+
 def positive_int(text):
     return _int(text, 1, "a positive integer")
 

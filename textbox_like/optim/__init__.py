@@ -73,7 +73,7 @@ class OptimizerSpec:
         return cls.optimizer_class()(param_groups, **kwargs)
 
 
-OPTIMIZERS = Registry("optimizer", base=OptimizerSpec, any_case=True)
+OPTIMIZERS = Registry("optimizer", base=OptimizerSpec, any_case=True, base_name="textbox_like.OptimizerSpec")
 register_optimizer = OPTIMIZERS.register
 
 

@@ -103,7 +103,9 @@ def _hyper(argv):
     if search.train_seed is not None:
         rest = rest + [f"--seed={search.train_seed}"]
     from .. import cli
+    from ..config.resolution import import_plugins
     from .space import load_space
+    import_plugins(rest)      # the trainer's options of a --user-dir's components are in the space's reach
     space = load_space(search.space, cli.build_options())
     if search.backend == "ray":
         from .ray_backend import ray_search

@@ -60,7 +60,9 @@ class TrialConfigs:
 
     def __init__(self, base_argv):
         from .. import cli
+        from ..config.resolution import import_plugins
         self.base_argv = [str(a) for a in base_argv]
+        import_plugins(self.base_argv)      # a --user-dir's components, before the parser
         self.options = cli.build_options()
         self.given = given_dests(self.options, self.base_argv)
 

@@ -5,7 +5,7 @@ import pkgutil
 from ..registry import Registry
 from .base import Task
 
-TASKS = Registry("task", base=Task)
+TASKS = Registry("task", base=Task, base_name="textbox_like.Task")
 register_task = TASKS.register
 
 

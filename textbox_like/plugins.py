@@ -1,0 +1,111 @@
+"""Components from outside this package: a user's own folder (``--user-dir
+DIR``, fairseq's and HetSeq's spelling; ``user_dir`` in a configuration file)
+and installed packages (the entry-point group ``textbox_like.plugins``).
+Importing them runs their ``@register_task``, ``@register_optimizer`` and
+``@register_scheduler``, so they must be imported before a parser is built
+or a configuration read: config/resolution.py does both (``resolve`` scans
+the command line, its Python settings and its --config files for the user
+dir first; ``read_resolved``, which a spawned rank or a search trial runs,
+reads it from the file).
+
+A registration refused (a taken name, a class of the wrong kind) is one line
+(registry.RegistrationError); anything else the user's code raises while it
+is imported is theirs: it goes on with its traceback, which points at their
+file and line, and a note naming the folder.
+
+This module imports no heavy library: ``--help`` must answer at once.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from .config.value_types import absolute_path
+from .errors import UserError
+
+#: installed packages name a module here (``[project.entry-points."textbox_like.plugins"]``);
+#: importing it registers its components
+ENTRY_POINT_GROUP = "textbox_like.plugins"
+
+_imported_dirs = set()
+_installed_loaded = False
+
+
+def load_plugins(user_dir=None):
+    """The installed plugins (once per process), then ``user_dir``'s
+    package, if any (once per folder)."""
+    load_installed()
+    if user_dir:
+        import_user_dir(user_dir)
+
+
+def load_installed():
+    """Import every module the entry-point group names."""
+    global _installed_loaded
+    if _installed_loaded:
+        return
+    _installed_loaded = True
+    from importlib.metadata import entry_points
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            point.load()
+        except UserError:
+            raise
+        except Exception as exc:
+            add_note(exc, f"(raised while importing the installed plugin {point.name} = {point.value}, entry point "
+                          f"group {ENTRY_POINT_GROUP}: the traceback above ends in that package's code)")
+            raise
+
+
+def add_note(exc, text):
+    """``exc.add_note(text)`` where Python has it (3.11); before, the text
+    goes to stderr ahead of the traceback."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        print(text, file=sys.stderr)
+
+
+def import_user_dir(user_dir):
+    """Import the package in the folder ``user_dir`` under its folder's name,
+    as fairseq's --user-dir does (its modules import each other by that
+    name or relatively). UserError for a folder that is missing, is no
+    package, or whose name is another module's."""
+    folder = Path(absolute_path(user_dir))
+    if folder in _imported_dirs:
+        return
+    if not folder.exists():
+        raise UserError(f"--user-dir {user_dir}: no such directory; give the folder of your components, a Python "
+                        f"package (a folder with an __init__.py that imports your modules)")
+    if not folder.is_dir():
+        raise UserError(f"--user-dir {user_dir} is a file, not a directory; give the folder of your components, "
+                        f"a Python package (a folder with an __init__.py that imports your modules)")
+    init = folder / "__init__.py"
+    if not init.is_file():
+        raise UserError(f"--user-dir {user_dir} is not a Python package: it has no __init__.py; add "
+                        f"{init} importing your modules (e.g. 'from . import my_task')")
+    name = folder.name
+    if name in sys.modules:
+        origin = getattr(sys.modules[name], "__file__", None)
+    else:
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            found = None
+        origin = found.origin if found is not None and found.has_location else None
+    if origin is not None and Path(origin).resolve() != init.resolve() or origin is None and name in sys.modules:
+        raise UserError(f"--user-dir {user_dir}: its name {name!r} is that of another module "
+                        f"({origin or 'built in'}), which it would hide; rename the folder")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as exc:
+            sys.modules.pop(name, None)
+            if isinstance(exc, Exception) and not isinstance(exc, UserError):
+                add_note(exc, f"(raised while importing --user-dir {folder}: the traceback above ends in your code)")
+            raise
+    _imported_dirs.add(folder)
