@@ -125,6 +125,12 @@ class Task:
         tokens, gives tokens/s in the log)."""
         raise NotImplementedError
 
+    def validation_stats(self, model, batch) -> dict:
+        """Sums measured at validation only, besides ``loss``'s stats (e.g.
+        ROUGE/BLEU of generated text); they reach ``metrics`` with the others
+        and must have the same keys on every rank, for an empty batch too."""
+        return {}
+
     def metrics(self, sums: dict) -> dict:
         """Turn summed ``stats`` (floats) into the metrics people read."""
         n = max(sums.get("nsamples", 0.0), 1.0)
