@@ -29,21 +29,23 @@ WORDS = ["the", "a", "cat", "dog", "bird", "sees", "likes", "eats", "big", "smal
 
 
 # ---------------------------------------------------------------- data and models written here
-def sentence(rng, n=None):
-    n = n or int(rng.integers(3, 12))
-    return " ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS) - 2, size=n))
+def sentence(rng, label):
+    """Words of one half of the vocabulary by label: a class any model tells apart."""
+    half = (len(WORDS) - 2) // 2
+    words = WORDS[:half] if label else WORDS[half:-2]
+    return [words[int(i)] for i in rng.integers(0, half, size=int(rng.integers(3, 12)))]
 
 
 def write_text_data(directory: Path, n_train=48, n_valid=16, seed=0):
-    """train.jsonl / valid.jsonl for every head: text, a label (does the text
-    hold 'good' or 'bad'), and a target (the text's words reversed)."""
+    """train.jsonl / valid.jsonl for every head: text, a label (which half of
+    the words it uses, and 'good' or 'bad'), and a target (its words reversed)."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", n_train), ("valid", n_valid)):
         rows = []
         for i in range(n):
-            words = sentence(rng).split()
             label = i % 2
+            words = sentence(rng, label)
             words.insert(int(rng.integers(0, len(words))), "good" if label else "bad")
             text = " ".join(words)
             rows.append({"text": text, "label": label, "target": " ".join(reversed(words))})
@@ -108,5 +110,77 @@ def write_model(directory: Path, head, weights=True):
 
 def hf_args(model, data, save_dir, *extra, max_update=12):
     return ["--task", "hf", "--model_name_or_path", str(model), "--data", str(data), "--max-sentences", "8",
-            "--optimizer", "adam", "--lr", "0.003", "--log-format", "none", "--max-update", str(max_update),
+            "--optimizer", "adam", "--lr", "0.01", "--log-format", "none", "--max-update", str(max_update),
             "--save-dir", str(save_dir), "--seed", "3", *[str(a) for a in extra]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A save_pretrained directory per head; masked_lm from a config.json only (from_config)."""
+    root = tmp_path_factory.mktemp("hf_models")
+    return {head: write_model(root / head, head, weights=head != "masked_lm")
+            for head in ("sequence_classification", "causal_lm", "masked_lm", "seq2seq")}
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    return write_text_data(tmp_path_factory.mktemp("hf_text"))
+
+
+def records(save_dir, kind):
+    return [r for r in read_jsonl(Path(save_dir) / "metrics.jsonl") if r["kind"] == kind]
+
+
+def params(save_dir):
+    return torch.load(Path(save_dir) / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def export_eval_loss(export_dir, data, head, *extra):
+    """The valid loss of a save_pretrained directory, read as a fresh run reads its model."""
+    from accelerate import Accelerator
+
+    from textbox_like.cli import parse
+    from textbox_like.tasks import TASKS
+    from textbox_like.validate import evaluate
+    cfg = parse(["--task", "hf", "--model_name_or_path", str(export_dir), "--data", str(data), "--hf_head", head,
+                 "--seed", "3",  # the run's: masked_lm's masks follow it
+                 *extra])
+    task = TASKS.get("hf")(cfg)
+    return evaluate(task, task.build_model(), task.build_dataset("valid"), 8, Accelerator(cpu=True))["loss"]
+
+
+HEAD_RUNS = {
+    "sequence_classification": (),
+    "causal_lm": (),
+    "masked_lm": (),
+    # TextBox's spellings of the metrics: the generation family, and one of its metrics for checkpoint_best.pt
+    "seq2seq": ("--target_column", "target", "--metrics=['rouge']", "--metrics_for_best_model=['ROUGE-1']",
+                "--generation_max_length", "12"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("head", list(HEAD_RUNS))
+def test_each_head_trains_validates_and_its_export_loads_to_the_same_loss(models, text_data, tmp_path, head):
+    from textbox_like.api import evaluate
+    from textbox_like.export import main as export_main
+
+    out = tmp_path / "run"
+    assert run_main(hf_args(models[head], text_data, out, "--max-update", "18", *HEAD_RUNS[head])) == 0
+    train, valid = records(out, "train"), records(out, "valid")
+    assert valid[-1]["loss"] < train[0]["loss"] - 0.05, (train[0], valid[-1])      # it learns
+    expected = {"sequence_classification": {"accuracy", "f1"}, "causal_lm": {"ppl", "accuracy"},
+                "masked_lm": {"ppl", "accuracy"}, "seq2seq": {"ROUGE-1", "ROUGE-2", "ROUGE-L", "ppl"}}[head]
+    assert expected <= set(valid[-1]), valid[-1]
+    if head == "seq2seq":  # --metrics rouge: no BLEU computed; the best checkpoint is the best ROUGE-1's
+        assert "BLEU" not in valid[-1]
+        best = torch.load(out / "checkpoint_best.pt", map_location="cpu", weights_only=True)
+        assert best["train"]["best"] == pytest.approx(max(r["ROUGE-1"] for r in valid))
+    # the export: the model's own class and its tokenizer, loading to the checkpoint's loss
+    exported = tmp_path / "export"
+    assert export_main([str(out / "checkpoint_last.pt"), "--to", str(exported)]) in (0, None)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
+    ours = evaluate(out / "checkpoint_last.pt", cpu=True)["loss"]
+    assert ours == pytest.approx(valid[-1]["loss"], abs=1e-5)
+    extra = HEAD_RUNS[head][:2] if head == "seq2seq" else ()
+    assert export_eval_loss(exported, text_data, head, *extra) == pytest.approx(ours, abs=1e-5)
