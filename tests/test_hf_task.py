@@ -184,3 +184,46 @@ def test_each_head_trains_validates_and_its_export_loads_to_the_same_loss(models
     assert ours == pytest.approx(valid[-1]["loss"], abs=1e-5)
     extra = HEAD_RUNS[head][:2] if head == "seq2seq" else ()
     assert export_eval_loss(exported, text_data, head, *extra) == pytest.approx(ours, abs=1e-5)
+
+
+# ---------------------------------------------------------------- one process over any split
+def exactness_args(model, data, save_dir, *extra):
+    # a global budget of real tokens: the ranks' shares then hold unlike numbers of samples and tokens.
+    # SGD: Adam scales rounding noise up to lr-sized steps where the true gradient is zero (GPT-2's key
+    # biases: softmax ignores them), which no summation order can match
+    return [PY, "run_hetseq.py", *hf_args(model, data, save_dir, "--optimizer", "sgd", "--lr", "0.5",
+                                          "--global-batch-size", "120", "--max-tokens", "50",
+                                          "--max-update", "6", "--disable-validation", "--threads", "1", "--log-format",
+                                          "simple", *extra)]
+
+
+def run_ok(cmd, timeout=300):
+    out = subprocess.run([str(c) for c in cmd], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification"])
+def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_path, head):
+    """Two ranks, each micro-batch its own number of samples and tokens, and the
+    loss's denominator (tokens; samples for classification) summed over both:
+    the update of one process over the same global batch."""
+    run_ok(exactness_args(models[head], text_data, tmp_path / "one"))
+    two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", "--distributed-world-size", "2"))
+    assert "tokens per rank [60, 60]" in two.stderr
+    # the plan the two ranks ran: their slices of an update hold unlike numbers of samples
+    from textbox_like.cli import parse
+    from textbox_like.data.iterators import plan_global_tokens
+    from textbox_like.tasks import TASKS
+    task = TASKS.get("hf")(parse(exactness_args(models[head], text_data, tmp_path / "plan")[2:]))
+    data = task.build_dataset("train")
+    order = data.epoch_order(3, 1)
+    rows = plan_global_tokens(data.num_tokens()[order], 120, [60, 60])[:6]
+    assert any(row[1] - row[0] != row[2] - row[1] for row in rows), rows
+    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    for key in one_state:
+        assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
+    train1, train2 = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
+    assert train1[-1]["loss"] == pytest.approx(train2[-1]["loss"], abs=1e-5)
