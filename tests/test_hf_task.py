@@ -227,3 +227,157 @@ def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_
         assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
     train1, train2 = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
     assert train1[-1]["loss"] == pytest.approx(train2[-1]["loss"], abs=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path):
+    from test_resume import kill_after_checkpoint
+    cmd = lambda out: [PY, str(REPO / "run_hetseq.py"), *hf_args(  # noqa: E731
+        models["causal_lm"], text_data, out, "--max-update", "40", "--max-epoch", "0", "--save-interval-updates", "5",
+        "--threads", "1", "--max-sentences", "4")]
+    run_ok(cmd(tmp_path / "ref"))
+    code, err = kill_after_checkpoint(cmd(tmp_path / "run"), tmp_path / "run", signal.SIGKILL, seed=1)
+    assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
+    killed_at = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["train"]["num_updates"]
+    assert 5 <= killed_at < 40
+    resumed = run_ok(cmd(tmp_path / "run") + ["--resume", "--log-format", "simple"])
+    assert "resumed from" in resumed.stderr
+    final = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)
+    ref = torch.load(tmp_path / "ref" / "checkpoint_last.pt", weights_only=True)
+    assert final["train"]["num_updates"] == 40
+    assert_bitwise_equal(final["model"], ref["model"], "model")
+    assert_bitwise_equal(final["optimizer"], ref["optimizer"], "optimizer")
+
+
+# ---------------------------------------------------------------- data: cache, files, columns
+def build(*args):
+    from textbox_like.cli import parse
+    from textbox_like.tasks import TASKS
+    return TASKS.get("hf")(parse(["--task", "hf", *[str(a) for a in args]]))
+
+
+def batches_of(data):
+    return [data.get_batch(np.arange(i, min(i + 5, len(data)))) for i in range(0, len(data), 5)]
+
+
+def test_tokenised_data_is_cached_beside_the_data_and_reused(models, tmp_path, monkeypatch):
+    import textbox_like.data.hf_text as hf_text
+
+    data = write_text_data(tmp_path / "data")
+    args = ("--model_name_or_path", models["sequence_classification"], "--data", data)
+    first = build(*args).build_dataset("train")
+    cached = sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow"))
+    assert len(cached) == 1
+    written = cached[0].stat().st_mtime_ns
+
+    def refuse(*_, **__):
+        raise AssertionError("tokenised again: the cache was not used")
+    with monkeypatch.context() as patch:   # a second run reads the cache, never the tokenizer
+        patch.setattr(hf_text, "tokenize_rows", refuse)
+        second = build(*args).build_dataset("train")
+    assert sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow")) == cached
+    assert cached[0].stat().st_mtime_ns == written
+    assert_bitwise_equal(batches_of(first), batches_of(second), "batches")
+    # another setting is another cache; worker processes tokenise to the same ids
+    shorter = build(*args, "--max_length", "6", "--num-workers", "2").build_dataset("train")
+    assert len(sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow"))) > 1
+    assert int(shorter.num_tokens().max()) == 6
+    batch = first.get_batch(np.arange(8))
+    assert batch["input_ids"].shape[1] == int(first.num_tokens()[:8].max())   # padded to this batch's longest
+    assert (batch["attention_mask"].sum(1).numpy() == first.num_tokens()[:8]).all()
+
+
+def test_csv_files_named_per_split_and_string_labels(models, tmp_path, capsys):
+    """kanachan's --training-data FILE / --validation-data FILE, other column
+    names, class names as labels; one file alone is training data only."""
+    import csv
+    rows = [json.loads(line) for line in (write_text_data(tmp_path / "src") / "train.jsonl").read_text().splitlines()]
+    for name, part in (("mine.csv", rows[:40]), ("held_out.csv", rows[40:])):
+        with open(tmp_path / name, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence", "category"])
+            writer.writerows([r["text"], "positive" if r["label"] else "negative"] for r in part)
+    common = ["--task", "hf", "--model_name_or_path", models["sequence_classification"], "--text_column", "sentence",
+              "--label_column", "category", "--max-sentences", "8", "--max-update", "2", "--log-format", "none"]
+    out = tmp_path / "run"
+    assert run_main(common + ["--training-data", tmp_path / "mine.csv", "--validation-data", tmp_path / "held_out.csv",
+                              "--save-dir", out]) == 0
+    valid = records(out, "valid")[-1]
+    assert {"accuracy", "f1"} <= set(valid)
+    task = build("--model_name_or_path", models["sequence_classification"], "--data", tmp_path / "mine.csv",
+                 "--text_column", "sentence", "--label_column", "category")
+    assert task.model_config().id2label == {0: "negative", 1: "positive"}
+    capsys.readouterr()
+    assert run_main(common + ["--data", tmp_path / "mine.csv", "--save-dir", tmp_path / "alone"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is one file, the training data" in err[-1] and "--disable-validation" in err[-1], err
+    assert run_main(common + ["--data", tmp_path / "mine.csv", "--save-dir", tmp_path / "alone",
+                              "--disable-validation"]) == 0
+    assert run_main(common + ["--data", tmp_path / "mine.csv", "--save-dir", tmp_path / "typo", "--disable-validation",
+                              "--text_column", "sentense"]) == 2
+    assert "has no column 'sentense' (--text_column); its columns: sentence, category" in capsys.readouterr().err
+
+
+def test_a_saved_dataset_directory_trains(models, tmp_path):
+    import datasets
+    rows = [json.loads(line) for line in (write_text_data(tmp_path / "src") / "train.jsonl").read_text().splitlines()]
+    data = datasets.Dataset.from_list([{"text": r["text"]} for r in rows])
+    datasets.DatasetDict({"train": data, "validation": data.select(range(8))}).save_to_disk(str(tmp_path / "saved"))
+    out = tmp_path / "run"
+    assert run_main(["--task", "hf", "--model_name_or_path", models["causal_lm"], "--data", tmp_path / "saved",
+                     "--max-sentences", "8", "--max-update", "2", "--log-format", "none", "--save-dir", out]) == 0
+    assert records(out, "valid")[-1]["ppl"] > 1
+
+
+# ---------------------------------------------------------------- models: hub names, heads, metrics
+def one_error_line(proc):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.mark.timeout(300)
+def test_textbox_model_path_names_a_model_in_the_local_cache_or_says_how_to_get_it(models, text_data, tmp_path):
+    cache = tmp_path / "hub"
+    env = {**clean_env(), "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    textbox = ["--task", "hf", "--model_path=facebook/bart-base", "--data", str(text_data), "--target_column", "target",
+               "--metrics=['rouge']", "--metrics_for_best_model=['ROUGE-1']", "--max-sentences", "8",
+               "--max-update", "2", "--generation_max_length", "6", "--save-dir", str(tmp_path / "run")]
+    missing = subprocess.run([PY, "run_hetseq.py", *textbox], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=200)
+    line = one_error_line(missing)
+    assert "facebook/bart-base" in line and "huggingface-cli download facebook/bart-base" in line, line
+    # the hub cache's own layout, as huggingface-cli download leaves it
+    repo = cache / "models--facebook--bart-base"
+    import shutil
+    shutil.copytree(models["seq2seq"], repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    found = subprocess.run([PY, "run_hetseq.py", *textbox], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=200)
+    assert found.returncode == 0, found.stderr[-3000:]
+    valid = records(tmp_path / "run", "valid")[-1]
+    assert {"ROUGE-1", "ROUGE-2", "ROUGE-L"} <= set(valid) and "BLEU" not in valid
+
+
+def test_head_and_metric_mistakes_are_one_line(models, text_data, tmp_path, capsys):
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    config = json.loads((models["causal_lm"] / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2Model"]}))
+    base = ["--task", "hf", "--data", text_data, "--max-update", "1", "--max-sentences", "4", "--save-dir", tmp_path / "x"]
+    cases = [
+        (["--model_name_or_path", odd], "names no architecture with a known head (architectures: GPT2Model); "
+                                        "give --hf_head"),
+        (["--model_name_or_path", models["causal_lm"], "--best-checkpoint-metric", "ROUGE-1"],
+         "--best-checkpoint-metric 'ROUGE-1' is not a metric of --hf_head causal_lm"),
+        (["--model_name_or_path", models["sequence_classification"], "--metrics", "rouge"],
+         "--metrics rouge: not reported by --hf_head sequence_classification"),
+        (["--model_name_or_path", models["seq2seq"]], "--hf_head seq2seq needs --target_column NAME"),
+        (["--data", text_data], "--task hf needs a model"),
+    ]
+    for extra, expected in cases:
+        capsys.readouterr()
+        assert run_main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert expected in err[-1] and "Traceback" not in "\n".join(err), (extra, err)
