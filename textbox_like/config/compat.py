@@ -407,10 +407,9 @@ def _metrics(ns, task):
     does not report is a mistake worth one line."""
     if not ns.metrics:
         return
-    from ..text_metrics import GENERATION_METRICS
     ours = task.metric_names
-    # TextBox's names of generation metrics (rouge, bleu) stand for the metrics they report (ROUGE-1, ...)
-    families = {name for name, reported in GENERATION_METRICS.items() if set(reported) <= set(ours)}
+    # TextBox's names of metric families (rouge, bleu) stand for the metrics they report (ROUGE-1, ...)
+    families = task.metric_families
     unknown = [m for m in ns.metrics if ours and m not in ours and m.lower() not in families]
     if unknown:
         raise UserError(f"--metrics {', '.join(unknown)}: not reported by task {ns.task}; it reports "

@@ -62,6 +62,10 @@ class Task:
     #: --best-checkpoint-metric before training starts)
     metric_names: tuple = ("loss",)
 
+    #: names that --metrics may give for a family of the metrics above, lowercase
+    #: (TextBox's ``rouge`` for ROUGE-1, ROUGE-2 and ROUGE-L)
+    metric_families: dict = {}
+
     #: metric used by default for ``checkpoint_best.pt`` (its direction: :func:`higher_is_better`)
     default_best_metric: str = "loss"
 

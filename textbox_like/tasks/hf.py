@@ -158,6 +158,7 @@ class HFTask(Task):
     default_best_metric = "loss"
     #: every head's names (the checks before a run narrow them to the chosen head's)
     metric_names = tuple(dict.fromkeys(m for names in HEAD_METRICS.values() for m in names))
+    metric_families = GENERATION
 
     # -- checks before anything heavy ---------------------------------------
     @classmethod
