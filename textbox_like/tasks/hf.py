@@ -366,9 +366,9 @@ class HFTask(Task):
             logits = model(**self.inputs(batch), labels=labels).logits
         else:
             logits = model(**self.inputs(batch)).logits
-            if self.head == "causal_lm":  # token t predicts token t + 1
-                logits, labels = logits[:, :-1], labels[:, 1:]
-        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+            if self.head == "causal_lm":  # token t predicts token t + 1: the labels move, not the (large) logits
+                labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        loss_sum = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                    ignore_index=-100, reduction="sum")
         predicted = labels != -100
         stats = {"loss_sum": loss_sum.detach(), "correct": ((logits.argmax(dim=-1) == labels) & predicted).sum(),
