@@ -259,8 +259,29 @@ class HFTask(Task):
             self._classes = (names, count)
         return self._classes
 
+    def prepare_data(self):
+        """Tokenise every split the run reads into the cache, once per file
+        system (the other ranks wait, then read it: no two processes write
+        the same cache file)."""
+        data = self.cfg.data
+        for split in [data.train_subset] + ([] if self.cfg.validation.disable_validation else data.valid_subset):
+            self.tokenized(split)
+
     def build_dataset(self, split):
-        from ..data.hf_text import HFTextDataset, label_names, tokenize
+        from ..data.hf_text import HFTextDataset
+        tokenized = self.tokenized(split)
+        masking = None
+        if self.head == "masked_lm":
+            tok = self.tokenizer()
+            if tok.mask_token_id is None:
+                raise UserError(f"--hf_head masked_lm needs a tokenizer with a mask token; {self.model_dir!r}'s has none")
+            masking = (self.cfg.numerics.seed, self.cfg.task_options.mlm_probability, tok.mask_token_id, len(tok),
+                       list(tok.all_special_ids))
+        return HFTextDataset(tokenized, self.head, self.pad_id(), masking)
+
+    def tokenized(self, split):
+        """``split`` tokenised (a ``datasets.Dataset``), from the cache where it is there."""
+        from ..data.hf_text import label_names, tokenize
         raw, cache = self.raw_split(split)
         label_ids = None
         if self.head == "sequence_classification":
@@ -273,15 +294,7 @@ class HFTask(Task):
             if names is None and (here is not None or max(raw.unique(self.columns().label), default=0) >= count):
                 raise UserError(f"the {split!r} split's labels do not fit the training split's classes 0..{count - 1}")
         workers = self.cfg.data.num_workers or None
-        tokenized = tokenize(raw, self.tokenizer(), self.columns(), cache, label_ids, workers)
-        masking = None
-        if self.head == "masked_lm":
-            tok = self.tokenizer()
-            if tok.mask_token_id is None:
-                raise UserError(f"--hf_head masked_lm needs a tokenizer with a mask token; {self.model_dir!r}'s has none")
-            masking = (self.cfg.numerics.seed, self.cfg.task_options.mlm_probability, tok.mask_token_id, len(tok),
-                       list(tok.all_special_ids))
-        return HFTextDataset(tokenized, self.head, self.pad_id(), masking)
+        return tokenize(raw, self.tokenizer(), self.columns(), cache, label_ids, workers)
 
     # -- model --------------------------------------------------------------
     def model_config(self):
