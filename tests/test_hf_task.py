@@ -381,3 +381,22 @@ def test_head_and_metric_mistakes_are_one_line(models, text_data, tmp_path, caps
         assert run_main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert expected in err[-1] and "Traceback" not in "\n".join(err), (extra, err)
+
+
+@pytest.mark.timeout(400)
+def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, tmp_path):
+    """--balance moves tokens away from a slow rank 1 mid-run; every split
+    tried gives the causal LM the update of one process."""
+    from textbox_like import balance
+    extra = ("--max-update", "12", "--balance-interval", "2")
+    run_ok(exactness_args(models["causal_lm"], text_data, tmp_path / "one", *extra))
+    cmd = exactness_args(models["causal_lm"], text_data, tmp_path / "two", *extra, "--balance",
+                         "--distributed-world-size", "2")
+    out = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**clean_env(), balance.SLOW_RANK_ENV: "1:0.003@0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    splits = [r["batch_sizes"] for r in records(tmp_path / "two", "balance")]
+    assert any(split != [60, 60] for split in splits), (splits, out.stderr[-2000:])
+    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    for key in one_state:
+        assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
