@@ -400,3 +400,17 @@ def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, t
     one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
     for key in one_state:
         assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_runs_for_the_hf_causal_lm(models, text_data):
+    """python -m textbox_like.bench hf: the trainer against the model's own loss in a plain loop over the
+    trainer's batches."""
+    import math
+
+    from test_bench import run_bench
+    report, err = run_bench("hf", "--model_name_or_path", models["causal_lm"], "--data", text_data,
+                            "--max-sentences", 8, "--updates", 2, "--warmup", 1, "--rounds", 1, "--threads", 1)
+    assert report["mode"] == "hf" and report["rounds"] == 1
+    assert math.isfinite(report["ratio_wall_median"]) and math.isfinite(report["ratio_cpu_median"])
+    assert "trainer (eager) / plain loop (eager): wall" in err
