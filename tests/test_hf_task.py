@@ -346,7 +346,8 @@ def test_textbox_model_path_names_a_model_in_the_local_cache_or_says_how_to_get_
     missing = subprocess.run([PY, "run_hetseq.py", *textbox], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=200)
     line = one_error_line(missing)
-    assert "facebook/bart-base" in line and "huggingface-cli download facebook/bart-base" in line, line
+    assert line.startswith("error: --model_path facebook/bart-base: no such directory, and no model")
+    assert "huggingface-cli download facebook/bart-base" in line, line
     # the hub cache's own layout, as huggingface-cli download leaves it
     repo = cache / "models--facebook--bart-base"
     import shutil

@@ -166,7 +166,8 @@ class HFTask(Task):
         """The model as a local directory, and the head its config names."""
         if not ns.model_name_or_path:
             return
-        ns.model_name_or_path = local_model_dir(ns.model_name_or_path)
+        given = "--model_path" if getattr(ns, "model_path", None) == ns.model_name_or_path else "--model_name_or_path"
+        ns.model_name_or_path = local_model_dir(ns.model_name_or_path, given)
         if ns.hf_head is None:
             config = read_model_config(ns.model_name_or_path)
             head = architecture_head(config.get("architectures"))
