@@ -19,8 +19,6 @@ counts any of them.
 """
 from __future__ import annotations
 
-import numpy as np
-
 
 class BatchDataset:
     #: True when batches are read from files as training goes (not all in
@@ -40,6 +38,7 @@ class BatchDataset:
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
         """The sample indices of one epoch, in the order they are trained on."""
+        import numpy as np
         if not shuffle:
             return np.arange(len(self), dtype=np.int64)
         return np.random.default_rng([seed, epoch]).permutation(len(self)).astype(np.int64)
@@ -59,6 +58,7 @@ def shuffled_blocks(n: int, block: int, seed: int, epoch: int) -> np.ndarray:
     """An epoch order for data on disk: blocks of ``block`` contiguous rows in
     random order, rows shuffled within each block. Reading a batch then
     touches one or two contiguous slices, and memory is bounded by a block."""
+    import numpy as np  # here, not at the top: tasks/base.py imports this module to build --help
     rng = np.random.default_rng([seed, epoch])
     starts = np.arange(0, n, block, dtype=np.int64)
     rng.shuffle(starts)
@@ -82,6 +82,14 @@ def map_tensors(fn, batch, text=None):
     same structure. A list of strings (per-sample text) goes to ``text``
     where given; it and other values are otherwise kept as they are."""
     from torch import Tensor
+    if type(batch) is dict:  # the built-in tasks' flat dict of tensors: one pass, no recursion
+        flat = {}
+        for k, v in batch.items():
+            if not isinstance(v, Tensor):
+                break
+            flat[k] = fn(v)
+        else:
+            return flat
 
     def walk(x):
         if isinstance(x, Tensor):
@@ -102,6 +110,10 @@ def batch_samples(batch) -> int:
     of its first tensor, or the length of its first list of strings (depth
     first, in a nested batch); 0 without either."""
     from torch import Tensor
+    if type(batch) is dict and batch:  # the built-in tasks' flat dict of tensors
+        first = next(iter(batch.values()))
+        if isinstance(first, Tensor):
+            return int(first.shape[0])
     stack = [batch]
     while stack:
         x = stack.pop()

@@ -11,6 +11,7 @@ fast), so they import torch and friends inside methods, not at module top.
 from __future__ import annotations
 
 from ..config.schema import NoOptions
+from ..data.base import map_tensors
 
 #: words of a metric's name that mean lower is better (loss, mlm_loss, ppl, error rates);
 #: any other metric (accuracy, F1, ROUGE*, BLEU, ...) is better higher. Whole words:
@@ -122,7 +123,6 @@ class Task:
 
     def collate_to_device(self, batch, device):
         """Move one batch (tensors in a dict, list or tuple, nested) to ``device``."""
-        from ..data.base import map_tensors
         return map_tensors(lambda v: v.to(device, non_blocking=True), batch)
 
     # -- model ------------------------------------------------------------
