@@ -5,7 +5,7 @@ batch-read protocol. The user's package is written into tmp_path and found
 with --user-dir, as a user would; every run is a process of its own."""
 from __future__ import annotations
 
-import os
+import json
 import signal
 import subprocess
 import sys
@@ -167,7 +167,7 @@ def plain_runs(user_dir, tmp_path_factory):
     procs = {task: start(train_args(user_dir, task, root / task, "--max-update", "14")) for task in PLAIN_TASKS}
     errors = {task: proc.communicate(timeout=300)[1] for task, proc in procs.items()}
     return {task: (procs[task].returncode, errors[task], read_jsonl(root / task / "metrics.jsonl")
-                   if procs[task].returncode == 0 else []) for task in PLAIN_TASKS}
+                   if procs[task].returncode == 0 else [], root / task) for task in PLAIN_TASKS}
 
 
 @pytest.mark.timeout(600)
@@ -175,12 +175,28 @@ def plain_runs(user_dir, tmp_path_factory):
 def test_a_plain_dataset_trains_and_its_loss_falls(plain_runs, task):
     """A TensorDataset (its batch [x, y]), the user's Dataset and collate (a
     dict holding text), a datasets.Dataset (a dict of columns)."""
-    code, err, records = plain_runs[task]
+    code, err, records, _ = plain_runs[task]
     assert code == 0, err[-3000:]
     losses = [r["loss"] for r in records if r.get("kind") == "train"]
     assert len(losses) == 14 and np.mean(losses[-4:]) < 0.6 * np.mean(losses[:4]), losses
     valid = [r for r in records if r.get("kind") == "valid"]
     assert len(valid) == 2 and valid[-1]["loss"] < valid[0]["loss"] and valid[-1]["accuracy"] > 0.9
+
+
+@pytest.mark.timeout(300)
+def test_eval_reads_a_plain_dataset(plain_runs, tmp_path):
+    """``textbox-like eval`` (textbox_like.evaluate) of the last checkpoint of
+    the user's Dataset and collate gives the run's last validation."""
+    code, err, records, save_dir = plain_runs["plain_collate"]
+    assert code == 0, err[-3000:]
+    evaluated = subprocess.run([sys.executable, "-m", "textbox_like.eval", "--model_ckpt",
+                                str(save_dir / "checkpoint_last.pt"), "--json", "--batch-size", "5"],
+                               cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                               timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr
+    record, last = json.loads(evaluated.stdout), [r for r in records if r.get("kind") == "valid"][-1]
+    assert record["samples"] == 57 and record["accuracy"] == last["accuracy"]
+    assert record["loss"] == pytest.approx(last["loss"], rel=1e-5)
 
 
 @pytest.mark.timeout(600)
