@@ -106,7 +106,7 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     task = TASKS.get(cfg.data.task)(cfg)
     task.check_config(cfg)
     task.prepare_data()
-    split = task.build_dataset(subset)
+    split = task.batch_dataset(subset)
     model = task.build_model()
     model.load_state_dict(state["model"])
     accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available())
