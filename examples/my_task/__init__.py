@@ -17,7 +17,7 @@ class SpiralOptions(Section):
 def spirals(n, seed):
     g = torch.Generator().manual_seed(seed)
     radius, label = torch.rand(n, generator=g), torch.randint(0, 2, (n,), generator=g)
-    angle = 4 * torch.pi * radius + torch.pi * label
+    angle = 2 * torch.pi * radius + torch.pi * label
     points = radius[:, None] * torch.stack([angle.cos(), angle.sin()], 1)
     return torch.utils.data.TensorDataset(points + 0.02 * torch.randn(n, 2, generator=g), label)
 
