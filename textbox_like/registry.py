@@ -66,6 +66,13 @@ class Registry:
                 what = cls.__qualname__ if isinstance(cls, type) else repr(cls)
                 raise WrongKind(f"{self.kind} {name!r} ({defined_at(cls)}): {what} is not a subclass of "
                                 f"{self.base_name}; derive it from {self.base_name}")
+            if callable(getattr(cls, "add_args", None)):
+                raise WrongKind(f"{self.kind} {name!r} ({defined_at(cls)}) defines add_args(parser), the "
+                                f"fairseq/HetSeq way, which is not called here: declare its options as a frozen "
+                                f"dataclass of textbox_like.setting() fields deriving from textbox_like.Section, "
+                                f"and set options = YourOptions on the class (or pass dataclass=YourOptions to "
+                                f"the decorator); they arrive as cfg.{self.kind.split()[-1]}_options."
+                                f"<name>")
             for taken in (name, *aliases):
                 if self._key(taken) in self._keys():
                     holder = self._entries[self.canonical(taken)]
@@ -82,6 +89,12 @@ class Registry:
                 self._aliases[alias] = name
             return cls
         return deco
+
+    def unregister(self, name):
+        """Forget ``name`` and its aliases (a class defined again takes
+        the place of its earlier version)."""
+        self._entries.pop(name, None)
+        self._aliases = {alias: to for alias, to in self._aliases.items() if to != name}
 
     def _key(self, name):
         return name.lower() if self.any_case else name
