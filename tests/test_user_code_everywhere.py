@@ -320,23 +320,60 @@ def test_an_unregistered_class_whose_name_is_taken_is_one_line():
     assert line.endswith("has that name; register yours under another name")
 
 
-ADD_ARGS = '''from textbox_like import Task, register_task
+#: the toy task with its options declared the fairseq/HetSeq way
+ADD_ARGS_TASK = USER_TASK.replace(
+    '@register_task("toy", dataclass=ToyOptions)\nclass ToyTask(Task):\n',
+    '@register_task("old_style")\nclass ToyTask(Task):\n'
+    '    @staticmethod\n'
+    '    def add_args(parser):\n'
+    '        parser.add_argument("data", help="the data directory")   # fairseq\'s: the run\'s --data\n'
+    '        parser.add_argument("--toy-width", type=int, default=8, help="hidden width (default: %(default)s)")\n'
+    '        parser.add_argument("--toy-samples", type=int, default=64, help="samples in each split")\n'
+    '        parser.add_argument("--toy-act", choices=["relu", "tanh"], default="relu")\n'
+    '        parser.add_argument("--toy-verbose", action="store_true", help="a switch")\n')
+
+BAD_ADD_ARGS = '''from textbox_like import Task, register_task
 
 
-@register_task("old_style")
-class OldStyle(Task):
+@register_task("bad_style")
+class BadStyle(Task):
     @staticmethod
     def add_args(parser):
-        parser.add_argument("--hidden", type=int, default=8)
+        parser.add_argument("--layers", type=int, nargs="+", default=[8])
 '''
 
 
-def test_a_task_with_fairseqs_add_args_is_told_how_to_declare_options_in_one_line(tmp_path, capsys):
+@pytest.mark.timeout(300)
+def test_a_task_with_fairseqs_add_args_gets_a_real_parser_and_its_values(tmp_path):
     folder = tmp_path / "old_style"
     folder.mkdir()
-    (folder / "__init__.py").write_text(ADD_ARGS)
+    (folder / "__init__.py").write_text("from . import task  # noqa: F401\n")
+    assert ADD_ARGS_TASK != USER_TASK
+    (folder / "task.py").write_text(ADD_ARGS_TASK)
+    run = [sys.executable, str(REPO / "run_hetseq.py"), "--user-dir", str(folder)]
+    shown = subprocess.run([*run, "--help"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "task old_style:" in shown.stdout and "hidden width (default: 8)\n" in shown.stdout
+    assert "--toy-act {relu,tanh}, --toy_act {relu,tanh}" in shown.stdout
+    save = tmp_path / "out"
+    done = subprocess.run([*run, "--task", "old_style", "--toy-width", "5", "--toy-samples", "24", "--toy_verbose",
+                           "--max-sentences", "8", "--max-update", "1", "--cpu", "--save-dir", str(save)],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "train 24 samples" in done.stderr
+    saved = yaml.safe_load((save / "config.yaml").read_text())
+    assert (saved["toy_width"], saved["toy_samples"], saved["toy_act"], saved["toy_verbose"]) == (5, 24, "relu", True)
+    import torch
+    model = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+    assert model["0.weight"].shape == (5, 4)
+
+
+def test_an_add_args_option_no_setting_can_be_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "bad_style"
+    folder.mkdir()
+    (folder / "__init__.py").write_text(BAD_ADD_ARGS)
     assert refusal(tmp_path, capsys, folder) == (
-        f"error: task 'old_style' ({folder / '__init__.py'}:4) defines add_args(parser), the fairseq/HetSeq way, "
-        f"which is not called here: declare its options as a frozen dataclass of textbox_like.setting() fields "
-        f"deriving from textbox_like.Section, and set options = YourOptions on the class (or pass "
-        f"dataclass=YourOptions to the decorator); they arrive as cfg.task_options.<name>")
+        f"error: task 'bad_style' ({folder / '__init__.py'}:4): its add_args option --layers has nargs='+', which "
+        f"a setting cannot be; declare its options as a frozen dataclass of textbox_like.setting() fields deriving "
+        f"from textbox_like.Section, set as options = YourOptions on the class")
