@@ -183,6 +183,13 @@ def run_cli(args, timeout=110, module=None, cwd=None):
                           timeout=timeout)
 
 
+def copy_of(run_dir, tmp_path):
+    """A copy of a finished run to resume or rerun (the run itself stays as it
+    ended, for the next test that starts from it)."""
+    import shutil
+    return Path(shutil.copytree(run_dir, tmp_path / Path(run_dir).name))
+
+
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
