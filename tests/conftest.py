@@ -176,7 +176,7 @@ def clean_env():
     return env
 
 
-def run_cli(args, timeout=110, module=None, cwd=None):
+def run_cli(args, timeout=300, module=None, cwd=None):
     """Run run_hetseq.py (or ``python -m module``) in a subprocess from the repo root."""
     cmd = [sys.executable] + (["-m", module] if module else ["run_hetseq.py"]) + [str(a) for a in args]
     return subprocess.run(cmd, cwd=cwd or REPO, env=clean_env(), capture_output=True, text=True,

@@ -607,7 +607,8 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
     assert current[0] > current[1]
     for update in (10, 20, 30, 40):
         assert_params_close(at_update(out, update), at_update(one_process_64, update))
-    assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank 1")
+    # once balanced, the ranks' update times are close: either may be the slower one at the end
+    assert proc.stderr.strip().splitlines()[-1].startswith(("slowest rank 0: ", "slowest rank 1: "))
     saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
     assert saved["split"] == current and len(saved["search"]["tried"]) >= 3
 

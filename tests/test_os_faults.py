@@ -572,6 +572,7 @@ def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run
     assert len(errors) == 1 and "hidden=128" in errors[0] and "64" in errors[0], errors
 
 
+@pytest.mark.timeout(900)
 def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data, tmp_path,  # noqa: F811
                                                                  run_of_2_updates):
     bert_out, mnist_out = tmp_path / "bert", copy_of(run_of_2_updates, tmp_path)
