@@ -29,6 +29,7 @@ def pytest_configure(config):
     import tempfile
     _CACHE = tempfile.mkdtemp(prefix="textbox_like_cache_")
     os.environ["TEXTBOX_LIKE_CACHE"] = _CACHE
+    os.environ["TEXTBOX_LIKE_CURVES"] = "0"   # no curves.png per run (~1 s each); test_trackers draws one
 
 
 def pytest_unconfigure(config):
@@ -176,10 +177,10 @@ def clean_env():
     return env
 
 
-def run_cli(args, timeout=300, module=None, cwd=None):
+def run_cli(args, timeout=300, module=None, cwd=None, env=None):
     """Run run_hetseq.py (or ``python -m module``) in a subprocess from the repo root."""
     cmd = [sys.executable] + (["-m", module] if module else ["run_hetseq.py"]) + [str(a) for a in args]
-    return subprocess.run(cmd, cwd=cwd or REPO, env=clean_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
