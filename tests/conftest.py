@@ -29,6 +29,7 @@ def pytest_configure(config):
     import tempfile
     _CACHE = tempfile.mkdtemp(prefix="textbox_like_cache_")
     os.environ["TEXTBOX_LIKE_CACHE"] = _CACHE
+    os.environ["TEXTBOX_LIKE_CURVES"] = "0"   # no curves.png per run (~1 s each); test_trackers draws one
 
 
 def pytest_unconfigure(config):
@@ -176,11 +177,18 @@ def clean_env():
     return env
 
 
-def run_cli(args, timeout=110, module=None, cwd=None):
+def run_cli(args, timeout=300, module=None, cwd=None, env=None):
     """Run run_hetseq.py (or ``python -m module``) in a subprocess from the repo root."""
     cmd = [sys.executable] + (["-m", module] if module else ["run_hetseq.py"]) + [str(a) for a in args]
-    return subprocess.run(cmd, cwd=cwd or REPO, env=clean_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def copy_of(run_dir, tmp_path):
+    """A copy of a finished run to resume or rerun (the run itself stays as it
+    ended, for the next test that starts from it)."""
+    import shutil
+    return Path(shutil.copytree(run_dir, tmp_path / Path(run_dir).name))
 
 
 def read_jsonl(path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,11 +54,17 @@ def assert_params_close(a, b, rtol=1e-5):
 NO_DROPOUT = ["--model_conf", "dropout1=0", "--model_conf", "dropout2=0"]
 
 
+@pytest.fixture(scope="module")
+def one(data, tmp_path_factory):
+    """The reference both exactness tests compare with: one process, batch 64, 20 updates."""
+    save = tmp_path_factory.mktemp("one")
+    run([PY, "run_hetseq.py", *base(data, save, "--max-sentences", "64", *NO_DROPOUT)])
+    return save
+
+
 @pytest.mark.timeout(400)
-def test_distributed_world_size_spawns_and_matches_one_process(data, tmp_path):
-    one = tmp_path / "one"
+def test_distributed_world_size_spawns_and_matches_one_process(data, tmp_path, one):
     two = tmp_path / "two"
-    run([PY, "run_hetseq.py", *base(data, one, "--max-sentences", "64", *NO_DROPOUT)])
     out = run([PY, "run_hetseq.py", *base(data, two, "--max-sentences", "32", "--distributed-world-size", "2",
                                           *NO_DROPOUT)])
     assert "world size 2" in out.stderr
@@ -67,11 +74,9 @@ def test_distributed_world_size_spawns_and_matches_one_process(data, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_unequal_ranks_match_one_process(data, tmp_path):
+def test_unequal_ranks_match_one_process(data, tmp_path, one):
     """Rank 0 with batch 48 and rank 1 with batch 16, started as two 'nodes'
     with their own --max-sentences, equal 1 x 64 over the same samples."""
-    one = tmp_path / "one"
-    run([PY, "run_hetseq.py", *base(data, one, "--max-sentences", "64", *NO_DROPOUT)])
     rdzv = tmp_path / "rdzv"
     save = tmp_path / "het"
     common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
@@ -145,7 +150,7 @@ def test_killing_one_rank_stops_the_others_within_the_timeout(data, tmp_path):
                                                         "--max-update", "100000", "--max-epoch", "0",
                                                         "--distributed-world-size", "2",
                                                         "--distributed-timeout", "30")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "log", "w"), text=True)
     deadline = time.monotonic() + 120
     children = []
     while time.monotonic() < deadline and len(children) < 2:
@@ -153,10 +158,13 @@ def test_killing_one_rank_stops_the_others_within_the_timeout(data, tmp_path):
         children = [int(p) for p in out.stdout.split()]
         time.sleep(0.2)
     assert len(children) == 2
-    time.sleep(8)  # training is under way
+    deadline = time.monotonic() + 240
+    while not re.search(r"\| update \d+ \|", (tmp_path / "log").read_text()):  # training is under way
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+        time.sleep(0.1)
     os.kill(children[1], signal.SIGKILL)
     start = time.monotonic()
-    _, err = proc.communicate(timeout=90)
+    proc.communicate(timeout=90)
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
     for child in children:  # no orphans left behind
@@ -243,14 +251,23 @@ def test_nodes_differing_only_in_no_save_are_refused(data, tmp_path):
     _refused_naming(*_two_nodes_differing(data, tmp_path, [], ["--no-save"]), "--no-save")
 
 
-@pytest.mark.timeout(150)
-def test_per_node_settings_stay_allowed(data, tmp_path):
+@pytest.fixture(scope="module")
+def nodes_with_per_node_settings(data, tmp_path_factory):
+    """Two 'nodes' differing only in per-node settings, each with its own
+    --save-dir (out0, out1): one run for the two tests below."""
+    where = tmp_path_factory.mktemp("per_node")
+    codes, errs, _ = _two_nodes_differing(
+        data, where, ["--max-sentences", "8", "--threads", "2", "--num-workers", "1",
+                      "--amp-optimization-level", "O0"],
+        ["--device-id", "1", "--cpu", "--log-format", "json", "--distributed-timeout", "50"], timeout=180)
+    return where, codes, errs
+
+
+@pytest.mark.timeout(200)
+def test_per_node_settings_stay_allowed(nodes_with_per_node_settings):
     """Batch size, threads, read-ahead, --device-id, --cpu, the log format, the
     timeout, the save dir and --amp-optimization-level O0 (= float32) may differ."""
-    codes, errs, _ = _two_nodes_differing(
-        data, tmp_path, ["--max-sentences", "8", "--threads", "2", "--num-workers", "1",
-                         "--amp-optimization-level", "O0"],
-        ["--device-id", "1", "--cpu", "--log-format", "json", "--distributed-timeout", "50"])
+    _, codes, errs = nodes_with_per_node_settings
     assert codes == [0, 0], errs
 
 
@@ -264,10 +281,10 @@ def test_missing_rendezvous_directory_is_one_line(data, tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_second_node_creates_no_save_directory(data, tmp_path):
+def test_second_node_creates_no_save_directory(nodes_with_per_node_settings):
     """Only rank 0 writes: rank 1, another 'node' with its own --save-dir,
     leaves no empty directory behind."""
-    codes, errs, _ = _two_nodes_differing(data, tmp_path, [], [], timeout=180)
+    where, codes, errs = nodes_with_per_node_settings
     assert codes == [0, 0], errs
-    assert (tmp_path / "out0" / "checkpoint_last.pt").is_file()
-    assert not (tmp_path / "out1").exists(), list((tmp_path / "out1").iterdir())
+    assert (where / "out0" / "checkpoint_last.pt").is_file()
+    assert not (where / "out1").exists(), list((where / "out1").iterdir())

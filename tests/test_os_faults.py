@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, run_cli, small_mnist_fixture, write_mnist
+from conftest import (N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, copy_of, run_cli, small_mnist_fixture,
+                      write_mnist)
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
 from test_faults import mnist_args as fault_args
 from textbox_like.checkpoint import atomic_save, load_checkpoint
@@ -411,9 +412,8 @@ def test_bad_config_file_is_one_line(data, tmp_path, content, says):
     assert str(bad) in lines[0] and says in lines[0], lines[0]
 
 
-def test_checkpoint_passed_as_config_is_named(data, tmp_path):
-    out = tmp_path / "out"
-    assert run_cli(mnist_args(data, out, max_update=1)).returncode == 0
+def test_checkpoint_passed_as_config_is_named(data, tmp_path, run_of_2_updates):
+    out = run_of_2_updates
     proc = run_cli(mnist_args(data, tmp_path / "o2", "--config", out / "checkpoint_last.pt", max_update=1))
     assert proc.returncode == 2 and "zip archive (a torch checkpoint?)" in proc.stderr, proc.stderr[-3000:]
 
@@ -469,15 +469,24 @@ def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
 
 
+@pytest.fixture(scope="module")
+def run_of_2_updates(data, tmp_path_factory):
+    """A finished run of 2 updates with mnist_args' defaults: the run that the
+    resume and rerun tests below start from, each in a copy of its own."""
+    out = tmp_path_factory.mktemp("run_of_2") / "out"
+    done = run_cli(mnist_args(data, out, max_update=2))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 def files_of(directory):
     """Every file of a save directory and its bytes (the lock and the logs of trackers aside)."""
     return {p.relative_to(directory): p.read_bytes() for p in sorted(Path(directory).rglob("*"))
             if p.is_file() and p.name != "run.lock" and "tensorboard" not in p.parts}
 
 
-def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path):
-    out = tmp_path / "out"
-    assert run_cli(mnist_args(data, out, max_update=2)).returncode == 0
+def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path, run_of_2_updates):
+    out = copy_of(run_of_2_updates, tmp_path)
     before = files_of(out)
     assert {"checkpoint_last.pt", "metrics.jsonl", "results.json", "config.yaml"} <= {p.name for p in before}
     again = run_cli(mnist_args(data, out, "--lr", "0.5", max_update=4))  # config.yaml would change too
@@ -507,9 +516,8 @@ def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_no
     assert run_cli(mnist_args(data, failed, max_update=1)).returncode == 0
 
 
-def test_resume_refuses_a_change_of_precision(data, tmp_path):
-    out = tmp_path / "out"
-    assert run_cli(mnist_args(data, out, max_update=2)).returncode == 0
+def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates):
+    out = copy_of(run_of_2_updates, tmp_path)
     before = files_of(out)
     for flag in ("--bf16", "--fp16"):  # on CPU float16 runs as bfloat16: a change all the same
         other = run_cli(mnist_args(data, out, flag, "--resume", max_update=4))
@@ -553,9 +561,8 @@ def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_w
     assert load_checkpoint(path)["train"]["num_updates"] == 3
 
 
-def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path):
-    out = tmp_path / "out"
-    assert run_cli(mnist_args(data, out, max_update=2)).returncode == 0
+def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run_of_2_updates):
+    out = copy_of(run_of_2_updates, tmp_path)
     same = run_cli(mnist_args(data, out, "--model_conf", "hidden=128", "--resume", max_update=3))  # the default
     assert same.returncode == 0, same.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 3
@@ -565,10 +572,11 @@ def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path):
     assert len(errors) == 1 and "hidden=128" in errors[0] and "64" in errors[0], errors
 
 
-def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data, tmp_path):  # noqa: F811
-    bert_out, mnist_out = tmp_path / "bert", tmp_path / "mnist"
+@pytest.mark.timeout(900)
+def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data, tmp_path,  # noqa: F811
+                                                                 run_of_2_updates):
+    bert_out, mnist_out = tmp_path / "bert", copy_of(run_of_2_updates, tmp_path)
     assert run_cli(bert_args(bert_data, bert_out, max_update=2)).returncode == 0
-    assert run_cli(mnist_args(data, mnist_out, max_update=2)).returncode == 0
     for args, saved, now in [(mnist_args(data, bert_out, "--resume", max_update=4), "bert", "mnist"),
                              (bert_args(bert_data, mnist_out, "--resume", max_update=4), "mnist", "bert")]:
         proc = run_cli(args, timeout=240)

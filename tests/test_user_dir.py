@@ -284,9 +284,11 @@ def test_a_search_over_the_user_dirs_option_runs_each_trial_with_it(project, tmp
     """run_hyper.py passes --user-dir on: the space names the user task's
     option, and each trial's process (handed its resolved configuration)
     imports the folder before reading it."""
+    import torch
     _, work = project
     (work / "space.txt").write_text("toy_width choice [4, 8]\n")
-    search = subprocess.run([sys.executable, str(REPO / "run_hyper.py"), "--space", "space.txt", "--max_evals", "2",
+    search = subprocess.run([sys.executable, str(REPO / "run_hyper.py"), "--space=space.txt", "--algo=exhaustive",
+                             "--max_evals", "2",
                              "--output", str(tmp_path / "search"), *TOY],
                             cwd=work, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert search.returncode == 0, search.stderr
@@ -294,5 +296,10 @@ def test_a_search_over_the_user_dirs_option_runs_each_trial_with_it(project, tmp
     for trial in ("trial_1", "trial_2"):
         results = json.loads((tmp_path / "search" / trial / "results.json").read_text())
         assert results["num_updates"] == 2
-        widths.add(yaml.safe_load((tmp_path / "search" / trial / "config.yaml").read_text())["toy_width"])
+        width = yaml.safe_load((tmp_path / "search" / trial / "config.yaml").read_text())["toy_width"]
+        # the trial's model is that wide: the value reached the task, not only its file
+        model = torch.load(tmp_path / "search" / trial / "checkpoint_last.pt", map_location="cpu",
+                           weights_only=False)["model"]
+        assert model["0.weight"].shape == (width, 4)
+        widths.add(width)
     assert widths == {4, 8}

@@ -3,12 +3,17 @@
     import textbox_like
     results = textbox_like.train({"task": "mnist", "max_update": 100, "save_dir": "runs/a"})
     metrics = textbox_like.evaluate("runs/a/checkpoint_best.pt", subset="test")
+    results = textbox_like.train({"max_update": 100}, task=MyTask)   # a Task class of your own
 
 A configuration is a mapping with the keys ``--print_config`` prints (other
 tools' spellings too), a YAML file's path, or a resolved
 :class:`~textbox_like.settings.RunConfig`. A mapping is one layer above the
 properties files, as the command line is; its ``config`` key may name YAML
-files to read first, like ``--config``. Bad values raise
+files to read first, like ``--config``. ``task`` may be a
+:class:`~textbox_like.Task` subclass, registered or not (plugins.py:
+register_task_class); the run records its ``MODULE:CLASS`` as
+``task_class``, which every process it starts, its config.yaml and
+:func:`evaluate` import again. Bad values raise
 :class:`~textbox_like.errors.UserError` with the line the command line prints.
 """
 from __future__ import annotations
@@ -26,6 +31,10 @@ def resolve_config(config=None, **settings):
     ``settings`` (by name) on top; checked as the command line checks it."""
     from .cli import check, parse
     from .config.schema import RunConfig
+    if isinstance(config, Mapping) and isinstance(config.get("task"), type):
+        config = {**config, **task_settings(config["task"])}
+    if isinstance(settings.get("task"), type):
+        settings = {**settings, **task_settings(settings["task"])}
     if isinstance(config, RunConfig):
         cfg = config.replace("textbox_like.train()", **settings) if settings else config
     elif config is None or isinstance(config, Mapping):
@@ -39,11 +48,19 @@ def resolve_config(config=None, **settings):
     return cfg
 
 
+def task_settings(cls) -> dict:
+    """The settings naming the Task class ``cls``: its task name (it is
+    registered under one now, where it is not yet) and its ``task_class``."""
+    from .plugins import class_path, register_task_class
+    return {"task": register_task_class(cls), "task_class": class_path(cls)}
+
+
 def train(config=None, **settings) -> dict:
     """Train as ``run_hetseq.py`` would with this configuration; returns the
     results (those of results.json: final and best validation metrics,
     updates, samples, wall time, exit code). A run that asks for several
-    processes on this node starts them as the command line does."""
+    processes on this node starts them as the command line does; its
+    ``task`` may be a Task class (module docstring)."""
     from .cli import run
     cfg = resolve_config(config, **settings)
     earlier = _results_file(cfg)
@@ -76,11 +93,13 @@ def _read_results(cfg, earlier):
     return json.loads(path.read_text())
 
 
-def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, user_dir=None) -> dict:
+def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, user_dir=None, task=None) -> dict:
     """Loss and metrics of a checkpoint on a split (the run's first valid
     subset by default), averaged over all samples; ``data``: another data
     directory than the one the run trained on; ``user_dir``: the folder of
-    the run's own components, where it is not the one the run recorded."""
+    the run's own components, where it is not the one the run recorded;
+    ``task``: the run's Task class, where the one it recorded (its
+    ``task_class``) is not importable here or has moved."""
     import yaml
 
     from .checkpoint import load_checkpoint
@@ -90,7 +109,8 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     saved = yaml.safe_load(state["config"])
     with notes_muted():  # the training run's notes, said to it already
         cfg = parse(overrides={**saved, **({"data": data} if data else {}),
-                               **({"user_dir": user_dir} if user_dir else {})})
+                               **({"user_dir": user_dir} if user_dir else {}),
+                               **(task_settings(task) if task is not None else {})})
     init = vars(cfg.task_options).get("init_checkpoint")
     if init and not (Path(init) / "config.json").is_file():
         # the checkpoint's own weights replace it anyway; a save_pretrained
@@ -106,7 +126,7 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     task = TASKS.get(cfg.data.task)(cfg)
     task.check_config(cfg)
     task.prepare_data()
-    split = task.build_dataset(subset)
+    split = task.batch_dataset(subset)
     model = task.build_model()
     model.load_state_dict(state["model"])
     accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available())

@@ -308,22 +308,23 @@ def die_with_parent():
     return preexec
 
 
-def spawn(placements, resolved, timeout):
+def spawn(placements, resolved, timeout, environment=None):
     """Start one child per placement, each handed ``resolved``, the path of
     this run's resolved configuration, already written (launch.spawn), and
     its rank variables; forward signals, and fail fast: when one child fails,
     the others are stopped after at most ``timeout`` seconds (30 at most).
+    ``environment``: variables the children get on top of this process's.
     Returns the exit code for this node."""
     argv = [sys.executable, "-c", "import sys; from textbox_like.cli import run_resolved; "
                                   "from textbox_like.preemption import leaving; "
                                   "sys.exit(leaving(run_resolved(sys.argv[1])))", resolved]
-    return _supervise(placements, argv, timeout)
+    return _supervise(placements, argv, timeout, environment)
 
 
-def _supervise(placements, argv, timeout):
+def _supervise(placements, argv, timeout, environment=None):
     children = []
     for p in placements:
-        env = dict(os.environ)
+        env = {**os.environ, **(environment or {})}
         env.update({CHILD_ENV: "1", "RANK": str(p.rank), "WORLD_SIZE": str(p.world_size),
                     "LOCAL_RANK": str(p.local_rank), "LOCAL_WORLD_SIZE": str(p.local_world_size),
                     "MASTER_ADDR": p.master_addr, "TEXTBOX_LIKE_INIT_METHOD": p.init_method})

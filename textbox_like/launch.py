@@ -73,10 +73,40 @@ def spawn(placements, cfg):
     removed when they are done. Returns the exit code for this node."""
     from . import distributed
     from .config.files import write_resolved
+    environment = task_class_environment(cfg, len(placements))
     fd, resolved = tempfile.mkstemp(prefix="textbox_like_config_", suffix=".yaml")
     os.close(fd)
     try:
         write_resolved(cfg, resolved)
-        return distributed.spawn(placements, resolved, cfg.distributed.distributed_timeout)
+        return distributed.spawn(placements, resolved, cfg.distributed.distributed_timeout, environment)
     finally:
         os.unlink(resolved)
+
+
+def task_class_environment(cfg, processes):
+    """What the processes started here need to import the run's task class
+    (``task_class``, from ``textbox_like.train(task=MyTask)``) by its module
+    path: {} or PYTHONPATH with the folder its module came from added, as
+    multiprocessing's spawn hands its children the parent's sys.path. A
+    class no fresh interpreter can import (one defined in ``__main__`` or in
+    a function) is one line, before any process starts."""
+    path = cfg.data.task_class
+    if not path:
+        return {}
+    from .plugins import class_path, module_root, why_not_importable
+    from .tasks import TASKS
+    cls = TASKS.get(cfg.data.task)
+    if class_path(cls) != path:
+        return {}
+    why = why_not_importable(cls)
+    if why:
+        from .errors import UserError
+        raise UserError(f"task {cfg.data.task} ({path}) cannot train in {processes} processes: {why}, and each "
+                        f"process, a fresh interpreter, imports it by its module path; put the class in a module "
+                        f"of its own (a .py file on sys.path, or in a --user-dir package) and pass it from there, "
+                        f"or train in one process")
+    root = module_root(cls)
+    if root is None:
+        return {}
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {} if root in kept else {"PYTHONPATH": os.pathsep.join([*kept, root])}

@@ -32,12 +32,15 @@ _imported_dirs = set()
 _installed_loaded = False
 
 
-def load_plugins(user_dir=None):
+def load_plugins(user_dir=None, task_class=None):
     """The installed plugins (once per process), then ``user_dir``'s
-    package, if any (once per folder)."""
+    package, if any (once per folder), then the task class a run records
+    (``task_class``, ``MODULE:CLASS``), if any."""
     load_installed()
     if user_dir:
         import_user_dir(user_dir)
+    if task_class:
+        import_task_class(task_class)
 
 
 def load_installed():
@@ -109,3 +112,86 @@ def import_user_dir(user_dir):
                 add_note(exc, f"(raised while importing --user-dir {folder}: the traceback above ends in your code)")
             raise
     _imported_dirs.add(folder)
+
+
+def class_path(cls) -> str:
+    """``MODULE:QUALNAME``, what ``task_class`` records of a class."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def why_not_importable(cls):
+    """Why a fresh interpreter (a spawned rank, a search trial, a later
+    ``--config SAVE_DIR/config.yaml``) cannot import ``cls`` by its path,
+    or None where it can."""
+    if cls.__module__ == "__main__":
+        return "it is defined in __main__ (a notebook, stdin or the script that started the run)"
+    if "<locals>" in cls.__qualname__:
+        return "it is defined inside a function"
+    return None
+
+
+def module_root(cls):
+    """The folder on sys.path that ``cls``'s module is imported from, or
+    None (a module without a file)."""
+    module = sys.modules.get(cls.__module__)
+    where = getattr(module, "__file__", None)
+    if not where:
+        return None
+    path = Path(where).resolve()
+    if path.name == "__init__.py":
+        path = path.parent
+    return str(path.parents[len(cls.__module__.split(".")) - 1])
+
+
+def register_task_class(cls) -> str:
+    """The task name of the class ``cls``: the one it is registered under,
+    else it is registered now under its ``name`` (set in its own body) or
+    else its class name. The same class defined again (a notebook cell run
+    twice) takes its earlier version's place; another class holding that
+    name is one line (registry.NameTaken)."""
+    from .tasks import TASKS
+    for name, held in TASKS.items():
+        if held is cls:
+            return name
+    name = vars(cls).get("name") if isinstance(cls, type) else None
+    name = name if isinstance(name, str) and name else getattr(cls, "__name__", repr(cls))
+    if name in TASKS:
+        held = TASKS.get(name)
+        if class_path(held) == class_path(cls) and held.__module__.split(".")[0] != __name__.split(".")[0]:
+            TASKS.unregister(TASKS.canonical(name))
+    TASKS.register(name)(cls)
+    return name
+
+
+def import_task_class(path) -> str:
+    """The task name of the class ``path`` (``MODULE:QUALNAME``) names,
+    imported (and registered, where its module does not) in this process;
+    a class that is not there is one line naming the fix."""
+    from .tasks import TASKS
+    for name, held in TASKS.items():
+        if class_path(held) == path:
+            return name
+    module_name, _, qualname = str(path).partition(":")
+    fix = ("put the class in a module of its own (on PYTHONPATH, or in a --user-dir package) and pass it from "
+           "there")
+    if not module_name or not qualname:
+        raise UserError(f"task_class {path!r}: give the task's class as MODULE:CLASS (e.g. my_tasks:MyTask)")
+    if "<locals>" in qualname:
+        raise UserError(f"task_class {path}: the class was defined inside a function, which no other process "
+                        f"can import; {fix}")
+    if module_name == "__main__" and not hasattr(sys.modules.get("__main__"), qualname.split(".")[0]):
+        raise UserError(f"task_class {path}: the class was defined in the __main__ of the program that started "
+                        f"the run (a notebook, stdin or a script), which this process cannot import; {fix}")
+    try:
+        found = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise       # an import inside the user's module: theirs, with its traceback
+        raise UserError(f"task_class {path}: no module named {exc.name!r} here; put the folder holding it on "
+                        f"PYTHONPATH, or the module in a --user-dir package") from None
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            raise UserError(f"task_class {path}: module {module_name} has no {qualname}; give the class's "
+                            f"MODULE:CLASS")
+    return register_task_class(found)

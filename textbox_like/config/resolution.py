@@ -248,29 +248,39 @@ def user_dir_given(argv=(), overrides=None):
     ask for, found as the resolution will find it, before the parser that
     depends on it is built: the command line's, else Python's, else the
     last --config file's that names one; None where none does."""
+    return given_early("user_dir", argv, overrides)
+
+
+def given_early(dest, argv=(), overrides=None):
+    """The value of the setting ``dest`` (user_dir, task_class: those that
+    import code) a command line and its Python settings give, found as the
+    resolution will find it, before the parser that depends on it is built:
+    the command line's, else Python's, else the last --config file's that
+    names one; None where none does."""
     scan = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    scan.add_argument("--user-dir", "--user_dir", dest="user_dir")
+    scan.add_argument(f"--{dest.replace('_', '-')}", f"--{dest}", dest=dest)
     scan.add_argument("--config", action="append", default=[])
     raise_user_errors(scan)
     given, _ = scan.parse_known_args([str(arg) for arg in argv])
-    if given.user_dir is not None:
-        return given.user_dir
+    if getattr(given, dest) is not None:
+        return getattr(given, dest)
     overrides = {str(k).replace("-", "_"): v for k, v in (overrides or {}).items()}
-    if overrides.get("user_dir") is not None:
-        return overrides["user_dir"]
+    if overrides.get(dest) is not None:
+        return overrides[dest]
     files = overrides.get("config")
     files = [] if files is None else list(files) if isinstance(files, (list, tuple)) else [files]
     found = None
     for path in [*given.config, *files]:
-        found = load_yaml(path).get("user_dir", found)
+        found = load_yaml(path).get(dest, found)
     return found
 
 
 def import_plugins(argv=(), overrides=None):
-    """Import the installed plugins and the user dir a command line asks
-    for (plugins.py): their components then take part in the parser."""
+    """Import the installed plugins, the user dir and the task class a
+    command line asks for (plugins.py): their components then take part in
+    the parser."""
     from ..plugins import load_plugins
-    load_plugins(user_dir_given(argv, overrides))
+    load_plugins(user_dir_given(argv, overrides), given_early("task_class", argv, overrides))
 
 
 def resolve(argv=(), overrides=None, environ=None, overrides_name="textbox_like.train()"):
@@ -302,7 +312,7 @@ def read_resolved(path):
     from ..plugins import load_plugins
     data = load_yaml(path, "resolved configuration")
     values = data["config"]
-    load_plugins(values.get("user_dir"))   # before their sections are read
+    load_plugins(values.get("user_dir"), values.get("task_class"))   # before their sections are read
     return RunConfig.from_values(values, list(values), plugin_sections(values), data["sources"])
 
 

@@ -85,6 +85,7 @@ class DataConfig(Section):
 
     task: str = setting('mnist', 'one of: {choices}')
     user_dir: str | None = setting(None, "your own tasks, optimizers and LR schedulers: a folder that is a Python package (DIR/__init__.py importing your modules, whose @register_task, @register_optimizer, @register_scheduler then count), imported before the command line is read, in every process of the run (fairseq's and HetSeq's --user-dir)", type=absolute_path, metavar='DIR')
+    task_class: str | None = setting(None, "the task's class as MODULE:CLASS, imported (and registered, where its module does not register it) in every process of the run before the configuration is read: what textbox_like.train(task=MyTask) records; its module must be importable there (on PYTHONPATH)", metavar='MODULE:CLASS')
     data: str | None = setting(None, 'data directory or file (MNIST: the idx files; fetched when left out)')
     train_subset: str = setting('train', 'split to train on')
     valid_subset: list = setting('valid', 'comma-separated splits to validate on', type=STR_LIST)

@@ -10,10 +10,14 @@ only the dataset knows which orders are cheap to read: a uniform permutation
 for data in memory, shuffled blocks of contiguous rows for data on disk. It
 must be a pure function of ``(seed, epoch)``: the same on every rank and on
 every restart, which is what makes resuming mid-epoch exact.
+
+A task may also return a plain map-style ``torch.utils.data.Dataset`` or a
+``datasets.Dataset``: ``data/plain.py`` wraps it in this protocol. Its
+batches then have the structure the task's collate gives (a list, a tuple,
+a dict, nested): :func:`map_tensors` is how the trainer moves, cuts and
+counts any of them.
 """
 from __future__ import annotations
-
-import numpy as np
 
 
 class BatchDataset:
@@ -34,6 +38,7 @@ class BatchDataset:
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
         """The sample indices of one epoch, in the order they are trained on."""
+        import numpy as np
         if not shuffle:
             return np.arange(len(self), dtype=np.int64)
         return np.random.default_rng([seed, epoch]).permutation(len(self)).astype(np.int64)
@@ -53,6 +58,7 @@ def shuffled_blocks(n: int, block: int, seed: int, epoch: int) -> np.ndarray:
     """An epoch order for data on disk: blocks of ``block`` contiguous rows in
     random order, rows shuffled within each block. Reading a batch then
     touches one or two contiguous slices, and memory is bounded by a block."""
+    import numpy as np  # here, not at the top: tasks/base.py imports this module to build --help
     rng = np.random.default_rng([seed, epoch])
     starts = np.arange(0, n, block, dtype=np.int64)
     rng.shuffle(starts)
@@ -64,16 +70,68 @@ def shuffled_blocks(n: int, block: int, seed: int, epoch: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def batch_samples(batch: dict) -> int:
-    """The samples in a batch of the protocol above (its tensors' leading dimension)."""
-    return int(next(iter(batch.values())).shape[0]) if batch else 0
+def is_text_list(x) -> bool:
+    """A list of strings: per-sample text, as ``default_collate`` and
+    ``datasets`` batch a text column or field."""
+    return type(x) is list and bool(x) and isinstance(x[0], (str, bytes))
 
 
-def cut_batch(batch: dict, sizes) -> list:
+def map_tensors(fn, batch, text=None):
+    """``batch`` with ``fn`` applied to each of its tensors: a tensor, or a
+    dict, list or tuple (a named tuple too) of batches, nested, rebuilt in the
+    same structure. A list of strings (per-sample text) goes to ``text``
+    where given; it and other values are otherwise kept as they are."""
+    from torch import Tensor
+    if type(batch) is dict:  # the built-in tasks' flat dict of tensors: one pass, no recursion
+        flat = {}
+        for k, v in batch.items():
+            if not isinstance(v, Tensor):
+                break
+            flat[k] = fn(v)
+        else:
+            return flat
+
+    def walk(x):
+        if isinstance(x, Tensor):
+            return fn(x)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if text is not None and is_text_list(x):
+            return text(x)
+        if isinstance(x, (list, tuple)):
+            items = [walk(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return x
+    return walk(batch)
+
+
+def batch_samples(batch) -> int:
+    """The samples in a batch of the protocol above: the leading dimension
+    of its first tensor, or the length of its first list of strings (depth
+    first, in a nested batch); 0 without either."""
+    from torch import Tensor
+    if type(batch) is dict and batch:  # the built-in tasks' flat dict of tensors
+        first = next(iter(batch.values()))
+        if isinstance(first, Tensor):
+            return int(first.shape[0])
+    stack = [batch]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Tensor):
+            return int(x.shape[0])
+        if is_text_list(x):
+            return len(x)
+        if isinstance(x, (dict, list, tuple)):
+            stack.extend(reversed(list(x.values()) if isinstance(x, dict) else x))
+    return 0
+
+
+def cut_batch(batch, sizes) -> list:
     """A batch of the protocol above cut into consecutive micro-batches of
-    ``sizes`` samples (views: no copy)."""
+    ``sizes`` samples (views of its tensors: no copy)."""
     out, start = [], 0
     for size in sizes:
-        out.append({k: v[start:start + size] for k, v in batch.items()})
+        cut = lambda v, a=start, b=start + size: v[a:b]  # noqa: E731
+        out.append(map_tensors(cut, batch, text=cut))
         start += size
     return out

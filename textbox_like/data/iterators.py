@@ -145,13 +145,8 @@ def read_ahead_workers(num_workers: int, dataset, pin_memory: bool) -> int:
 
 def pin(batch):
     """``batch`` (a tensor, or a dict/list/tuple of them) in page-locked memory."""
-    if isinstance(batch, dict):
-        return {k: pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(pin(v) for v in batch)
-    if hasattr(batch, "pin_memory") and hasattr(batch, "is_pinned") and batch.device.type == "cpu":
-        return batch.pin_memory()
-    return batch
+    from .base import map_tensors
+    return map_tensors(lambda v: v.pin_memory() if v.device.type == "cpu" else v, batch)
 
 
 class EpochBatchIterator:

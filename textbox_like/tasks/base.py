@@ -11,6 +11,7 @@ fast), so they import torch and friends inside methods, not at module top.
 from __future__ import annotations
 
 from ..config.schema import NoOptions
+from ..data.base import map_tensors
 
 #: words of a metric's name that mean lower is better (loss, mlm_loss, ppl, error rates);
 #: any other metric (accuracy, F1, ROUGE*, BLEU, ...) is better higher. Whole words:
@@ -93,13 +94,40 @@ class Task:
         file system before any ``build_dataset``; the others wait."""
 
     def build_dataset(self, split: str):
-        """Return a dataset for ``split`` following ``textbox_like.data.base.BatchDataset``.
+        """The dataset of ``split``, one of:
+
+        - a ``textbox_like.BatchDataset`` (data/base.py): read a batch at a
+          time by an array of indices, its epoch order its own;
+        - a map-style ``torch.utils.data.Dataset`` (``__len__`` and
+          ``__getitem__``: a ``TensorDataset``, a class of your own returning
+          tuples, dicts or tensors): a batch is ``collate`` (below) of its
+          samples, in the structure it returns, as a ``DataLoader`` would
+          give it (a ``TensorDataset``'s batch is ``[x, y]``);
+        - a Hugging Face ``datasets.Dataset``: a batch is one ``ds[indices]``
+          read in torch format, a dict of column tensors (with ``collate``,
+          that function of the batch's rows, each a dict).
+
+        The last two are wrapped by data/plain.py (:meth:`batch_dataset`):
+        their epoch order is a uniform permutation, a pure function of
+        (seed, epoch), the same on every rank, resumed exactly mid-epoch.
         Raise ``UserError`` for a split that does not exist."""
         raise NotImplementedError
 
+    #: for a map-style dataset or a ``datasets.Dataset``: None (torch's
+    #: ``default_collate``; a datasets.Dataset's columns as they are), or a
+    #: method ``collate(self, samples)`` turning a list of samples into a batch
+    collate = None
+
+    def batch_dataset(self, split: str):
+        """``build_dataset(split)`` as a BatchDataset: what the trainer,
+        validation and ``textbox_like.evaluate`` read."""
+        from ..data.plain import as_batch_dataset
+        return as_batch_dataset(self.build_dataset(split), self.collate,
+                                source=f"{type(self).__name__}.build_dataset({split!r})")
+
     def collate_to_device(self, batch, device):
-        """Move one batch (a dict of tensors) to ``device``."""
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        """Move one batch (tensors in a dict, list or tuple, nested) to ``device``."""
+        return map_tensors(lambda v: v.to(device, non_blocking=True), batch)
 
     # -- model ------------------------------------------------------------
     def build_model(self):

@@ -4,6 +4,7 @@ the end results.json, the last line, the curves and the exit code."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -219,6 +220,8 @@ class Lifecycle:
             raise SaveFailed(f"could not write {path} ({os_reason(exc)}); the checkpoints are kept") from None
 
     def plot_curves(self):
+        if os.environ.get("TEXTBOX_LIKE_CURVES") == "0":  # drawing takes ~1 s: the test suite's hundreds of runs skip it
+            return
         try:
             from ..plot import plot_runs
         except ImportError:  # matplotlib missing: curves are a convenience

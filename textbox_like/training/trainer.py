@@ -105,10 +105,10 @@ class Trainer:
         time.sleep(self.hooks.start_delay)  # test-only: slow data
         with distributed.main_then_local_main_first(self.accelerator):
             task.prepare_data()
-        self.train_data = task.build_dataset(cfg.data.train_subset)
+        self.train_data = task.batch_dataset(cfg.data.train_subset)
         if len(self.train_data) == 0:
             raise UserError(f"the {cfg.data.train_subset!r} split of --data {cfg.data.data} holds no samples")
-        self.valid_data = {} if cfg.validation.disable_validation else {s: task.build_dataset(s) for s in cfg.data.valid_subset}
+        self.valid_data = {} if cfg.validation.disable_validation else {s: task.batch_dataset(s) for s in cfg.data.valid_subset}
 
     def build_model(self):
         import torch
@@ -250,8 +250,8 @@ class Trainer:
     def to_device(self, batch):
         batch = self.task.collate_to_device(batch, self.accelerator.device)
         if self.cfg.numerics.train_dtype == "float64":
-            import torch
-            batch = {k: v.double() if torch.is_floating_point(v) else v for k, v in batch.items()}
+            from ..data.base import map_tensors
+            batch = map_tensors(lambda v: v.double() if v.is_floating_point() else v, batch)
         return batch
 
     def reseed(self, why):

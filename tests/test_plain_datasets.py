@@ -1,0 +1,290 @@
+"""Plain datasets are enough (issue 31 item 2): a task's ``build_dataset``
+may return a map-style ``torch.utils.data.Dataset`` (with the task's own
+collate) or a ``datasets.Dataset``; data/plain.py wraps it in the
+batch-read protocol. The user's package is written into tmp_path and found
+with --user-dir, as a user would; every run is a process of its own."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, assert_bitwise_equal, clean_env, read_jsonl
+
+USER_TASKS = textwrap.dedent('''
+    import os
+    import signal
+
+    from textbox_like import Task, register_task
+
+
+    def points(split, n=57):
+        """n points of 4 features, labelled by the sign of their sum: learnable."""
+        import torch
+        x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0 if split == "train" else 1))
+        return x, (x.sum(1) > 0).long()
+
+
+    class Classifier(Task):
+        """The model, loss and metrics the tasks below share; each returns its
+        own kind of dataset and reads its own batch structure (``inputs``)."""
+        metric_names = ("loss", "accuracy")
+        loss_calls = 0
+
+        def build_model(self):
+            import torch
+            torch.manual_seed(1)
+            return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(),
+                                       torch.nn.Dropout(float(os.environ.get("PLAIN_DROPOUT", "0"))),
+                                       torch.nn.Linear(16, 2))
+
+        def loss(self, model, batch):
+            import torch.nn.functional as F
+            if model.training:  # a real kill -9, at a training forward the test chose
+                type(self).loss_calls += 1
+                if type(self).loss_calls == int(os.environ.get("PLAIN_KILL_AT", "0")):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            x, y = self.inputs(batch)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y, reduction="sum")
+            correct = (logits.argmax(1) == y).sum()
+            return loss, {"loss_sum": loss.detach(), "correct": correct, "nsamples": len(y)}
+
+        def metrics(self, sums):
+            n = max(sums.get("nsamples", 0.0), 1.0)
+            return {"loss": sums.get("loss_sum", 0.0) / n, "accuracy": sums.get("correct", 0.0) / n}
+
+
+    @register_task("plain_tensors")
+    class TensorTask(Classifier):
+        def build_dataset(self, split):
+            from torch.utils.data import TensorDataset
+            return TensorDataset(*points(split))
+
+        def inputs(self, batch):
+            x, y = batch  # what a DataLoader over a TensorDataset gives
+            return x, y
+
+
+    @register_task("plain_collate")
+    class CollateTask(Classifier):
+        def build_dataset(self, split):
+            from torch.utils.data import Dataset
+            x, y = points(split)
+
+            class Samples(Dataset):  # the user's own: a sample is (features, label, name)
+                def __len__(self):
+                    return len(y)
+
+                def __getitem__(self, i):
+                    return x[i], int(y[i]), f"row {i}"
+            return Samples()
+
+        def collate(self, samples):
+            import torch
+            return {"features": torch.stack([s[0] for s in samples]),
+                    "label": torch.tensor([s[1] for s in samples]), "names": [s[2] for s in samples]}
+
+        def inputs(self, batch):
+            assert len(batch["names"]) == len(batch["label"])  # per-sample text cut with the tensors
+            return batch["features"], batch["label"]
+
+
+    @register_task("plain_hf")
+    class HFTask(Classifier):
+        def build_dataset(self, split):
+            import datasets
+            x, y = points(split)
+            return datasets.Dataset.from_dict({"x": x.tolist(), "label": y.tolist()})
+
+        def inputs(self, batch):
+            return batch["x"], batch["label"]
+
+
+    @register_task("plain_stream")
+    class StreamTask(Classifier):
+        def build_dataset(self, split):
+            from torch.utils.data import IterableDataset
+
+            class Stream(IterableDataset):
+                def __iter__(self):
+                    yield from zip(*points(split))
+            return Stream()
+''')
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plain_user") / "plaintasks"
+    folder.mkdir()
+    (folder / "__init__.py").write_text(USER_TASKS)
+    return folder
+
+
+def train_args(user_dir, task, save_dir, *extra):
+    return ["--user-dir", user_dir, "--task", task, "--save-dir", save_dir, "--optimizer", "sgd", "--lr", "0.5",
+            "--lr-scheduler", "constant", "--max-epoch", "0", "--max-sentences", "8", "--log-format", "simple",
+            "--log-interval", "1", "--threads", "1", "--cpu", *extra]
+
+
+def start(args, env=None):
+    return subprocess.Popen([sys.executable, str(REPO / "run_hetseq.py"), *map(str, args)], cwd=REPO,
+                            env={**clean_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def trained(args, env=None):
+    proc = start(args, env)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
+def checkpoint(save_dir):
+    return torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+
+
+def assert_params_close(a, b, rtol=1e-5):
+    for key in a:
+        x, y = a[key].double(), b[key].double()
+        assert ((x - y).abs().max() / y.abs().max().clamp(min=1e-12)).item() <= rtol, key
+
+
+PLAIN_TASKS = ("plain_tensors", "plain_collate", "plain_hf")
+
+
+@pytest.fixture(scope="module")
+def plain_runs(user_dir, tmp_path_factory):
+    """One run of 14 updates (two epochs, validated at the first's end and
+    at the last update) per kind of dataset, the three at once."""
+    root = tmp_path_factory.mktemp("plain_runs")
+    procs = {task: start(train_args(user_dir, task, root / task, "--max-update", "14")) for task in PLAIN_TASKS}
+    errors = {task: proc.communicate(timeout=300)[1] for task, proc in procs.items()}
+    return {task: (procs[task].returncode, errors[task], read_jsonl(root / task / "metrics.jsonl")
+                   if procs[task].returncode == 0 else [], root / task) for task in PLAIN_TASKS}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("task", PLAIN_TASKS)
+def test_a_plain_dataset_trains_and_its_loss_falls(plain_runs, task):
+    """A TensorDataset (its batch [x, y]), the user's Dataset and collate (a
+    dict holding text), a datasets.Dataset (a dict of columns)."""
+    code, err, records, _ = plain_runs[task]
+    assert code == 0, err[-3000:]
+    losses = [r["loss"] for r in records if r.get("kind") == "train"]
+    assert len(losses) == 14 and np.mean(losses[-4:]) < 0.6 * np.mean(losses[:4]), losses
+    valid = [r for r in records if r.get("kind") == "valid"]
+    assert len(valid) == 2 and valid[-1]["loss"] < valid[0]["loss"] and valid[-1]["accuracy"] > 0.9
+
+
+@pytest.mark.timeout(300)
+def test_eval_reads_a_plain_dataset(plain_runs, tmp_path):
+    """``textbox-like eval`` (textbox_like.evaluate) of the last checkpoint of
+    the user's Dataset and collate gives the run's last validation."""
+    code, err, records, save_dir = plain_runs["plain_collate"]
+    assert code == 0, err[-3000:]
+    evaluated = subprocess.run([sys.executable, "-m", "textbox_like.eval", "--model_ckpt",
+                                str(save_dir / "checkpoint_last.pt"), "--json", "--batch-size", "5"],
+                               cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                               timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr
+    record, last = json.loads(evaluated.stdout), [r for r in records if r.get("kind") == "valid"][-1]
+    assert record["samples"] == 57 and record["accuracy"] == last["accuracy"]
+    assert record["loss"] == pytest.approx(last["loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_of_3_and_5_and_micro_batches_equal_one_process_of_8(user_dir, tmp_path):
+    """A TensorDataset's [x, y] batches: two 'nodes' with --max-sentences 3
+    and 5, and one process cutting a global batch of 8 into micro-batches of
+    at most 3, each equal one process of 8 after 9 updates. 57 samples: the
+    epoch's last step holds one sample, which rank 0 gets none of."""
+    one, het, cut = tmp_path / "one", tmp_path / "het", tmp_path / "cut"
+    common = ["--max-update", "9", "--disable-validation"]
+    reference = start(train_args(user_dir, "plain_tensors", one, *common))
+    split = start(train_args(user_dir, "plain_tensors", cut, *common, "--global-batch-size", "8",
+                             "--max-sentences", "3"))
+    ranks = ["--distributed-init-method", f"file://{tmp_path / 'rdzv'}", "--distributed-world-size", "2",
+             "--distributed-gpus", "1", "--distributed-timeout", "120"]
+    nodes = [start(train_args(user_dir, "plain_tensors", het, *common, *ranks, "--max-sentences", size,
+                              "--distributed-rank", rank)) for size, rank in (("3", "0"), ("5", "1"))]
+    errors = [proc.communicate(timeout=300)[1] for proc in (reference, split, *nodes)]
+    assert [proc.returncode for proc in (reference, split, *nodes)] == [0] * 4, "\n".join(e[-2000:] for e in errors)
+    assert "batch sizes per rank [3, 5]" in errors[2]
+    assert "micro-batch caps [3]" in errors[1]
+    expected = checkpoint(one)
+    assert expected["train"]["num_updates"] == 9 and expected["iterator"]["epoch"] == 2
+    for run in (het, cut):
+        assert_params_close(checkpoint(run)["model"], expected["model"])
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_mid_epoch_then_resume_is_bitwise_identical(user_dir, tmp_path):
+    """The user's own Dataset and collate, dropout on: killed (SIGKILL, from
+    its own forward) in update 5 of an 8-update epoch, after the save at
+    update 3; resumed, it ends bitwise equal to the uninterrupted run."""
+    dropout = {"PLAIN_DROPOUT": "0.2"}
+    args = ["--max-update", "12", "--save-interval-updates", "3", "--optimizer", "adam", "--lr", "0.01"]
+    reference = start(train_args(user_dir, "plain_collate", tmp_path / "whole", *args), env=dropout)
+    killed = start(train_args(user_dir, "plain_collate", tmp_path / "run", *args),
+                   env={**dropout, "PLAIN_KILL_AT": "5"})
+    _, err = killed.communicate(timeout=300)
+    assert killed.returncode == -signal.SIGKILL, err[-2000:]
+    saved = checkpoint(tmp_path / "run")
+    assert saved["train"]["num_updates"] == 3 and saved["iterator"]["offset"] == 24  # mid-epoch
+    resumed = trained(train_args(user_dir, "plain_collate", tmp_path / "run", *args, "--resume"), env=dropout)
+    assert "resumed from" in resumed
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err[-2000:]
+    final, whole = checkpoint(tmp_path / "run"), checkpoint(tmp_path / "whole")
+    assert final["train"]["num_updates"] == whole["train"]["num_updates"] == 12
+    for part in ("model", "optimizer", "iterator"):
+        assert_bitwise_equal(final[part], whole[part], part)
+
+
+@pytest.mark.timeout(300)
+def test_an_iterable_dataset_is_refused_in_one_line(user_dir, tmp_path):
+    proc = start(train_args(user_dir, "plain_stream", tmp_path / "stream", "--max-update", "2"))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [
+        "error: StreamTask.build_dataset('train') returned plaintasks.StreamTask.build_dataset.<locals>.Stream, an "
+        "iterable dataset: training reads samples by index (an epoch order that resumes exactly and is the same on "
+        "every rank); return a textbox_like.BatchDataset, a map-style torch.utils.data.Dataset (with __len__ and "
+        "__getitem__, e.g. TensorDataset) or a datasets.Dataset"], err
+
+
+def test_nested_batches_are_moved_cut_and_counted_in_their_structure():
+    """The one helper behind moving, cutting and counting a batch keeps a
+    tuple a tuple, a named tuple named, a dict a dict, and cuts per-sample
+    text with the tensors; an empty read keeps the columns' shapes."""
+    from collections import namedtuple
+
+    import datasets
+
+    from textbox_like.data.base import batch_samples, cut_batch, map_tensors
+    from textbox_like.data.plain import as_batch_dataset
+    Pair = namedtuple("Pair", "x y")
+    batch = {"pair": Pair(torch.arange(10.0).view(5, 2), torch.arange(5)), "text": list("abcde"),
+             "more": (torch.zeros(5, 3), [torch.ones(5)])}
+    first, second = cut_batch(batch, [2, 3])
+    assert isinstance(first["pair"], Pair) and type(first["more"]) is tuple and type(first["more"][1]) is list
+    assert first["text"] == ["a", "b"] and second["text"] == ["c", "d", "e"]
+    assert torch.equal(second["pair"].x, batch["pair"].x[2:]) and second["more"][1][0].shape == (3,)
+    assert [batch_samples(b) for b in (batch, first, second, {"text": ["a"]}, {})] == [5, 2, 3, 1, 0]
+    doubled = map_tensors(lambda v: v.double() if v.is_floating_point() else v, batch)
+    assert doubled["pair"].x.dtype == torch.float64 and doubled["pair"].y.dtype == torch.int64
+
+    columns = as_batch_dataset(datasets.Dataset.from_dict({"x": [[1.0, 2.0]] * 3, "label": [0, 1, 2],
+                                                           "s": ["a", "b", "c"]}))
+    read = columns.get_batch(np.array([2, 0]))
+    assert read["s"] == ["c", "a"] and torch.equal(read["label"], torch.tensor([2, 0]))
+    empty = columns.get_batch(np.zeros(0, dtype=np.int64))
+    assert empty["x"].shape == (0, 2) and empty["label"].dtype == torch.int64 and empty["s"] == []
