@@ -196,7 +196,7 @@ def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir):
     out = run(["run_hetseq.py", *base_args(small_mnist_dir, tmp_path / "mnist", "--threads", "1", max_update=2)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert_one_line_error(run([*export, tmp_path / "mnist" / "checkpoint_last.pt", "--to", tmp_path / "a"]),
-                          "task 'mnist'", "only BERT")
+                          "task 'mnist'", "only checkpoints of --task bert and --task hf")
     assert not (tmp_path / "a").exists()
 
 

@@ -203,7 +203,8 @@ def test_textbox_like_eval_reads_a_user_task_checkpoint_and_export_refuses_it_in
                               timeout=300)
     assert exported.returncode == 2 and "Traceback" not in exported.stderr
     assert exported.stderr.strip().splitlines() == [
-        f"error: {str(checkpoint)!r} is a checkpoint of task 'toy'; only BERT checkpoints export to transformers"]
+        f"error: {str(checkpoint)!r} is a checkpoint of task 'toy'; only checkpoints of --task bert and "
+        f"--task hf export to transformers"]
     assert not (tmp_path / "hf").exists()
 
 

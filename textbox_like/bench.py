@@ -2,11 +2,12 @@
 
     python -m textbox_like.bench mnist [--data DIR] [--updates 300] [--rounds 5] [--threads 1]
     python -m textbox_like.bench bert --model-preset tiny --data DIR --dict vocab.txt --max-sentences 32
+    python -m textbox_like.bench hf --model_name_or_path GPT2_DIR --data DIR --max-sentences 16
     python -m textbox_like.bench mnist --compile [--compile_mode MODE] [--compile-plain]
     python -m textbox_like.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300] [--hooks none,fp16,bf16,powersgd]
     python -m textbox_like.bench bert-loader [--data DIR] [--batch 32] [--no-train]
 
-mnist, bert: the trainer against a plain loop of the same work. Both sides
+mnist, bert, hf: the trainer against a plain loop of the same work. Both sides
 use the same model, batch size, optimizer, clipping, threads and data; the
 trainer is run through its real command line, in this process. The plain loop
 is timed over N updates after a warm-up. The trainer's steady state is the
@@ -275,6 +276,45 @@ def plain_bert(cfg, warmup, updates, compiled=False):
             out = forward(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                           token_type_ids=b["token_type_ids"], labels=labels,
                           next_sentence_label=b["next_sentence_labels"])
+        amp.step(out.loss, model, optimizer, cfg.schedule.clip_norm)
+    end = _clock(device)
+    return end[0] - start[0], end[1] - start[1]
+
+
+@plain_loop("hf")
+def plain_hf(cfg, warmup, updates, compiled=False):
+    """The hf task's model as transformers' documentation trains it (its own
+    loss: ``model(..., labels=labels).loss``), on the very batches the trainer
+    reads in one process (its epoch order cut in --max-sentences), gathered
+    beforehand: the same tokens per update on both sides, so the ratio of
+    samples/s is the ratio of tokens/s."""
+    import numpy as np
+    import torch
+
+    from .tasks import TASKS
+
+    torch.manual_seed(cfg.numerics.seed)
+    device = bench_device(cfg)
+    task = TASKS.get("hf")(cfg)
+    data = task.build_dataset(cfg.data.train_subset)
+    bs, steps = cfg.data.max_sentences, warmup + updates
+    batches, epoch, order = [], 1, np.zeros(0, dtype=np.int64)
+    while len(batches) < steps:  # the trainer's plan: whole batches of each epoch's order
+        order = data.epoch_order(cfg.numerics.seed, epoch, not cfg.data.no_shuffle)
+        for i in range(0, len(order), bs):
+            batches.append({k: v.to(device) for k, v in data.get_batch(order[i:i + bs]).items()})
+        epoch += 1
+    model = task.build_model().to(device)
+    amp = PlainPrecision(cfg, device)
+    optimizer = plain_optimizer(cfg, model, fused=device.type == "cuda" and amp.scaler is None)
+    forward = _maybe_compile(model, compiled, cfg.runtime.compile_mode)
+    model.train()
+    start = None
+    for step in range(steps):
+        if step == warmup:
+            start = _clock(device)
+        with amp.autocast():
+            out = forward(**batches[step])
         amp.step(out.loss, model, optimizer, cfg.schedule.clip_norm)
     end = _clock(device)
     return end[0] - start[0], end[1] - start[1]

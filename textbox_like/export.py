@@ -1,4 +1,4 @@
-"""A BERT checkpoint of ours to a transformers ``save_pretrained`` directory.
+"""A BERT (or ``--task hf``) checkpoint of ours to a transformers ``save_pretrained`` directory.
 
     python -m textbox_like.export CKPT --to DIR [--dict VOCAB]
     textbox-like export CKPT --to DIR
@@ -44,8 +44,8 @@ def check_target(target) -> Path:
     return target
 
 
-def read_bert_checkpoint(checkpoint) -> dict:
-    """Our checkpoint of a BERT run, or one line saying what it is instead."""
+def read_bert_checkpoint(checkpoint, tasks=("bert",)) -> dict:
+    """Our checkpoint of a BERT run (or of one of ``tasks``), or one line saying what it is instead."""
     from .checkpoint import load_checkpoint
 
     path = Path(checkpoint)
@@ -54,9 +54,9 @@ def read_bert_checkpoint(checkpoint) -> dict:
         hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
         raise UserError(f"{str(path)!r} is a directory, not a checkpoint file{hint}")
     state = load_checkpoint(path)
-    if state.get("task") != "bert":
-        raise UserError(f"{str(path)!r} is a checkpoint of task {state.get('task')!r}; only BERT checkpoints "
-                        f"export to transformers")
+    if state.get("task") not in tasks:
+        raise UserError(f"{str(path)!r} is a checkpoint of task {state.get('task')!r}; only checkpoints of "
+                        f"--task bert and --task hf export to transformers")
     if not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), str):
         raise UserError(f"{str(path)!r} holds no model weights or run configuration to export")
     return state
@@ -157,6 +157,34 @@ def export_bert(checkpoint, target, vocab=None) -> dict:
             "vocab_size": config.vocab_size, "files": sorted(p.name for p in target.iterdir())}
 
 
+def export_hf(checkpoint, target, state=None) -> dict:
+    """Write a ``--task hf`` checkpoint to ``target`` with the model's own
+    ``save_pretrained`` and its tokenizer's: the run's model (its
+    --model_name_or_path and, for classification, its training labels must
+    still be where the run read them) with the checkpoint's weights."""
+    from .tasks import TASKS
+
+    target = check_target(target)
+    state = state or read_bert_checkpoint(checkpoint, tasks=("hf",))
+    task = TASKS.get("hf")(run_config(state))
+    model = task.build_model()
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if missing or unexpected:
+        first = (list(missing) + list(unexpected))[0]
+        raise UserError(f"the weights in {str(checkpoint)!r} do not fit the run's model in "
+                        f"{task.model_dir!r} ({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first}); "
+                        f"was that directory changed?")
+    try:
+        with atomic_directory(target) as tmp:
+            model.save_pretrained(str(tmp))
+            task.tokenizer().save_pretrained(str(tmp))
+    except TargetTaken as exc:
+        raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
+                        f"was it filled meanwhile?") from None
+    return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
+            "class": type(model).__name__, "files": sorted(p.name for p in target.iterdir())}
+
+
 def _write_directory(tmp, model, vocab_file, config):
     from transformers import BertTokenizer
     model.save_pretrained(str(tmp))
@@ -173,8 +201,9 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m textbox_like.export", allow_abbrev=False,
         description="Write a BERT checkpoint as a transformers save_pretrained directory (config.json, "
-                    "model.safetensors, vocab.txt) for BertForPreTraining/AutoModel.from_pretrained.")
-    parser.add_argument("checkpoint", metavar="CKPT", help="a BERT run's checkpoint, e.g. OUT/checkpoint_best.pt")
+                    "model.safetensors, vocab.txt) for BertForPreTraining/AutoModel.from_pretrained; a --task hf "
+                    "checkpoint as its own model class's save_pretrained directory with its tokenizer.")
+    parser.add_argument("checkpoint", metavar="CKPT", help="a BERT or --task hf run's checkpoint, e.g. OUT/checkpoint_best.pt")
     parser.add_argument("--to", required=True, metavar="DIR", help="new or empty output directory")
     parser.add_argument("--dict", default=None, metavar="VOCAB",
                         help="vocab.txt to ship (default: the run's --dict, or the vocab.txt beside its data)")
@@ -189,6 +218,14 @@ def main(argv=None):
 def export_and_report(args):
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()  # a bar for one shard is noise beside our one line
+    check_target(args.to)
+    state = read_bert_checkpoint(args.checkpoint, tasks=("bert", "hf"))
+    if state["task"] == "hf":
+        info = export_hf(args.checkpoint, args.to, state)
+        print(f"exported {info['checkpoint']} (update {info['num_updates']}: {info['class']}) with its tokenizer "
+              f"to {info['to']}; load it with transformers.{info['class']}.from_pretrained({info['to']!r}) "
+              f"(or AutoTokenizer.from_pretrained)")
+        return
     info = export_bert(args.checkpoint, args.to, args.dict)
     print(f"exported {info['checkpoint']} (update {info['num_updates']}: {info['layers']} layers, hidden "
           f"{info['hidden']}, vocabulary {info['vocab_size']}) to {info['to']}; load it with "

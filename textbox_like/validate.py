@@ -28,7 +28,10 @@ def evaluate(task, model, data, batch_sizes, accelerator, to_device=None):
             batch = to_device(batch) if to_device else task.collate_to_device(batch, accelerator.device)
             with accelerator.autocast():
                 _, stats = task.loss(model, batch)
+                extra = task.validation_stats(model, batch)
             sums.add(stats)
+            if extra:
+                sums.add(extra)
     model.train(was_training)
     return task.metrics(sums.reduce(accelerator))
 

@@ -391,8 +391,8 @@ def _initial_weights(ns, task, dest, sources):
     setting = task.initial_weights_setting
     if setting is None:
         raise UserError(f"{flag}: the {ns.task} model starts from random weights only (initial weights are for "
-                        f"--task bert); leave {flag} out")
-    if not os.path.exists(path):
+                        f"--task bert and --task hf); leave {flag} out")
+    if not os.path.exists(path) and not getattr(task, "accepts_cached_names", False):  # hf: its resolve_config looks in the local cache
         raise UserError(f"{flag} {path}: no such file or directory; nothing can be downloaded here: pass a local "
                         f"save_pretrained directory (python -m textbox_like.export makes one) or a checkpoint of "
                         f"ours")
@@ -408,7 +408,9 @@ def _metrics(ns, task):
     if not ns.metrics:
         return
     ours = task.metric_names
-    unknown = [m for m in ns.metrics if ours and m not in ours]
+    # TextBox's names of metric families (rouge, bleu) stand for the metrics they report (ROUGE-1, ...)
+    families = task.metric_families
+    unknown = [m for m in ns.metrics if ours and m not in ours and m.lower() not in families]
     if unknown:
         raise UserError(f"--metrics {', '.join(unknown)}: not reported by task {ns.task}; it reports "
                         f"{', '.join(ours)} (all of them, always)")

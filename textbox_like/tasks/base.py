@@ -63,6 +63,10 @@ class Task:
     #: --best-checkpoint-metric before training starts)
     metric_names: tuple = ("loss",)
 
+    #: names that --metrics may give for a family of the metrics above, lowercase
+    #: (TextBox's ``rouge`` for ROUGE-1, ROUGE-2 and ROUGE-L)
+    metric_families: dict = {}
+
     #: metric used by default for ``checkpoint_best.pt`` (its direction: :func:`higher_is_better`)
     default_best_metric: str = "loss"
 
@@ -152,6 +156,12 @@ class Task:
         the batch's size is known on the host; ``ntokens``, where the task has
         tokens, gives tokens/s in the log)."""
         raise NotImplementedError
+
+    def validation_stats(self, model, batch) -> dict:
+        """Sums measured at validation only, besides ``loss``'s stats (e.g.
+        ROUGE/BLEU of generated text); they reach ``metrics`` with the others
+        and must have the same keys on every rank, for an empty batch too."""
+        return {}
 
     def metrics(self, sums: dict) -> dict:
         """Turn summed ``stats`` (floats) into the metrics people read."""

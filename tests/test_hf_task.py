@@ -1,0 +1,417 @@
+"""The generic Hugging Face task (--task hf): tiny models built from configs
+and a tokenizer trained here, data files written here; nothing downloaded.
+
+For each head: it trains (the loss falls), validates, and its export loads
+with from_pretrained to the same eval loss. The language-model and
+classification denominators make two ranks with unlike batches equal one
+process of the same global batch; kill -9 and resume is bitwise; the
+tokenised data is cached beside the data and reused."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, assert_bitwise_equal, clean_env, read_jsonl, run_cli, run_main
+
+PY = sys.executable
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["the", "a", "cat", "dog", "bird", "sees", "likes", "eats", "big", "small", "red", "blue", "fish", "tree",
+         "runs", "and", "good", "bad", "very", "quite"]
+
+
+# ---------------------------------------------------------------- data and models written here
+def sentence(rng, label):
+    """Words of one half of the vocabulary by label: a class any model tells apart."""
+    half = (len(WORDS) - 2) // 2
+    words = WORDS[:half] if label else WORDS[half:-2]
+    return [words[int(i)] for i in rng.integers(0, half, size=int(rng.integers(3, 12)))]
+
+
+def write_text_data(directory: Path, n_train=48, n_valid=16, seed=0):
+    """train.jsonl / valid.jsonl for every head: text, a label (which half of
+    the words it uses, and 'good' or 'bad'), and a target (its words reversed)."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_valid)):
+        rows = []
+        for i in range(n):
+            label = i % 2
+            words = sentence(rng, label)
+            words.insert(int(rng.integers(0, len(words))), "good" if label else "bad")
+            text = " ".join(words)
+            rows.append({"text": text, "label": label, "target": " ".join(reversed(words))})
+        with open(directory / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return directory
+
+
+def build_tokenizer(directory: Path):
+    """A WordPiece tokenizer over WORDS, BERT's special tokens and template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    from tokenizers import decoders
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", bos_token="[CLS]", eos_token="[SEP]")
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def tiny_config(head):
+    from transformers import BartConfig, BertConfig, GPT2Config
+    vocab = len(SPECIAL) + len(WORDS)
+    if head in ("sequence_classification", "masked_lm"):
+        arch = "BertForSequenceClassification" if head == "sequence_classification" else "BertForMaskedLM"
+        return BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, pad_token_id=0, architectures=[arch])
+    if head == "causal_lm":
+        return GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+                          architectures=["GPT2LMHeadModel"])
+    return BartConfig(vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                      decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=2,
+                      eos_token_id=3, decoder_start_token_id=3, forced_eos_token_id=3,
+                      architectures=["BartForConditionalGeneration"])
+
+
+def write_model(directory: Path, head, weights=True):
+    """A save_pretrained directory (weights=False: config.json and tokenizer only)."""
+    import transformers
+    from textbox_like.tasks.hf import AUTO_CLASSES
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(head)
+    if weights:
+        torch.manual_seed(0)
+        getattr(transformers, AUTO_CLASSES[head]).from_config(config).save_pretrained(str(directory))
+    else:
+        config.save_pretrained(str(directory))
+    build_tokenizer(directory)
+    return directory
+
+
+def hf_args(model, data, save_dir, *extra, max_update=12):
+    return ["--task", "hf", "--model_name_or_path", str(model), "--data", str(data), "--max-sentences", "8",
+            "--optimizer", "adam", "--lr", "0.01", "--log-format", "none", "--max-update", str(max_update),
+            "--save-dir", str(save_dir), "--seed", "3", *[str(a) for a in extra]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A save_pretrained directory per head; masked_lm from a config.json only (from_config)."""
+    root = tmp_path_factory.mktemp("hf_models")
+    return {head: write_model(root / head, head, weights=head != "masked_lm")
+            for head in ("sequence_classification", "causal_lm", "masked_lm", "seq2seq")}
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    return write_text_data(tmp_path_factory.mktemp("hf_text"))
+
+
+def records(save_dir, kind):
+    return [r for r in read_jsonl(Path(save_dir) / "metrics.jsonl") if r["kind"] == kind]
+
+
+def params(save_dir):
+    return torch.load(Path(save_dir) / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def export_eval_loss(export_dir, data, head, *extra):
+    """The valid loss of a save_pretrained directory, read as a fresh run reads its model."""
+    from accelerate import Accelerator
+
+    from textbox_like.cli import parse
+    from textbox_like.tasks import TASKS
+    from textbox_like.validate import evaluate
+    cfg = parse(["--task", "hf", "--model_name_or_path", str(export_dir), "--data", str(data), "--hf_head", head,
+                 "--seed", "3",  # the run's: masked_lm's masks follow it
+                 *extra])
+    task = TASKS.get("hf")(cfg)
+    return evaluate(task, task.build_model(), task.build_dataset("valid"), 8, Accelerator(cpu=True))["loss"]
+
+
+HEAD_RUNS = {
+    "sequence_classification": (),
+    "causal_lm": (),
+    "masked_lm": (),
+    # TextBox's spellings of the metrics: the generation family, and one of its metrics for checkpoint_best.pt
+    "seq2seq": ("--target_column", "target", "--metrics=['rouge']", "--metrics_for_best_model=['ROUGE-1']",
+                "--generation_max_length", "12"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("head", list(HEAD_RUNS))
+def test_each_head_trains_validates_and_its_export_loads_to_the_same_loss(models, text_data, tmp_path, head):
+    from textbox_like.api import evaluate
+    from textbox_like.export import main as export_main
+
+    out = tmp_path / "run"
+    assert run_main(hf_args(models[head], text_data, out, "--max-update", "18", *HEAD_RUNS[head])) == 0
+    train, valid = records(out, "train"), records(out, "valid")
+    assert valid[-1]["loss"] < train[0]["loss"] - 0.05, (train[0], valid[-1])      # it learns
+    expected = {"sequence_classification": {"accuracy", "f1"}, "causal_lm": {"ppl", "accuracy"},
+                "masked_lm": {"ppl", "accuracy"}, "seq2seq": {"ROUGE-1", "ROUGE-2", "ROUGE-L", "ppl"}}[head]
+    assert expected <= set(valid[-1]), valid[-1]
+    if head == "seq2seq":  # --metrics rouge: no BLEU computed; the best checkpoint is the best ROUGE-1's
+        assert "BLEU" not in valid[-1]
+        best = torch.load(out / "checkpoint_best.pt", map_location="cpu", weights_only=True)
+        assert best["train"]["best"] == pytest.approx(max(r["ROUGE-1"] for r in valid))
+    # the export: the model's own class and its tokenizer, loading to the checkpoint's loss
+    exported = tmp_path / "export"
+    assert export_main([str(out / "checkpoint_last.pt"), "--to", str(exported)]) in (0, None)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
+    ours = evaluate(out / "checkpoint_last.pt", cpu=True)["loss"]
+    assert ours == pytest.approx(valid[-1]["loss"], abs=1e-5)
+    extra = HEAD_RUNS[head][:2] if head == "seq2seq" else ()
+    assert export_eval_loss(exported, text_data, head, *extra) == pytest.approx(ours, abs=1e-5)
+
+
+# ---------------------------------------------------------------- one process over any split
+def exactness_args(model, data, save_dir, *extra):
+    # a global budget of real tokens: the ranks' shares then hold unlike numbers of samples and tokens.
+    # SGD: Adam scales rounding noise up to lr-sized steps where the true gradient is zero (GPT-2's key
+    # biases: softmax ignores them), which no summation order can match
+    return [PY, "run_hetseq.py", *hf_args(model, data, save_dir, "--optimizer", "sgd", "--lr", "0.5",
+                                          "--global-batch-size", "120", "--max-tokens", "50",
+                                          "--max-update", "6", "--disable-validation", "--threads", "1", "--log-format",
+                                          "simple", *extra)]
+
+
+def run_ok(cmd, timeout=300):
+    out = subprocess.run([str(c) for c in cmd], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification"])
+def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_path, head):
+    """Two ranks, each micro-batch its own number of samples and tokens, and the
+    loss's denominator (tokens; samples for classification) summed over both:
+    the update of one process over the same global batch."""
+    run_ok(exactness_args(models[head], text_data, tmp_path / "one"))
+    two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", "--distributed-world-size", "2"))
+    assert "tokens per rank [60, 60]" in two.stderr
+    # the plan the two ranks ran: their slices of an update hold unlike numbers of samples
+    from textbox_like.cli import parse
+    from textbox_like.data.iterators import plan_global_tokens
+    from textbox_like.tasks import TASKS
+    task = TASKS.get("hf")(parse(exactness_args(models[head], text_data, tmp_path / "plan")[2:]))
+    data = task.build_dataset("train")
+    order = data.epoch_order(3, 1)
+    rows = plan_global_tokens(data.num_tokens()[order], 120, [60, 60])[:6]
+    assert any(row[1] - row[0] != row[2] - row[1] for row in rows), rows
+    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    for key in one_state:
+        assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
+    train1, train2 = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
+    assert train1[-1]["loss"] == pytest.approx(train2[-1]["loss"], abs=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path):
+    from test_resume import kill_after_checkpoint
+    cmd = lambda out: [PY, str(REPO / "run_hetseq.py"), *hf_args(  # noqa: E731
+        models["causal_lm"], text_data, out, "--max-update", "40", "--max-epoch", "0", "--save-interval-updates", "5",
+        "--threads", "1", "--max-sentences", "4")]
+    run_ok(cmd(tmp_path / "ref"))
+    code, err = kill_after_checkpoint(cmd(tmp_path / "run"), tmp_path / "run", signal.SIGKILL, seed=1)
+    assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
+    killed_at = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["train"]["num_updates"]
+    assert 5 <= killed_at < 40
+    resumed = run_ok(cmd(tmp_path / "run") + ["--resume", "--log-format", "simple"])
+    assert "resumed from" in resumed.stderr
+    final = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)
+    ref = torch.load(tmp_path / "ref" / "checkpoint_last.pt", weights_only=True)
+    assert final["train"]["num_updates"] == 40
+    assert_bitwise_equal(final["model"], ref["model"], "model")
+    assert_bitwise_equal(final["optimizer"], ref["optimizer"], "optimizer")
+
+
+# ---------------------------------------------------------------- data: cache, files, columns
+def build(*args):
+    from textbox_like.cli import parse
+    from textbox_like.tasks import TASKS
+    return TASKS.get("hf")(parse(["--task", "hf", *[str(a) for a in args]]))
+
+
+def batches_of(data):
+    return [data.get_batch(np.arange(i, min(i + 5, len(data)))) for i in range(0, len(data), 5)]
+
+
+def test_tokenised_data_is_cached_beside_the_data_and_reused(models, tmp_path, monkeypatch):
+    import textbox_like.data.hf_text as hf_text
+
+    data = write_text_data(tmp_path / "data")
+    args = ("--model_name_or_path", models["sequence_classification"], "--data", data)
+    first = build(*args).build_dataset("train")
+    cached = sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow"))
+    assert len(cached) == 1
+    written = cached[0].stat().st_mtime_ns
+
+    def refuse(*_, **__):
+        raise AssertionError("tokenised again: the cache was not used")
+    with monkeypatch.context() as patch:   # a second run reads the cache, never the tokenizer
+        patch.setattr(hf_text, "tokenize_rows", refuse)
+        second = build(*args).build_dataset("train")
+    assert sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow")) == cached
+    assert cached[0].stat().st_mtime_ns == written
+    assert_bitwise_equal(batches_of(first), batches_of(second), "batches")
+    # another setting is another cache; worker processes tokenise to the same ids
+    shorter = build(*args, "--max_length", "6", "--num-workers", "2").build_dataset("train")
+    assert len(sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow"))) > 1
+    assert int(shorter.num_tokens().max()) == 6
+    batch = first.get_batch(np.arange(8))
+    assert batch["input_ids"].shape[1] == int(first.num_tokens()[:8].max())   # padded to this batch's longest
+    assert (batch["attention_mask"].sum(1).numpy() == first.num_tokens()[:8]).all()
+
+
+def test_csv_files_named_per_split_and_string_labels(models, tmp_path, capsys):
+    """kanachan's --training-data FILE / --validation-data FILE, other column
+    names, class names as labels; one file alone is training data only."""
+    import csv
+    rows = [json.loads(line) for line in (write_text_data(tmp_path / "src") / "train.jsonl").read_text().splitlines()]
+    for name, part in (("mine.csv", rows[:40]), ("held_out.csv", rows[40:])):
+        with open(tmp_path / name, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence", "category"])
+            writer.writerows([r["text"], "positive" if r["label"] else "negative"] for r in part)
+    common = ["--task", "hf", "--model_name_or_path", models["sequence_classification"], "--text_column", "sentence",
+              "--label_column", "category", "--max-sentences", "8", "--max-update", "2", "--log-format", "none"]
+    out = tmp_path / "run"
+    assert run_main(common + ["--training-data", tmp_path / "mine.csv", "--validation-data", tmp_path / "held_out.csv",
+                              "--save-dir", out]) == 0
+    valid = records(out, "valid")[-1]
+    assert {"accuracy", "f1"} <= set(valid)
+    task = build("--model_name_or_path", models["sequence_classification"], "--data", tmp_path / "mine.csv",
+                 "--text_column", "sentence", "--label_column", "category")
+    assert task.model_config().id2label == {0: "negative", 1: "positive"}
+    capsys.readouterr()
+    assert run_main(common + ["--data", tmp_path / "mine.csv", "--save-dir", tmp_path / "alone"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is one file, the training data" in err[-1] and "--disable-validation" in err[-1], err
+    assert run_main(common + ["--data", tmp_path / "mine.csv", "--save-dir", tmp_path / "alone",
+                              "--disable-validation"]) == 0
+    assert run_main(common + ["--data", tmp_path / "mine.csv", "--save-dir", tmp_path / "typo", "--disable-validation",
+                              "--text_column", "sentense"]) == 2
+    assert "has no column 'sentense' (--text_column); its columns: sentence, category" in capsys.readouterr().err
+
+
+def test_a_saved_dataset_directory_trains(models, tmp_path):
+    import datasets
+    rows = [json.loads(line) for line in (write_text_data(tmp_path / "src") / "train.jsonl").read_text().splitlines()]
+    data = datasets.Dataset.from_list([{"text": r["text"]} for r in rows])
+    datasets.DatasetDict({"train": data, "validation": data.select(range(8))}).save_to_disk(str(tmp_path / "saved"))
+    out = tmp_path / "run"
+    assert run_main(["--task", "hf", "--model_name_or_path", models["causal_lm"], "--data", tmp_path / "saved",
+                     "--max-sentences", "8", "--max-update", "2", "--log-format", "none", "--save-dir", out]) == 0
+    assert records(out, "valid")[-1]["ppl"] > 1
+
+
+# ---------------------------------------------------------------- models: hub names, heads, metrics
+def one_error_line(proc):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.mark.timeout(300)
+def test_textbox_model_path_names_a_model_in_the_local_cache_or_says_how_to_get_it(models, text_data, tmp_path):
+    cache = tmp_path / "hub"
+    env = {**clean_env(), "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    textbox = ["--task", "hf", "--model_path=facebook/bart-base", "--data", str(text_data), "--target_column", "target",
+               "--metrics=['rouge']", "--metrics_for_best_model=['ROUGE-1']", "--max-sentences", "8",
+               "--max-update", "2", "--generation_max_length", "6", "--save-dir", str(tmp_path / "run")]
+    missing = subprocess.run([PY, "run_hetseq.py", *textbox], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=200)
+    line = one_error_line(missing)
+    assert line.startswith("error: --model_path facebook/bart-base: no such directory, and no model")
+    assert "huggingface-cli download facebook/bart-base" in line, line
+    # the hub cache's own layout, as huggingface-cli download leaves it
+    repo = cache / "models--facebook--bart-base"
+    import shutil
+    shutil.copytree(models["seq2seq"], repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    found = subprocess.run([PY, "run_hetseq.py", *textbox], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=200)
+    assert found.returncode == 0, found.stderr[-3000:]
+    valid = records(tmp_path / "run", "valid")[-1]
+    assert {"ROUGE-1", "ROUGE-2", "ROUGE-L"} <= set(valid) and "BLEU" not in valid
+
+
+def test_head_and_metric_mistakes_are_one_line(models, text_data, tmp_path, capsys):
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    config = json.loads((models["causal_lm"] / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2Model"]}))
+    base = ["--task", "hf", "--data", text_data, "--max-update", "1", "--max-sentences", "4", "--save-dir", tmp_path / "x"]
+    cases = [
+        (["--model_name_or_path", odd], "names no architecture with a known head (architectures: GPT2Model); "
+                                        "give --hf_head"),
+        (["--model_name_or_path", models["causal_lm"], "--best-checkpoint-metric", "ROUGE-1"],
+         "--best-checkpoint-metric 'ROUGE-1' is not a metric of --hf_head causal_lm"),
+        (["--model_name_or_path", models["sequence_classification"], "--metrics", "rouge"],
+         "--metrics rouge: not reported by --hf_head sequence_classification"),
+        (["--model_name_or_path", models["seq2seq"]], "--hf_head seq2seq needs --target_column NAME"),
+        (["--data", text_data], "--task hf needs a model"),
+    ]
+    for extra, expected in cases:
+        capsys.readouterr()
+        assert run_main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert expected in err[-1] and "Traceback" not in "\n".join(err), (extra, err)
+
+
+@pytest.mark.timeout(400)
+def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, tmp_path):
+    """--balance moves tokens away from a slow rank 1 mid-run; every split
+    tried gives the causal LM the update of one process."""
+    from textbox_like import balance
+    extra = ("--max-update", "12", "--balance-interval", "2")
+    run_ok(exactness_args(models["causal_lm"], text_data, tmp_path / "one", *extra))
+    cmd = exactness_args(models["causal_lm"], text_data, tmp_path / "two", *extra, "--balance",
+                         "--distributed-world-size", "2")
+    out = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**clean_env(), balance.SLOW_RANK_ENV: "1:0.003@0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    splits = [r["batch_sizes"] for r in records(tmp_path / "two", "balance")]
+    assert any(split != [60, 60] for split in splits), (splits, out.stderr[-2000:])
+    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    for key in one_state:
+        assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_runs_for_the_hf_causal_lm(models, text_data):
+    """python -m textbox_like.bench hf: the trainer against the model's own loss in a plain loop over the
+    trainer's batches."""
+    import math
+
+    from test_bench import run_bench
+    report, err = run_bench("hf", "--model_name_or_path", models["causal_lm"], "--data", text_data,
+                            "--max-sentences", 8, "--updates", 2, "--warmup", 1, "--rounds", 1, "--threads", 1)
+    assert report["mode"] == "hf" and report["rounds"] == 1
+    assert math.isfinite(report["ratio_wall_median"]) and math.isfinite(report["ratio_cpu_median"])
+    assert "trainer (eager) / plain loop (eager): wall" in err

@@ -1,0 +1,321 @@
+"""Text data for the ``hf`` task, read through Hugging Face ``datasets``.
+
+A split comes from local files only (nothing is downloaded): a directory
+holding ``train.*`` and ``valid.*``/``test.*`` (csv, tsv, json, jsonl,
+parquet, txt), one file (the training split), a ``save_to_disk`` directory,
+or one named file per split (kanachan's ``--training-data FILE`` /
+``--validation-data FILE``). It is tokenised by the model's tokenizer with
+``datasets.map`` (batched, several processes for large data) into Arrow files
+in ``.hf_cache/`` beside the data, named by a fingerprint of the raw data, the
+tokenizer and the settings, so a second run (and every other rank) reads them
+instead of tokenising again.
+
+:class:`HFTextDataset` serves batches of the protocol in ``base.py`` from the
+token ids held as flat arrays: padded to the batch's longest sample (dynamic
+padding), with per-sample token counts for ``--max-tokens``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .base import BatchDataset
+
+#: file suffix -> datasets' builder for it
+BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+#: other names a split goes by in people's files
+SPLIT_ALIASES = {"valid": ("valid", "validation", "dev", "val"), "validation": ("validation", "valid", "dev", "val"),
+                 "test": ("test",), "train": ("train", "training")}
+
+IGNORE_INDEX = -100
+CACHE_DIR = ".hf_cache"
+
+
+def offline():
+    """Nothing is fetched: datasets and the hub read local files only (set
+    before ``datasets`` is first imported, which reads them once)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def is_saved_dataset(path) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    path = Path(path)
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+
+
+def split_file(directory, split):
+    """The file holding ``split`` in ``directory`` (``valid.jsonl``,
+    ``validation.csv``, ...), or None."""
+    for name in SPLIT_ALIASES.get(split, (split,)):
+        for suffix in BUILDERS:
+            path = Path(directory) / f"{name}{suffix}"
+            if path.is_file():
+                return path
+    return None
+
+
+def load_raw(data, split, named_file=None, training=False):
+    """The raw rows of ``split`` (a ``datasets.Dataset``) and the directory its
+    tokenised cache goes to."""
+    offline()
+    import datasets
+
+    datasets.disable_progress_bars()
+    if named_file:
+        return load_file(named_file), Path(named_file).parent / CACHE_DIR
+    path = Path(data)
+    if is_saved_dataset(path):
+        saved = datasets.load_from_disk(str(path))
+        if isinstance(saved, datasets.DatasetDict):
+            for name in SPLIT_ALIASES.get(split, (split,)):
+                if name in saved:
+                    return saved[name], path / CACHE_DIR
+            raise UserError(f"the saved dataset {str(path)!r} has no split {split!r}; it has "
+                            f"{', '.join(saved)} (choose with --train-subset/--valid-subset)")
+        if training:
+            return saved, path / CACHE_DIR
+        raise UserError(f"the saved dataset {str(path)!r} is one split, the training data; give validation data "
+                        f"with --validation-data FILE, or --disable-validation")
+    if path.is_file():
+        if training:
+            return load_file(path), path.parent / CACHE_DIR
+        raise UserError(f"--data {str(path)!r} is one file, the training data; give validation data with "
+                        f"--validation-data FILE (or --data DIR holding train.* and valid.*), or "
+                        f"--disable-validation")
+    found = split_file(path, split)
+    if found is None:
+        raise UserError(f"no {split}.* file (csv, tsv, json, jsonl, parquet, txt) in --data {str(path)!r}; "
+                        f"name the split's file so, or choose the split with --train-subset/--valid-subset")
+    return load_file(found), path / CACHE_DIR
+
+
+def load_file(path):
+    """One local file as a ``datasets.Dataset`` (datasets' own cache of it
+    beside the file)."""
+    import datasets
+
+    path = Path(path)
+    builder = BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise UserError(f"{str(path)!r}: unknown file type {path.suffix!r}; use one of "
+                        f"{', '.join(BUILDERS)}")
+    extra = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+    try:
+        return datasets.load_dataset(builder, data_files={"rows": str(path)}, split="rows",
+                                     cache_dir=str(writable_cache(path.parent / CACHE_DIR)), **extra)
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as exc:
+        cause = exc.__cause__ or exc
+        raise UserError(f"{str(path)!r} could not be read as {builder}: {str(cause).splitlines()[0]}") from None
+
+
+def writable_cache(directory) -> Path:
+    """``directory``, created, or the user's cache where the data's own
+    directory is read-only."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+        return directory
+    except OSError:
+        fallback = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
+        fallback = fallback / "textbox_like" / hashlib.sha1(str(directory.resolve()).encode()).hexdigest()[:16]
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+@dataclass(frozen=True)
+class TextColumns:
+    """What the columns are, and what the model reads."""
+    head: str
+    text: str = "text"
+    text_pair: str | None = None
+    label: str = "label"
+    target: str | None = None
+    max_length: int = 512
+    max_target_length: int = 128
+
+
+def check_columns(raw, columns: TextColumns, where: str):
+    """One line for a column the split lacks."""
+    wanted = [("--text_column", columns.text)]
+    if columns.text_pair:
+        wanted.append(("--text_pair_column", columns.text_pair))
+    if columns.head == "sequence_classification":
+        wanted.append(("--label_column", columns.label))
+    if columns.head == "seq2seq":
+        if not columns.target:
+            raise UserError("--hf_head seq2seq needs --target_column NAME: the column of the texts to generate")
+        wanted.append(("--target_column", columns.target))
+    for flag, name in wanted:
+        if name not in raw.column_names:
+            raise UserError(f"{where} has no column {name!r} ({flag}); its columns: {', '.join(raw.column_names)}")
+
+
+def label_names(raw, columns: TextColumns):
+    """The class names of a classification split: its ClassLabel names, the
+    sorted distinct strings, or None where the labels are already 0..K-1."""
+    feature = raw.features[columns.label]
+    if hasattr(feature, "names"):
+        return list(feature.names)
+    values = raw.unique(columns.label)
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        if any(v < 0 for v in values):
+            raise UserError(f"--label_column {columns.label!r} holds negative class numbers; classes are 0..K-1")
+        return None
+    return sorted(str(v) for v in values)
+
+
+def tokenize_rows(rows, *, tokenizer, columns, label_ids):
+    """One batch of ``datasets.map``: raw rows to token ids (module level: it
+    is pickled for the worker processes)."""
+    texts = [t if isinstance(t, str) else "" if t is None else str(t) for t in rows[columns.text]]
+    pairs = None
+    if columns.text_pair:
+        pairs = [t if isinstance(t, str) else "" if t is None else str(t) for t in rows[columns.text_pair]]
+    encoded = tokenizer(texts, pairs, truncation=True, max_length=columns.max_length)
+    out = {"input_ids": encoded["input_ids"]}
+    if "token_type_ids" in encoded and columns.head in ("sequence_classification", "masked_lm"):
+        out["token_type_ids"] = encoded["token_type_ids"]
+    if columns.head == "sequence_classification":
+        labels = rows[columns.label]
+        out["labels"] = [label_ids[str(v)] if label_ids is not None else int(v) for v in labels]
+    elif columns.head == "seq2seq":
+        targets = [t if isinstance(t, str) else "" if t is None else str(t) for t in rows[columns.target]]
+        out["labels"] = tokenizer(text_target=targets, truncation=True,
+                                  max_length=columns.max_target_length)["input_ids"]
+    if columns.head in ("causal_lm", "masked_lm"):  # empty lines of a text file teach nothing
+        keep = [i for i, ids in enumerate(out["input_ids"]) if len(ids) > 1]
+        if len(keep) < len(out["input_ids"]):
+            out = {k: [v[i] for i in keep] for k, v in out.items()}
+    return out
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What identifies a tokenizer's output: its full serialisation where it
+    has one (fast tokenizers), else its vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    special = json.dumps({k: str(v) for k, v in tokenizer.special_tokens_map.items()}, sort_keys=True)
+    return hashlib.sha1((text + special).encode()).hexdigest()
+
+
+def tokenize(raw, tokenizer, columns: TextColumns, cache_dir, label_ids=None, num_proc=None):
+    """``raw`` tokenised through ``datasets.map`` into an Arrow file in
+    ``cache_dir`` named by what decides its content, and read from there when
+    it exists already (a second run, the other ranks)."""
+    import functools
+
+    key = hashlib.sha1(json.dumps([raw._fingerprint, tokenizer_fingerprint(tokenizer), columns.__dict__,
+                                   label_ids], sort_keys=True, default=str).encode()).hexdigest()[:20]
+    cache_dir = writable_cache(cache_dir)
+    if num_proc is None:  # worker processes pay off on large data only
+        num_proc = min(8, os.cpu_count() or 1) if len(raw) >= 20000 else 1
+    num_proc = max(1, min(num_proc, len(raw)))
+    fn = functools.partial(tokenize_rows, tokenizer=tokenizer, columns=columns, label_ids=label_ids)
+    return raw.map(fn, batched=True, num_proc=num_proc if num_proc > 1 else None,
+                   remove_columns=raw.column_names, cache_file_name=str(cache_dir / f"tokenized-{key}.arrow"),
+                   load_from_cache_file=True, new_fingerprint=key, desc="tokenizing")
+
+
+class FlatColumn:
+    """A column of token-id lists as one flat array and offsets."""
+
+    def __init__(self, column):
+        import pyarrow as pa
+
+        array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        offsets = np.asarray(array.offsets, dtype=np.int64)
+        self.values = np.asarray(array.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
+        self.starts = offsets[:-1] - offsets[0]
+        self.lengths = np.diff(offsets)
+
+    def padded(self, indices, pad):
+        """(ids, real) for ``indices``: padded to the longest, and where the ids are real."""
+        lengths = self.lengths[indices]
+        width = int(lengths.max()) if len(indices) else 0
+        steps = np.arange(width, dtype=np.int64)
+        real = steps[None, :] < lengths[:, None]
+        where = np.minimum(self.starts[indices][:, None] + steps[None, :], max(len(self.values) - 1, 0))
+        ids = np.where(real, self.values[where] if len(self.values) else pad, pad)
+        return ids, real
+
+
+class HFTextDataset(BatchDataset):
+    """Tokenised text in memory; batches padded to their longest sample."""
+
+    def __init__(self, tokenized, head: str, pad_id: int, masking=None):
+        """``masking``: for masked_lm, (seed, probability, mask id, vocab
+        size, special ids): the masked positions of a sample are a pure
+        function of the seed and the sample's index (the same on every rank
+        and after a resume)."""
+        table = tokenized.flatten_indices().data.table if hasattr(tokenized, "flatten_indices") else tokenized
+        self.head, self.pad_id, self.masking = head, int(pad_id), masking
+        self.input_ids = FlatColumn(table.column("input_ids"))
+        names = set(table.column_names)
+        self.token_type_ids = FlatColumn(table.column("token_type_ids")) if "token_type_ids" in names else None
+        self.labels = None
+        if "labels" in names:
+            column = table.column("labels")
+            if head == "seq2seq":
+                self.labels = FlatColumn(column)
+            else:
+                self.labels = np.asarray(column.to_numpy(), dtype=np.int64)
+
+    def __len__(self):
+        return len(self.input_ids.lengths)
+
+    def num_tokens(self):
+        return self.input_ids.lengths
+
+    def batch_num_tokens(self, batch):
+        return batch["attention_mask"].sum(dim=1).numpy()
+
+    def get_batch(self, indices):
+        import torch
+
+        indices = np.asarray(indices, dtype=np.int64)
+        ids, real = self.input_ids.padded(indices, self.pad_id)
+        batch = {"input_ids": ids, "attention_mask": real.astype(np.int64)}
+        if self.token_type_ids is not None:
+            batch["token_type_ids"] = self.token_type_ids.padded(indices, 0)[0]
+        if self.head == "sequence_classification":
+            batch["labels"] = self.labels[indices]
+        elif self.head == "causal_lm":
+            batch["labels"] = np.where(real, ids, IGNORE_INDEX)
+        elif self.head == "masked_lm":
+            batch["input_ids"], batch["labels"] = self.mask(ids, real, indices)
+        elif self.head == "seq2seq":
+            targets, target_real = self.labels.padded(indices, IGNORE_INDEX)
+            batch["labels"] = np.where(target_real, targets, IGNORE_INDEX)
+        return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in batch.items()}
+
+    def mask(self, ids, real, indices):
+        """BERT's masking: of the non-special tokens, ``probability`` are
+        predicted; of those 80% become the mask token, 10% a random token,
+        10% stay."""
+        seed, probability, mask_id, vocab_size, special = self.masking
+        inputs, labels = ids.copy(), np.full_like(ids, IGNORE_INDEX)
+        candidates = real & ~np.isin(ids, special)
+        for row, index in enumerate(indices):
+            # drawn over the sample's own tokens: the same masks whatever the batch's padding
+            rng, n = np.random.default_rng([seed, int(index)]), int(real[row].sum())
+            draw, how = np.ones(ids.shape[1]), np.ones(ids.shape[1])
+            draw[:n], how[:n] = rng.random(n), rng.random(n)
+            chosen = candidates[row] & (draw < probability)
+            if not chosen.any() and candidates[row].any():  # every sample teaches something
+                chosen[np.flatnonzero(candidates[row])[rng.integers(candidates[row].sum())]] = True
+            labels[row, chosen] = ids[row, chosen]
+            inputs[row, chosen & (how < 0.8)] = mask_id
+            randomised = chosen & (how >= 0.8) & (how < 0.9)
+            inputs[row, randomised] = rng.integers(0, vocab_size, size=int(randomised.sum()))
+        return inputs, labels

@@ -1,0 +1,429 @@
+"""Any Hugging Face ``transformers`` model on any local ``datasets`` data.
+
+Model: ``--model_name_or_path DIR`` (TextBox's ``--model_path``): a
+``save_pretrained`` directory (``from_pretrained``), a directory with only
+``config.json`` (``from_config``: random weights), or a hub name already in the
+local Hugging Face cache; nothing is downloaded. Its tokenizer is read from
+the same place. ``--hf_head``: sequence_classification, causal_lm, masked_lm
+or seq2seq, by default the one the config's ``architectures`` names.
+
+Data: see ``textbox_like/data/hf_text.py`` (``--data`` a directory of
+``train.*``/``valid.*`` files, one file, a ``save_to_disk`` directory;
+kanachan's ``--training-data FILE``/``--validation-data FILE``).
+
+Loss: the SUM of per-token cross-entropies over the tokens predicted (labels
+not -100) for the language-model heads, with the denominator ``tokens``
+summed over the whole update across ranks before backward; the sum over
+samples for classification (denominator: samples). So unlike per-rank batches
+give the update of one process over the same global batch.
+
+Metrics: loss and accuracy, and macro F1 (from per-class counts, which add up
+over ranks) for classification; perplexity and token accuracy for language
+models; and for seq2seq, at validation, ROUGE and BLEU of greedy (or beam)
+generations (``textbox_like/text_metrics.py``; TextBox's ``--metrics`` picks
+which, ``--metrics_for_best_model ROUGE-1`` ranks checkpoints by one).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config.schema import Section, setting
+from ..config.value_types import positive_int
+from ..errors import UserError, closest
+from . import register_task
+from .base import Task
+
+HEADS = ("sequence_classification", "causal_lm", "masked_lm", "seq2seq")
+
+#: transformers' Auto class of each head
+AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
+                "causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM",
+                "seq2seq": "AutoModelForSeq2SeqLM"}
+
+#: how an architecture's name ends -> its head (config.json's ``architectures``)
+ARCHITECTURE_SUFFIXES = (("ForSequenceClassification", "sequence_classification"), ("ForCausalLM", "causal_lm"),
+                         ("LMHeadModel", "causal_lm"), ("ForMaskedLM", "masked_lm"), ("ForPreTraining", "masked_lm"),
+                         ("ForConditionalGeneration", "seq2seq"), ("ForSeq2SeqLM", "seq2seq"))
+
+from ..text_metrics import GENERATION_METRICS as GENERATION  # noqa: E402  (rouge, bleu -> the metrics reported)
+
+#: each head's metrics
+HEAD_METRICS = {"sequence_classification": ("loss", "accuracy", "f1"),
+                "causal_lm": ("loss", "accuracy", "ppl"),
+                "masked_lm": ("loss", "accuracy", "ppl"),
+                "seq2seq": ("loss", "accuracy", "ppl") + GENERATION["rouge"] + GENERATION["bleu"]}
+
+#: macro F1 is reported up to this many classes (its counts are 3 sums per class)
+MAX_F1_CLASSES = 128
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _probability(text):
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"must be within (0, 1), got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class HFOptions(Section):
+    """The hf task's own options (``cfg.task_options``)."""
+    model_name_or_path: str | None = setting(
+        None, "the model: a save_pretrained directory, a directory with only config.json (random weights), or a "
+              "hub name already in the local Hugging Face cache (nothing is downloaded); its tokenizer too "
+              "(TextBox: --model_path)", metavar="DIR_OR_NAME")
+    hf_head: str | None = setting(None, "the model's head (default: the one config.json's architectures names)",
+                                  choices=HEADS)
+    text_column: str = setting("text", "the data's column of input texts")
+    text_pair_column: str | None = setting(None, "a second input text per sample (sentence pairs)")
+    label_column: str = setting("label", "sequence_classification: the column of class labels (0..K-1 or names)")
+    target_column: str | None = setting(None, "seq2seq: the column of the texts to generate")
+    max_length: int = setting(512, "inputs are truncated to this many tokens", type=positive_int)
+    max_target_length: int = setting(128, "seq2seq: targets are truncated to this many tokens", type=positive_int)
+    mlm_probability: float = setting(0.15, "masked_lm: the share of tokens predicted", type=_probability)
+    generation_max_length: int = setting(64, "seq2seq validation: the most new tokens generated",
+                                         type=positive_int)
+    num_beams: int = setting(1, "seq2seq validation: beams of generation (1: greedy)", type=positive_int)
+
+
+def architecture_head(architectures):
+    """The head an ``architectures`` entry names, or None."""
+    for name in architectures or ():
+        for suffix, head in ARCHITECTURE_SUFFIXES:
+            if str(name).endswith(suffix):
+                return head
+    return None
+
+
+def local_model_dir(name, flag="--model_name_or_path"):
+    """``name`` as a local directory: itself, or its snapshot in the local
+    Hugging Face cache; one line saying how to provide it otherwise."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name):
+        raise UserError(f"{flag} {name} is a file; give the directory save_pretrained wrote (config.json, weights, "
+                        f"tokenizer files)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # not cached, or not a repository name at all: the same remedy
+        raise UserError(f"{flag} {name}: no such directory, and no model {name!r} in the local Hugging Face cache "
+                        f"(nothing is downloaded here); on a connected machine run `huggingface-cli download "
+                        f"{name}` (then copy ~/.cache/huggingface here), or save_pretrained the model and its "
+                        f"tokenizer to a directory and pass that") from None
+
+
+def read_model_config(directory) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"the model directory {str(directory)!r} holds no config.json; give a directory written by "
+                        f"save_pretrained (or holding a model's config.json)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{str(path)!r} is not valid JSON ({exc})") from None
+
+
+def requested_generation(metrics) -> tuple:
+    """TextBox's --metrics as generation families (rouge, bleu): all where none is named."""
+    if not metrics:
+        return tuple(GENERATION)
+    families = []
+    for name in metrics:
+        family = next((f for f, names in GENERATION.items() if name.lower() == f or name in names), None)
+        if family and family not in families:
+            families.append(family)
+    return tuple(families)
+
+
+def unwrapped(model):
+    """The transformers model inside DDP / torch.compile wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
+@register_task("hf", dataclass=HFOptions)
+class HFTask(Task):
+    initial_weights_setting = "model_name_or_path"
+    #: a hub name in the local cache is resolved by resolve_config, not refused as a missing path
+    accepts_cached_names = True
+    split_files = True
+    default_best_metric = "loss"
+    #: every head's names (the checks before a run narrow them to the chosen head's)
+    metric_names = tuple(dict.fromkeys(m for names in HEAD_METRICS.values() for m in names))
+    metric_families = GENERATION
+
+    # -- checks before anything heavy ---------------------------------------
+    @classmethod
+    def resolve_config(cls, ns):
+        """The model as a local directory, and the head its config names."""
+        if not ns.model_name_or_path:
+            return
+        given = "--model_path" if getattr(ns, "model_path", None) == ns.model_name_or_path else "--model_name_or_path"
+        ns.model_name_or_path = local_model_dir(ns.model_name_or_path, given)
+        if ns.hf_head is None:
+            config = read_model_config(ns.model_name_or_path)
+            head = architecture_head(config.get("architectures"))
+            if head is None:
+                named = ", ".join(config.get("architectures") or []) or "none"
+                raise UserError(f"the model's config.json names no architecture with a known head (architectures: "
+                                f"{named}); give --hf_head, one of {', '.join(HEADS)}")
+            ns.hf_head = head
+
+    @classmethod
+    def check_config(cls, cfg):
+        options, data = cfg.task_options, cfg.data
+        if not options.model_name_or_path:
+            raise UserError("--task hf needs a model: --model_name_or_path DIR (or TextBox's --model_path DIR), a "
+                            "save_pretrained directory or one holding a config.json")
+        read_model_config(options.model_name_or_path)
+        if not (data.data or data.training_data):
+            raise UserError("--task hf needs data: --data DIR (train.* and valid.* files: csv, tsv, json, jsonl, "
+                            "parquet, txt; or a save_to_disk directory) or --data FILE (training only)")
+        if data.data and not Path(data.data).exists():
+            raise UserError(f"--data {data.data!r} does not exist; check the path")
+        if options.hf_head == "seq2seq" and not options.target_column:
+            raise UserError("--hf_head seq2seq needs --target_column NAME: the column of the texts to generate")
+        ours = HEAD_METRICS[options.hf_head]
+        metric = cfg.validation.best_checkpoint_metric
+        if metric and metric not in ours:
+            raise UserError(f"--best-checkpoint-metric {metric!r} is not a metric of --hf_head {options.hf_head}"
+                            f"{closest(metric, ours)}; choose from: {', '.join(ours)}")
+        for name in cfg.validation.metrics or ():
+            if name not in ours and not (options.hf_head == "seq2seq" and name.lower() in GENERATION):
+                raise UserError(f"--metrics {name}: not reported by --hf_head {options.hf_head}; it reports "
+                                f"{', '.join(ours)}" + (" (rouge, bleu: generation metrics)"
+                                                         if options.hf_head == "seq2seq" else ""))
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.head = cfg.task_options.hf_head
+        self.metric_names = HEAD_METRICS[self.head]
+        # the language-model heads' loss is a mean over predicted tokens
+        self.denominators = () if self.head == "sequence_classification" else ("tokens",)
+        self.generation = requested_generation(cfg.validation.metrics) if self.head == "seq2seq" else ()
+        self._tokenizer = self._classes = None
+
+    # -- tokenizer and data -------------------------------------------------
+    @property
+    def model_dir(self):
+        return self.cfg.task_options.model_name_or_path
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from transformers import AutoTokenizer
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+            except (OSError, ValueError) as exc:
+                raise UserError(f"no tokenizer could be read from {self.model_dir!r} ({str(exc).splitlines()[0]}); "
+                                f"save it there with tokenizer.save_pretrained(DIR)") from None
+        return self._tokenizer
+
+    def pad_id(self):
+        tok = self.tokenizer()
+        for value in (tok.pad_token_id, tok.eos_token_id):
+            if value is not None:
+                return int(value)
+        return 0
+
+    def columns(self):
+        from ..data.hf_text import TextColumns
+        o = self.cfg.task_options
+        return TextColumns(head=self.head, text=o.text_column, text_pair=o.text_pair_column, label=o.label_column,
+                           target=o.target_column, max_length=o.max_length, max_target_length=o.max_target_length)
+
+    def raw_split(self, split):
+        from ..data.hf_text import check_columns, load_raw
+        data = self.cfg.data
+        training = split == data.train_subset
+        named = data.training_data if training else data.validation_data   # kanachan's FILE for this split
+        named = named if named and Path(named).is_file() else None
+        raw, cache = load_raw(data.data, split, named, training)
+        check_columns(raw, self.columns(), f"the {split!r} split")
+        return raw, cache
+
+    def classes(self):
+        """(class names or None, number of classes), from the training split."""
+        if self._classes is None:
+            from ..data.hf_text import label_names
+            raw, _ = self.raw_split(self.cfg.data.train_subset)
+            names = label_names(raw, self.columns())
+            count = len(names) if names is not None else int(max(raw.unique(self.columns().label), default=0)) + 1
+            self._classes = (names, count)
+        return self._classes
+
+    def prepare_data(self):
+        """Tokenise every split the run reads into the cache, once per file
+        system (the other ranks wait, then read it: no two processes write
+        the same cache file)."""
+        data = self.cfg.data
+        for split in [data.train_subset] + ([] if self.cfg.validation.disable_validation else data.valid_subset):
+            self.tokenized(split)
+
+    def build_dataset(self, split):
+        from ..data.hf_text import HFTextDataset
+        tokenized = self.tokenized(split)
+        masking = None
+        if self.head == "masked_lm":
+            tok = self.tokenizer()
+            if tok.mask_token_id is None:
+                raise UserError(f"--hf_head masked_lm needs a tokenizer with a mask token; {self.model_dir!r}'s has none")
+            masking = (self.cfg.numerics.seed, self.cfg.task_options.mlm_probability, tok.mask_token_id, len(tok),
+                       list(tok.all_special_ids))
+        return HFTextDataset(tokenized, self.head, self.pad_id(), masking)
+
+    def tokenized(self, split):
+        """``split`` tokenised (a ``datasets.Dataset``), from the cache where it is there."""
+        from ..data.hf_text import label_names, tokenize
+        raw, cache = self.raw_split(split)
+        label_ids = None
+        if self.head == "sequence_classification":
+            names, count = self.classes()
+            label_ids = {name: i for i, name in enumerate(names)} if names is not None else None
+            here = label_names(raw, self.columns())
+            if names is not None and here is not None and set(here) - set(names):
+                raise UserError(f"the {split!r} split has labels the training split lacks: "
+                                f"{', '.join(sorted(set(here) - set(names))[:5])}")
+            if names is None and (here is not None or max(raw.unique(self.columns().label), default=0) >= count):
+                raise UserError(f"the {split!r} split's labels do not fit the training split's classes 0..{count - 1}")
+        workers = self.cfg.data.num_workers or None
+        return tokenize(raw, self.tokenizer(), self.columns(), cache, label_ids, workers)
+
+    # -- model --------------------------------------------------------------
+    def model_config(self):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+        for key, value in self.cfg.model.model_conf.items():
+            if not hasattr(config, key):
+                raise UserError(f"unknown key {key!r} in --model_conf for {type(config).__name__}; it has no such "
+                                f"setting")
+            setattr(config, key, value)
+        if self.head == "sequence_classification":
+            names, count = self.classes()
+            if names is not None:
+                config.id2label = dict(enumerate(names))
+                config.label2id = {name: i for i, name in enumerate(names)}
+            elif config.num_labels != count:
+                config.num_labels = count
+        return config
+
+    def build_model(self):
+        import transformers
+        transformers.utils.logging.disable_progress_bar()  # a bar for loading a few tensors is noise in our log
+        auto = getattr(transformers, AUTO_CLASSES[self.head])
+        config = self.model_config()
+        if any((Path(self.model_dir) / name).is_file() for name in WEIGHT_FILES):
+            mismatched = {"ignore_mismatched_sizes": True} if self.head == "sequence_classification" else {}
+            try:
+                model = auto.from_pretrained(self.model_dir, config=config, local_files_only=True, **mismatched)
+            except ValueError as exc:
+                raise UserError(f"{self.model_dir!r} has no {self.head} model: {str(exc).splitlines()[0]}") from None
+        else:
+            try:
+                model = auto.from_config(config)
+            except ValueError as exc:
+                raise UserError(f"{type(config).__name__} has no {self.head} model: "
+                                f"{str(exc).splitlines()[0]}") from None
+        if self.cfg.model.checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def param_groups(self, model, weight_decay):
+        decay, plain = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # biases and norms take no decay, as in HF Trainer
+                (plain if p.ndim < 2 else decay).append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": plain, "weight_decay": 0.0, "no_decay": True}]
+        return [g for g in groups if g["params"]]
+
+    # -- loss and metrics -------------------------------------------------------
+    def inputs(self, batch):
+        return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    def count(self, batch):
+        if self.head == "sequence_classification":
+            return {}
+        labels = batch["labels"][:, 1:] if self.head == "causal_lm" else batch["labels"]
+        return {"tokens": int((labels != -100).sum())}
+
+    def loss(self, model, batch):
+        import torch
+        import torch.nn.functional as F
+
+        n = batch["input_ids"].shape[0]  # a host number
+        labels = batch["labels"]
+        if self.head == "sequence_classification":
+            logits = model(**self.inputs(batch)).logits.float()
+            loss_sum = F.cross_entropy(logits, labels, reduction="sum")
+            predicted = logits.argmax(dim=-1)
+            stats = {"loss_sum": loss_sum.detach(), "correct": (predicted == labels).sum(), "nsamples": n,
+                     "ntokens": batch["attention_mask"].sum()}
+            classes = logits.shape[-1]
+            if classes <= MAX_F1_CLASSES:  # per-class counts: sums, so F1 adds up over ranks
+                hits = torch.bincount(labels[predicted == labels], minlength=classes)
+                guessed = torch.bincount(predicted, minlength=classes)
+                true = torch.bincount(labels, minlength=classes)
+                for c in range(classes):
+                    stats[f"f1_hit.{c}"], stats[f"f1_guessed.{c}"], stats[f"f1_true.{c}"] = hits[c], guessed[c], true[c]
+            return loss_sum, stats
+        if self.head == "seq2seq":
+            logits = model(**self.inputs(batch), labels=labels).logits
+        else:
+            logits = model(**self.inputs(batch)).logits
+            if self.head == "causal_lm":  # token t predicts token t + 1: the labels move, not the (large) logits
+                labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        loss_sum = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        predicted = labels != -100
+        stats = {"loss_sum": loss_sum.detach(), "correct": ((logits.argmax(dim=-1) == labels) & predicted).sum(),
+                 "tokens": predicted.sum(), "nsamples": n, "ntokens": batch["attention_mask"].sum()}
+        return {"tokens": loss_sum}, stats
+
+    def validation_stats(self, model, batch):
+        """seq2seq: generate from the batch's inputs and score against its targets."""
+        if self.head != "seq2seq" or not self.generation:
+            return {}
+        from ..text_metrics import generation_sums
+        tok = self.tokenizer()
+        if batch["input_ids"].shape[0]:
+            o = self.cfg.task_options
+            generated = unwrapped(model).generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                                  max_new_tokens=o.generation_max_length, num_beams=o.num_beams,
+                                                  do_sample=False)
+            predictions = tok.batch_decode(generated, skip_special_tokens=True)
+            labels = batch["labels"].masked_fill(batch["labels"] == -100, self.pad_id())
+            references = tok.batch_decode(labels, skip_special_tokens=True)
+        else:
+            predictions = references = []
+        return generation_sums([p.strip() for p in predictions], [r.strip() for r in references], self.generation)
+
+    def metrics(self, sums):
+        n = max(sums.get("nsamples", 0.0), 1.0)
+        if self.head == "sequence_classification":
+            out = {"loss": sums.get("loss_sum", 0.0) / n, "accuracy": sums.get("correct", 0.0) / n}
+            classes = [key.split(".", 1)[1] for key in sums if key.startswith("f1_true.")]
+            scores = []
+            for c in classes:
+                hit, guessed, true = (sums.get(f"f1_{part}.{c}", 0.0) for part in ("hit", "guessed", "true"))
+                if guessed + true > 0:  # a class neither present nor predicted has no F1
+                    scores.append(2.0 * hit / (guessed + true))
+            if classes:
+                out["f1"] = sum(scores) / max(len(scores), 1)
+            return out
+        tokens = max(sums.get("tokens", 0.0), 1.0)
+        loss = sums.get("loss_sum", 0.0) / tokens
+        out = {"loss": loss, "accuracy": sums.get("correct", 0.0) / tokens, "ppl": math.exp(min(loss, 50.0))}
+        if self.generation and "gen_nsamples" in sums:
+            from ..text_metrics import generation_metrics
+            out.update(generation_metrics(sums, self.generation))
+        return out
