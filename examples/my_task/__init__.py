@@ -1,6 +1,6 @@
 """My own task, outside textbox_like: two interleaved spirals, a small MLP.
 
-    textbox-like train --user-dir examples/my_task --task spirals --max-update 300
+    textbox-like train --user-dir examples/my_task --task spirals --max-sentences 32 --max-update 300
 """
 from dataclasses import dataclass
 
