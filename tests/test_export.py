@@ -195,8 +195,15 @@ def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir):
 
     out = run(["run_hetseq.py", *base_args(small_mnist_dir, tmp_path / "mnist", "--threads", "1", max_update=2)])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert_one_line_error(run([*export, tmp_path / "mnist" / "checkpoint_last.pt", "--to", tmp_path / "a"]),
-                          "task 'mnist'", "only checkpoints of --task bert and --task hf")
+    # any other task: its model's weights, as safetensors, with the run's config.yaml
+    done = run([*export, tmp_path / "mnist" / "checkpoint_last.pt", "--to", tmp_path / "mnist_weights"])
+    assert done.returncode == 0 and "task mnist, MNISTNet" in done.stdout, done.stderr[-3000:]
+    from safetensors.torch import load_file
+    weights = load_file(str(tmp_path / "mnist_weights" / "model.safetensors"))
+    saved = torch.load(tmp_path / "mnist" / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    assert weights.keys() == saved["model"].keys()
+    assert all(torch.equal(weights[k], saved["model"][k]) for k in weights)
+    assert (tmp_path / "mnist_weights" / "config.yaml").read_text() == saved["config"]
     assert not (tmp_path / "a").exists()
 
 

@@ -1,7 +1,14 @@
-"""A BERT (or ``--task hf``) checkpoint of ours to a transformers ``save_pretrained`` directory.
+"""A checkpoint of ours to a directory its model loads from outside this toolkit.
 
     python -m textbox_like.export CKPT --to DIR [--dict VOCAB]
     textbox-like export CKPT --to DIR
+
+A BERT or ``--task hf`` checkpoint becomes a transformers ``save_pretrained``
+directory (below). Any other task's (mnist, a ``--user-dir`` task, a class
+given to ``textbox_like.train``) becomes its model's weights alone, whatever
+the model is: ``save_pretrained`` where the model has one, else
+``model.safetensors`` (``safetensors.torch.load_model(model, FILE)`` loads it
+into the model the task builds) beside the run's ``config.yaml``.
 
 ``DIR`` receives ``config.json``, ``model.safetensors`` and the tokenizer
 files (``vocab.txt`` first among them), so that
@@ -45,7 +52,8 @@ def check_target(target) -> Path:
 
 
 def read_bert_checkpoint(checkpoint, tasks=("bert",)) -> dict:
-    """Our checkpoint of a BERT run (or of one of ``tasks``), or one line saying what it is instead."""
+    """Our checkpoint of a BERT run (or of one of ``tasks``; None: of any
+    task), or one line saying what it is instead."""
     from .checkpoint import load_checkpoint
 
     path = Path(checkpoint)
@@ -54,7 +62,7 @@ def read_bert_checkpoint(checkpoint, tasks=("bert",)) -> dict:
         hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
         raise UserError(f"{str(path)!r} is a directory, not a checkpoint file{hint}")
     state = load_checkpoint(path)
-    if state.get("task") not in tasks:
+    if tasks is not None and state.get("task") not in tasks:
         raise UserError(f"{str(path)!r} is a checkpoint of task {state.get('task')!r}; only checkpoints of "
                         f"--task bert and --task hf export to transformers")
     if not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), str):
@@ -185,6 +193,36 @@ def export_hf(checkpoint, target, state=None) -> dict:
             "class": type(model).__name__, "files": sorted(p.name for p in target.iterdir())}
 
 
+def export_weights(checkpoint, target, state) -> dict:
+    """Any other task's checkpoint: the model the run's task builds (its
+    --user-dir or task class imported from the run's configuration), with
+    the checkpoint's weights, written by its own ``save_pretrained`` where it
+    has one, else as ``model.safetensors``; the run's ``config.yaml`` beside."""
+    from .tasks import TASKS
+
+    target = check_target(target)
+    cfg = run_config(state)
+    model = TASKS.get(cfg.data.task)(cfg).build_model()
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if missing or unexpected:
+        first = (list(missing) + list(unexpected))[0]
+        raise UserError(f"the weights in {str(checkpoint)!r} do not fit the model task {cfg.data.task!r} builds now "
+                        f"({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first}); was its code changed?")
+    try:
+        with atomic_directory(target) as tmp:
+            if hasattr(model, "save_pretrained"):
+                model.save_pretrained(str(tmp))
+            else:
+                from safetensors.torch import save_model
+                save_model(model, str(tmp / "model.safetensors"))  # tied or shared weights stored once
+            (tmp / "config.yaml").write_text(state["config"])
+    except TargetTaken as exc:
+        raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
+                        f"was it filled meanwhile?") from None
+    return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
+            "task": cfg.data.task, "class": type(model).__name__, "files": sorted(p.name for p in target.iterdir())}
+
+
 def _write_directory(tmp, model, vocab_file, config):
     from transformers import BertTokenizer
     model.save_pretrained(str(tmp))
@@ -202,8 +240,9 @@ def build_parser():
         prog="python -m textbox_like.export", allow_abbrev=False,
         description="Write a BERT checkpoint as a transformers save_pretrained directory (config.json, "
                     "model.safetensors, vocab.txt) for BertForPreTraining/AutoModel.from_pretrained; a --task hf "
-                    "checkpoint as its own model class's save_pretrained directory with its tokenizer.")
-    parser.add_argument("checkpoint", metavar="CKPT", help="a BERT or --task hf run's checkpoint, e.g. OUT/checkpoint_best.pt")
+                    "checkpoint as its own model class's save_pretrained directory with its tokenizer; any other "
+                    "task's as its model's weights (model.safetensors, or save_pretrained) with config.yaml.")
+    parser.add_argument("checkpoint", metavar="CKPT", help="a run's checkpoint, e.g. OUT/checkpoint_best.pt")
     parser.add_argument("--to", required=True, metavar="DIR", help="new or empty output directory")
     parser.add_argument("--dict", default=None, metavar="VOCAB",
                         help="vocab.txt to ship (default: the run's --dict, or the vocab.txt beside its data)")
@@ -219,7 +258,15 @@ def export_and_report(args):
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()  # a bar for one shard is noise beside our one line
     check_target(args.to)
-    state = read_bert_checkpoint(args.checkpoint, tasks=("bert", "hf"))
+    state = read_bert_checkpoint(args.checkpoint, tasks=None)
+    if state["task"] not in ("bert", "hf"):
+        info = export_weights(args.checkpoint, args.to, state)
+        how = (f"transformers' {info['class']}.from_pretrained({info['to']!r})" if "config.json" in info["files"] else
+               f"safetensors.torch.load_model(model, {info['to'] + '/model.safetensors'!r}) into the model task "
+               f"{info['task']!r} builds (its configuration: config.yaml there)")
+        print(f"exported {info['checkpoint']} (update {info['num_updates']}: task {info['task']}, {info['class']}) to "
+              f"{info['to']}; load it with {how}")
+        return
     if state["task"] == "hf":
         info = export_hf(args.checkpoint, args.to, state)
         print(f"exported {info['checkpoint']} (update {info['num_updates']}: {info['class']}) with its tokenizer "
