@@ -205,19 +205,20 @@ def run_ok(cmd, timeout=300):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification"])
+@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification", "masked_lm", "seq2seq"])
 def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_path, head):
     """Two ranks, each micro-batch its own number of samples and tokens, and the
     loss's denominator (tokens; samples for classification) summed over both:
     the update of one process over the same global batch."""
-    run_ok(exactness_args(models[head], text_data, tmp_path / "one"))
-    two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", "--distributed-world-size", "2"))
+    columns = ("--target_column", "target") if head == "seq2seq" else ()
+    run_ok(exactness_args(models[head], text_data, tmp_path / "one", *columns))
+    two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", *columns, "--distributed-world-size", "2"))
     assert "tokens per rank [60, 60]" in two.stderr
     # the plan the two ranks ran: their slices of an update hold unlike numbers of samples
     from textbox_like.cli import parse
     from textbox_like.data.iterators import plan_global_tokens
     from textbox_like.tasks import TASKS
-    task = TASKS.get("hf")(parse(exactness_args(models[head], text_data, tmp_path / "plan")[2:]))
+    task = TASKS.get("hf")(parse(exactness_args(models[head], text_data, tmp_path / "plan", *columns)[2:]))
     data = task.build_dataset("train")
     order = data.epoch_order(3, 1)
     rows = plan_global_tokens(data.num_tokens()[order], 120, [60, 60])[:6]
