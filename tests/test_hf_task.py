@@ -330,6 +330,65 @@ def test_a_saved_dataset_directory_trains(models, tmp_path):
     assert records(out, "valid")[-1]["ppl"] > 1
 
 
+CACHED_REPO_README = """---
+configs:
+- config_name: small
+  data_files:
+  - split: train
+    path: data/train-*
+  - split: validation
+    path: data/validation-*
+---
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_to_get_it(models, tmp_path):
+    """--data NAME --dataset_config CONFIG: the dataset datasets.load_dataset
+    left in the local cache (here from a Hub-style repository folder of parquet
+    files, deleted afterwards), read offline; it trains on exactly the rows of
+    the same data given as files. A name not in the cache: one line."""
+    import shutil
+
+    import datasets
+    files = write_text_data(tmp_path / "files")
+    repo = tmp_path / "repo" / "tiny_reviews"
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text(CACHED_REPO_README)
+    for split, name in (("train", "train"), ("valid", "validation")):
+        rows = [json.loads(line) for line in (files / f"{split}.jsonl").read_text().splitlines()]
+        datasets.Dataset.from_list(rows).to_parquet(str(repo / "data" / f"{name}-00000-of-00001.parquet"))
+    env = {**clean_env(), "HF_DATASETS_CACHE": str(tmp_path / "datasets_cache"), "HF_HOME": str(tmp_path / "home")}
+    connected = {k: v for k, v in env.items() if k not in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    subprocess.run([PY, "-c", f"import datasets; datasets.load_dataset({str(repo)!r}, 'small')"], env=connected,
+                   check=True, capture_output=True, timeout=200)
+    shutil.rmtree(tmp_path / "repo")   # only the cache is left
+    args = lambda data, out, *extra: [  # noqa: E731
+        PY, "run_hetseq.py", *hf_args(models["sequence_classification"], data, out, "--threads", "1",
+                                      "--max-update", "10", *extra)]
+    named = subprocess.run([str(a) for a in args("tiny_reviews", tmp_path / "named", "--dataset_config", "small")],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    assert named.returncode == 0, named.stderr[-3000:]
+    run_ok(args(files, tmp_path / "from_files"))
+    train, valid = records(tmp_path / "named", "train"), records(tmp_path / "named", "valid")
+    assert valid[-1]["loss"] < train[0]["loss"] - 0.05, (train[0], valid[-1])
+    assert_bitwise_equal(params(tmp_path / "named"), params(tmp_path / "from_files"), "model")  # the same rows
+    assert list((tmp_path / "datasets_cache").rglob("tokenized-*.arrow"))   # tokenised beside the cached dataset
+    # not in the cache, another config only, a path that is not there: one line each
+    cases = [(["someone/not_cached"], "error: --data someone/not_cached: no such file or directory, and no "
+                                      "dataset 'someone/not_cached' in the local Hugging Face datasets cache"),
+             (["tiny_reviews", "--dataset_config", "large"],
+              "error: --data tiny_reviews --dataset_config large: the local Hugging Face datasets cache"),
+             (["./not_here"], "error: --data './not_here' does not exist; check the path")]
+    for (data, *extra), start in cases:
+        line = one_error_line(subprocess.run([str(a) for a in args(data, tmp_path / "refused", *extra)], cwd=REPO,
+                                             env=env, capture_output=True, text=True, timeout=200))
+        assert line.startswith(start), line
+        if data != "./not_here":
+            assert "datasets.load_dataset(" in line and "save_to_disk" in line, line
+    assert not (tmp_path / "refused").exists()
+
+
 # ---------------------------------------------------------------- models: hub names, heads, metrics
 def one_error_line(proc):
     lines = proc.stderr.strip().splitlines()
