@@ -5,7 +5,8 @@ For each head: it trains (the loss falls), validates, and its export loads
 with from_pretrained to the same eval loss. The language-model and
 classification denominators make two ranks with unlike batches equal one
 process of the same global batch; kill -9 and resume is bitwise; the
-tokenised data is cached beside the data and reused."""
+tokenised data is cached beside the data and reused; a dataset name in the
+local datasets cache trains offline."""
 from __future__ import annotations
 
 import json
@@ -205,19 +206,20 @@ def run_ok(cmd, timeout=300):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification"])
+@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification", "masked_lm", "seq2seq"])
 def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_path, head):
     """Two ranks, each micro-batch its own number of samples and tokens, and the
     loss's denominator (tokens; samples for classification) summed over both:
     the update of one process over the same global batch."""
-    run_ok(exactness_args(models[head], text_data, tmp_path / "one"))
-    two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", "--distributed-world-size", "2"))
+    columns = ("--target_column", "target") if head == "seq2seq" else ()
+    run_ok(exactness_args(models[head], text_data, tmp_path / "one", *columns))
+    two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", *columns, "--distributed-world-size", "2"))
     assert "tokens per rank [60, 60]" in two.stderr
     # the plan the two ranks ran: their slices of an update hold unlike numbers of samples
     from textbox_like.cli import parse
     from textbox_like.data.iterators import plan_global_tokens
     from textbox_like.tasks import TASKS
-    task = TASKS.get("hf")(parse(exactness_args(models[head], text_data, tmp_path / "plan")[2:]))
+    task = TASKS.get("hf")(parse(exactness_args(models[head], text_data, tmp_path / "plan", *columns)[2:]))
     data = task.build_dataset("train")
     order = data.epoch_order(3, 1)
     rows = plan_global_tokens(data.num_tokens()[order], 120, [60, 60])[:6]
@@ -327,6 +329,65 @@ def test_a_saved_dataset_directory_trains(models, tmp_path):
     assert run_main(["--task", "hf", "--model_name_or_path", models["causal_lm"], "--data", tmp_path / "saved",
                      "--max-sentences", "8", "--max-update", "2", "--log-format", "none", "--save-dir", out]) == 0
     assert records(out, "valid")[-1]["ppl"] > 1
+
+
+CACHED_REPO_README = """---
+configs:
+- config_name: small
+  data_files:
+  - split: train
+    path: data/train-*
+  - split: validation
+    path: data/validation-*
+---
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_to_get_it(models, tmp_path):
+    """--data NAME --dataset_config CONFIG: the dataset datasets.load_dataset
+    left in the local cache (here from a Hub-style repository folder of parquet
+    files, deleted afterwards), read offline; it trains on exactly the rows of
+    the same data given as files. A name not in the cache: one line."""
+    import shutil
+
+    import datasets
+    files = write_text_data(tmp_path / "files")
+    repo = tmp_path / "repo" / "tiny_reviews"
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text(CACHED_REPO_README)
+    for split, name in (("train", "train"), ("valid", "validation")):
+        rows = [json.loads(line) for line in (files / f"{split}.jsonl").read_text().splitlines()]
+        datasets.Dataset.from_list(rows).to_parquet(str(repo / "data" / f"{name}-00000-of-00001.parquet"))
+    env = {**clean_env(), "HF_DATASETS_CACHE": str(tmp_path / "datasets_cache"), "HF_HOME": str(tmp_path / "home")}
+    connected = {k: v for k, v in env.items() if k not in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    subprocess.run([PY, "-c", f"import datasets; datasets.load_dataset({str(repo)!r}, 'small')"], env=connected,
+                   check=True, capture_output=True, timeout=200)
+    shutil.rmtree(tmp_path / "repo")   # only the cache is left
+    args = lambda data, out, *extra: [  # noqa: E731
+        PY, "run_hetseq.py", *hf_args(models["sequence_classification"], data, out, "--threads", "1",
+                                      "--max-update", "10", *extra)]
+    named = subprocess.run([str(a) for a in args("tiny_reviews", tmp_path / "named", "--dataset_config", "small")],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    assert named.returncode == 0, named.stderr[-3000:]
+    run_ok(args(files, tmp_path / "from_files"))
+    train, valid = records(tmp_path / "named", "train"), records(tmp_path / "named", "valid")
+    assert valid[-1]["loss"] < train[0]["loss"] - 0.05, (train[0], valid[-1])
+    assert_bitwise_equal(params(tmp_path / "named"), params(tmp_path / "from_files"), "model")  # the same rows
+    assert list((tmp_path / "datasets_cache").rglob("tokenized-*.arrow"))   # tokenised beside the cached dataset
+    # not in the cache, another config only, a path that is not there: one line each
+    cases = [(["someone/not_cached"], "error: --data someone/not_cached: no such file or directory, and no "
+                                      "dataset 'someone/not_cached' in the local Hugging Face datasets cache"),
+             (["tiny_reviews", "--dataset_config", "large"],
+              "error: --data tiny_reviews --dataset_config large: the local Hugging Face datasets cache"),
+             (["./not_here"], "error: --data './not_here' does not exist; check the path")]
+    for (data, *extra), start in cases:
+        line = one_error_line(subprocess.run([str(a) for a in args(data, tmp_path / "refused", *extra)], cwd=REPO,
+                                             env=env, capture_output=True, text=True, timeout=200))
+        assert line.startswith(start), line
+        if data != "./not_here":
+            assert "datasets.load_dataset(" in line and "save_to_disk" in line, line
+    assert not (tmp_path / "refused").exists()
 
 
 # ---------------------------------------------------------------- models: hub names, heads, metrics

@@ -3,10 +3,12 @@
 A split comes from local files only (nothing is downloaded): a directory
 holding ``train.*`` and ``valid.*``/``test.*`` (csv, tsv, json, jsonl,
 parquet, txt), one file (the training split), a ``save_to_disk`` directory,
-or one named file per split (kanachan's ``--training-data FILE`` /
-``--validation-data FILE``). It is tokenised by the model's tokenizer with
-``datasets.map`` (batched, several processes for large data) into Arrow files
-in ``.hf_cache/`` beside the data, named by a fingerprint of the raw data, the
+one named file per split (kanachan's ``--training-data FILE`` /
+``--validation-data FILE``), or a dataset name (``imdb``, ``user/name``)
+that ``datasets.load_dataset`` left in the local datasets cache (read
+offline). It is tokenised by the model's tokenizer with ``datasets.map``
+(batched, several processes for large data) into Arrow files in
+``.hf_cache/`` beside the data, named by a fingerprint of the raw data, the
 tokenizer and the settings, so a second run (and every other rank) reads them
 instead of tokenising again.
 
@@ -62,7 +64,61 @@ def split_file(directory, split):
     return None
 
 
-def load_raw(data, split, named_file=None, training=False):
+def looks_like_path(text) -> bool:
+    """Whether ``text`` is written as a path (``./x``, ``/x``, ``~/x``,
+    ``a/b/c``, ``x.csv``) rather than a dataset name (``imdb``, ``user/name``)."""
+    text = str(text)
+    return (text.startswith((".", "/", "~")) or text.endswith("/") or text.count("/") > 1
+            or Path(text).suffix.lower() in BUILDERS)
+
+
+def cache_remedy(name, config=None) -> str:
+    """How to put dataset ``name`` where an offline run finds it."""
+    call = f"datasets.load_dataset({name!r}" + (f", {config!r})" if config else ")")
+    return (f"on a connected machine run {call} and copy ~/.cache/huggingface/datasets here (or set "
+            f"HF_DATASETS_CACHE to the copy), or save it there with .save_to_disk(DIR) and pass --data DIR")
+
+
+def cached_dataset(name, config=None):
+    """The builder of dataset ``name`` (and ``config``) as the local datasets
+    cache holds it (offline: nothing is fetched); one line where it is not there."""
+    offline()
+    import datasets
+
+    datasets.disable_progress_bars()
+    where = datasets.config.HF_DATASETS_CACHE
+    try:
+        return datasets.load_dataset_builder(name, config)
+    except (OSError, ValueError) as exc:  # not cached (ConnectionError offline), another config only (ValueError)
+        text = str(exc)
+        if config and "Available configs in the cache" in text:
+            held = text.split("Available configs in the cache:", 1)[1].strip().strip("[]").replace("'", "")
+            raise UserError(f"--data {name} --dataset_config {config}: the local Hugging Face datasets cache ({where}) "
+                            f"holds {name!r} only in the configs {held}; {cache_remedy(name, config)}") from None
+        raise UserError(f"--data {name}: no such file or directory, and no dataset {name!r}"
+                        + (f" (config {config!r})" if config else "")
+                        + f" in the local Hugging Face datasets cache ({where}; nothing is downloaded here); "
+                        + cache_remedy(name, config)) from None
+
+
+def load_cached(name, config, split):
+    """``split`` of dataset ``name`` from the local datasets cache (split
+    aliases as for files: valid, validation, dev, val)."""
+    import datasets
+
+    builder = cached_dataset(name, config)
+    held = list((builder.info.splits or {}).keys())
+    found = next((alias for alias in SPLIT_ALIASES.get(split, (split,)) if alias in held), None)
+    if found is None:
+        raise UserError(f"the cached dataset {name!r} has no split {split!r}; it has {', '.join(held) or 'none'} "
+                        f"(choose with --train-subset/--valid-subset)")
+    raw = datasets.load_dataset(name, config, split=found)
+    # the tokenised cache beside the dataset's own Arrow files (writable_cache moves it where that is read-only)
+    beside = Path(raw.cache_files[0]["filename"]).parent if raw.cache_files else Path(builder.cache_dir)
+    return raw, beside / CACHE_DIR
+
+
+def load_raw(data, split, named_file=None, training=False, dataset_config=None):
     """The raw rows of ``split`` (a ``datasets.Dataset``) and the directory its
     tokenised cache goes to."""
     offline()
@@ -72,6 +128,8 @@ def load_raw(data, split, named_file=None, training=False):
     if named_file:
         return load_file(named_file), Path(named_file).parent / CACHE_DIR
     path = Path(data)
+    if not path.exists() and not looks_like_path(data):
+        return load_cached(str(data), dataset_config, split)
     if is_saved_dataset(path):
         saved = datasets.load_from_disk(str(path))
         if isinstance(saved, datasets.DatasetDict):

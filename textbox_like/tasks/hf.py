@@ -8,7 +8,8 @@ the same place. ``--hf_head``: sequence_classification, causal_lm, masked_lm
 or seq2seq, by default the one the config's ``architectures`` names.
 
 Data: see ``textbox_like/data/hf_text.py`` (``--data`` a directory of
-``train.*``/``valid.*`` files, one file, a ``save_to_disk`` directory;
+``train.*``/``valid.*`` files, one file, a ``save_to_disk`` directory, a
+dataset name in the local datasets cache with ``--dataset_config``;
 kanachan's ``--training-data FILE``/``--validation-data FILE``).
 
 Loss: the SUM of per-token cross-entropies over the tokens predicted (labels
@@ -79,6 +80,9 @@ class HFOptions(Section):
               "(TextBox: --model_path)", metavar="DIR_OR_NAME")
     hf_head: str | None = setting(None, "the model's head (default: the one config.json's architectures names)",
                                   choices=HEADS)
+    dataset_config: str | None = setting(None, "--data NAME, a dataset in the local Hugging Face datasets cache: "
+                                               "its configuration (datasets.load_dataset(NAME, CONFIG))",
+                                         metavar="CONFIG")
     text_column: str = setting("text", "the data's column of input texts")
     text_pair_column: str | None = setting(None, "a second input text per sample (sentence pairs)")
     label_column: str = setting("label", "sequence_classification: the column of class labels (0..K-1 or names)")
@@ -186,9 +190,16 @@ class HFTask(Task):
         read_model_config(options.model_name_or_path)
         if not (data.data or data.training_data):
             raise UserError("--task hf needs data: --data DIR (train.* and valid.* files: csv, tsv, json, jsonl, "
-                            "parquet, txt; or a save_to_disk directory) or --data FILE (training only)")
+                            "parquet, txt; or a save_to_disk directory), --data FILE (training only) or --data NAME "
+                            "(a dataset in the local Hugging Face datasets cache)")
+        from ..data.hf_text import cached_dataset, looks_like_path
         if data.data and not Path(data.data).exists():
-            raise UserError(f"--data {data.data!r} does not exist; check the path")
+            if looks_like_path(data.data):
+                raise UserError(f"--data {data.data!r} does not exist; check the path")
+            cached_dataset(data.data, options.dataset_config)   # a dataset name: one line where it is not cached
+        elif options.dataset_config:
+            raise UserError(f"--dataset_config {options.dataset_config} is for --data NAME, a dataset in the local "
+                            f"Hugging Face datasets cache; --data {data.data or data.training_data} is a path")
         if options.hf_head == "seq2seq" and not options.target_column:
             raise UserError("--hf_head seq2seq needs --target_column NAME: the column of the texts to generate")
         ours = HEAD_METRICS[options.hf_head]
@@ -246,7 +257,7 @@ class HFTask(Task):
         training = split == data.train_subset
         named = data.training_data if training else data.validation_data   # kanachan's FILE for this split
         named = named if named and Path(named).is_file() else None
-        raw, cache = load_raw(data.data, split, named, training)
+        raw, cache = load_raw(data.data, split, named, training, self.cfg.task_options.dataset_config)
         check_columns(raw, self.columns(), f"the {split!r} split")
         return raw, cache
 
