@@ -99,6 +99,13 @@ def test_textbox_model_path(capsys, tmp_path):
     weights.mkdir()
     cfg = parse(["--task", "bert", "--max-update", "1", "--model_path", str(weights)])
     assert cfg.task_options.init_checkpoint == str(weights)
+    # TextBox's commands give no task: its --model_path names a Hugging Face model, trained by the hf task
+    capsys.readouterr()
+    assert main(["--max-update", "1", "--model_path=facebook/bart-base"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("note: --model_path facebook/bart-base and no --task: trained by --task hf (any Hugging Face "
+                      "model); give --task to choose another")
+    assert err[1].startswith("error: --model_path facebook/bart-base: no such directory, and no model") and len(err) == 2
 
 
 # ------------------------------------------------------------------ kanachan

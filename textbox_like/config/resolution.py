@@ -104,6 +104,20 @@ def _typed_default(action, value):
     raise UserError(str(argparse.ArgumentError(action, message))) from None
 
 
+def _textbox_model_task(given, overrides, config_layers):
+    """TextBox's commands name a Hugging Face model (``--model_path=facebook/bart-base``)
+    and no task: with no task given anywhere, that model is trained by the hf
+    task (None: no such --model_path; a checkpoint file of ours is left to
+    the task the user names)."""
+    for values in (given, overrides, *(layer for layer, _, _ in config_layers)):
+        model_path = values.get("model_path")
+        if model_path and not str(model_path).endswith((".pt", ".pth", ".bin", ".safetensors")):
+            note(f"--model_path {model_path} and no --task: trained by --task hf (any Hugging Face model); "
+                 f"give --task to choose another")
+            return "hf"
+    return None
+
+
 def _layers(options, given, task_registry, overrides, environment, overrides_name):
     """[(values, source, rank)] lowest first, and the task whose properties
     file is one of them (Python's ``task`` first, then the command line's,
@@ -119,6 +133,8 @@ def _layers(options, given, task_registry, overrides, environment, overrides_nam
     if overall.is_file():
         stack.append((load_yaml(overall, "properties file"), str(overall), OVERALL))
     config_layers = [(_check_keys(load_yaml(p), options, p), p, CONFIG_FILE) for p in config_files]
+    if task is None and not any("task" in layer for layer, _, _ in config_layers):
+        task = _textbox_model_task(given, overrides, config_layers)
     for layer, _, _ in [*reversed(config_layers), *reversed(stack)]:
         if task is None and "task" in layer:
             task = layer["task"]
