@@ -181,6 +181,11 @@ def test_each_head_trains_validates_and_its_export_loads_to_the_same_loss(models
     exported = tmp_path / "export"
     assert export_main([str(out / "checkpoint_last.pt"), "--to", str(exported)]) in (0, None)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
+    # the run exported its trained model itself: the same weights as the command's export of its last checkpoint
+    from safetensors.torch import load_file
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (out / "hf_model").iterdir()}
+    at_end, later = load_file(str(out / "hf_model" / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert at_end.keys() == later.keys() and all(torch.equal(at_end[k], later[k]) for k in later)
     ours = evaluate(out / "checkpoint_last.pt", cpu=True)["loss"]
     assert ours == pytest.approx(valid[-1]["loss"], abs=1e-5)
     extra = HEAD_RUNS[head][:2] if head == "seq2seq" else ()

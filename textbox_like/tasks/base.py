@@ -163,6 +163,12 @@ class Task:
         and must have the same keys on every rank, for an empty batch too."""
         return {}
 
+    def export_at_end(self, model, save_dir):
+        """At the end of a completed run (main process, the trained model
+        unwrapped): write it where other tools load it from, and return that
+        path; None (the default): the checkpoints are the output."""
+        return None
+
     def metrics(self, sums: dict) -> dict:
         """Turn summed ``stats`` (floats) into the metrics people read."""
         n = max(sums.get("nsamples", 0.0), 1.0)

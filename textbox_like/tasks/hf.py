@@ -402,6 +402,30 @@ class HFTask(Task):
             stats["correct"] = ((logits.argmax(dim=-1) == labels) & predicted).sum()
         return {"tokens": loss_sum}, stats
 
+    def export_at_end(self, model, save_dir):
+        """SAVE_DIR/hf_model: the trained model's own save_pretrained and its
+        tokenizer, as HF Trainer leaves one (``textbox-like export`` writes
+        any checkpoint's). A resumed run's earlier export is replaced once the
+        new one is whole."""
+        import shutil
+
+        from ..fileio import atomic_directory
+        target = Path(save_dir) / "hf_model"
+        earlier = target.with_name(f".hf_model.{os.getpid()}.old") if target.exists() else None
+        if earlier:
+            os.rename(target, earlier)
+        try:
+            with atomic_directory(target) as tmp:
+                model.save_pretrained(str(tmp))
+                self.tokenizer().save_pretrained(str(tmp))
+        except BaseException:
+            if earlier:
+                os.rename(earlier, target)
+            raise
+        if earlier:
+            shutil.rmtree(earlier, ignore_errors=True)
+        return target
+
     def validation_stats(self, model, batch):
         """seq2seq: generate from the batch's inputs and score against its targets."""
         if self.head != "seq2seq" or not self.generation:

@@ -188,6 +188,8 @@ class Lifecycle:
             elif t.agent is not None:  # torchrun stops workers with SIGTERM when a node joins
                 elastic.write_handoff(cfg.checkpoint.save_dir, t.agent, state.num_updates, t.global_batch.total(),
                                       "membership change or preemption")
+        if t.is_main and not cfg.checkpoint.no_save and reason != "preempted":
+            self.export_model()
         t.log.info(t.reporting.last_line(reason))
         timer = t.timing.timer
         if t.world > 1 and timer is not None:
@@ -218,6 +220,21 @@ class Lifecycle:
             atomic_write_text(path, json.dumps(results, indent=2), make_parents=False)
         except OSError as exc:
             raise SaveFailed(f"could not write {path} ({os_reason(exc)}); the checkpoints are kept") from None
+
+    def export_model(self):
+        """The task's export of the trained model (``Task.export_at_end``); a
+        failure to write it is one warning: the checkpoints are whole, and
+        ``textbox-like export`` writes it from them."""
+        t = self.trainer
+        try:
+            path = t.task.export_at_end(t.accelerator.unwrap_model(t.model, keep_torch_compile=False),
+                                        t.cfg.checkpoint.save_dir)
+        except OSError as exc:
+            print(f"warning: the model could not be exported into {t.cfg.checkpoint.save_dir} ({os_reason(exc)}); "
+                  f"the checkpoints are kept: write it with textbox-like export", file=sys.stderr)
+            return
+        if path is not None:
+            t.log.info(f"exported the trained model to {path}")
 
     def plot_curves(self):
         if os.environ.get("TEXTBOX_LIKE_CURVES") == "0":  # drawing takes ~1 s: the test suite's hundreds of runs skip it
