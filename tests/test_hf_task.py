@@ -236,6 +236,41 @@ def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_
     assert train1[-1]["loss"] == pytest.approx(train2[-1]["loss"], abs=1e-5)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification"])
+def test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_process(models, tmp_path, head):
+    """41 training rows in steps of 5 + 5: the fifth update holds one row, all
+    rank 0's, and 17 validation rows in 8 + 8 leave rank 1 one empty batch.
+    The empty rank still runs its backward (DDP) and sends the same stats.
+    Classification reads a save_to_disk dataset whose labels are a ClassLabel
+    (numbers that stand for its names), as Hub datasets have them."""
+    import datasets
+    source = write_text_data(tmp_path / "src", n_train=41, n_valid=17)
+    data = source
+    if head == "sequence_classification":
+        features = datasets.Features({"text": datasets.Value("string"),
+                                      "label": datasets.ClassLabel(names=["bad", "good"])})
+        splits = {split: datasets.Dataset.from_list(
+            [{"text": r["text"], "label": r["label"]} for r in map(json.loads, (source / f"{split}.jsonl").open())],
+            features=features) for split in ("train", "valid")}
+        data = tmp_path / "saved"
+        datasets.DatasetDict(splits).save_to_disk(str(data))
+    common = ["--optimizer", "sgd", "--lr", "0.5", "--max-update", "5", "--threads", "1", "--log-format", "simple",
+              "--max-sentences-valid", "8", "--validate-interval-updates", "5"]
+    run_ok([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "one", *common, "--max-sentences", "10")])
+    run_ok([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "two", *common, "--max-sentences", "5",
+                                          "--distributed-world-size", "2")])
+    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    for key in one_state:
+        assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
+    valid1, valid2 = records(tmp_path / "one", "valid")[-1], records(tmp_path / "two", "valid")[-1]
+    assert valid1["loss"] == pytest.approx(valid2["loss"], abs=1e-5)
+    if head == "sequence_classification":
+        assert valid1["accuracy"] == pytest.approx(valid2["accuracy"]) and "f1" in valid2
+        config = json.loads((tmp_path / "two" / "hf_model" / "config.json").read_text())
+        assert config["id2label"] == {"0": "bad", "1": "good"}
+
+
 @pytest.mark.timeout(400)
 def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path):
     from test_resume import kill_after_checkpoint

@@ -91,11 +91,19 @@ def map_tensors(fn, batch, text=None):
         else:
             return flat
 
+    from collections.abc import Mapping
+
     def walk(x):
         if isinstance(x, Tensor):
             return fn(x)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, Mapping):  # a dict, or a Mapping such as transformers' BatchEncoding, kept as its type
+            mapped = {k: walk(v) for k, v in x.items()}
+            if type(x) is dict:
+                return mapped
+            try:
+                return type(x)(mapped)
+            except TypeError:
+                return mapped
         if text is not None and is_text_list(x):
             return text(x)
         if isinstance(x, (list, tuple)):
@@ -109,6 +117,8 @@ def batch_samples(batch) -> int:
     """The samples in a batch of the protocol above: the leading dimension
     of its first tensor, or the length of its first list of strings (depth
     first, in a nested batch); 0 without either."""
+    from collections.abc import Mapping
+
     from torch import Tensor
     if type(batch) is dict and batch:  # the built-in tasks' flat dict of tensors
         first = next(iter(batch.values()))
@@ -121,8 +131,8 @@ def batch_samples(batch) -> int:
             return int(x.shape[0])
         if is_text_list(x):
             return len(x)
-        if isinstance(x, (dict, list, tuple)):
-            stack.extend(reversed(list(x.values()) if isinstance(x, dict) else x))
+        if isinstance(x, (Mapping, list, tuple)):
+            stack.extend(reversed(list(x.values()) if isinstance(x, Mapping) else x))
     return 0
 
 

@@ -316,7 +316,12 @@ class HFTextDataset(BatchDataset):
         size, special ids): the masked positions of a sample are a pure
         function of the seed and the sample's index (the same on every rank
         and after a resume)."""
-        table = tokenized.flatten_indices().data.table if hasattr(tokenized, "flatten_indices") else tokenized
+        if not hasattr(tokenized, "flatten_indices"):  # an Arrow table already
+            table = tokenized
+        elif tokenized._indices is None:  # rows in order: the cached table itself (flatten_indices would copy it)
+            table = tokenized.data.table
+        else:
+            table = tokenized.flatten_indices().data.table
         self.head, self.pad_id, self.masking = head, int(pad_id), masking
         self.input_ids = FlatColumn(table.column("input_ids"))
         names = set(table.column_names)

@@ -87,8 +87,9 @@ class HFBatches(BatchDataset):
 
     def __init__(self, dataset, collate=None):
         form = dataset.format  # the columns the user chose stay chosen
-        self.dataset = dataset.with_format("torch", columns=form["columns"],
-                                           output_all_columns=form["output_all_columns"])
+        # a transform of the user's (with_transform, set_transform: format "custom") is their batch: kept
+        self.dataset = dataset if form["type"] == "custom" else \
+            dataset.with_format("torch", columns=form["columns"], output_all_columns=form["output_all_columns"])
         self.collate = collate
 
     def __len__(self):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..config.schema import Section, setting
 from ..config.value_types import positive_int
-from ..errors import UserError, closest
+from ..errors import UserError, closest, first_line
 from . import register_task
 from .base import Task
 
@@ -112,7 +112,8 @@ def local_model_dir(name, flag="--model_name_or_path"):
     if os.path.exists(name):
         raise UserError(f"{flag} {name} is a file; give the directory save_pretrained wrote (config.json, weights, "
                         f"tokenizer files)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ..data.hf_text import offline
+    offline()  # nothing is downloaded
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(name, local_files_only=True)
@@ -203,6 +204,9 @@ class HFTask(Task):
         if options.hf_head == "seq2seq" and not options.target_column:
             raise UserError("--hf_head seq2seq needs --target_column NAME: the column of the texts to generate")
         ours = HEAD_METRICS[options.hf_head]
+        if options.hf_head == "seq2seq":  # generation metrics only of the families --metrics asks for
+            asked = {m for family in requested_generation(cfg.validation.metrics) for m in GENERATION[family]}
+            ours = tuple(m for m in ours if m in asked or not any(m in names for names in GENERATION.values()))
         metric = cfg.validation.best_checkpoint_metric
         if metric and metric not in ours:
             raise UserError(f"--best-checkpoint-metric {metric!r} is not a metric of --hf_head {options.hf_head}"
@@ -229,7 +233,8 @@ class HFTask(Task):
 
     def tokenizer(self):
         if self._tokenizer is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from ..data.hf_text import offline
+            offline()  # nothing is downloaded
             from transformers import AutoTokenizer
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
@@ -298,8 +303,15 @@ class HFTask(Task):
         label_ids = None
         if self.head == "sequence_classification":
             names, count = self.classes()
-            label_ids = {name: i for i, name in enumerate(names)} if names is not None else None
             here = label_names(raw, self.columns())
+            if names is not None and here is None:
+                raise UserError(f"the {split!r} split's labels are class numbers, the training split's are names "
+                                f"({', '.join(names[:3])}, ...); give every split the same kind of label")
+            # a ClassLabel column holds numbers: each maps through its own names to the training split's class
+            own = getattr(raw.features[self.columns().label], "names", None)
+            label_ids = None if names is None else \
+                {str(i): names.index(name) for i, name in enumerate(own) if name in names} if own is not None else \
+                {name: i for i, name in enumerate(names)}
             if names is not None and here is not None and set(here) - set(names):
                 raise UserError(f"the {split!r} split has labels the training split lacks: "
                                 f"{', '.join(sorted(set(here) - set(names))[:5])}")
@@ -310,15 +322,21 @@ class HFTask(Task):
 
     # -- model --------------------------------------------------------------
     def model_config(self):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from ..data.hf_text import offline
+        offline()  # nothing is downloaded
         from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:  # no config.json, an unknown model_type, remote code
+            raise UserError(f"{self.model_dir}: transformers cannot read its config.json: {first_line(exc)}") from None
         for key, value in self.cfg.model.model_conf.items():
             if not hasattr(config, key):
                 raise UserError(f"unknown key {key!r} in --model_conf for {type(config).__name__}; it has no such "
                                 f"setting")
             setattr(config, key, value)
         if self.head == "sequence_classification":
+            if getattr(config, "pad_token_id", None) is None:  # GPT-2, Llama...: the classifier finds each row's end by it
+                config.pad_token_id = self.pad_id()
             names, count = self.classes()
             if names is not None:
                 config.id2label = dict(enumerate(names))
@@ -330,17 +348,22 @@ class HFTask(Task):
     def build_model(self):
         import transformers
         transformers.utils.logging.disable_progress_bar()  # a bar for loading a few tensors is noise in our log
+        import torch
         auto = getattr(transformers, AUTO_CLASSES[self.head])
         config = self.model_config()
+        # weights in float32 whatever the files hold (transformers 5 loads a bf16 save as bf16: no master
+        # weights, fp16 gradients the scaler refuses); the run's precision is Accelerate's to set
+        float32 = {("dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"): torch.float32}
         if any((Path(self.model_dir) / name).is_file() for name in WEIGHT_FILES):
             mismatched = {"ignore_mismatched_sizes": True} if self.head == "sequence_classification" else {}
             try:
-                model = auto.from_pretrained(self.model_dir, config=config, local_files_only=True, **mismatched)
+                model = auto.from_pretrained(self.model_dir, config=config, local_files_only=True, **mismatched,
+                                             **float32)
             except ValueError as exc:
                 raise UserError(f"{self.model_dir!r} has no {self.head} model: {str(exc).splitlines()[0]}") from None
         else:
             try:
-                model = auto.from_config(config)
+                model = auto.from_config(config, **float32)
             except ValueError as exc:
                 raise UserError(f"{type(config).__name__} has no {self.head} model: "
                                 f"{str(exc).splitlines()[0]}") from None
@@ -372,6 +395,8 @@ class HFTask(Task):
         import torch.nn.functional as F
 
         n = batch["input_ids"].shape[0]  # a host number
+        if n == 0:  # a rank with no samples in this step: transformers' models fail on zero rows
+            return self.empty_loss(model)
         labels = batch["labels"]
         if self.head == "sequence_classification":
             logits = model(**self.inputs(batch)).logits.float()
@@ -402,6 +427,34 @@ class HFTask(Task):
             stats["correct"] = ((logits.argmax(dim=-1) == labels) & predicted).sum()
         return {"tokens": loss_sum}, stats
 
+    def empty_loss(self, model):
+        """The loss terms and stats of a batch of no samples: zeros that still
+        touch every trainable parameter, through the model's forward (DDP
+        readies its gradient all-reduce there) on one padding token, so
+        backward and the all-reduce run as for a real batch; the stats have
+        the keys and dtypes a real batch's have on the other ranks (their
+        sums are reduced key by key)."""
+        import torch
+        params = [p for p in model.parameters() if p.requires_grad]
+        token = torch.full((1, 1), self.pad_id(), dtype=torch.long, device=params[0].device)
+        inputs = {"input_ids": token, "attention_mask": torch.ones_like(token)}
+        if self.head == "seq2seq":
+            inputs["labels"] = token  # the decoder's inputs come from them
+        anchor = (model(**inputs).logits.float().sum() + sum(p.reshape(-1)[:1].sum() for p in params)) * 0.0
+        count = torch.zeros((), dtype=torch.long, device=anchor.device)
+        stats = {"loss_sum": anchor.detach().float(), "nsamples": 0, "ntokens": count.clone()}
+        if self.head == "sequence_classification":
+            stats["correct"] = count.clone()
+            classes = unwrapped(model).config.num_labels
+            if classes <= MAX_F1_CLASSES:
+                for c in range(classes):
+                    stats[f"f1_hit.{c}"], stats[f"f1_guessed.{c}"], stats[f"f1_true.{c}"] = count, count, count
+            return anchor, stats
+        stats["tokens"] = count.clone()
+        if not model.training:
+            stats["correct"] = count.clone()
+        return {"tokens": anchor}, stats
+
     def export_at_end(self, model, save_dir):
         """SAVE_DIR/hf_model: the trained model's own save_pretrained and its
         tokenizer, as HF Trainer leaves one (``textbox-like export`` writes
@@ -410,7 +463,9 @@ class HFTask(Task):
         import shutil
 
         from ..fileio import atomic_directory
+        from ..savelock import check_owner
         target = Path(save_dir) / "hf_model"
+        check_owner(target)  # a process that no longer owns the run moves nothing of it
         earlier = target.with_name(f".hf_model.{os.getpid()}.old") if target.exists() else None
         if earlier:
             os.rename(target, earlier)
