@@ -105,8 +105,9 @@ class Claim:
     first to create the claim file writes; a claim older than ``stale_after``
     seconds (its writer died) is taken over."""
 
-    def __init__(self, path, stale_after: float):
-        self.path, self.stale_after, self.held = Path(path), stale_after, False
+    def __init__(self, path, stale_after: float, note: str = ""):
+        """``note``: what the holder writes into the claim, for the others to read (``holder_note``)."""
+        self.path, self.stale_after, self.held, self.note = Path(path), stale_after, False, note
 
     def __enter__(self):
         for _ in range(2):
@@ -121,11 +122,19 @@ class Claim:
                 except FileNotFoundError:
                     pass
                 continue
-            os.write(fd, f"{os.getpid()}\n".encode())
+            os.write(fd, f"{os.getpid()} {self.note}\n".encode())
             os.close(fd)
             self.held = True
             return self
         return self
+
+    def holder_note(self):
+        """The note of the survivor holding the claim, or None (gone, or not written yet)."""
+        try:
+            fields = self.path.read_text().split(maxsplit=1)
+        except OSError:
+            return None
+        return fields[1].strip() if len(fields) == 2 else None
 
     def wait_for_writer(self):
         """Until the survivor that holds the claim has written (its claim is

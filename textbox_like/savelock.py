@@ -296,6 +296,11 @@ def own(directory, token, holds_lock: bool, who: str) -> None:
               "holds_lock": holds_lock, "who": who}
 
 
+def owner_token():
+    """The token of the run this process writes for (``own``), or None."""
+    return _owned["token"] if _owned else None
+
+
 def disown() -> None:
     """The run is over for this process: no more writes to check."""
     global _owned

@@ -19,8 +19,9 @@ def emergency_save(trainer):
     alone (the process group is broken, so no part may gather over ranks),
     with the data position rewound to the start of the update in flight
     and this rank's RNG as of then. One writer among the survivors (a
-    claim file); the path, or None where another survivor writes it."""
-    from .. import elastic
+    claim file, one for the run: survivors may stand one update apart);
+    (the path, or None where another survivor writes it; the update saved)."""
+    from .. import elastic, savelock
     from ..checkpoint import FORMAT, atomic_save
     from ..elastic import Claim
     t = trainer
@@ -32,13 +33,18 @@ def emergency_save(trainer):
     rng[t.rank] = start["rng"] if start is not None else rng_state()
     parts = {name: part.state_dict() for name, part in ck.parts.items() if name != "rng"}
     path = ck.dir / f"checkpoint_{state.epoch}_{state.num_updates}.pt"
-    with Claim(ck.dir / f".emergency-{state.num_updates}.claim",
-               stale_after=t.cfg.distributed.distributed_timeout) as claim:
+    # one claim for the run (named by its owner token, so a claim a killed writer of an earlier run left
+    # blocks nothing), not per update: a collective can complete on one survivor and fail on another
+    # (gloo's ring all-reduce), so survivors may stand one update apart and must still write once
+    run = (savelock.owner_token() or "run")[:16]
+    with Claim(ck.dir / f".emergency-{run}.claim", stale_after=t.cfg.distributed.distributed_timeout,
+               note=str(state.num_updates)) as claim:
         if not claim.held:
             # every write of this run is the claim holder's, made before it lets go of
             # the claim; the lock holder leaves last: its release ends the run's writes
+            saved_by_other = claim.holder_note() or str(state.num_updates)
             claim.wait_for_writer()
-            return None
+            return None, saved_by_other
         try:
             atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
         except Exception as exc:
@@ -51,7 +57,7 @@ def emergency_save(trainer):
         init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or t.cfg.distributed.distributed_init_method or ""
         if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
             remove(init[len("file://"):])
-    return path
+    return path, str(state.num_updates)
 
 
 def peer_lost(trainer, exc) -> int:
@@ -63,9 +69,8 @@ def peer_lost(trainer, exc) -> int:
     if not trainer.checkpointer.checkpoints.enabled:
         print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
-    path = emergency_save(trainer)
-    saved = (f"saved update {state.num_updates} to {path}" if path is not None
-             else f"another survivor saved update {state.num_updates}")
+    path, update = emergency_save(trainer)
+    saved = f"saved update {update} to {path}" if path is not None else f"another survivor saved update {update}"
     how = ("torchrun restarts the workers and they resume from it by themselves" if trainer.agent is not None
            else "rerun with --resume, on any number of ranks (--global-batch-size keeps the global batch)")
     trainer.lifecycle.release_save_dir()
