@@ -154,15 +154,33 @@ def export_bert(checkpoint, target, vocab=None) -> dict:
         first = (missing + unexpected)[0]
         raise UserError(f"the weights in {str(checkpoint)!r} do not fit a BertForPreTraining built from the "
                         f"run's configuration ({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first})")
-    try:
-        with atomic_directory(target) as tmp:
-            _write_directory(tmp, model, vocab_file, config)
-    except TargetTaken as exc:
-        raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
-                        f"was it filled meanwhile?") from None
+    write_directory(target, lambda tmp: _write_directory(tmp, model, vocab_file, config))
     return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
             "vocab": str(vocab_file), "layers": config.num_hidden_layers, "hidden": config.hidden_size,
             "vocab_size": config.vocab_size, "files": sorted(p.name for p in target.iterdir())}
+
+
+def model_with_weights(task, state, checkpoint, model_named, question):
+    """``task``'s model with the checkpoint's weights, or one line saying
+    they do not fit ``model_named`` (and ``question``: what likely changed)."""
+    model = task.build_model()
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if missing or unexpected:
+        first = (list(missing) + list(unexpected))[0]
+        raise UserError(f"the weights in {str(checkpoint)!r} do not fit {model_named} ({len(missing)} missing, "
+                        f"{len(unexpected)} unexpected, e.g. {first}); {question}")
+    return model
+
+
+def write_directory(target, fill):
+    """``fill(tmp)`` writes the export into a temporary directory that
+    becomes ``target`` whole (fileio.atomic_directory), or one line."""
+    try:
+        with atomic_directory(target) as tmp:
+            fill(tmp)
+    except TargetTaken as exc:
+        raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
+                        f"was it filled meanwhile?") from None
 
 
 def export_hf(checkpoint, target, state=None) -> dict:
@@ -175,20 +193,13 @@ def export_hf(checkpoint, target, state=None) -> dict:
     target = check_target(target)
     state = state or read_bert_checkpoint(checkpoint, tasks=("hf",))
     task = TASKS.get("hf")(run_config(state))
-    model = task.build_model()
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    if missing or unexpected:
-        first = (list(missing) + list(unexpected))[0]
-        raise UserError(f"the weights in {str(checkpoint)!r} do not fit the run's model in "
-                        f"{task.model_dir!r} ({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first}); "
-                        f"was that directory changed?")
-    try:
-        with atomic_directory(target) as tmp:
-            model.save_pretrained(str(tmp))
-            task.tokenizer().save_pretrained(str(tmp))
-    except TargetTaken as exc:
-        raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
-                        f"was it filled meanwhile?") from None
+    model = model_with_weights(task, state, checkpoint, f"the run's model in {task.model_dir!r}",
+                               "was that directory changed?")
+
+    def fill(tmp):
+        model.save_pretrained(str(tmp))
+        task.tokenizer().save_pretrained(str(tmp))
+    write_directory(target, fill)
     return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
             "class": type(model).__name__, "files": sorted(p.name for p in target.iterdir())}
 
@@ -202,23 +213,17 @@ def export_weights(checkpoint, target, state) -> dict:
 
     target = check_target(target)
     cfg = run_config(state)
-    model = TASKS.get(cfg.data.task)(cfg).build_model()
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    if missing or unexpected:
-        first = (list(missing) + list(unexpected))[0]
-        raise UserError(f"the weights in {str(checkpoint)!r} do not fit the model task {cfg.data.task!r} builds now "
-                        f"({len(missing)} missing, {len(unexpected)} unexpected, e.g. {first}); was its code changed?")
-    try:
-        with atomic_directory(target) as tmp:
-            if hasattr(model, "save_pretrained"):
-                model.save_pretrained(str(tmp))
-            else:
-                from safetensors.torch import save_model
-                save_model(model, str(tmp / "model.safetensors"))  # tied or shared weights stored once
-            (tmp / "config.yaml").write_text(state["config"])
-    except TargetTaken as exc:
-        raise UserError(f"--to {str(target)!r} could not be created ({exc.strerror or exc}); "
-                        f"was it filled meanwhile?") from None
+    model = model_with_weights(TASKS.get(cfg.data.task)(cfg), state, checkpoint,
+                               f"the model task {cfg.data.task!r} builds now", "was its code changed?")
+
+    def fill(tmp):
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(str(tmp))
+        else:
+            from safetensors.torch import save_model
+            save_model(model, str(tmp / "model.safetensors"))  # tied or shared weights stored once
+        (tmp / "config.yaml").write_text(state["config"])
+    write_directory(target, fill)
     return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
             "task": cfg.data.task, "class": type(model).__name__, "files": sorted(p.name for p in target.iterdir())}
 
