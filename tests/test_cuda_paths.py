@@ -228,12 +228,17 @@ def test_long_barrier_outlasts_the_training_timeout(tmp_path):
     """Rank 0 is slow (a large checkpoint) for longer than --distributed-timeout:
     the others wait in long_barrier() instead of failing."""
     script = textwrap.dedent(f"""
-        import sys, time
+        import os, sys, time
         import torch, torch.distributed as dist
         from textbox_like import distributed
         from textbox_like.cli import parse
         rank = int(sys.argv[1])
         cfg = parse(["--task", "mnist", "--cpu", "--distributed-timeout", "1"])
+        # the 1 s timeout also bounds the rendezvous: start it together (two cold
+        # imports of torch on a GPU machine differed by more than a second)
+        open("{tmp_path}/ready%d" % rank, "w").close()
+        while not all(os.path.exists("{tmp_path}/ready%d" % r) for r in (0, 1)):
+            time.sleep(0.01)
         p = distributed.Placement(rank=rank, world_size=2, local_rank=rank, local_world_size=2,
                                   init_method="file://{tmp_path}/rdzv")
         distributed.init_process_group(p, cfg)

@@ -29,6 +29,7 @@ import torch
 from conftest import REPO, assert_bitwise_equal, base_args, clean_env, read_jsonl, run_cli
 from test_bert_train import bert_data  # noqa: F401  (fixture: shards, vocab.txt)
 from test_compile import NO_DROPOUT
+from test_hf_task import hf_args, models, text_data  # noqa: F401  (fixtures: tiny models, text files)
 from test_faults import build_trainer, mnist_args, poison_batches, record_steps, run_trainer
 from test_resume import command as resume_command
 from test_resume import compare_final, kill_after_checkpoint
@@ -267,7 +268,7 @@ def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(small_mnist_dir, tmp
     assert cuda_state["train"]["num_updates"] == 5 and "cuda" in cuda_state["rng"][0]
 
     err = run_ok(base_args(small_mnist_dir, out, *common, "--cpu", "--resume", max_update=10))
-    assert re.search(r"\| device cpu \|", start_line(err)), start_line(err)
+    assert re.search(r"\| device cpu[ |]", start_line(err)), start_line(err)
     assert re.search(r"resumed from \S*checkpoint_last\.pt: epoch 1, update 5\b", err), err[-3000:]
     if precision == "fp16":  # a CPU runs fp16 as bf16: a warned change, not a refusal (a GPU may be gone)
         assert "the same flags on another device" in err, err[-3000:]
@@ -283,6 +284,33 @@ def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(small_mnist_dir, tmp
     assert all(torch.isfinite(t).all() for t in final["model"].values() if torch.is_floating_point(t))
     # one record per update over the three legs: none repeated, none lost
     assert [r["update"] for r in train_records(out)] == list(range(1, 16))
+
+
+# ---------------------------------------------------------------- the generic Hugging Face task
+@gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("head", ["sequence_classification", "causal_lm", "masked_lm", "seq2seq"])
+def test_each_hf_head_trains_on_cuda_and_its_checkpoint_evaluates_on_cpu(models, text_data, tmp_path, head, precision):
+    """--task hf on the GPU: the start line names cuda and the precision, the
+    loss falls, the run exports its model, and the CUDA checkpoint evaluates on
+    a CPU to the run's own last validation loss (float32 only: bf16 rounds)."""
+    from textbox_like.api import evaluate
+
+    flags, name = PRECISIONS[precision]
+    out = tmp_path / "run"
+    extra = ("--target_column", "target", "--generation_max_length", "12") if head == "seq2seq" else ()
+    err = run_ok(hf_args(models[head], text_data, out, "--max-update", "18", "--log-format", "simple",
+                         *extra, *flags))
+    assert_on_cuda(err, name)
+    train, valid = train_records(out), [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "valid"]
+    assert all(math.isfinite(r["loss"]) for r in train + valid)
+    assert valid[-1]["loss"] < train[0]["loss"] - 0.05, (train[0], valid[-1])
+    assert (out / "hf_model" / "model.safetensors").is_file()
+    state = load_checkpoint(out / "checkpoint_last.pt")
+    assert "cuda" in state["rng"][0]
+    if precision == "float32":
+        assert evaluate(out / "checkpoint_last.pt", cpu=True)["loss"] == pytest.approx(valid[-1]["loss"], abs=1e-3)
 
 
 # ---------------------------------------------------------------- scripts/gpu-check.sh (runs anywhere)
