@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .collectives import one_per_rank
 from .errors import UserError, first_line
 
 CHILD_ENV = "TEXTBOX_LIKE_SPAWNED"
@@ -308,7 +309,7 @@ def die_with_parent():
     return preexec
 
 
-def spawn(placements, resolved, timeout, environment=None):
+def run_local_ranks(placements, resolved, timeout, environment=None):
     """Start one child per placement, each handed ``resolved``, the path of
     this run's resolved configuration, already written (launch.spawn), and
     its rank variables; forward signals, and fail fast: when one child fails,
@@ -581,14 +582,6 @@ PER_NODE_SETTINGS = frozenset({
 PRESENCE_SETTINGS = frozenset({"init_checkpoint", "initial_encoder", "initial_optimizer", "restore_file"})
 
 
-def gather_per_rank(accelerator, value) -> list:
-    """``value`` of every rank, in rank order (one collective when world > 1)."""
-    if accelerator.num_processes == 1:
-        return [value]
-    from accelerate.utils import gather_object
-    return gather_object([value])
-
-
 def _comparable(name, value):
     key = name.lstrip("-").replace("-", "_")
     if key in PRESENCE_SETTINGS:
@@ -596,14 +589,14 @@ def _comparable(name, value):
     return repr(value)
 
 
-def check_ranks_agree(accelerator, settings: dict) -> None:
+def check_ranks_agree(settings: dict, world: int, group=None) -> None:
     """Refuse to train when the ranks were started with different values of
     settings that must agree: one line naming the settings and each rank's
     value. Every rank raises, so every rank exits."""
-    if accelerator.num_processes == 1:
+    if world == 1:
         return
     names = list(settings)
-    per_rank = gather_per_rank(accelerator, [_comparable(n, settings[n]) for n in names])
+    per_rank = one_per_rank([_comparable(n, settings[n]) for n in names], world, group)
     differing = []
     for i, name in enumerate(names):
         values = [row[i] for row in per_rank]

@@ -2,7 +2,7 @@
 trains: the settings that act on the environment (TextBox's --gpu_id sets
 CUDA_VISIBLE_DEVICES; HetSeq's runs take every visible GPU), the note on
 Accelerate's one-process launcher, and the hand-off of the resolved
-configuration to the processes started here (distributed.spawn).
+configuration to the processes started here (distributed.run_local_ranks).
 
 The configuration (textbox_like/config/) resolves and checks; the one
 variable it sets is TextBox's run name (see its package docstring).
@@ -68,7 +68,7 @@ def apply_hetseq_gpus(cfg, device_count=None):
 
 
 def spawn(placements, cfg):
-    """Start this node's processes (distributed.spawn), each handed this
+    """Start this node's processes (distributed.run_local_ranks), each handed this
     run's resolved configuration as a file (nothing is parsed again),
     removed when they are done. Returns the exit code for this node."""
     from . import distributed
@@ -78,7 +78,7 @@ def spawn(placements, cfg):
     os.close(fd)
     try:
         write_resolved(cfg, resolved)
-        return distributed.spawn(placements, resolved, cfg.distributed.distributed_timeout, environment)
+        return distributed.run_local_ranks(placements, resolved, cfg.distributed.distributed_timeout, environment)
     finally:
         os.unlink(resolved)
 

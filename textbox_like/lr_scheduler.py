@@ -58,9 +58,20 @@ class Scheduler:
             return self.lrs[min(self.epoch - 1, len(self.lrs) - 1)]
         return self.lrs[-1]
 
-    def lr_at(self, num_updates):
-        raise NotImplementedError
+    def lr_at(self, n):
+        """The LR at update ``n``: the linear warm-up over --warmup-updates
+        (from warmup_start(); None: fairseq's lr/warmup at the first update),
+        then the schedule's own curve."""
+        lr, warmup, start = self.base_lr(), self.cfg.schedule.warmup_updates, self.warmup_start()
+        if warmup > 0 and n < warmup:
+            return lr * max(n, 1) / warmup if start is None else start + (lr - start) * n / warmup
+        return self.after_warmup(n)
 
+    def warmup_start(self):
+        return None
+
+    def after_warmup(self, n):
+        raise NotImplementedError
 
     def step_epoch(self, epoch):
         self.epoch = epoch
@@ -128,9 +139,8 @@ class PolynomialDecay(Scheduler):
 class Constant(Scheduler):
     """Linear warm-up over --warmup-updates, then --lr."""
 
-    def lr_at(self, n):
-        lr, warmup = self.base_lr(), self.cfg.schedule.warmup_updates
-        return lr * max(n, 1) / warmup if warmup > 0 and n < warmup else lr
+    def after_warmup(self, n):
+        return self.base_lr()
 
 
 @dataclass(frozen=True)
@@ -142,11 +152,11 @@ class InverseSqrtOptions(Section):
 class InverseSqrt(Scheduler):
     """Linear warm-up from --warmup-init-lr, then lr * sqrt(warmup / update)."""
 
-    def lr_at(self, n):
-        lr, warmup, init = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.warmup_init_lr
-        if warmup > 0 and n < warmup:
-            return init + (lr - init) * n / warmup
-        return lr * math.sqrt(max(warmup, 1) / max(n, 1))
+    def warmup_start(self):
+        return self.cfg.scheduler_options.warmup_init_lr
+
+    def after_warmup(self, n):
+        return self.base_lr() * math.sqrt(max(self.cfg.schedule.warmup_updates, 1) / max(n, 1))
 
 
 @dataclass(frozen=True)
@@ -158,11 +168,9 @@ class CosineOptions(Section):
 class Cosine(Scheduler):
     """Linear warm-up, then half a cosine from --lr to --min-lr at --total-num-update."""
 
-    def lr_at(self, n):
+    def after_warmup(self, n):
         lr, warmup, low = self.base_lr(), self.cfg.schedule.warmup_updates, self.cfg.scheduler_options.min_lr
         total = _total_updates(self.cfg, self.planned_updates)
-        if warmup > 0 and n < warmup:
-            return lr * max(n, 1) / warmup
         if total <= warmup:
             return lr
         progress = min(1.0, (n - warmup) / (total - warmup))

@@ -26,9 +26,27 @@ other by module (``from .schema import RunConfig``), never through this
 file, which only keeps the names the one-module ``textbox_like.config``
 had.
 """
-from .files import load_yaml, read_text_file, to_yaml, write_config, write_resolved
-from .layers import BUILTIN, COMMAND_LINE, CONFIG_FILE, ENVIRONMENT, LAYER_NAMES, OVERALL, PROPERTIES, TASK_FILE
-from .options import MergeDict, Options, program_name, raise_user_errors, run_tool
-from .resolution import Provenance, read_resolved, resolve_namespace
-from .value_types import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, float_list, float_tuple, int_list, nonneg_int,
-                          parse_dict, positive_int, seed_int, str2bool, str_list, switch, with_numbers)
+import importlib
+
+# each public name and the module that holds it, imported on first use: a
+# process that needs only value_types (a worker reading its options) does
+# not load resolution, yaml and argparse with it
+_HOME = {
+    **dict.fromkeys(["load_yaml", "read_text_file", "to_yaml", "write_config", "write_resolved"], "files"),
+    **dict.fromkeys(["BUILTIN", "COMMAND_LINE", "CONFIG_FILE", "ENVIRONMENT", "LAYER_NAMES", "OVERALL", "PROPERTIES",
+                     "TASK_FILE"], "layers"),
+    **dict.fromkeys(["MergeDict", "Options", "program_name", "raise_user_errors", "run_tool"], "options"),
+    **dict.fromkeys(["Provenance", "read_resolved", "resolve_namespace"], "resolution"),
+    **dict.fromkeys(["BOOL", "INT_LIST", "LITERAL_DICT", "STR_LIST", "float_list", "float_tuple", "int_list",
+                     "nonneg_int", "parse_dict", "positive_int", "seed_int", "str2bool", "str_list", "switch",
+                     "with_numbers"], "value_types"),
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value

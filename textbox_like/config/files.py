@@ -79,11 +79,9 @@ def write_config(cfg, directory):
 
 def write_resolved(cfg, path):
     """A resolved configuration for a process that runs it as it is (a spawned
-    rank, a search trial): the values, where each came from, and which
-    options are the task's, optimizer's and scheduler's own. Read back by
-    resolution.read_resolved."""
+    rank, a search trial): the values and where each came from. Read back by
+    resolution.read_resolved, which finds the task's, optimizer's and
+    scheduler's own sections from the values that choose them."""
     from ..fileio import atomic_write_text
-    data = {"config": _plain(cfg.as_dict()), "sources": dict(cfg.sources),
-            "plugins": {part: list(vars(getattr(cfg, part)))
-                        for part in ("task_options", "optimizer_options", "scheduler_options")}}
+    data = {"config": _plain(cfg.as_dict()), "sources": dict(cfg.sources)}
     return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))

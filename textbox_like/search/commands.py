@@ -39,11 +39,25 @@ def search_options(command, description, epilog):
     return o
 
 
-def parse_search(command, argv, description="", epilog=""):
+#: each command's --help: what it does, and what its other options are
+HELP = {
+    "run_hyper.py": (
+        "Hyperparameter search over a space file, one run_hetseq.py run per trial.",
+        "Any other option goes to every trial's run_hetseq.py run (e.g. --task mnist --max-update 100).\n"
+        "Space files (TextBox's 'label kind space' lines or YAML) and outputs: docs/search.md."),
+    "run_multi_seed.py": (
+        "Run one configuration with several seeds and summarize the metrics.",
+        "Any other option goes to every run_hetseq.py run. Output: OUTPUT/seed_<s>/,\n"
+        "multi_seed_summary.json/.csv (n, mean, std, min, max, median, 95% t-interval per metric)\n"
+        "and multi_seed_curves.png."),
+}
+
+
+def parse_search(command, argv):
     """(the typed SearchConfig, the rest of argv: the trainer's options),
     checked: names of choices, and the options that go together."""
     from ..config.schema import SearchConfig
-    o = search_options(command, description, epilog)
+    o = search_options(command, *HELP[command])
     ns, rest = o.parser.parse_known_args(argv)
     own = SearchConfig.COMMANDS[command][0]
     search = SearchConfig.for_command(command, **{name: getattr(ns, name) for name in own})
@@ -79,7 +93,7 @@ def check_search(search, command):
 
 def _entry(fn, argv):
     try:
-        return fn(argv)
+        return fn(sys.argv[1:] if argv is None else list(argv))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -89,14 +103,11 @@ def _entry(fn, argv):
 
 # ====================================================================== run_hyper.py
 def hyper_main(argv=None):
-    return _entry(_hyper, sys.argv[1:] if argv is None else list(argv))
+    return _entry(_hyper, argv)
 
 
 def _hyper(argv):
-    search, rest = parse_search(
-        "run_hyper.py", argv, "Hyperparameter search over a space file, one run_hetseq.py run per trial.",
-        "Any other option goes to every trial's run_hetseq.py run (e.g. --task mnist --max-update 100).\n"
-        "Space files (TextBox's 'label kind space' lines or YAML) and outputs: docs/search.md.")
+    search, rest = parse_search("run_hyper.py", argv)
     if search.space is None:
         raise UserError("name the space file: --space FILE (TextBox lines like 'learning_rate loguniform (-8, 0)' "
                         "or YAML)")
@@ -118,15 +129,11 @@ def _hyper(argv):
 
 # ====================================================================== run_multi_seed.py
 def multi_seed_main(argv=None):
-    return _entry(_multi_seed, sys.argv[1:] if argv is None else list(argv))
+    return _entry(_multi_seed, argv)
 
 
 def _multi_seed(argv):
-    search, rest = parse_search(
-        "run_multi_seed.py", argv, "Run one configuration with several seeds and summarize the metrics.",
-        "Any other option goes to every run_hetseq.py run. Output: OUTPUT/seed_<s>/,\n"
-        "multi_seed_summary.json/.csv (n, mean, std, min, max, median, 95% t-interval per metric)\n"
-        "and multi_seed_curves.png.")
+    search, rest = parse_search("run_multi_seed.py", argv)
     if search.backend == "ray":
         from .ray_backend import ray_multi_seed
         code, _ = ray_multi_seed(search, rest)

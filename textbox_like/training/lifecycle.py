@@ -148,7 +148,7 @@ class Lifecycle:
         # every node has its own command line: settings that change the
         # numbers or the order of collectives must agree, or the replicas
         # drift apart or hang
-        distributed.check_ranks_agree(acc, self.agreed_settings())
+        distributed.check_ranks_agree(self.agreed_settings(), t.world, t.host_group)
         if t.is_main and not cfg.checkpoint.no_save:
             from ..config import write_config
             write_config(cfg, cfg.checkpoint.save_dir)

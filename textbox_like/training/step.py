@@ -15,7 +15,9 @@ from ..faults import Diverged, HostCopy
 
 class InFlight:
     """The update under way, as the loop, the step, a fault and an emergency
-    save see it. Every field is here from the start."""
+    save see it, and the one before it while that one is unsettled (its
+    gradient norm still on the device: a skip is known one update late).
+    Every field is here from the start."""
 
     def __init__(self, compile_pending: bool):
         self.began = None          # perf_counter when the update began reading (RankTimer.update_took)
