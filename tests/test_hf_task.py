@@ -513,6 +513,6 @@ def test_benchmark_runs_for_the_hf_causal_lm(models, text_data):
     from test_bench import run_bench
     report, err = run_bench("hf", "--model_name_or_path", models["causal_lm"], "--data", text_data,
                             "--max-sentences", 8, "--updates", 40, "--warmup", 2, "--rounds", 1, "--threads", 1)
-    assert report["mode"] == "hf" and report["rounds"] == 1
+    assert report["mode"] == "hf" and report["rounds"] == 1 and report["trainer_timing"] == "window"
     assert math.isfinite(report["ratio_wall_median"]) and math.isfinite(report["ratio_cpu_median"])
     assert "trainer (eager) / plain loop (eager): wall" in err

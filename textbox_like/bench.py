@@ -10,10 +10,13 @@
 mnist, bert, hf: the trainer against a plain loop of the same work. Both sides
 use the same model, batch size, optimizer, clipping, threads and data; the
 trainer is run through its real command line, in this process. The plain loop
-is timed over N updates after a warm-up. The trainer's steady state is the
-difference of two runs (warm-up + N updates, and warm-up alone), so its
-start-up, data loading, warm-up and compilation cancel (one untimed trainer
-run first fills import and compile caches). Rounds alternate the two so that
+is timed over N updates after a warm-up. The trainer is timed over the same
+window of one run (updates warm-up + 1 .. warm-up + N, read by a periodic
+event of its own), so its start-up, data loading, warm-up and compilation
+are outside; ``--trainer-timing difference`` times it as the difference of
+two runs (warm-up + N updates, and warm-up alone) instead, the method of
+figures before 2026-11-26 (one untimed trainer run first fills import and
+compile caches). Rounds alternate the two so that
 drift in machine load hits both alike; the report gives per round and as a
 median the ratio trainer / plain of samples/s, by wall time and by CPU time
 (the process's own CPU seconds: with one thread, the figure least disturbed
@@ -348,6 +351,48 @@ def trainer_steady_seconds(argv, warmup, updates):
     return long_wall - short_wall, long_cpu - short_cpu
 
 
+def trainer_window_seconds(argv, warmup, updates):
+    """(wall, cpu) seconds of updates warmup + 1 .. warmup + updates of one
+    trainer run, the window the plain loop times: a periodic event of its
+    own (Trainer.add_event) reads the clocks after update ``warmup`` and
+    after the last. One run instead of two: the start-up's noise is not in
+    the figure."""
+    from .cli import parse
+    from .distributed import apply_determinism
+    from .training.due import EveryUpdates
+    from .training.outcome import build_trainer, run
+
+    class Stopwatch(EveryUpdates):
+        def __init__(self):
+            super().__init__(0)
+            self.marks = {}
+
+        def should_run(self, update):
+            return update in (warmup, warmup + updates)
+
+        def run(self, trainer):
+            _sync_cuda_if_used()
+            self.marks[trainer.state.num_updates] = (time.perf_counter(), time.process_time())
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = parse(argv + ["--max-update", str(warmup + updates), "--log-interval", "0", "--disable-validation",
+                            "--log-format", "none", "--save-dir", out, "--no-save", "--max-epoch", "0"])
+        apply_determinism(cfg)
+        trainer = build_trainer(cfg)
+        watch = Stopwatch()
+        trainer.add_event(watch)
+        code = run(trainer)
+    if code != 0 or len(watch.marks) != 2:
+        raise SystemExit(f"trainer exited with {code} after {sorted(watch.marks)} of updates {warmup}, "
+                         f"{warmup + updates}")
+    (w0, c0), (w1, c1) = watch.marks[warmup], watch.marks[warmup + updates]
+    return w1 - w0, c1 - c0
+
+
+#: how the trainer's steady state is timed (--trainer-timing)
+TRAINER_TIMINGS = {"window": trainer_window_seconds, "difference": trainer_steady_seconds}
+
+
 def _r(x, digits=3):
     return round(x, digits)
 
@@ -394,7 +439,7 @@ def compare_main(args, rest):
         plain.append(PLAIN_LOOPS[args.mode](cfg, args.warmup, n, compiled=args.compile_plain))
         plain_mem.append(_peak_gib(device))
         _reset_peak(device)
-        ours.append(trainer_steady_seconds(trainer_argv, args.warmup, n))
+        ours.append(TRAINER_TIMINGS[args.trainer_timing](trainer_argv, args.warmup, n))
         ours_mem.append(_peak_gib(device))
         if min(ours[-1]) <= 0 or min(plain[-1]) <= 0:
             raise SystemExit(f"round {r + 1}: {n} updates took no measurable time; raise --updates")
@@ -406,6 +451,7 @@ def compare_main(args, rest):
     report = {
         "mode": args.mode, "task": args.mode, "trainer_compiled": args.compile, "plain_compiled": args.compile_plain,
         "threads": threads, "batch": batch, "updates": n, "warmup": args.warmup, "rounds": args.rounds,
+        "trainer_timing": args.trainer_timing,
         "plain_samples_per_s": round(n * batch / statistics.median(p[0] for p in plain), 1),
         "trainer_samples_per_s": round(n * batch / statistics.median(o[0] for o in ours), 1),
         "ratio_wall_median": _r(statistics.median(wall)), "ratio_cpu_median": _r(statistics.median(cpu)),
@@ -713,6 +759,9 @@ def build_parser():
         p.add_argument("--peak-tflops", "--peak_tflops", type=float, default=None,
                        help="the GPU's dense bf16 peak in TFLOP/s for MFU (default: from a table by GPU name: "
                             "H100 SXM 989, H100 PCIe 756, H200 989, A100 312)")
+        p.add_argument("--trainer-timing", "--trainer_timing", choices=sorted(TRAINER_TIMINGS), default="window",
+                       help="window: the plain loop's window of updates in one trainer run; difference: a run "
+                            "of warm-up + N updates minus one of warm-up (default window)")
     p = modes.add_parser("scaling", allow_abbrev=False, help="1 process vs N processes at one thread each",
                          description="1 process vs N processes (subprocess trainer runs), samples/s and expansion. "
                                      "Other options go to the trainer (--data, --task, --max-sentences 64 ...).")
