@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .collectives import one_per_rank
+from . import collectives
 from .errors import UserError, first_line
 
 CHILD_ENV = "TEXTBOX_LIKE_SPAWNED"
@@ -596,7 +596,7 @@ def check_ranks_agree(settings: dict, world: int, group=None) -> None:
     if world == 1:
         return
     names = list(settings)
-    per_rank = one_per_rank([_comparable(n, settings[n]) for n in names], world, group)
+    per_rank = collectives.one_per_rank([_comparable(n, settings[n]) for n in names], world, group)
     differing = []
     for i, name in enumerate(names):
         values = [row[i] for row in per_rank]
