@@ -323,13 +323,19 @@ def plain_hf(cfg, warmup, updates, compiled=False):
     return end[0] - start[0], end[1] - start[1]
 
 
+def timed_run_argv(argv, updates, save_dir):
+    """``argv`` as a timed trainer run: ``updates`` updates, nothing logged,
+    validated or saved."""
+    return argv + ["--max-update", str(updates), "--log-interval", "0", "--disable-validation",
+                   "--log-format", "none", "--save-dir", save_dir, "--no-save", "--max-epoch", "0"]
+
+
 def trainer_seconds(argv, updates):
     """(wall, cpu) seconds of a whole trainer run of ``updates`` updates."""
     from .cli import main
     with tempfile.TemporaryDirectory() as out:
         start = (time.perf_counter(), time.process_time())
-        code = main(argv + ["--max-update", str(updates), "--log-interval", "0", "--disable-validation",
-                            "--log-format", "none", "--save-dir", out, "--no-save", "--max-epoch", "0"])
+        code = main(timed_run_argv(argv, updates, out))
         if code != 0:
             raise SystemExit(f"trainer exited with {code}")
         _sync_cuda_if_used()
@@ -375,8 +381,7 @@ def trainer_window_seconds(argv, warmup, updates):
             self.marks[trainer.state.num_updates] = (time.perf_counter(), time.process_time())
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = parse(argv + ["--max-update", str(warmup + updates), "--log-interval", "0", "--disable-validation",
-                            "--log-format", "none", "--save-dir", out, "--no-save", "--max-epoch", "0"])
+        cfg = parse(timed_run_argv(argv, warmup + updates, out))
         apply_determinism(cfg)
         trainer = build_trainer(cfg)
         watch = Stopwatch()
