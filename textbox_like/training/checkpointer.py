@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from .. import collectives, distributed
+from .. import collectives, distributed, sharding
 from ..checkpoint import CheckpointManager
 from ..config import to_yaml
 from ..faults import Diverged, SaveFailed
@@ -20,7 +20,8 @@ class Checkpointer:
         self.trainer = t = trainer
         cfg, acc = t.cfg, t.accelerator
         parts = {"model": ModelPart(acc, t.model),
-                 "optimizer": OptimizerPart(t.optimizer, cfg.optim.optimizer, not cfg.checkpoint.no_save_optimizer_state),
+                 "optimizer": OptimizerPart(t.optimizer, cfg.optim.optimizer, not cfg.checkpoint.no_save_optimizer_state,
+                                                t.model),
                  "scheduler": t.scheduler, "iterator": t.iterator, "train": t.state,
                  "scaler": LossScalerPart(acc), "rng": RNGPart(acc, t.reseed, t.host_group)}
         if t.global_batch.balancer is not None:
@@ -64,7 +65,7 @@ class Checkpointer:
             return
         started = time.perf_counter()
         t.reporting.fold_log_window()  # so the saved meters are already summed over ranks
-        if not all(bool(p.isfinite().all()) for p in t.grad_params):
+        if not all(bool(sharding.full_value(p.isfinite().all())) for p in t.grad_params):
             raise Diverged(f"the weights are not finite at update {state.num_updates}; not saving them. "
                            f"The last finite checkpoint is {self.checkpoints.newest_good()}")
         failure = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from .. import collectives, distributed
+from .. import collectives, distributed, sharding
 from ..errors import UserError, note
 
 
@@ -77,7 +77,10 @@ class GlobalBatch:
         """The memory cap of a share's micro-batches on CUDA."""
         from .. import balance
         t = self.trainer
-        probe = balance.memory_probe(t.accelerator.device) if self.balancer is not None else None
+        # not under --fsdp: every forward all-gathers, so a rank that runs out
+        # of memory mid-update cannot redo it while the others wait in a collective
+        probe = balance.memory_probe(t.accelerator.device) \
+            if self.balancer is not None and not sharding.is_sharded(t.model) else None
         # the out-of-memory protocol has collectives: with unlike devices (CUDA
         # beside CPU), every rank takes part if any rank's memory is guarded
         if self.balancer is not None and t.world > 1 and \
