@@ -117,6 +117,9 @@ def shard_model(model, cfg, placement, device_type, mixed_precision) -> list:
               "mp_policy": mixed_precision_policy(mixed_precision)}
     if sharding.fsdp_cpu_offload and device_type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    for p in model.parameters():
+        if not p.is_contiguous():  # FSDP2 shards contiguous tensors only (mnist's CNN is channels_last)
+            p.data = p.data.contiguous()
     units = wrapped_units(model, sharding)
     names = {id(m): n for n, m in model.named_modules()}
     for unit in units:

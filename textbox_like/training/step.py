@@ -128,6 +128,8 @@ class UpdateStep:
                 flight.all_reducing = last
                 acc.backward(loss)
                 flight.all_reducing = False
+                if timer is not None and sharding.is_sharded(t.model):
+                    timer.backward_done()
             if last and timer is not None:
                 timer.synced()
             out.append(stats)
