@@ -107,6 +107,9 @@ class BertForPreTrainingMasked(BertForPreTraining):
     row ``b*P + j`` belong to position ``masked_lm_positions[b, j]``. Without
     ``masked_lm_positions`` it is ``BertForPreTraining.forward``.
     """
+    # the layer FSDP (ours and Accelerate's) shards as one unit; transformers'
+    # BERT declares none, and the tied MLM decoder must stay with the embeddings (the root)
+    _no_split_modules = ["BertLayer"]
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None,
                 masked_lm_positions=None, **kwargs):

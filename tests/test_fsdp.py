@@ -1,0 +1,186 @@
+"""--fsdp (issue 32): FSDP2 sharding on CPU over gloo, two real processes.
+
+An update under --fsdp equals the single-process update over the union of
+its samples (and DDP's), with unlike per-rank batches, --balance,
+accumulation and clipping; a sharded run killed with SIGKILL resumes from
+its last checkpoint to the uninterrupted run's weights."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_bitwise_equal, clean_env, read_jsonl, write_mnist
+from test_bert_train import bert_data  # noqa: F401 (a fixture)
+from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
+from test_resume import kill_after_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+SHARDED_ON_CPU = "(fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
+
+
+def run(cmd, env=None, timeout=400):
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         env=env or clean_env())
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def checkpoint(save_dir):
+    return torch.load(Path(save_dir) / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+
+
+def assert_close(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key].double(), b[key].double(), atol=atol, rtol=0), \
+            (key, (a[key].double() - b[key].double()).abs().max().item())
+
+
+def train_records(save_dir):
+    return [r for r in read_jsonl(Path(save_dir) / "metrics.jsonl") if r["kind"] == "train"]
+
+
+# ------------------------------------------------------------------ MNIST: unlike batches, accumulation, clipping
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_fsdp")
+    write_mnist(directory, n_train=1280, n_test=64)
+    return directory
+
+
+def mnist_args(data, save_dir, *extra):
+    # --clip-norm 0.5 clips every update (the norms here are 1-3); two
+    # micro-batches per update (--update-freq 2)
+    return ["run_hetseq.py", "--task", "mnist", "--data", data, "--save-dir", save_dir, "--optimizer", "sgd",
+            "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0", "--max-update", "20",
+            "--update-freq", "2", "--clip-norm", "0.5", "--log-format", "simple", "--log-interval", "5",
+            "--threads", "1", "--distributed-timeout", "120", "--disable-validation",
+            "--model_conf", "dropout1=0", "--model_conf", "dropout2=0", *extra]
+
+
+def two_nodes(data, save_dir, rdzv, *extra):
+    """Rank 0 with batch 48 and rank 1 with batch 16 (each its own --max-sentences), as two 'nodes'."""
+    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+              "--distributed-gpus", "1", *extra]
+    procs = [subprocess.Popen([PY, *map(str, mnist_args(data, save_dir, "--max-sentences", batch, *common,
+                                                        "--distributed-rank", rank))],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+             for batch, rank in (("48", "0"), ("16", "1"))]
+    errs = [p.communicate(timeout=400)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs[0][-3000:] + errs[1][-3000:]
+    return errs[0]
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(mnist, tmp_path_factory):
+    """One process (64 a micro-batch), and DDP and FSDP over 48 + 16."""
+    root = tmp_path_factory.mktemp("mnist_runs")
+    run([PY, *mnist_args(mnist, root / "one", "--max-sentences", "64")])
+    err_ddp = two_nodes(mnist, root / "ddp", root / "rdzv_ddp")
+    err_fsdp = two_nodes(mnist, root / "fsdp", root / "rdzv_fsdp", "--fsdp")
+    return root, err_ddp, err_fsdp
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_with_unlike_batches_and_accumulation_equals_one_process(mnist_runs):
+    root, err_ddp, err_fsdp = mnist_runs
+    start = next(line for line in err_fsdp.splitlines() if line.startswith("task mnist"))
+    assert "batch sizes per rank [48, 16]" in start
+    assert "sharding from --fsdp" in start and "sharding full over 2 ranks " + SHARDED_ON_CPU in start
+    # 1,199,882 float32 parameters over 2 ranks; SGD without momentum keeps no state
+    assert ("expected per rank: parameters 2.29 MiB, gradients 2.29 MiB, optimizer states 0.00 MiB "
+            "(DDP: 9.16 MiB in all)") in start
+    assert "sharding" not in next(line for line in err_ddp.splitlines() if line.startswith("task mnist"))
+    fsdp = checkpoint(root / "fsdp")
+    assert fsdp["train"]["num_updates"] == 20
+    assert_close(fsdp["model"], checkpoint(root / "one")["model"])
+    # the saved weights are whole tensors with the model's own names, as DDP saves them
+    ddp = checkpoint(root / "ddp")["model"]
+    assert {k: v.shape for k, v in fsdp["model"].items()} == {k: v.shape for k, v in ddp.items()}
+    assert_close(fsdp["model"], ddp)
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_clips_by_the_global_norm_as_ddp_does(mnist_runs):
+    root, _, _ = mnist_runs
+    fsdp, ddp, one = (train_records(root / name) for name in ("fsdp", "ddp", "one"))
+    assert len(fsdp) == len(ddp) == 4
+    # the norm over both ranks' shards, before clipping: DDP's and one process's
+    for a, b, c in zip(fsdp, ddp, one):
+        assert a["gnorm"] == pytest.approx(b["gnorm"], rel=1e-5) == pytest.approx(c["gnorm"], rel=1e-5)
+        assert a["gnorm"] > 0.5  # clipped: a shard clipped by its own norm would not match
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+# ------------------------------------------------------------------ tiny BERT: a global batch in tokens, --balance
+@pytest.mark.timeout(900)
+def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data, tmp_path):  # noqa: F811
+    """Tiny BERT, --global-batch-size 256 tokens with micro-batch caps of 64
+    (several micro-batches per rank, their counts unlike: a rank with fewer
+    joins with empty ones), rank 1 slowed so that --balance re-splits."""
+    from textbox_like import balance
+    from test_balance import bert_args
+    run([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
+                                         "--max-tokens", 256, "--max-update", 20)])
+    out = tmp_path / "two"
+    proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
+                                                "--distributed-world-size", 2, "--balance", "--balance-interval", 2,
+                                                "--max-update", 20, "--fsdp")],
+               env={**clean_env(), balance.SLOW_RANK_ENV: "1:0.01@0"})
+    start = next(line for line in proc.stderr.splitlines() if line.startswith("task bert"))
+    assert "units: 2 BertLayer + the root" in start, start
+    splits = [r["batch_sizes"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
+    assert any(split != [128, 128] for split in splits), (splits, proc.stderr[-2000:])
+    assert checkpoint(out)["train"]["num_updates"] == 20
+    assert_close(checkpoint(out)["model"], checkpoint(tmp_path / "one")["model"])
+
+
+# ------------------------------------------------------------------ tiny GPT-2 (--task hf)
+@pytest.mark.timeout(900)
+def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tmp_path):  # noqa: F811
+    """A global batch of 120 real tokens, micro-batches of at most 50 per rank:
+    the ranks' shares hold unlike numbers of samples and micro-batches."""
+    run(exactness_args(models["causal_lm"], text_data, tmp_path / "one", "--max-update", 20))
+    two = run(exactness_args(models["causal_lm"], text_data, tmp_path / "two", "--max-update", 20,
+                             "--distributed-world-size", 2, "--fsdp"))
+    start = next(line for line in two.stderr.splitlines() if line.startswith("task hf"))
+    assert "units: 2 GPT2Block + the root" in start, start
+    assert_close(checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"])
+    assert train_records(tmp_path / "two")[-1]["loss"] == pytest.approx(train_records(tmp_path / "one")[-1]["loss"],
+                                                                         abs=1e-5)
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.timeout(900)
+def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
+    """Adam (state to shard and gather): every process killed with SIGKILL
+    after a checkpoint, then --resume: the final weights and optimizer state
+    are bitwise those of the run that was never interrupted."""
+    def cmd(save_dir):
+        return [PY, *map(str, mnist_args(mnist, save_dir, "--max-sentences", "16", "--optimizer", "adam",
+                                         "--lr", "0.001", "--max-update", "24", "--update-freq", "1",
+                                         "--save-interval-updates", "6", "--distributed-world-size", "2",
+                                         "--fsdp", "--log-format", "none"))]
+    run(cmd(tmp_path / "ref"))
+    save_dir = tmp_path / "run"
+    code, err = kill_after_checkpoint(cmd(save_dir), save_dir, signal.SIGKILL, min_checkpoint="checkpoint_1_6.pt",
+                                      seed=1, group=True)
+    assert code == -signal.SIGKILL, err[-1000:]
+    killed_at = checkpoint(save_dir)["train"]["num_updates"]
+    assert killed_at % 6 == 0 and killed_at < 24
+    out = run(cmd(save_dir) + ["--resume"])
+    assert "resumed from" in out.stderr
+    final, ref = checkpoint(save_dir), checkpoint(tmp_path / "ref")
+    assert final["train"]["num_updates"] == ref["train"]["num_updates"] == 24
+    assert_bitwise_equal(final["model"], ref["model"], "model")
+    assert_bitwise_equal(final["optimizer"], ref["optimizer"], "optimizer")
+    # the optimizer state is whole (Adam's two moments per parameter, by name), not one rank's shard
+    state = final["optimizer"]["state"]
+    assert state and all(state[name]["exp_avg"].shape == final["model"][name].shape for name in state)
