@@ -412,7 +412,9 @@ class RunConfig:
         """From resolved values by setting name; ``plugin_sections``: the
         sections of the chosen task's, optimizer's and scheduler's own options
         (by PLUGIN_PARTS' names)."""
-        sections = {name: section(**{f.name: values[f.name] for f in section.settings()})
+        # a group not printed for this run (sharding without --fsdp) is not
+        # in a configuration written from its keys: its defaults then
+        sections = {name: section(**{f.name: values[f.name] for f in section.settings() if f.name in values})
                     for name, section in SECTIONS.items()}
         plugins = {part: section(**{f.name: values[f.name] for f in section.settings()})
                    for part, section in plugin_sections.items()}
