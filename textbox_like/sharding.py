@@ -70,12 +70,19 @@ def block_class_names(model, sharding) -> list:
     model's own ``_no_split_modules`` (Hugging Face models and ours declare it)."""
     if sharding.fsdp_block_classes:
         return list(sharding.fsdp_block_classes)
-    names = []
-    for module in model.modules():
-        for name in getattr(module, "_no_split_modules", None) or []:
-            if name not in names:
-                names.append(name)
-    return names
+    for module in model.modules():  # the outermost model that declares them (ours, or the HF model itself)
+        if getattr(module, "_no_split_modules", None):
+            return list(module._no_split_modules)
+    return []
+
+
+def ties_outside(model, unit, prefix) -> bool:
+    """Whether a parameter of ``unit`` is also the model's elsewhere (tied
+    embeddings): FSDP needs tied parameters in one unit, so such a unit
+    stays in its parent's."""
+    own = {id(p) for p in unit.parameters()}
+    return any(id(p) in own and not name.startswith(prefix + ".")
+               for name, p in model.named_parameters(remove_duplicate=False))
 
 
 def wrapped_units(model, sharding) -> list:
@@ -87,7 +94,8 @@ def wrapped_units(model, sharding) -> list:
         return []
     if sharding.fsdp_wrap == "block":
         names = set(block_class_names(model, sharding))
-        units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+        units = [m for prefix, m in model.named_modules() if m is not model and type(m).__name__ in names
+                 and not ties_outside(model, m, prefix)]
         present = {type(m).__name__ for m in units}
         if sharding.fsdp_block_classes and not present:
             found = sorted({type(m).__name__ for m in model.modules()})
