@@ -102,17 +102,17 @@ def wrapped_units(model, sharding) -> list:
             raise UserError(f"--fsdp-block-classes {','.join(sharding.fsdp_block_classes)}: no such layer in "
                             f"{type(model).__name__} (its classes: {', '.join(found)})")
         return units
-    units, covered = [], {}
+    units = []
 
-    def visit(module):  # post-order: the smallest submodule that reaches the size is a unit
-        inside = sum(visit(child) for child in module.children())
+    def visit(module, prefix):  # post-order: the smallest submodule that reaches the size is a unit
+        inside = sum(visit(child, f"{prefix}.{name}" if prefix else name) for name, child in module.named_children())
         own = sum(p.numel() for p in module.parameters(recurse=False))
         total = inside + own
-        if module is not model and total >= sharding.fsdp_min_params:
+        if module is not model and total >= sharding.fsdp_min_params and not ties_outside(model, module, prefix):
             units.append(module)
             return 0
         return total
-    visit(model)
+    visit(model, "")
     return units
 
 
