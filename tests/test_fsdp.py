@@ -112,11 +112,16 @@ def test_fsdp_clips_by_the_global_norm_as_ddp_does(mnist_runs):
     root, _, _ = mnist_runs
     fsdp, ddp, one = (train_records(root / name) for name in ("fsdp", "ddp", "one"))
     assert len(fsdp) == len(ddp) == 4
-    # the norm over both ranks' shards, before clipping: DDP's and one process's
+    # the norm over both ranks' shards, before clipping: DDP's and one process's. Within 1e-4: torch's
+    # float32 norm of fc1's 1.2M-element gradient rounds differently over a half (measured: 3e-5)
     for a, b, c in zip(fsdp, ddp, one):
-        assert a["gnorm"] == pytest.approx(b["gnorm"], rel=1e-5) == pytest.approx(c["gnorm"], rel=1e-5)
+        assert a["gnorm"] == pytest.approx(b["gnorm"], rel=1e-4)
+        assert b["gnorm"] == pytest.approx(c["gnorm"], rel=1e-5)
         assert a["gnorm"] > 0.5  # clipped: a shard clipped by its own norm would not match
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    # clipped by the same global norm: the weights agree far inside 1e-5 (a shard clipped by its
+    # own, smaller norm would move further)
+    assert_close(checkpoint(root / "fsdp")["model"], checkpoint(root / "ddp")["model"], atol=1e-6)
 
 
 # ------------------------------------------------------------------ tiny BERT: a global batch in tokens, --balance
