@@ -136,9 +136,9 @@ class Trainer:
             self.model, self.optimizer = acc.prepare_model(model, evaluation_mode=True), acc.prepare_optimizer(optimizer)
         else:
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.sharding = None  # the start line's sharding, where the model is sharded
+        self.sharding_line = None  # the start line's sharding, where the model is sharded
         if sharding.enabled(cfg):
-            self.sharding = sharding.describe(self.model, cfg, self.placement, cuda, self.n_params) \
+            self.sharding_line = sharding.describe(self.model, cfg, self.placement, cuda, self.n_params) \
                 if sharding.is_sharded(self.model) else "sharding none (--fsdp with one process: nothing to shard)"
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
