@@ -189,3 +189,65 @@ def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
     # the optimizer state is whole (Adam's two moments per parameter, by name), not one rank's shard
     state = final["optimizer"]["state"]
     assert state and all(state[name]["exp_avg"].shape == final["model"][name].shape for name in state)
+
+
+# ------------------------------------------------------------------ settings
+STRATEGIES_SCRIPT = '''
+import torch, torch.distributed as dist
+from textbox_like import sharding
+from textbox_like.config.resolution import resolve
+from textbox_like.distributed import Placement
+dist.init_process_group("gloo")
+for strategy, nodes in (("none", 1), ("hybrid", 1), ("hybrid", 2), ("full", 1)):
+    cfg, _ = resolve(["--fsdp", "--fsdp-sharding", strategy])
+    placement = Placement(world_size=2, local_world_size=2 // nodes)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.Linear(13, 10))
+    ref = torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.Linear(13, 10))
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(8, 9)
+    ref(x).square().sum().backward()
+    sharding.shard_model(m, cfg, placement, "cpu", "no")
+    m(x).square().sum().backward()  # the same batch on both ranks: their mean is the one-process gradient
+    error = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
+    if dist.get_rank() == 0:
+        print(strategy, nodes, [p.to_local().shape[0] for p in m.parameters()], error,
+              sharding.describe(m, cfg, placement, False, 270).split(" (")[0], flush=True)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_sharding_strategies_keep_the_shards_they_say(tmp_path):
+    """full and hybrid on one node split each parameter over the 2 ranks;
+    none, and hybrid over 2 nodes of one rank, keep whole copies; every
+    strategy's gradient is the one-process gradient."""
+    script = tmp_path / "strategies.py"
+    script.write_text(STRATEGIES_SCRIPT)
+    out = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", script])
+    rows = [line.split(" ", 2) for line in out.stdout.splitlines() if line.split(" ")[0] in ("none", "hybrid", "full")]
+    assert [(r[0], r[1]) for r in rows] == [("none", "1"), ("hybrid", "1"), ("hybrid", "2"), ("full", "1")]
+    shapes = {(r[0], r[1]): r[2] for r in rows}
+    assert shapes[("none", "1")].startswith("[13, 13, 10, 10] 0.0 sharding none (replicated over 2 ranks)")
+    assert shapes[("hybrid", "1")].startswith(
+        "[7, 7, 5, 5] 0.0 sharding hybrid: over 2 ranks per node, replicated over 1 node(s)")
+    assert shapes[("hybrid", "2")].startswith(
+        "[13, 13, 10, 10] 0.0 sharding hybrid: over 1 ranks per node, replicated over 2 node(s)")
+    assert shapes[("full", "1")].startswith("[7, 7, 5, 5] 0.0 sharding full over 2 ranks")
+
+
+def test_accelerate_launch_fsdp_flags_are_the_runs_settings():
+    from textbox_like.config.resolution import resolve
+    from textbox_like.errors import UserError
+    environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
+               "FSDP_MIN_NUM_PARAMS": "5000", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_OFFLOAD_PARAMS": "true",
+               "FSDP_ACTIVATION_CHECKPOINTING": "true"}
+    cfg, _ = resolve([], environ=environ)
+    s = cfg.sharding
+    assert (s.fsdp, s.fsdp_wrap, s.fsdp_min_params, s.fsdp_reshard_after_forward, s.fsdp_cpu_offload) == \
+        (True, "size", 5000, False, True)
+    assert cfg.model.checkpointing and cfg.source("fsdp") == "accelerate launch / accelerate config"
+    # the command line ranks above the launcher
+    assert resolve(["--fsdp-wrap", "block"], environ=environ)[0].sharding.fsdp_wrap == "block"
+    with pytest.raises(UserError, match="add --fsdp_version 2"):
+        resolve([], environ={"ACCELERATE_USE_FSDP": "true"})
+    assert not resolve([], environ={})[0].sharding.fsdp
