@@ -212,7 +212,7 @@ for strategy, nodes in (("none", 1), ("hybrid", 1), ("hybrid", 2), ("full", 1)):
     error = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
     if dist.get_rank() == 0:
         print(strategy, nodes, [p.to_local().shape[0] for p in m.parameters()], error,
-              sharding.describe(m, cfg, placement, False, 270).split(" (")[0], flush=True)
+              sharding.describe(m, cfg, placement, False, 270).split(" (fully_shard")[0], flush=True)
 '''
 
 
