@@ -412,9 +412,10 @@ class RunConfig:
         """From resolved values by setting name; ``plugin_sections``: the
         sections of the chosen task's, optimizer's and scheduler's own options
         (by PLUGIN_PARTS' names)."""
-        # a group not printed for this run (sharding without --fsdp) is not
-        # in a configuration written from its keys: its defaults then
-        sections = {name: section(**{f.name: values[f.name] for f in section.settings() if f.name in values})
+        # the sharding group is printed only under --fsdp (resolution.groups_for):
+        # a configuration written from a run's keys may lack it, and means its defaults
+        sections = {name: section(**{f.name: values[f.name] for f in section.settings()
+                                     if f.name in values or name != "sharding"})
                     for name, section in SECTIONS.items()}
         plugins = {part: section(**{f.name: values[f.name] for f in section.settings()})
                    for part, section in plugin_sections.items()}
