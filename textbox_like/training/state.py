@@ -93,7 +93,14 @@ class OptimizerPart:
         if name != self.name:
             raise UserError(f"the checkpoint holds {name} state, this run uses {self.name}; "
                             f"pass --reset-optimizer to start {self.name} afresh")
-        if self.model is not None and sharding.is_sharded(self.model):
+        sharded = self.model is not None and sharding.is_sharded(self.model)
+        by_name = any(isinstance(key, str) for key in state.get("state", {}))  # a --fsdp run's save
+        if state.get("state") and by_name != sharded:
+            raise UserError(f"the checkpoint's optimizer state was saved by a run {'with' if by_name else 'without'} "
+                            f"--fsdp and this run is {'not ' if sharded is False else ''}sharded; resume "
+                            f"{'with' if by_name else 'without'} --fsdp, or pass --reset-optimizer to start "
+                            f"{self.name} afresh (the weights load either way)")
+        if sharded:
             return sharding.load_full_optimizer_state_dict(self.model, self.optimizer.optimizer, state)
         self.optimizer.load_state_dict(state)
 
