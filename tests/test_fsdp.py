@@ -189,6 +189,12 @@ def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
     # the optimizer state is whole (Adam's two moments per parameter, by name), not one rank's shard
     state = final["optimizer"]["state"]
     assert state and all(state[name]["exp_avg"].shape == final["model"][name].shape for name in state)
+    # a run without --fsdp cannot take this optimizer state (keyed by name): one line naming the fixes
+    plain = [c for c in cmd(save_dir) if c != "--fsdp"] + ["--resume", "--max-update", "30"]
+    out = subprocess.run(plain, capture_output=True, text=True, timeout=400, cwd=REPO, env=clean_env())
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: the checkpoint's optimizer state was saved by a run with --fsdp and this run is not sharded; " \
+           "resume with --fsdp, or pass --reset-optimizer" in out.stderr and "Traceback" not in out.stderr
 
 
 # ------------------------------------------------------------------ settings
