@@ -189,7 +189,8 @@ def build_accelerator(cfg, placement, log_with=None):
         plugin = TorchDynamoPlugin(backend="no")
     fsdp = {}
     if sharding.enabled(cfg):
-        sources["sharding"] = cfg.source("fsdp") if cfg.source("fsdp") == "accelerate launch / accelerate config" else "--fsdp"
+        launched = cfg.source("fsdp") == "accelerate launch / accelerate config"
+        sources["sharding"] = cfg.source("fsdp") if launched else "--fsdp"
         if cuda:
             fsdp["fsdp_plugin"], parallelism = sharding.accelerate_plugin(cfg, placement, chosen)
             if parallelism is not None:

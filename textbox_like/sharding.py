@@ -27,7 +27,9 @@ def enabled(cfg) -> bool:
 
 def where(cuda: bool) -> str:
     """Who applies the sharding on this device, for the start line."""
-    return "Accelerate's FSDP2 plugin" if cuda else "fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
+    if cuda:
+        return "Accelerate's FSDP2 plugin"
+    return "fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
 
 
 def mixed_precision_policy(mixed_precision: str):
@@ -231,7 +233,8 @@ def memory_line(elements: int, cfg, placement) -> str:
 
     def mib(n):
         return f"{n * 4 / degree / 2 ** 20:,.2f}"
-    figures = f"parameters {mib(elements)} MiB, gradients {mib(elements)} MiB, optimizer states {mib(elements * state)} MiB"
+    figures = (f"parameters {mib(elements)} MiB, gradients {mib(elements)} MiB, "
+               f"optimizer states {mib(elements * state)} MiB")
     full = f"{elements * (2 + state) * 4 / 2 ** 20:,.2f}"
     return f"expected per rank: {figures} (DDP: {full} MiB in all)"
 
