@@ -6,7 +6,6 @@ accumulation and clipping; a sharded run killed with SIGKILL resumes from
 its last checkpoint to the uninterrupted run's weights."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
