@@ -1,0 +1,115 @@
+"""One rank of tests/test_sharded_checkpoint.py: builds a tiny model (an MLP,
+or the MNIST network), shards it with FSDP2's ``fully_shard`` when there are
+several ranks (over gloo), trains it with Adam, saves and loads sharded
+checkpoints, and dumps what the test compares (each rank's local shards, the
+full state gathered on rank 0).
+
+    python tests/sharded_checkpoint_worker.py SPEC_JSON
+
+with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set for several ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from textbox_like.sharded_checkpoint import (full_state_dicts, load_full_state, load_sharded, save_sharded)
+
+MODELS = ("mlp", "mnist")
+
+
+def build(kind: str, shard: bool):
+    """The model (the same initial weights on every rank) and its Adam."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                    torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    else:
+        from textbox_like.models.mnist_cnn import MNISTNet
+        # FSDP2 shards contiguous parameters only; MNISTNet keeps its convolutions channels-last
+        model = MNISTNet(hidden=32).to(memory_format=torch.contiguous_format)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.children():
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def train(kind, model, optimizer, first, last, rank):
+    """Updates first..last-1 on data fixed by (update, rank)."""
+    for update in range(first, last):
+        torch.manual_seed(1000 * update + rank)  # the data and the dropout masks of this update
+        if kind == "mlp":
+            loss = model(torch.randn(5, 6)).square().sum()
+        else:
+            loss = -model(torch.randn(4, 1, 28, 28))[:, 3].sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def local(value):
+    """A DTensor's own shard; anything else as it is."""
+    if hasattr(value, "to_local"):
+        return value.to_local().clone()
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [local(v) for v in value]
+    return value
+
+
+def dump(out: Path, tag: str, model, optimizer, rank):
+    """This rank's local shards, and the full state on rank 0 (every rank takes part in gathering it)."""
+    torch.save({"model": local(model.state_dict()),
+                "optimizer": local(optimizer.state_dict())}, out / f"{tag}.local{rank}.pt")
+    model_state, optimizer_state = full_state_dicts(model, optimizer)
+    if rank == 0:
+        torch.save({"model": model_state, "optimizer": optimizer_state}, out / f"{tag}.full.pt")
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = Path(spec["out"])
+    for kind in spec["models"]:
+        model, optimizer = build(kind, shard=world > 1)
+        for step in spec["steps"]:
+            what = step["do"]
+            if what == "train":
+                train(kind, model, optimizer, step["first"], step["last"], rank)
+            elif what == "save":
+                if step.get("publish_delay"):  # test hook: this save stops before its rename (see the test)
+                    os.environ["TEXTBOX_LIKE_TEST_DELAY"] = f"publish={step['publish_delay']}"
+                extra = {"task": "test", "train": {"num_updates": step["update"]}, "rank0_seed": torch.initial_seed()}
+                save_dir = Path(step["dir"]) / kind
+                save_dir.mkdir(parents=True, exist_ok=True)  # the trainer's, made at start
+                save_sharded(save_dir, step["names"], model, optimizer, extra)
+            elif what == "load":
+                extra = load_sharded(Path(step["path"].replace("{model}", kind)), model, optimizer)
+                assert extra["task"] == "test", extra
+            elif what == "load_full":
+                full = torch.load(step["path"].replace("{model}", kind), weights_only=True)
+                load_full_state(model, optimizer, full["model"], full["optimizer"])
+            elif what == "dump":
+                dump(out, f"{kind}.{step['tag']}", model, optimizer, rank)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    (out / f"done{rank}").write_text("ok")
+
+
+if __name__ == "__main__":
+    main()
