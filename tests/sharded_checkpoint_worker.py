@@ -42,6 +42,16 @@ def build(kind: str, shard: bool):
     return model, torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
+def run_metadata(kind) -> dict:
+    """What the trainer keeps beside the parts: the MNIST net's run is a real
+    mnist run's configuration, which ``python -m textbox_like.export`` rebuilds it from."""
+    if kind != "mnist":
+        return {"task": "test"}
+    from textbox_like.cli import parse
+    from textbox_like.config import to_yaml
+    return {"task": "mnist", "config": to_yaml(parse(["--task", "mnist", "--model_conf", "hidden=32"]))}
+
+
 def train(kind, model, optimizer, first, last, rank):
     """Updates first..last-1 on data fixed by (update, rank)."""
     for update in range(first, last):
@@ -93,13 +103,15 @@ def main():
             elif what == "save":
                 if step.get("publish_delay"):  # test hook: this save stops before its rename (see the test)
                     os.environ["TEXTBOX_LIKE_TEST_DELAY"] = f"publish={step['publish_delay']}"
-                extra = {"task": "test", "train": {"num_updates": step["update"]}, "rank0_seed": torch.initial_seed()}
+                extra = {**run_metadata(kind), "train": {"num_updates": step["update"]}}
                 save_dir = Path(step["dir"]) / kind
                 save_dir.mkdir(parents=True, exist_ok=True)  # the trainer's, made at start
                 save_sharded(save_dir, step["names"], model, optimizer, extra)
             elif what == "load":
                 extra = load_sharded(Path(step["path"].replace("{model}", kind)), model, optimizer)
-                assert extra["task"] == "test", extra
+                assert extra["task"] == run_metadata(kind)["task"], extra
+            elif what == "build":  # a fresh model and optimizer
+                model, optimizer = build(kind, shard=world > 1)
             elif what == "load_full":
                 full = torch.load(step["path"].replace("{model}", kind), weights_only=True)
                 load_full_state(model, optimizer, full["model"], full["optimizer"])
