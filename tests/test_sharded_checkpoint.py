@@ -326,3 +326,112 @@ def test_export_command_takes_a_sharded_mnist_checkpoint(two_rank_save, tmp_path
     assert "update 3: task mnist, MNISTNet" in out.stdout
     assert_same({k: v.contiguous() for k, v in load_file(tmp_path / "x" / "model.safetensors").items()},
                 {k: v.contiguous() for k, v in dumped(two_rank_save / "out", "mnist.saved.full")["model"].items()})
+
+
+# ---------------------------------------------------------------- the trainer's manager
+class WholeModel:
+    """The model part as training/state.py's ModelPart gives it (here no wrapper to unwrap)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def module(self):
+        return self.model
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state)
+
+
+class Counter:
+    """A small replicated part (as the train state, the scheduler)."""
+
+    def __init__(self):
+        self.updates = 0
+
+    def state_dict(self):
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state):
+        self.updates = int(state["updates"])
+
+
+def manager_for(save_dir, saves_sharded, *flags):
+    """A fresh run's model, Adam, counter and the manager of ``save_dir`` (a real --save-dir configuration)."""
+    from textbox_like.cli import parse
+    from textbox_like.config import to_yaml
+    from textbox_like.sharded_checkpoint import ShardedCheckpointManager
+    from textbox_like.training.state import OptimizerPart
+    cfg = parse(["--task", "mnist", "--save-dir", str(save_dir), "--save-interval-updates", "1",
+                 "--keep-interval-updates", "2", *flags])
+    model, optimizer = worker.build("mlp", shard=False)
+    counter = Counter()
+    parts = {"model": WholeModel(model), "optimizer": OptimizerPart(optimizer, "adam", True), "train": counter}
+    manager = ShardedCheckpointManager(cfg.checkpoint, parts, {"task": "mnist", "config": to_yaml(cfg)},
+                                       is_main=True, saves_sharded=saves_sharded)
+    return model, optimizer, counter, manager
+
+
+def train_and_save(model, optimizer, counter, manager, first, last):
+    for update in range(first, last):
+        worker.train("mlp", model, optimizer, update, update + 1, rank=0)
+        counter.updates = update + 1
+        manager.save(manager.names(1, update + 1, end_of_epoch=False, is_best=False))
+
+
+def test_manager_saves_prunes_and_resumes_from_the_newest_that_verifies(tmp_path):
+    model, optimizer, counter, manager = manager_for(tmp_path, True)
+    train_and_save(model, optimizer, counter, manager, 0, 4)
+    saved = full_state(model, optimizer)
+    # --keep-interval-updates 2: the two newest interval checkpoints and last, each with its own data, nothing else
+    assert [p.name for p in sharded_checkpoints_newest_first(tmp_path)] == [
+        "checkpoint_last.dcp", "checkpoint_1_4.dcp", "checkpoint_1_3.dcp"]
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]) == 3
+
+    model, optimizer, counter, resumed = manager_for(tmp_path, True, "--resume")
+    path = resumed.resume_path()
+    assert path == tmp_path / "checkpoint_last.dcp"
+    state, path = resumed.load_newest(path, print)
+    resumed.check_resumed_config(state, path, {})
+    assert resumed.restore(state, path) == [] and counter.updates == 4
+    assert_same(full_state(model, optimizer), saved)
+
+    shard = tmp_path / "checkpoint_last.dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 0xFF]))
+    model, optimizer, counter, resumed = manager_for(tmp_path, True, "--resume")
+    said = []
+    state, path = resumed.load_newest(resumed.resume_path(), said.append)
+    assert path == tmp_path / "checkpoint_1_4.dcp"
+    assert len(said) == 1 and "its file __0_0.distcp fails its digest check" in said[0]
+    resumed.restore(state, path)
+    assert_same(full_state(model, optimizer), saved)
+
+
+def test_manager_switches_between_ddp_files_and_sharded_saves(tmp_path):
+    """A DDP run's file checkpoints resume into a sharded run (load_full_state),
+    whose sharded saves resume into a DDP run again, with the same numbers."""
+    model, optimizer, counter, ddp = manager_for(tmp_path, False)
+    train_and_save(model, optimizer, counter, ddp, 0, 2)
+    assert (tmp_path / "checkpoint_last.pt").is_file() and not sharded_checkpoints_newest_first(tmp_path)
+    expected = full_state(model, optimizer)
+
+    model, optimizer, counter, sharded = manager_for(tmp_path, True, "--resume")
+    state, path = sharded.load_newest(sharded.resume_path(), print)
+    assert path == tmp_path / "checkpoint_last.pt"
+    assert sharded.restore(state, path) == [] and counter.updates == 2
+    assert_same(full_state(model, optimizer), expected)
+    train_and_save(model, optimizer, counter, sharded, 2, 3)
+    expected = full_state(model, optimizer)
+
+    model, optimizer, counter, ddp = manager_for(tmp_path, False, "--resume")
+    state, path = ddp.load_newest(ddp.resume_path(), print)
+    assert path == tmp_path / "checkpoint_last.dcp"  # the newer of the two checkpoint_last
+    assert ddp.restore(state, path) == [] and counter.updates == 3
+    assert_same(full_state(model, optimizer), expected)
+
+    model, optimizer, counter, reset = manager_for(tmp_path, False, "--resume", "--reset-optimizer")
+    state, path = reset.load_newest(reset.resume_path(), print)
+    assert reset.restore(state, path) == ["optimizer"] and not optimizer.state
+    assert_same(model.state_dict(), expected["model"])

@@ -67,6 +67,7 @@ import time
 import uuid
 from pathlib import Path
 
+from .checkpoint import CheckpointManager
 from .errors import UserError, first_line
 from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
 from .fileio import atomic_write, fsync_dir
@@ -132,9 +133,15 @@ def file_digest(path) -> str:
 
 
 # ------------------------------------------------------------ collectives
+def distributed() -> bool:
+    """Whether this process is in a process group (else DCP reads and writes alone)."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_and_rank(group=None) -> tuple:
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
@@ -227,7 +234,7 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
 
         from torch.distributed.checkpoint.api import CheckpointException
         try:  # DCP's own collectives carry a failing rank's exception to every rank
-            dcp.save(state, checkpoint_id=str(partials[0]), process_group=group)
+            dcp.save(state, checkpoint_id=str(partials[0]), process_group=group, no_dist=not distributed())
         except CheckpointException as exc:
             failed_rank, inner = first_failure(exc)
             if failed_writing(inner):
@@ -380,34 +387,46 @@ def verify_sharded(path, group=None, alone=False) -> dict:
     return manifest
 
 
-def load_sharded(path, model, optimizer=None, group=None) -> dict:
+def load_sharded(path, model, optimizer=None, group=None, verify=True) -> dict:
     """Load the sharded checkpoint ``path`` into ``model`` (FSDP, DDP or plain;
     any world size: DCP reshards) and into ``optimizer`` when given and the
     checkpoint holds an optimizer state (``read_manifest(path)["optimizer"]``);
-    returns the ``extra_state`` it was saved with. Digests are checked first,
+    returns the ``extra_state`` it was saved with. Digests are checked first
+    (unless ``verify=False``: checked just before, by :func:`read_extra_state`),
     so a damaged checkpoint changes nothing."""
-    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                          set_model_state_dict, set_state_dict)
     path = Path(path)
-    manifest = verify_sharded(path, group)
+    manifest = verify_sharded(path, group) if verify else read_manifest(path)
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         if optimizer is not None and manifest["optimizer"]:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optimizer": optimizer_state}
-            dcp.load(state, checkpoint_id=str(path), process_group=group)
+            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         else:
             state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(path), process_group=group)
+            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
             set_model_state_dict(model, state["model"])
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
         reason = first_line(first_failure(exc)[1] if isinstance(exc, CheckpointException) else exc, 200)
         raise UserError(f"the model or optimizer state in {path} does not fit this run ({reason}); "
                         f"use the model and optimizer it was trained with, or pass --reset-optimizer") from None
-    return torch.load(path / EXTRA, map_location="cpu", weights_only=True)
+    return read_extra_state(path, verify=False)
+
+
+def read_extra_state(path, group=None, verify=True) -> dict:
+    """The ``extra_state`` a sharded checkpoint was saved with, its files'
+    digests checked first (on every rank of ``group``, sharing the reading)."""
+    import torch
+    verify_sharded(path, group) if verify else read_manifest(path)
+    try:
+        return torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True)
+    except Exception as exc:  # verified: only a foreign file that was never ours gets here
+        from .checkpoint import unreadable_weights_reason
+        raise UserError(f"checkpoint {path}: its {EXTRA} cannot be read ({unreadable_weights_reason(exc)})") from None
 
 
 # ------------------------------------------------------- DDP <-> sharded
@@ -482,10 +501,8 @@ def consolidated_state(path) -> dict:
     returns (its extra state, e.g. task, config and train, with the full model
     weights as ``model``), so that :mod:`textbox_like.export`'s
     ``export_hf``/``export_weights``/``model_with_weights`` take it."""
-    import torch
     model = read_full_model_state(path)
-    extra = torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True)
-    return {**extra, "model": model}
+    return {**read_extra_state(path, verify=False), "model": model}
 
 
 def export_model_weights(path, target) -> Path:
@@ -495,3 +512,161 @@ def export_model_weights(path, target) -> Path:
     import torch
     weights = read_full_model_state(path)
     return atomic_write(target, lambda handle: torch.save(weights, handle))
+
+
+# ------------------------------------------------------------------ manager
+SHARDED_FROM = "sharded_checkpoint"  # the key under which a read sharded state names its directory
+
+
+class ShardedCheckpointManager(CheckpointManager):
+    """The trainer's :class:`~textbox_like.checkpoint.CheckpointManager` for a
+    run that may meet sharded checkpoints: with ``saves_sharded`` (an FSDP
+    run) it saves sharded checkpoints (every rank writes; the same names with
+    ``.dcp``), else file checkpoints as the base class does. It resumes from
+    the newest checkpoint of either format: a sharded one through DCP (any
+    world size, into a sharded or a DDP model), a file one (a DDP run's) into
+    a sharded model through :func:`load_full_state`. So a run switches
+    between DDP and FSDP across a --resume.
+
+    ``parts["model"]`` has ``module()`` (the model, unwrapped of DDP and
+    torch.compile; an FSDP module itself), ``parts["optimizer"]`` has
+    ``optimizer``, ``name`` and ``saved`` (training/state.py's ModelPart and
+    OptimizerPart); the other parts are saved in ``extra.pt``. ``group``: the
+    process group of the save's and load's collectives (the long-timeout
+    gloo group). Call ``save``, ``load_newest`` and ``restore`` on every rank."""
+
+    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool, saves_sharded: bool, group=None):
+        super().__init__(cfg, parts, metadata, is_main)
+        self.saves_sharded, self.group = saves_sharded, group
+        if self.enabled and is_main and self.dir.is_dir():
+            remove_leftovers(self.dir)
+
+    def model_and_optimizer(self):
+        model = self.parts["model"].module()
+        part = self.parts.get("optimizer")
+        optimizer = getattr(part.optimizer, "optimizer", part.optimizer)  # Accelerate's wrapper: torch's own
+        return model, optimizer, part
+
+    # save ----------------------------------------------------------------
+    def save(self, names) -> list:
+        if not self.saves_sharded:
+            return super().save(names)
+        if not names:
+            return []
+        model, optimizer, optimizer_part = self.model_and_optimizer()
+        extra = {**self.metadata, "optimizer_name": optimizer_part.name,
+                 **{name: part.state_dict() for name, part in self.parts.items() if name not in ("model", "optimizer")}}
+        try:
+            paths = save_sharded(self.dir, names, model, optimizer if optimizer_part.saved else None, extra, self.group)
+        except SaveFailed as exc:
+            if not self.dir.is_dir():
+                raise SaveFailed(f"could not write {self.dir / sharded_name(names[0])}: the save directory {self.dir} "
+                                 f"was removed during the run, with its checkpoints, config.yaml and metrics.jsonl; "
+                                 f"stopping (nothing is recreated)") from None
+            last = self.newest_good()
+            raise SaveFailed(f"{exc}; " + (f"the last good checkpoint is {last}: free space or fix the directory, "
+                                           f"then rerun with --resume" if last else
+                                           "no checkpoint was saved before this one")) from None
+        if self.is_main:
+            self.prune_sharded()
+        self.last_saved = paths[0]
+        return paths
+
+    def prune_sharded(self):
+        """--keep-interval-updates and --keep-last-epochs for sharded checkpoints (the main process)."""
+        cfg = self.cfg
+        for pattern, keep, index in ((rf"checkpoint_(\d+)_(\d+){re.escape(SUFFIX)}", cfg.keep_interval_updates, 1),
+                                     (rf"checkpoint(\d+){re.escape(SUFFIX)}", cfg.keep_last_epochs, 0)):
+            if keep <= 0:
+                continue
+            found = [(int(m.group(index + 1)), path) for path in self.dir.iterdir()
+                     if (m := re.fullmatch(pattern, path.name)) and path.is_symlink()]
+            for _, path in sorted(found, reverse=True)[keep:]:
+                remove_sharded(path)
+
+    # restore -------------------------------------------------------------
+    def candidates(self) -> list:
+        """The checkpoints of the save directory of both formats, newest first."""
+        from .checkpoint import checkpoints_newest_first
+        found = sharded_checkpoints_newest_first(self.dir) + checkpoints_newest_first(self.dir)
+        return sorted(found, key=lambda p: (os.lstat(p).st_mtime_ns, p.stem == "checkpoint_last"), reverse=True)
+
+    def resume_path(self):
+        cfg = self.cfg
+        if cfg.restore_file:
+            path = Path(cfg.restore_file)
+            if not path.is_absolute() and not path.exists() and (self.dir / path).exists():
+                path = self.dir / path
+            if not (path.is_file() or is_sharded_checkpoint(path)):
+                raise UserError(f"--restore-file {cfg.restore_file}: no such checkpoint")
+            return path
+        if cfg.resume:
+            found = self.candidates()
+            last = next((p for p in found if p.stem == "checkpoint_last"), None)
+            # checkpoint_last is published after the save's first name: a run
+            # killed in between leaves that one newer (or last missing)
+            if found and not cfg.no_last_checkpoints and found[0] != last:
+                return found[0]
+            return last
+        return None
+
+    def read(self, path) -> dict:
+        """A checkpoint's state, verified: a file checkpoint whole; a sharded
+        one's extra state (its model and optimizer are loaded by :meth:`restore`)."""
+        from .checkpoint import load_checkpoint
+        path = Path(path)
+        if path.is_dir():
+            return {**read_extra_state(path, self.group), SHARDED_FROM: str(path)}
+        return load_checkpoint(path)
+
+    def load_newest(self, path, log):
+        try:
+            return self.read(path), path
+        except UserError as exc:
+            if self.cfg.restore_file:
+                raise
+            skipped = [str(exc)]  # each names its file
+            for other in self.candidates():
+                if other.samefile(path):
+                    continue
+                try:
+                    state = self.read(other)
+                except UserError as also:
+                    skipped.append(str(also))
+                    continue
+                log(f"warning: skipped {len(skipped)} checkpoint(s): {'; '.join(skipped)}; resuming from {other}, "
+                    f"the newest checkpoint that verifies")
+                return state, other
+            raise UserError(f"{'; '.join(skipped)}; no other checkpoint in {self.dir} verifies: start without "
+                            f"--resume") from None
+
+    def restore(self, state, path) -> list:
+        sharded_state = SHARDED_FROM in state
+        if not sharded_state and not self.saves_sharded:
+            return super().restore(state, path)  # a file checkpoint into a DDP run: as ever
+        # the other parts first, as the base class restores them (the task checked before anything)
+        fresh = [name for name in super().restore({**state, "model": None, "optimizer": None}, path)
+                 if name not in ("model", "optimizer")]
+        model, optimizer, optimizer_part = self.model_and_optimizer()
+        if sharded_state:
+            saved_name, has_optimizer = state.get("optimizer_name"), read_manifest(path)["optimizer"]
+        else:
+            saved = state.get("optimizer")
+            saved_name, has_optimizer = (saved or {}).get("name"), saved is not None
+        keep_optimizer = has_optimizer and not self.cfg.reset_optimizer
+        if keep_optimizer and saved_name != optimizer_part.name:
+            raise UserError(f"the checkpoint holds {saved_name} state, this run uses {optimizer_part.name}; "
+                            f"pass --reset-optimizer to start {optimizer_part.name} afresh")
+        if not keep_optimizer:
+            fresh.append("optimizer")
+        if sharded_state:
+            load_sharded(path, model, optimizer if keep_optimizer else None, self.group, verify=False)
+        else:  # a DDP run's file checkpoint into this sharded run
+            optimizer_state = {k: v for k, v in state["optimizer"].items() if k != "name"} if keep_optimizer else None
+            try:
+                load_full_state(model, optimizer if keep_optimizer else None, state["model"], optimizer_state)
+            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+                raise UserError(f"the model or optimizer state in {path} does not fit this run "
+                                f"({first_line(exc, 150)}); use the model options it was trained with, or pass "
+                                f"--reset-optimizer") from None
+        return fresh
