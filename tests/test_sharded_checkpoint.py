@@ -297,6 +297,12 @@ def test_not_a_sharded_checkpoint_is_one_line(tmp_path):
     with pytest.raises(UserError, match="does not exist; check the path"):
         read_manifest(tmp_path / "missing.dcp")
     assert not is_sharded_checkpoint(tmp_path / "empty.dcp")
+    (tmp_path / "empty.dcp" / "manifest.json").write_text("{not json")
+    out = subprocess.run([sys.executable, "-m", "textbox_like.export", str(tmp_path / "empty.dcp"), "--to",
+                          str(tmp_path / "x")], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
+    assert f"checkpoint {tmp_path / 'empty.dcp'}: its manifest.json cannot be read" in out.stderr
 
 
 # ---------------------------------------------------------------- (e) export
@@ -389,6 +395,10 @@ def test_manager_saves_prunes_and_resumes_from_the_newest_that_verifies(tmp_path
     assert [p.name for p in sharded_checkpoints_newest_first(tmp_path)] == [
         "checkpoint_last.dcp", "checkpoint_1_4.dcp", "checkpoint_1_3.dcp"]
     assert len([p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]) == 3
+    # a new run (no --resume) there is refused before anything is written, as for file checkpoints
+    from textbox_like.checkpoint import refuse_rerun
+    with pytest.raises(UserError, match=r"already holds a run \(checkpoint_1_3\.dcp and 2 other checkpoint\(s\)\)"):
+        refuse_rerun(manager.cfg)
 
     model, optimizer, counter, resumed = manager_for(tmp_path, True, "--resume")
     path = resumed.resume_path()

@@ -96,7 +96,8 @@ def run_held_in(directory) -> str | None:
     directory that is empty or holds only a config.yaml (a run that failed
     before training) is not a run."""
     directory = Path(directory)
-    found = checkpoints_newest_first(directory)
+    # a sharded (FSDP) run's checkpoints are directories (sharded_checkpoint.py), named last
+    found = checkpoints_newest_first(directory) + sorted(p for p in directory.glob("checkpoint*.dcp") if p.is_dir())
     if found:
         newest = found[0]
         try:

@@ -55,10 +55,10 @@ def read_bert_checkpoint(checkpoint, tasks=("bert",)) -> dict:
     """Our checkpoint of a BERT run (or of one of ``tasks``; None: of any
     task), or one line saying what it is instead."""
     from .checkpoint import load_checkpoint
-    from .sharded_checkpoint import consolidated_state, is_sharded_checkpoint
+    from .sharded_checkpoint import claims_to_be_sharded, consolidated_state
 
     path = Path(checkpoint)
-    if is_sharded_checkpoint(path):  # a sharded (FSDP) run's: its full weights gathered from the shards
+    if claims_to_be_sharded(path):  # a sharded (FSDP) run's: its full weights gathered from the shards
         state = consolidated_state(path)
     elif path.is_dir():
         inside = path / "checkpoint_last.pt"

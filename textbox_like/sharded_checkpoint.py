@@ -42,6 +42,7 @@ The API (every call on every rank of the group unless said otherwise)::
     save_sharded(save_dir, names, model, optimizer, extra_state, group=None) -> [published paths]
     load_sharded(path, model, optimizer=None, group=None) -> extra_state
     is_sharded_checkpoint(path) -> bool                       # any process
+    claims_to_be_sharded(path) -> bool                        # a directory with a manifest, valid or not
     read_manifest(path) -> dict                               # any process
     verify_sharded(path, group=None)                          # UserError naming the bad file
     sharded_checkpoints_newest_first(save_dir) -> [paths]     # any process
@@ -95,6 +96,11 @@ def is_sharded_checkpoint(path) -> bool:
         return json.loads(manifest.read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def claims_to_be_sharded(path) -> bool:
+    """Whether ``path`` is a directory with a manifest, valid or not (:func:`read_manifest` says which)."""
+    return Path(path).is_dir() and (Path(path) / MANIFEST).exists()
 
 
 def read_manifest(path) -> dict:
