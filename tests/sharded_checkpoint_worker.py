@@ -42,6 +42,68 @@ def build(kind: str, shard: bool):
     return model, torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
+class WholeModel:
+    """The model part as training/state.py's ModelPart gives it (here no wrapper to unwrap)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def module(self):
+        return self.model
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state)
+
+
+class Counter:
+    """A small replicated part (as the train state, the scheduler)."""
+
+    def __init__(self):
+        self.updates = 0
+
+    def state_dict(self):
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state):
+        self.updates = int(state["updates"])
+
+
+class PerRank:
+    """A part with one value per rank, gathered on every rank (as RNGPart)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        from textbox_like.collectives import one_per_rank
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return one_per_rank(self.value, world)
+
+    def load_state_dict(self, states):
+        self.value = states
+
+
+def manager_for(save_dir, model, optimizer, saves_sharded, *flags):
+    """The trainer's checkpoint manager of ``save_dir`` (a real --save-dir configuration) over
+    ``model``, ``optimizer``, an update counter and a per-rank part; returns (manager, counter)."""
+    from textbox_like.cli import parse
+    from textbox_like.config import to_yaml
+    from textbox_like.sharded_checkpoint import ShardedCheckpointManager
+    from textbox_like.training.state import OptimizerPart
+    cfg = parse(["--task", "mnist", "--save-dir", str(save_dir), "--save-interval-updates", "1",
+                 "--keep-interval-updates", "2", *flags])
+    counter = Counter()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    parts = {"model": WholeModel(model), "optimizer": OptimizerPart(optimizer, "adam", True), "train": counter,
+             "per_rank": PerRank(f"rank {rank}")}
+    manager = ShardedCheckpointManager(cfg.checkpoint, parts, {"task": "mnist", "config": to_yaml(cfg)},
+                                       is_main=rank == 0, saves_sharded=saves_sharded)
+    return manager, counter
+
+
 def run_metadata(kind) -> dict:
     """What the trainer keeps beside the parts: the MNIST net's run is a real
     mnist run's configuration, which ``python -m textbox_like.export`` rebuilds it from."""
@@ -115,6 +177,14 @@ def main():
             elif what == "load_full":
                 full = torch.load(step["path"].replace("{model}", kind), weights_only=True)
                 load_full_state(model, optimizer, full["model"], full["optimizer"])
+            elif what == "manager_save":  # train and save through the trainer's manager, every update
+                save_dir = Path(step["dir"]) / kind
+                save_dir.mkdir(parents=True, exist_ok=True)
+                manager, counter = manager_for(save_dir, model, optimizer, True)
+                for update in range(step["first"], step["last"]):
+                    train(kind, model, optimizer, update, update + 1, rank)
+                    counter.updates = update + 1
+                    manager.save(manager.names(1, update + 1, end_of_epoch=False, is_best=False))
             elif what == "dump":
                 dump(out, f"{kind}.{step['tag']}", model, optimizer, rank)
     if world > 1:

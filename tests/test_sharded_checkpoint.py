@@ -142,7 +142,9 @@ def two_rank_loads(two_rank_save, one_process_save, tmp_path_factory):
         {"do": "dump", "tag": "from_one"},
         {"do": "build"},
         {"do": "load_full", "path": str(one_root / "ddp" / "{model}.pt")},
-        {"do": "dump", "tag": "from_ddp"}]}
+        {"do": "dump", "tag": "from_ddp"},
+        {"do": "manager_save", "dir": str(root / "managed"), "first": 3, "last": 6},
+        {"do": "dump", "tag": "managed"}]}
     run_ranks(spec, 2)
     return root
 
@@ -335,48 +337,10 @@ def test_export_command_takes_a_sharded_mnist_checkpoint(two_rank_save, tmp_path
 
 
 # ---------------------------------------------------------------- the trainer's manager
-class WholeModel:
-    """The model part as training/state.py's ModelPart gives it (here no wrapper to unwrap)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def module(self):
-        return self.model
-
-    def state_dict(self):
-        return self.model.state_dict()
-
-    def load_state_dict(self, state):
-        self.model.load_state_dict(state)
-
-
-class Counter:
-    """A small replicated part (as the train state, the scheduler)."""
-
-    def __init__(self):
-        self.updates = 0
-
-    def state_dict(self):
-        return {"updates": self.updates}
-
-    def load_state_dict(self, state):
-        self.updates = int(state["updates"])
-
-
 def manager_for(save_dir, saves_sharded, *flags):
-    """A fresh run's model, Adam, counter and the manager of ``save_dir`` (a real --save-dir configuration)."""
-    from textbox_like.cli import parse
-    from textbox_like.config import to_yaml
-    from textbox_like.sharded_checkpoint import ShardedCheckpointManager
-    from textbox_like.training.state import OptimizerPart
-    cfg = parse(["--task", "mnist", "--save-dir", str(save_dir), "--save-interval-updates", "1",
-                 "--keep-interval-updates", "2", *flags])
+    """A fresh run's model, Adam, update counter and checkpoint manager of ``save_dir``."""
     model, optimizer = worker.build("mlp", shard=False)
-    counter = Counter()
-    parts = {"model": WholeModel(model), "optimizer": OptimizerPart(optimizer, "adam", True), "train": counter}
-    manager = ShardedCheckpointManager(cfg.checkpoint, parts, {"task": "mnist", "config": to_yaml(cfg)},
-                                       is_main=True, saves_sharded=saves_sharded)
+    manager, counter = worker.manager_for(save_dir, model, optimizer, saves_sharded, *flags)
     return model, optimizer, counter, manager
 
 
@@ -445,3 +409,18 @@ def test_manager_switches_between_ddp_files_and_sharded_saves(tmp_path):
     state, path = reset.load_newest(reset.resume_path(), print)
     assert reset.restore(state, path) == ["optimizer"] and not optimizer.state
     assert_same(model.state_dict(), expected["model"])
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_manager_of_two_sharded_ranks_resumes_in_one_process(two_rank_loads, tmp_path, kind):
+    """Two FSDP ranks save every update through the manager (each rank's own
+    value of a per-rank part gathered); one process resumes from the newest: the same weights and Adam state."""
+    directory = two_rank_loads / "managed" / kind
+    assert [p.name for p in sharded_checkpoints_newest_first(directory)] == [
+        "checkpoint_last.dcp", "checkpoint_1_6.dcp", "checkpoint_1_5.dcp"]
+    model, optimizer = worker.build(kind, shard=False)
+    manager, counter = worker.manager_for(directory, model, optimizer, False, "--resume")
+    state, path = manager.load_newest(manager.resume_path(), print)
+    assert path == directory / "checkpoint_last.dcp" and state["per_rank"] == ["rank 0", "rank 1"]
+    assert manager.restore(state, path) == [] and counter.updates == 6
+    assert_same(full_state(model, optimizer), dumped(two_rank_loads / "out", f"{kind}.managed.full"))
