@@ -424,3 +424,17 @@ def test_manager_of_two_sharded_ranks_resumes_in_one_process(two_rank_loads, tmp
     assert path == directory / "checkpoint_last.dcp" and state["per_rank"] == ["rank 0", "rank 1"]
     assert manager.restore(state, path) == [] and counter.updates == 6
     assert_same(full_state(model, optimizer), dumped(two_rank_loads / "out", f"{kind}.managed.full"))
+
+
+def test_evaluate_takes_a_sharded_checkpoint(two_rank_save, small_mnist_dir, tmp_path):
+    """``textbox_like.evaluate`` (``textbox-like eval``) of a sharded checkpoint
+    gives what it gives for a file checkpoint of the same run state."""
+    import textbox_like
+    from textbox_like.checkpoint import FORMAT, atomic_save
+    sharded = two_rank_save / "save" / "mnist" / "checkpoint_last.dcp"
+    atomic_save({"format": FORMAT, **consolidated_state(sharded)}, tmp_path / "checkpoint_last.pt")
+    from_shards = textbox_like.evaluate(sharded, data=str(small_mnist_dir), cpu=True)
+    from_file = textbox_like.evaluate(tmp_path / "checkpoint_last.pt", data=str(small_mnist_dir), cpu=True)
+    assert from_shards["num_updates"] == 3 and from_shards["samples"] == from_file["samples"] > 0
+    assert {k: v for k, v in from_shards.items() if k != "checkpoint"} == \
+        {k: v for k, v in from_file.items() if k != "checkpoint"}
