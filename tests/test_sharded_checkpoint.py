@@ -438,3 +438,42 @@ def test_evaluate_takes_a_sharded_checkpoint(two_rank_save, small_mnist_dir, tmp
     assert from_shards["num_updates"] == 3 and from_shards["samples"] == from_file["samples"] > 0
     assert {k: v for k, v in from_shards.items() if k != "checkpoint"} == \
         {k: v for k, v in from_file.items() if k != "checkpoint"}
+
+
+def test_failed_write_publishes_nothing_and_a_superseded_process_writes_nothing(tmp_path):
+    """A save whose shard cannot be written (the file size limit: EFBIG, as a
+    full disk gives ENOSPC) is SaveFailed naming the reason, leaves no partial
+    directory and the previous checkpoint the newest; a process whose run no
+    longer owns the save directory writes nothing at all."""
+    import resource
+
+    from textbox_like import savelock
+    from textbox_like.faults import SaveFailed, Superseded
+    model, optimizer = worker.build("mlp", shard=False)
+    worker.train("mlp", model, optimizer, 0, 1, rank=0)
+    save_sharded(tmp_path, ["checkpoint_1_1.pt", "checkpoint_last.pt"], model, optimizer, {"task": "test"})
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    worker.train("mlp", model, optimizer, 1, 2, rank=0)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        with pytest.raises(SaveFailed, match=r"could not write the shards of .*checkpoint_1_2\.dcp \(File too large\)"):
+            save_sharded(tmp_path, ["checkpoint_1_2.pt", "checkpoint_last.pt"], model, optimizer, {"task": "test"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sharded_checkpoints_newest_first(tmp_path)[0].name == "checkpoint_last.dcp"
+    load_sharded(tmp_path / "checkpoint_last.dcp", *worker.build("mlp", shard=False))
+
+    lock = savelock.SaveDirLock.acquire(tmp_path)
+    try:
+        savelock.own(tmp_path, "the token of an older run", holds_lock=False, who="rank 0")
+        with pytest.raises(Superseded, match="no longer owns the run"):
+            save_sharded(tmp_path, ["checkpoint_1_2.pt", "checkpoint_last.pt"], model, optimizer, {"task": "test"})
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["run.lock"])
+    finally:
+        savelock.disown()
+        lock.release()

@@ -39,8 +39,10 @@ ranks, sharded or not, and into one process without a process group.
 
 The API (every call on every rank of the group unless said otherwise)::
 
+    ShardedCheckpointManager(cfg, parts, metadata, is_main, saves_sharded, group)  # the trainer's, below
     save_sharded(save_dir, names, model, optimizer, extra_state, group=None) -> [published paths]
     load_sharded(path, model, optimizer=None, group=None) -> extra_state
+    read_extra_state(path, group=None) -> extra_state         # verified, without the model
     is_sharded_checkpoint(path) -> bool                       # any process
     claims_to_be_sharded(path) -> bool                        # a directory with a manifest, valid or not
     read_manifest(path) -> dict                               # any process
