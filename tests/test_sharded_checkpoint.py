@@ -196,6 +196,19 @@ def test_two_ranks_load_a_one_process_save_and_a_ddp_state(one_process_save, two
     assert_same(dumped(two_rank_loads / "out", f"{kind}.from_ddp.full"), states[kind])
 
 
+def test_three_sharded_ranks_load_a_two_rank_save(two_rank_save, tmp_path):
+    """From two shards per tensor to three, uneven (16 rows over 3 ranks): the full state gathered back is the one saved."""
+    spec = {"out": str(tmp_path / "out"), "models": MODELS, "steps": [
+        {"do": "load", "path": str(two_rank_save / "save" / "{model}" / "checkpoint_last.dcp")},
+        {"do": "dump", "tag": "loaded"}]}
+    run_ranks(spec, 3)
+    for kind in MODELS:
+        assert_same(dumped(tmp_path / "out", f"{kind}.loaded.full"), dumped(two_rank_save / "out", f"{kind}.saved.full"))
+    # the MLP's middle layer (16 x 16): each of the three ranks holds its own, uneven, piece
+    rows = [dumped(tmp_path / "out", f"mlp.loaded.local{r}")["model"]["2.weight"].shape[0] for r in range(3)]
+    assert sum(rows) == 16 and min(rows) > 0 and len(set(rows)) > 1, rows
+
+
 # ---------------------------------------------------------------- (c) kill -9 mid-save
 def test_save_killed_midway_leaves_the_previous_checkpoint_newest(tmp_path):
     """Two ranks save at update 2, then at update 4 rank 0 stops (test hook)
