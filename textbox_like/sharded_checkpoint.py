@@ -599,24 +599,8 @@ class ShardedCheckpointManager(CheckpointManager):
         found = sharded_checkpoints_newest_first(self.dir) + checkpoints_newest_first(self.dir)
         return sorted(found, key=lambda p: (os.lstat(p).st_mtime_ns, p.stem == "checkpoint_last"), reverse=True)
 
-    def resume_path(self):
-        cfg = self.cfg
-        if cfg.restore_file:
-            path = Path(cfg.restore_file)
-            if not path.is_absolute() and not path.exists() and (self.dir / path).exists():
-                path = self.dir / path
-            if not (path.is_file() or is_sharded_checkpoint(path)):
-                raise UserError(f"--restore-file {cfg.restore_file}: no such checkpoint")
-            return path
-        if cfg.resume:
-            found = self.candidates()
-            last = next((p for p in found if p.stem == "checkpoint_last"), None)
-            # checkpoint_last is published after the save's first name: a run
-            # killed in between leaves that one newer (or last missing)
-            if found and not cfg.no_last_checkpoints and found[0] != last:
-                return found[0]
-            return last
-        return None
+    def is_checkpoint(self, path) -> bool:
+        return Path(path).is_file() or is_sharded_checkpoint(path)
 
     def read(self, path) -> dict:
         """A checkpoint's state, verified: a file checkpoint whole; a sharded
@@ -626,27 +610,6 @@ class ShardedCheckpointManager(CheckpointManager):
         if path.is_dir():
             return {**read_extra_state(path, self.group), SHARDED_FROM: str(path)}
         return load_checkpoint(path)
-
-    def load_newest(self, path, log):
-        try:
-            return self.read(path), path
-        except UserError as exc:
-            if self.cfg.restore_file:
-                raise
-            skipped = [str(exc)]  # each names its file
-            for other in self.candidates():
-                if other.samefile(path):
-                    continue
-                try:
-                    state = self.read(other)
-                except UserError as also:
-                    skipped.append(str(also))
-                    continue
-                log(f"warning: skipped {len(skipped)} checkpoint(s): {'; '.join(skipped)}; resuming from {other}, "
-                    f"the newest checkpoint that verifies")
-                return state, other
-            raise UserError(f"{'; '.join(skipped)}; no other checkpoint in {self.dir} verifies: start without "
-                            f"--resume") from None
 
     def restore(self, state, path) -> list:
         sharded_state = SHARDED_FROM in state
