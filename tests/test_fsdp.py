@@ -6,9 +6,11 @@ accumulation and clipping; a sharded run killed with SIGKILL resumes from
 its last checkpoint to the uninterrupted run's weights."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,19 @@ def run(cmd, env=None, timeout=400):
 
 
 def checkpoint(save_dir):
-    return torch.load(Path(save_dir) / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    """The run's newest checkpoint_last, whole: a DDP run's file, or a --fsdp
+    run's sharded directory read in one process (model and optimizer by
+    parameter name, with its extra state)."""
+    found = [p for p in (Path(save_dir) / "checkpoint_last.pt", Path(save_dir) / "checkpoint_last.dcp") if p.exists()]
+    newest = max(found, key=lambda p: os.lstat(p).st_mtime_ns)
+    if newest.suffix == ".pt":
+        return torch.load(newest, map_location="cpu", weights_only=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from textbox_like.sharded_checkpoint import read_extra_state
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(str(newest), f"{scratch}/whole.pt")
+        return {**read_extra_state(newest), **torch.load(f"{scratch}/whole.pt", weights_only=True)}
 
 
 def assert_close(a, b, atol=1e-5):

@@ -238,35 +238,3 @@ def memory_line(elements: int, cfg, placement) -> str:
     full = f"{elements * (2 + state) * 4 / 2 ** 20:,.2f}"
     return f"expected per rank: {figures} (DDP: {full} MiB in all)"
 
-
-# Checkpoints under --fsdp, for now: the full (unsharded) state gathered on
-# every rank's call, kept on rank 0 in CPU memory and saved there as under
-# DDP; loaded by every rank from the full file, each keeping its shard.
-# Keys are the model's parameter names (the optimizer state too), so a
-# checkpoint of a sharded run loads into a sharded run of any world size.
-
-def full_options(**extra):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, **extra)
-
-
-def full_model_state_dict(model) -> dict:
-    """The whole model's weights on rank 0 (CPU), an empty dict elsewhere; every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return get_model_state_dict(model, options=full_options(cpu_offload=True))
-
-
-def load_full_model_state_dict(model, state):
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-    set_model_state_dict(model, dict(state), options=full_options())
-
-
-def full_optimizer_state_dict(model, optimizer) -> dict:
-    """The optimizer's whole state by parameter name on rank 0 (CPU); every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    return get_optimizer_state_dict(model, optimizer, options=full_options(cpu_offload=True))
-
-
-def load_full_optimizer_state_dict(model, optimizer, state):
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-    set_optimizer_state_dict(model, optimizer, dict(state), options=full_options())

@@ -12,6 +12,7 @@ from .. import collectives, distributed, sharding
 from ..checkpoint import changes_numbers, refuse_rerun
 from ..config import to_yaml
 from ..errors import UserError, first_line
+from ..sharded_checkpoint import full_state_dicts
 from ..faults import SaveFailed, os_reason
 from ..fileio import atomic_write_text
 from ..preemption import PREEMPTED_EXIT_CODE
@@ -190,7 +191,7 @@ class Lifecycle:
                                       "membership change or preemption")
         if not cfg.checkpoint.no_save and reason != "preempted":
             # sharded (--fsdp): every rank takes part in gathering the whole weights onto the main one
-            whole = sharding.full_model_state_dict(t.model) if sharding.is_sharded(t.model) else None
+            whole = full_state_dicts(t.model)[0] if sharding.is_sharded(t.model) else None
             if t.is_main:
                 self.export_model(whole)
         t.log.info(t.reporting.last_line(reason))

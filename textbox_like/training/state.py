@@ -3,7 +3,7 @@ made of: each stateful part of the run as a ``state_dict`` /
 ``load_state_dict`` pair for :class:`~textbox_like.checkpoint.CheckpointManager`."""
 from __future__ import annotations
 
-from .. import collectives, sharding
+from .. import collectives
 from ..checkpoint import rng_state, set_rng_state
 from ..errors import UserError
 from ..meters import StatSums, TrainClock
@@ -62,13 +62,9 @@ class ModelPart:
         return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     def state_dict(self):
-        if sharding.is_sharded(self.model):
-            return sharding.full_model_state_dict(self.model)
         return self.module().state_dict()
 
     def load_state_dict(self, state):
-        if sharding.is_sharded(self.model):
-            return sharding.load_full_model_state_dict(self.model, state)
         self.module().load_state_dict(state)
 
 
@@ -76,16 +72,11 @@ class OptimizerPart:
     """The optimizer as a checkpoint part, named so that another optimizer's
     state is refused rather than misread."""
 
-    def __init__(self, optimizer, name: str, saved: bool, model=None):
+    def __init__(self, optimizer, name: str, saved: bool):
         self.optimizer, self.name, self.saved = optimizer, name, saved
-        self.model = model  # a sharded model's optimizer state is gathered with the model (sharding.py)
 
     def state_dict(self):
-        if not self.saved:
-            return None
-        if self.model is not None and sharding.is_sharded(self.model):
-            return {**sharding.full_optimizer_state_dict(self.model, self.optimizer.optimizer), "name": self.name}
-        return {**self.optimizer.state_dict(), "name": self.name}
+        return {**self.optimizer.state_dict(), "name": self.name} if self.saved else None
 
     def load_state_dict(self, state):
         state = dict(state)
@@ -93,15 +84,6 @@ class OptimizerPart:
         if name != self.name:
             raise UserError(f"the checkpoint holds {name} state, this run uses {self.name}; "
                             f"pass --reset-optimizer to start {self.name} afresh")
-        sharded = self.model is not None and sharding.is_sharded(self.model)
-        by_name = any(isinstance(key, str) for key in state.get("state", {}))  # a --fsdp run's save
-        if state.get("state") and by_name != sharded:
-            raise UserError(f"the checkpoint's optimizer state was saved by a run {'with' if by_name else 'without'} "
-                            f"--fsdp and this run is {'not ' if sharded is False else ''}sharded; resume "
-                            f"{'with' if by_name else 'without'} --fsdp, or pass --reset-optimizer to start "
-                            f"{self.name} afresh (the weights load either way)")
-        if sharded:
-            return sharding.load_full_optimizer_state_dict(self.model, self.optimizer.optimizer, state)
         self.optimizer.load_state_dict(state)
 
 
