@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from textbox_like.sharded_checkpoint import read_manifest
+
 from conftest import assert_bitwise_equal, clean_env, read_jsonl, write_mnist
 from test_bert_train import bert_data  # noqa: F401 (a fixture)
 from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
@@ -33,11 +35,11 @@ def run(cmd, env=None, timeout=400):
     return out
 
 
-def checkpoint(save_dir):
-    """The run's newest checkpoint_last, whole: a DDP run's file, or a --fsdp
-    run's sharded directory read in one process (model and optimizer by
-    parameter name, with its extra state)."""
-    found = [p for p in (Path(save_dir) / "checkpoint_last.pt", Path(save_dir) / "checkpoint_last.dcp") if p.exists()]
+def checkpoint(save_dir, name="checkpoint_last"):
+    """The run's newest checkpoint ``name``, whole: a DDP run's file, or a
+    --fsdp run's sharded directory read in one process (model and optimizer
+    by parameter name, with its extra state)."""
+    found = [p for p in (Path(save_dir) / f"{name}.pt", Path(save_dir) / f"{name}.dcp") if p.exists()]
     newest = max(found, key=lambda p: os.lstat(p).st_mtime_ns)
     if newest.suffix == ".pt":
         return torch.load(newest, map_location="cpu", weights_only=True)
@@ -111,6 +113,8 @@ def test_fsdp_with_unlike_batches_and_accumulation_equals_one_process(mnist_runs
     assert ("expected per rank: parameters 2.29 MiB, gradients 2.29 MiB, optimizer states 0.00 MiB "
             "(DDP: 9.15 MiB in all)") in start
     assert "sharding" not in next(line for line in err_ddp.splitlines() if line.startswith("task mnist"))
+    # saved sharded: a checkpoint directory, no file checkpoint
+    assert (root / "fsdp" / "checkpoint_last.dcp").is_dir() and not list((root / "fsdp").glob("*.pt"))
     fsdp = checkpoint(root / "fsdp")
     assert fsdp["train"]["num_updates"] == 20
     assert_close(fsdp["model"], checkpoint(root / "one")["model"])
@@ -178,9 +182,9 @@ def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tm
 # ------------------------------------------------------------------ checkpoints
 @pytest.mark.timeout(900)
 def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
-    """Adam (state to shard and gather): every process killed with SIGKILL
-    after a checkpoint, then --resume: the final weights and optimizer state
-    are bitwise those of the run that was never interrupted."""
+    """Adam (state to shard and save): every process killed with SIGKILL
+    after a sharded checkpoint, then --resume from it: the final weights and
+    optimizer state are bitwise those of the run that was never interrupted."""
     def cmd(save_dir):
         return [PY, *map(str, mnist_args(mnist, save_dir, "--max-sentences", "16", "--optimizer", "adam",
                                          "--lr", "0.001", "--max-update", "24", "--update-freq", "1",
@@ -188,26 +192,95 @@ def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
                                          "--fsdp"))]
     run(cmd(tmp_path / "ref"))
     save_dir = tmp_path / "run"
-    code, err = kill_after_checkpoint(cmd(save_dir), save_dir, signal.SIGKILL, min_checkpoint="checkpoint_1_6.pt",
+    code, err = kill_after_checkpoint(cmd(save_dir), save_dir, signal.SIGKILL, min_checkpoint="checkpoint_1_6.dcp",
                                       seed=1, group=True)
     assert code == -signal.SIGKILL, err[-1000:]
     killed_at = checkpoint(save_dir)["train"]["num_updates"]
     assert killed_at % 6 == 0 and killed_at < 24
     out = run(cmd(save_dir) + ["--resume"])
-    assert "resumed from" in out.stderr
+    assert f"resumed from {save_dir / 'checkpoint_last.dcp'}: epoch 1, update {killed_at}" in out.stderr
+    assert not list(save_dir.glob(".*.partial"))  # what a save killed midway left is gone
     final, ref = checkpoint(save_dir), checkpoint(tmp_path / "ref")
     assert final["train"]["num_updates"] == ref["train"]["num_updates"] == 24
     assert_bitwise_equal(final["model"], ref["model"], "model")
     assert_bitwise_equal(final["optimizer"], ref["optimizer"], "optimizer")
-    # the optimizer state is whole (Adam's two moments per parameter, by name), not one rank's shard
+    # the optimizer state is whole (Adam's two moments per parameter), not one rank's shard
     state = final["optimizer"]["state"]
     assert state and all(state[name]["exp_avg"].shape == final["model"][name].shape for name in state)
-    # a run without --fsdp cannot take this optimizer state (keyed by name): one line naming the fixes
-    plain = [c for c in cmd(save_dir) if c != "--fsdp"] + ["--resume", "--max-update", "30"]
-    out = subprocess.run(plain, capture_output=True, text=True, timeout=400, cwd=REPO, env=clean_env())
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "error: the checkpoint's optimizer state was saved by a run with --fsdp and this run is not sharded; " \
-           "resume with --fsdp, or pass --reset-optimizer" in out.stderr and "Traceback" not in out.stderr
+
+
+UPDATES_PER_LEG = 6
+
+
+def leg_args(data, save_dir, world, leg, *extra):
+    """A global batch of 64 on any number of ranks (micro-batches of at most
+    32), SGD with momentum (a state to carry across the resumes), a save at
+    the end of each leg of UPDATES_PER_LEG updates."""
+    return [PY, "run_hetseq.py", "--task", "mnist", "--data", data, "--save-dir", save_dir, "--optimizer", "sgd",
+            "--momentum", "0.9", "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0",
+            "--max-update", UPDATES_PER_LEG * leg, "--save-interval-updates", UPDATES_PER_LEG,
+            "--global-batch-size", "64", "--max-sentences", "32", "--log-format", "simple", "--log-interval", "3",
+            "--threads", "1", "--distributed-timeout", "120", "--disable-validation", "--model_conf", "dropout1=0",
+            "--model_conf", "dropout2=0", "--distributed-world-size", world, *extra,
+            *(["--resume"] if leg > 1 else [])]
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(mnist, tmp_path_factory):
+    """One process over 3 legs uninterrupted, and two runs resumed twice:
+    --fsdp on 2, then 1, then 2 ranks; DDP, then --fsdp, then DDP on 2 ranks."""
+    root = tmp_path_factory.mktemp("fsdp_resumed")
+    run(leg_args(mnist, root / "one", 1, 3))
+    chains = {"ranks": [(2, "--fsdp"), (1, "--fsdp"), (2, "--fsdp")], "ddp": [(2,), (2, "--fsdp"), (2,)]}
+    logs = {}
+    for name, legs in chains.items():
+        logs[name] = [run(leg_args(mnist, root / name, world, leg, *extra)).stderr
+                      for leg, (world, *extra) in enumerate(legs, 1)]
+    return root, logs
+
+
+def assert_each_sample_once(root, name):
+    """Every leg's end equals the uninterrupted one process's update over the
+    same global batches (within 1e-5), and 64 samples were trained per
+    update: no sample skipped or repeated across the resumes."""
+    for leg in (1, 2, 3):
+        update = UPDATES_PER_LEG * leg
+        saved = checkpoint(root / name, f"checkpoint_1_{update}")
+        ref = checkpoint(root / "one", f"checkpoint_1_{update}")
+        assert saved["train"]["num_updates"] == update and saved["train"]["samples_trained"] == 64 * update
+        assert [saved["iterator"][k] for k in ("epoch", "offset")] == [ref["iterator"][k] for k in ("epoch", "offset")]
+        assert_close(saved["model"], ref["model"])
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_resumes_on_one_rank_and_back_on_two_each_sample_once(resumed_runs):
+    root, logs = resumed_runs
+    save = root / "ranks"
+    assert "sharding full over 2 ranks" in logs["ranks"][0]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 6" in logs["ranks"][1]
+    assert "sharding none (--fsdp with one process: nothing to shard)" in logs["ranks"][1]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 12" in logs["ranks"][2]
+    # each leg saved sharded, by the ranks it ran on
+    assert [read_manifest(save / f"checkpoint_1_{u}.dcp")["world_size"] for u in (6, 12, 18)] == [2, 1, 2]
+    assert not list(save.glob("*.pt"))
+    assert_each_sample_once(root, "ranks")
+
+
+@pytest.mark.timeout(900)
+def test_ddp_resumes_under_fsdp_and_back_each_sample_once(resumed_runs):
+    """A DDP run's file checkpoint (optimizer state by parameter id) resumes
+    under --fsdp, whose sharded checkpoint resumes without it: the momentum
+    carried both ways (else the weights would part from the one process's)."""
+    root, logs = resumed_runs
+    save = root / "ddp"
+    assert f"resumed from {save / 'checkpoint_last.pt'}: epoch 1, update 6" in logs["ddp"][1]
+    assert "sharding full over 2 ranks" in logs["ddp"][1]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 12" in logs["ddp"][2]
+    assert (save / "checkpoint_1_6.pt").is_file() and (save / "checkpoint_1_12.dcp").is_dir()
+    assert (save / "checkpoint_1_18.pt").is_file()
+    assert_each_sample_once(root, "ddp")
+    momentum = checkpoint(save, "checkpoint_1_18")["optimizer"]["state"]
+    assert momentum and all(entry["momentum_buffer"].abs().sum() > 0 for entry in momentum.values())
 
 
 # ------------------------------------------------------------------ settings
