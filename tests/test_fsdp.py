@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from textbox_like.sharded_checkpoint import read_manifest
+from textbox_like.sharded_checkpoint import read_extra_state, read_manifest
 
 from conftest import assert_bitwise_equal, clean_env, read_jsonl, write_mnist
 from test_bert_train import bert_data  # noqa: F401 (a fixture)
@@ -44,8 +44,6 @@ def checkpoint(save_dir, name="checkpoint_last"):
     if newest.suffix == ".pt":
         return torch.load(newest, map_location="cpu", weights_only=True)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from textbox_like.sharded_checkpoint import read_extra_state
     with tempfile.TemporaryDirectory() as scratch:
         dcp_to_torch_save(str(newest), f"{scratch}/whole.pt")
         return {**read_extra_state(newest), **torch.load(f"{scratch}/whole.pt", weights_only=True)}
@@ -281,6 +279,43 @@ def test_ddp_resumes_under_fsdp_and_back_each_sample_once(resumed_runs):
     assert_each_sample_once(root, "ddp")
     momentum = checkpoint(save, "checkpoint_1_18")["optimizer"]["state"]
     assert momentum and all(entry["momentum_buffer"].abs().sum() > 0 for entry in momentum.values())
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_survivor_of_a_lost_peer_names_the_last_checkpoint_and_it_resumes(mnist, resumed_runs, tmp_path):
+    """Rank 1 of two --fsdp ranks killed (SIGKILL): the survivor holds only its
+    shards, so it saves nothing, says which checkpoint to resume from and
+    exits 75; the run resumed on one rank from there ends equal to the
+    uninterrupted one process."""
+    import re
+    import time
+    root, _ = resumed_runs
+    save, rdzv = tmp_path / "save", tmp_path / "rdzv"
+    ranks = [subprocess.Popen(list(map(str, leg_args(mnist, save, 2, 3, "--fsdp", "--distributed-timeout", "30",
+                                                     "--distributed-init-method", f"file://{rdzv}",
+                                                     "--distributed-rank", r, "--distributed-no-spawn"))),
+                              cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / f"r{r}.log", "w"), text=True) for r in (0, 1)]
+    log0 = tmp_path / "r0.log"
+    deadline = time.monotonic() + 300
+    while not re.search(r"\| update (9|1[0-7]) \|", log0.read_text()):  # past the save at update 6
+        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+        time.sleep(0.05)
+    ranks[1].kill()
+    assert ranks[0].wait(timeout=200) == 75
+    ranks[1].wait(timeout=60)
+    text = log0.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert "lost a peer of this run" in lines[0] and "under --fsdp a rank holds only its shard" in lines[0], lines
+    named = Path(re.search(r"rerun with --resume from the last checkpoint \((\S+)\)", lines[0]).group(1))
+    assert named.is_dir() and named.suffix == ".dcp" and not list(save.glob("*.pt"))  # no emergency save
+    update = read_extra_state(named)["train"]["num_updates"]
+    assert update in (6, 12)
+    done = run(leg_args(mnist, save, 1, 3, "--fsdp"))
+    assert f"epoch 1, update {update}\n" in done.stderr
+    assert checkpoint(save)["train"]["samples_trained"] == 64 * 18
+    assert_close(checkpoint(save)["model"], checkpoint(root / "one", "checkpoint_1_18")["model"])
 
 
 # ------------------------------------------------------------------ settings
