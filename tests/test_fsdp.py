@@ -2,8 +2,10 @@
 
 An update under --fsdp equals the single-process update over the union of
 its samples (and DDP's), with unlike per-rank batches, --balance,
-accumulation and clipping; a sharded run killed with SIGKILL resumes from
-its last checkpoint to the uninterrupted run's weights."""
+accumulation and clipping; its checkpoints are sharded (.dcp): a run killed
+with SIGKILL resumes from its last one bitwise, a run resumes on another
+number of ranks and between DDP and --fsdp with each sample once, and the
+survivor of a lost peer names the checkpoint to resume from."""
 from __future__ import annotations
 
 import os
