@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+from . import sharding
 from .distributed import bind_device, uses_cuda
 from .errors import UserError
 
@@ -186,9 +187,22 @@ def build_accelerator(cfg, placement, log_with=None):
     if plugin is None:  # not compiling, whatever ACCELERATE_DYNAMO_* say
         from accelerate.utils import TorchDynamoPlugin
         plugin = TorchDynamoPlugin(backend="no")
+    fsdp = {}
+    if sharding.enabled(cfg):
+        launched = cfg.source("fsdp") == "accelerate launch / accelerate config"
+        sources["sharding"] = cfg.source("fsdp") if launched else "--fsdp"
+        if cuda:
+            fsdp["fsdp_plugin"], parallelism = sharding.accelerate_plugin(cfg, placement, chosen)
+            if parallelism is not None:
+                fsdp["parallelism_config"] = parallelism
+    if not fsdp:
+        # the run's settings decide: without --fsdp (or on CPU, where the
+        # trainer shards itself) Accelerate builds no plugin of its own from
+        # what accelerate launch exported
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
     accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp], dynamo_plugin=plugin,
                               step_scheduler_with_optimizer=False, log_with=log_with or None,
-                              project_dir=cfg.checkpoint.save_dir if log_with else None)
+                              project_dir=cfg.checkpoint.save_dir if log_with else None, **fsdp)
     if accelerator.num_processes != placement.world_size:
         raise UserError(f"Accelerate sees {accelerator.num_processes} process(es) but this run has "
                         f"{placement.world_size}; on a machine without CUDA start with "

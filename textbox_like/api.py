@@ -105,7 +105,9 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     from .checkpoint import load_checkpoint
     from .cli import parse
     from .errors import notes_muted
-    state = load_checkpoint(checkpoint)
+    from .sharded_checkpoint import claims_to_be_sharded, consolidated_state
+    # a sharded (FSDP) run's checkpoint: its full weights gathered from the shards
+    state = consolidated_state(checkpoint) if claims_to_be_sharded(checkpoint) else load_checkpoint(checkpoint)
     saved = yaml.safe_load(state["config"])
     with notes_muted():  # the training run's notes, said to it already
         cfg = parse(overrides={**saved, **({"data": data} if data else {}),

@@ -494,6 +494,14 @@ class RankTimer:
         self.add("compute", self.started, self.grads_at)
         self.started = None
 
+    def backward_done(self):
+        """After a backward whose gradients the hook cannot see: FSDP's
+        sharded parameters are not in the autograd graph (their gathered
+        copies are), so compute runs to the end of the backward, its
+        all-gathers and reduce-scatters included."""
+        if self.started is not None:
+            self.grads_done(None)
+
     def synced(self):
         """After the backward that all-reduced: the wait since the last gradient."""
         if self.grads_at is not None:

@@ -96,7 +96,8 @@ def run_held_in(directory) -> str | None:
     directory that is empty or holds only a config.yaml (a run that failed
     before training) is not a run."""
     directory = Path(directory)
-    found = checkpoints_newest_first(directory)
+    # a sharded (FSDP) run's checkpoints are directories (sharded_checkpoint.py), named last
+    found = checkpoints_newest_first(directory) + sorted(p for p in directory.glob("checkpoint*.dcp") if p.is_dir())
     if found:
         newest = found[0]
         try:
@@ -358,25 +359,32 @@ class CheckpointManager:
             path = Path(cfg.restore_file)
             if not path.is_absolute() and not path.exists() and (self.dir / path).exists():
                 path = self.dir / path
-            if not path.is_file():
+            if not self.is_checkpoint(path):
                 raise UserError(f"--restore-file {cfg.restore_file}: no such checkpoint")
             return path
         if cfg.resume:
-            path = self.dir / "checkpoint_last.pt"
-            found = self.candidates()
-            # checkpoint_last.pt is copied from the save's first name: a run
+            found = self.candidates()  # newest first, checkpoint_last first among equals
+            last = next((p for p in found if p.stem == "checkpoint_last"), None)
+            # checkpoint_last is copied from the save's first name: a run
             # killed in between leaves that one newer (or last missing)
-            if found and not cfg.no_last_checkpoints and found[0].name != path.name and (
-                    not path.is_file() or found[0].stat().st_mtime_ns > path.stat().st_mtime_ns):
+            if found and not cfg.no_last_checkpoints and found[0] != last:
                 return found[0]
-            return path if path.is_file() else None
+            return last
         return None
+
+    def is_checkpoint(self, path) -> bool:
+        """Whether ``path`` is a checkpoint this manager reads (a file; the sharded manager's directories too)."""
+        return Path(path).is_file()
+
+    def read(self, path) -> dict:
+        """A checkpoint's state, verified (sharded_checkpoint.py's manager reads its directories too)."""
+        return load_checkpoint(path)
 
     def load_newest(self, path, log):
         """(state, path): ``path`` if it loads and verifies; under --resume
         (not an explicit --restore-file) else the newest checkpoint that does."""
         try:
-            return load_checkpoint(path), path
+            return self.read(path), path
         except UserError as exc:
             if self.cfg.restore_file:
                 raise
@@ -385,7 +393,7 @@ class CheckpointManager:
                 if other.samefile(path):
                     continue
                 try:
-                    state = load_checkpoint(other)
+                    state = self.read(other)
                 except UserError as also:
                     skipped.append(str(also))
                     continue

@@ -55,13 +55,17 @@ def read_bert_checkpoint(checkpoint, tasks=("bert",)) -> dict:
     """Our checkpoint of a BERT run (or of one of ``tasks``; None: of any
     task), or one line saying what it is instead."""
     from .checkpoint import load_checkpoint
+    from .sharded_checkpoint import claims_to_be_sharded, consolidated_state
 
     path = Path(checkpoint)
-    if path.is_dir():
+    if claims_to_be_sharded(path):  # a sharded (FSDP) run's: its full weights gathered from the shards
+        state = consolidated_state(path)
+    elif path.is_dir():
         inside = path / "checkpoint_last.pt"
         hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
         raise UserError(f"{str(path)!r} is a directory, not a checkpoint file{hint}")
-    state = load_checkpoint(path)
+    else:
+        state = load_checkpoint(path)
     if tasks is not None and state.get("task") not in tasks:
         raise UserError(f"{str(path)!r} is a checkpoint of task {state.get('task')!r}; only checkpoints of "
                         f"--task bert and --task hf export to transformers")
@@ -247,7 +251,8 @@ def build_parser():
                     "model.safetensors, vocab.txt) for BertForPreTraining/AutoModel.from_pretrained; a --task hf "
                     "checkpoint as its own model class's save_pretrained directory with its tokenizer; any other "
                     "task's as its model's weights (model.safetensors, or save_pretrained) with config.yaml.")
-    parser.add_argument("checkpoint", metavar="CKPT", help="a run's checkpoint, e.g. OUT/checkpoint_best.pt")
+    parser.add_argument("checkpoint", metavar="CKPT", help="a run's checkpoint, e.g. OUT/checkpoint_best.pt (or a "
+                        "sharded run's OUT/checkpoint_best.dcp)")
     parser.add_argument("--to", required=True, metavar="DIR", help="new or empty output directory")
     parser.add_argument("--dict", default=None, metavar="VOCAB",
                         help="vocab.txt to ship (default: the run's --dict, or the vocab.txt beside its data)")

@@ -115,6 +115,43 @@ def environment_settings(environ=None) -> dict:
     steps = environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").strip()
     if steps.isdigit() and int(steps) > 0:
         out["update_freq"] = [int(steps)]
+    out.update(fsdp_environment_settings(environ))
+    return out
+
+
+#: accelerate launch --fsdp_auto_wrap_policy -> --fsdp-wrap
+FSDP_WRAPS = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}
+
+
+def fsdp_environment_settings(environ) -> dict:
+    """``accelerate launch --use_fsdp --fsdp_version 2`` (or ``accelerate
+    config``'s FSDP section) as our --fsdp settings: the launcher exports
+    ACCELERATE_USE_FSDP and FSDP_* variables. Only FSDP2 is built here."""
+    if environ.get("ACCELERATE_USE_FSDP", "false").strip().lower() not in ("true", "1", "yes"):
+        return {}
+    version = environ.get("FSDP_VERSION", "1").strip()
+    if version != "2":
+        raise UserError(f"accelerate launch --use_fsdp asks for FSDP version {version}; this trainer shards with "
+                        f"FSDP2 only: add --fsdp_version 2 (or set fsdp_version: 2 in accelerate config)")
+    truthy = ("true", "1", "yes")
+    out = {"fsdp": True}
+    reshard = environ.get("FSDP_RESHARD_AFTER_FORWARD", "").strip()
+    if reshard:  # FSDP2's bool, or FSDP1's strategy names, as Accelerate reads them
+        out["fsdp_reshard_after_forward"] = reshard.lower() in truthy or reshard.upper() == "FULL_SHARD"
+        if reshard.upper() == "HYBRID_SHARD":
+            out["fsdp_sharding"], out["fsdp_reshard_after_forward"] = "hybrid", True
+    wrap = environ.get("FSDP_AUTO_WRAP_POLICY", "").strip().upper()
+    if wrap in FSDP_WRAPS:
+        out["fsdp_wrap"] = FSDP_WRAPS[wrap]
+    if environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").strip():
+        out["fsdp_block_classes"] = [name.strip() for name in environ["FSDP_TRANSFORMER_CLS_TO_WRAP"].split(",")
+                                     if name.strip()]
+    if environ.get("FSDP_MIN_NUM_PARAMS", "").strip().isdigit() and int(environ["FSDP_MIN_NUM_PARAMS"]) > 0:
+        out["fsdp_min_params"] = int(environ["FSDP_MIN_NUM_PARAMS"])
+    if environ.get("FSDP_OFFLOAD_PARAMS", "").strip().lower() in truthy:
+        out["fsdp_cpu_offload"] = True
+    if environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").strip().lower() in truthy:
+        out["checkpointing"] = True
     return out
 
 

@@ -256,7 +256,8 @@ def groups_for(ns):
     compat.check_optimizer_name(ns.optimizer, OPTIMIZERS, SCHEDULERS)
     ns.optimizer = OPTIMIZERS.canonical(ns.optimizer)
     ns.lr_scheduler = SCHEDULERS.canonical(ns.lr_scheduler)
-    return [*GROUPS, *(plugin_group(part, getattr(ns, chooser)) for part, (chooser, _) in PLUGIN_PARTS.items())]
+    shown = [group for group in GROUPS if group != "sharding" or ns.fsdp]
+    return [*shown, *(plugin_group(part, getattr(ns, chooser)) for part, (chooser, _) in PLUGIN_PARTS.items())]
 
 
 def user_dir_given(argv=(), overrides=None):

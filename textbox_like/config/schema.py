@@ -35,7 +35,8 @@ from .value_types import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, absolute_path,
 #: the printed groups, in order, with their titles in --help; a plugin's
 #: options follow them (plugin_group)
 GROUPS = {"common": "task and data", "optimization": "optimization", "validation": "validation",
-          "checkpoint": "checkpoints and resuming", "logging": "logging", "distributed": "distributed training"}
+          "checkpoint": "checkpoints and resuming", "logging": "logging", "distributed": "distributed training",
+          "sharding": "sharded data parallel (printed and saved where --fsdp is on)"}
 
 #: the plugins' own options in a RunConfig: its attribute -> (the setting that
 #: chooses the plugin, the plugin's kind in --help's group titles)
@@ -291,6 +292,23 @@ class DistributedConfig(Section):
 
 
 @dataclass(frozen=True)
+class ShardingConfig(Section):
+    """--fsdp: parameters, gradients and optimizer states sharded over the
+    ranks (FSDP2's fully_shard; Accelerate's FSDP2 plugin on CUDA, ours on CPU).
+    Its group is printed only where --fsdp is on (resolution.groups_for):
+    the configuration of a run without it reads as before."""
+    group = "sharding"
+
+    fsdp: bool = setting(False, "shard parameters, gradients and optimizer states over the ranks instead of DDP's full copy per rank (FSDP2; accelerate launch --use_fsdp --fsdp_version 2 sets it); the same update as DDP, mixed precision follows the run's (bf16/fp16 parameters, float32 gradient reduction); activation checkpointing is --checkpointing", switch=True)
+    fsdp_sharding: str = setting('full', 'with --fsdp: full (over all ranks), hybrid (within each node, replicated across nodes) or none (every rank a full copy, as DDP)', choices=['full', 'hybrid', 'none'])
+    fsdp_wrap: str = setting('block', "with --fsdp: the units gathered one at a time: block (the model's own layer class: its _no_split_modules, or --fsdp-block-classes), size (submodules of at least --fsdp-min-params parameters) or none (the whole model as one unit)", choices=['block', 'size', 'none'])
+    fsdp_block_classes: list = setting('', 'with --fsdp --fsdp-wrap block: the layer classes to wrap, by class name, comma-separated (default: the model\'s _no_split_modules)', type=STR_LIST, metavar='NAMES')
+    fsdp_min_params: int = setting(100000000, 'with --fsdp --fsdp-wrap size: the fewest parameters of a unit', type=positive_int, metavar='N')
+    fsdp_reshard_after_forward: bool = setting(True, 'with --fsdp: free the gathered parameters after forward and gather them again in backward (less memory, one more all-gather per unit)', type=BOOL)
+    fsdp_cpu_offload: bool = setting(False, "with --fsdp on CUDA: keep parameters, gradients and optimizer states in CPU memory, copied to the GPU per unit (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)", switch=True)
+
+
+@dataclass(frozen=True)
 class SearchConfig(Section):
     """The options of run_hyper.py and run_multi_seed.py themselves (not a
     trainer section: not in SECTIONS; every other option of those command
@@ -348,7 +366,8 @@ class SearchConfig(Section):
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "schedule": ScheduleConfig,
             "numerics": NumericsConfig, "validation": ValidationConfig, "checkpoint": CheckpointConfig,
-            "logging": LoggingConfig, "runtime": RuntimeConfig, "distributed": DistributedConfig}
+            "logging": LoggingConfig, "runtime": RuntimeConfig, "distributed": DistributedConfig,
+            "sharding": ShardingConfig}
 
 
 def declared_settings():
@@ -381,6 +400,7 @@ class RunConfig:
     logging: LoggingConfig
     runtime: RuntimeConfig
     distributed: DistributedConfig
+    sharding: ShardingConfig
     task_options: Section = field(default_factory=NoOptions)
     optimizer_options: Section = field(default_factory=NoOptions)
     scheduler_options: Section = field(default_factory=NoOptions)
@@ -392,7 +412,10 @@ class RunConfig:
         """From resolved values by setting name; ``plugin_sections``: the
         sections of the chosen task's, optimizer's and scheduler's own options
         (by PLUGIN_PARTS' names)."""
-        sections = {name: section(**{f.name: values[f.name] for f in section.settings()})
+        # the sharding group is printed only under --fsdp (resolution.groups_for):
+        # a configuration written from a run's keys may lack it, and means its defaults
+        sections = {name: section(**{f.name: values[f.name] for f in section.settings()
+                                     if f.name in values or name != "sharding"})
                     for name, section in SECTIONS.items()}
         plugins = {part: section(**{f.name: values[f.name] for f in section.settings()})
                    for part, section in plugin_sections.items()}

@@ -107,6 +107,9 @@ class BertForPreTrainingMasked(BertForPreTraining):
     row ``b*P + j`` belong to position ``masked_lm_positions[b, j]``. Without
     ``masked_lm_positions`` it is ``BertForPreTraining.forward``.
     """
+    # the layer FSDP (ours and Accelerate's) shards as one unit; transformers'
+    # BERT declares none, and the tied MLM decoder must stay with the embeddings (the root)
+    _no_split_modules = ["BertLayer"]
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None,
                 masked_lm_positions=None, **kwargs):
@@ -119,7 +122,15 @@ class BertForPreTrainingMasked(BertForPreTraining):
             # An empty batch (e.g. a rank with nothing left): outputs of the
             # right shapes that still touch every trainable parameter, so that
             # backward and gradient all-reduce behave as for a real batch.
-            anchor = sum(p.reshape(-1)[:1].sum() for p in self.parameters() if p.requires_grad) * 0.0
+            from ..sharding import is_sharded
+            if is_sharded(self):
+                # --fsdp: every layer's forward all-gathers its shards (the other ranks wait in
+                # them), and outside forward the parameters are shards: run them on one padding token
+                out = self.bert(input_ids=input_ids.new_zeros((1, 1)), return_dict=True)
+                anchor = (self.cls.predictions(out.last_hidden_state[:, 0]).sum()
+                          + self.cls.seq_relationship(out.pooler_output).sum()) * 0.0
+            else:
+                anchor = sum(p.reshape(-1)[:1].sum() for p in self.parameters() if p.requires_grad) * 0.0
             mlm = input_ids.new_zeros((0, vocab), dtype=torch.float32) + anchor
             nsp = input_ids.new_zeros((0, 2), dtype=torch.float32) + anchor
             return mlm, nsp

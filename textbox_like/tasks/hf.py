@@ -440,7 +440,10 @@ class HFTask(Task):
         inputs = {"input_ids": token, "attention_mask": torch.ones_like(token)}
         if self.head == "seq2seq":
             inputs["labels"] = token  # the decoder's inputs come from them
-        anchor = (model(**inputs).logits.float().sum() + sum(p.reshape(-1)[:1].sum() for p in params)) * 0.0
+        from .. import sharding
+        # under --fsdp the parameters are shards (DTensors) outside forward: the forward alone touches them
+        touched = 0.0 if sharding.is_sharded(model) else sum(p.reshape(-1)[:1].sum() for p in params)
+        anchor = (model(**inputs).logits.float().sum() + touched) * 0.0
         count = torch.zeros((), dtype=torch.long, device=anchor.device)
         stats = {"loss_sum": anchor.detach().float(), "nsamples": 0, "ntokens": count.clone()}
         if self.head == "sequence_classification":

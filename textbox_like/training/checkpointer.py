@@ -1,14 +1,15 @@
 """Saving: when a save is due (every --save-interval-updates, a
 --snapshot-interval crossed), and the save itself, which every rank takes
-part in (CheckpointManager writes on the main one)."""
+part in (a file checkpoint is written by the main one; under --fsdp every
+rank writes its shards of a sharded checkpoint: sharded_checkpoint.py)."""
 from __future__ import annotations
 
 import time
 
-from .. import collectives, distributed
-from ..checkpoint import CheckpointManager
+from .. import collectives, distributed, sharding
 from ..config import to_yaml
 from ..faults import Diverged, SaveFailed
+from ..sharded_checkpoint import ShardedCheckpointManager
 from .due import crosses, every
 from .state import LossScalerPart, ModelPart, OptimizerPart, RNGPart
 
@@ -25,10 +26,13 @@ class Checkpointer:
                  "scaler": LossScalerPart(acc), "rng": RNGPart(acc, t.reseed, t.host_group)}
         if t.global_batch.balancer is not None:
             parts["balance"] = t.global_batch.balancer
-        self.checkpoints = CheckpointManager(
+        # --fsdp saves sharded checkpoints (every rank its shards); any run
+        # resumes from the newest of either format, so a run moves between
+        # DDP and --fsdp across a --resume
+        self.checkpoints = ShardedCheckpointManager(
             cfg.checkpoint, metadata={"task": cfg.data.task, "world_size": t.world, "config": to_yaml(cfg),
                                   "precision": {"mixed": acc.mixed_precision, "source": t.sources["precision"]}},
-            parts=parts, is_main=t.is_main)
+            parts=parts, is_main=t.is_main, saves_sharded=sharding.enabled(cfg), group=distributed.long_group())
         self.snapshot = False  # the last update taken crossed a multiple of --snapshot-interval samples
 
     def count_samples(self, samples_in_update: int):
@@ -64,7 +68,7 @@ class Checkpointer:
             return
         started = time.perf_counter()
         t.reporting.fold_log_window()  # so the saved meters are already summed over ranks
-        if not all(bool(p.isfinite().all()) for p in t.grad_params):
+        if not all(bool(sharding.full_value(p.isfinite().all())) for p in t.grad_params):
             raise Diverged(f"the weights are not finite at update {state.num_updates}; not saving them. "
                            f"The last finite checkpoint is {self.checkpoints.newest_good()}")
         failure = None

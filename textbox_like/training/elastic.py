@@ -69,6 +69,14 @@ def peer_lost(trainer, exc) -> int:
     if not trainer.checkpointer.checkpoints.enabled:
         print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    from .. import sharding
+    if sharding.is_sharded(trainer.model):
+        # a survivor holds its shard only, and gathering the rest needs the lost peer
+        last = trainer.checkpointer.checkpoints.newest_good()
+        trainer.lifecycle.release_save_dir()
+        print(f"error: {where}; under --fsdp a rank holds only its shard of the weights, so nothing is saved "
+              f"now: rerun with --resume from the last checkpoint ({last or 'none saved yet'})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     path, update = emergency_save(trainer)
     saved = f"saved update {update} to {path}" if path is not None else f"another survivor saved update {update}"
     how = ("torchrun restarts the workers and they resume from it by themselves" if trainer.agent is not None

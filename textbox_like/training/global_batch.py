@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from .. import collectives, distributed
+from .. import collectives, distributed, sharding
 from ..errors import UserError, note
 
 
@@ -77,7 +77,10 @@ class GlobalBatch:
         """The memory cap of a share's micro-batches on CUDA."""
         from .. import balance
         t = self.trainer
-        probe = balance.memory_probe(t.accelerator.device) if self.balancer is not None else None
+        # not under --fsdp: every forward all-gathers, so a rank that runs out
+        # of memory mid-update cannot redo it while the others wait in a collective
+        probe = balance.memory_probe(t.accelerator.device) \
+            if self.balancer is not None and not sharding.is_sharded(t.model) else None
         # the out-of-memory protocol has collectives: with unlike devices (CUDA
         # beside CPU), every rank takes part if any rank's memory is guarded
         if self.balancer is not None and t.world > 1 and \
@@ -145,7 +148,7 @@ class GlobalBatch:
         while True:
             sizes, units = self.micro_batch_plan(batch, tokens)
             if self.memory is None:
-                return t.step.backward([t.to_device(b) for b in cut_batch(batch, sizes)], totals), sum(units)
+                return t.step.backward([t.to_device(b) for b in self.same_count(batch, sizes)], totals), sum(units)
             timed = t.timing.timer.snapshot()
             self.memory.before(update)
             by_hand = redoing or update <= self.memory.measure_at  # the same on every rank
@@ -162,6 +165,18 @@ class GlobalBatch:
             t.optimizer.zero_grad(set_to_none=True)
             t.timing.timer.restore(timed)
             redoing = True
+
+    def same_count(self, batch, sizes) -> list:
+        """This rank's micro-batches; under --fsdp as many as the rank with
+        the most (empty ones added): every forward and backward all-gathers
+        and reduce-scatters, and FSDP has no Join as DDP has."""
+        from ..data.base import cut_batch
+        t = self.trainer
+        batches = cut_batch(batch, sizes)
+        if t.world > 1 and sharding.is_sharded(t.model):
+            most = max(collectives.one_per_rank(len(sizes), t.world, t.host_group))
+            batches += [cut_batch(batch, [0])[0] for _ in range(most - len(sizes))]
+        return batches
 
     def try_share(self, batch, sizes, units, totals, update, by_hand):
         """One attempt at this rank's share under the memory guard: (stats,

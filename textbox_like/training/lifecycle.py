@@ -8,10 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from .. import collectives, distributed
+from .. import collectives, distributed, sharding
 from ..checkpoint import changes_numbers, refuse_rerun
 from ..config import to_yaml
 from ..errors import UserError, first_line
+from ..sharded_checkpoint import full_state_dicts
 from ..faults import SaveFailed, os_reason
 from ..fileio import atomic_write_text
 from ..preemption import PREEMPTED_EXIT_CODE
@@ -188,8 +189,11 @@ class Lifecycle:
             elif t.agent is not None:  # torchrun stops workers with SIGTERM when a node joins
                 elastic.write_handoff(cfg.checkpoint.save_dir, t.agent, state.num_updates, t.global_batch.total(),
                                       "membership change or preemption")
-        if t.is_main and not cfg.checkpoint.no_save and reason != "preempted":
-            self.export_model()
+        if not cfg.checkpoint.no_save and reason != "preempted":
+            # sharded (--fsdp): every rank takes part in gathering the whole weights onto the main one
+            whole = full_state_dicts(t.model)[0] if sharding.is_sharded(t.model) else None
+            if t.is_main:
+                self.export_model(whole)
         t.log.info(t.reporting.last_line(reason))
         timer = t.timing.timer
         if t.world > 1 and timer is not None:
@@ -221,14 +225,19 @@ class Lifecycle:
         except OSError as exc:
             raise SaveFailed(f"could not write {path} ({os_reason(exc)}); the checkpoints are kept") from None
 
-    def export_model(self):
+    def export_model(self, whole=None):
         """The task's export of the trained model (``Task.export_at_end``); a
         failure to write it is one warning: the checkpoints are whole, and
-        ``textbox-like export`` writes it from them."""
+        ``textbox-like export`` writes it from them. ``whole``: a sharded
+        model's gathered weights, exported from an unsharded copy."""
         t = self.trainer
+        if whole is None:
+            model = t.accelerator.unwrap_model(t.model, keep_torch_compile=False)
+        else:
+            model = t.task.build_model()
+            model.load_state_dict(whole)
         try:
-            path = t.task.export_at_end(t.accelerator.unwrap_model(t.model, keep_torch_compile=False),
-                                        t.cfg.checkpoint.save_dir)
+            path = t.task.export_at_end(model, t.cfg.checkpoint.save_dir)
         except OSError as exc:
             print(f"warning: the model could not be exported into {t.cfg.checkpoint.save_dir} ({os_reason(exc)}); "
                   f"the checkpoints are kept: write it with textbox-like export", file=sys.stderr)

@@ -156,6 +156,7 @@ class Reporting:
                                           if acc.device.type == "cpu" else "")
                 + f" | precision {self.precision_name()}" + (f" ({sources})" if sources else "")
                 + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
+                + (f" | {t.sharding_line}" if t.sharding_line else "")
                 + f" | {t.global_batch.describe()} | train {len(t.train_data):,} samples"
                 + ("" if cfg.validation.disable_validation else
                    f" | best {t.state.best_metric} ({'higher' if t.state.maximize else 'lower'} is better)")

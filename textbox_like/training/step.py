@@ -9,6 +9,7 @@ import contextlib
 import math
 import time
 
+from .. import sharding
 from ..errors import first_line
 from ..faults import Diverged, HostCopy
 
@@ -117,7 +118,7 @@ class UpdateStep:
         out = []
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1 and sync
-            with contextlib.nullcontext() if last else acc.no_sync(t.model):
+            with contextlib.nullcontext() if last else sharding.no_sync(acc, t.model):
                 if timer is not None:
                     timer.forward_starts()
                 terms, stats = task.loss(t.model, batch)
@@ -129,6 +130,8 @@ class UpdateStep:
                 flight.all_reducing = last
                 acc.backward(loss)
                 flight.all_reducing = False
+                if timer is not None and sharding.is_sharded(t.model):
+                    timer.backward_done()
             if last and timer is not None:
                 timer.synced()
             out.append(stats)
@@ -169,10 +172,17 @@ class UpdateStep:
         import torch
         t = self.trainer
         acc, params, clip = t.accelerator, t.grad_params, t.cfg.schedule.clip_norm
+        if sharding.is_sharded(t.model) and acc.scaler is None:
+            # sharded gradients (DTensors): the norm over all shards, then each shard clipped by it
+            norm = sharding.full_value(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+            if clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+            return norm
         if clip > 0:
-            return acc.clip_grad_norm_(params, clip)
+            return sharding.full_value(acc.clip_grad_norm_(params, clip))
         if acc.scaler is not None:  # the scaler guards: the norm only for the log
-            return acc.clip_grad_norm_(params, float("inf")) if t.reporting.should_log(ahead=1) else None
+            return sharding.full_value(acc.clip_grad_norm_(params, float("inf"))) \
+                if t.reporting.should_log(ahead=1) else None
         if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: no clipping pass
             return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return acc.clip_grad_norm_(params, float("inf"))

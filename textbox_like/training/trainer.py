@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from .. import distributed
+from .. import distributed, sharding
 from ..errors import UserError
 from ..faults import check_writable
 from ..meters import Logger
@@ -76,7 +76,7 @@ class Trainer:
         from ..trackers import log_with, requested
         cfg = self.cfg
         trackers = requested(cfg.logging)  # before any process group: a missing package is one line
-        placement = distributed.placement_from_env(cfg) or distributed.Placement()
+        self.placement = placement = distributed.placement_from_env(cfg) or distributed.Placement()
         # processes sharing a node share its cores; Accelerate would otherwise
         # set 2 threads each, whatever the machine
         threads = cfg.runtime.threads or max(1, distributed.usable_cpus() // max(placement.local_world_size, 1))
@@ -126,9 +126,20 @@ class Trainer:
         self.compiled_regions = compile_regions(acc, model)
         if self.compiled_regions is not None:
             self.sources["compile"] += f", regions {', '.join(self.compiled_regions)} on {acc.device.type}"
+        cuda = acc.device.type == "cuda"
+        ours = sharding.enabled(cfg) and self.world > 1 and not cuda
+        if ours:  # Accelerate has no FSDP on CPU: sharded here, before the optimizer holds the parameters
+            sharding.shard_model(model, cfg, self.placement, acc.device.type, acc.mixed_precision)
         optimizer = build_optimizer(cfg.optim, self.task.param_groups(model, cfg.optim.weight_decay),
-                                    fused_default=acc.device.type == "cuda" and acc.scaler is None)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+                                    fused_default=cuda and acc.scaler is None)
+        if ours:  # placement and autocast, without the DDP wrapper prepare() would add
+            self.model, self.optimizer = acc.prepare_model(model, evaluation_mode=True), acc.prepare_optimizer(optimizer)
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.sharding_line = None  # the start line's sharding, where the model is sharded
+        if sharding.enabled(cfg):
+            self.sharding_line = sharding.describe(self.model, cfg, self.placement, cuda, self.n_params) \
+                if sharding.is_sharded(self.model) else "sharding none (--fsdp with one process: nothing to shard)"
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
         # each rank its own dropout stream; rank 0 keeps the seed's own stream

@@ -1,0 +1,492 @@
+"""Sharded checkpoints (textbox_like.sharded_checkpoint): two real processes
+over gloo shard an MLP and the MNIST network with FSDP2's ``fully_shard``,
+train them with Adam and save (tests/sharded_checkpoint_worker.py); the
+saves load bitwise in two ranks and go on training bitwise, load in one
+process and from one process's save, take a DDP-style full state, survive a
+kill -9 in the middle of a save, refuse a damaged shard in one line, and
+export the full weights."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from textbox_like.errors import UserError
+from textbox_like.sharded_checkpoint import (consolidated_state, export_model_weights, is_sharded_checkpoint,
+                                             load_sharded, read_manifest, remove_leftovers, save_sharded,
+                                             sharded_checkpoints_newest_first)
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("sharded_checkpoint_worker.py")
+MODELS = ["mlp", "mnist"]
+spec_ = importlib.util.spec_from_file_location("sharded_checkpoint_worker", WORKER)
+worker = importlib.util.module_from_spec(spec_)
+spec_.loader.exec_module(worker)
+
+
+# ---------------------------------------------------------------- helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(spec: dict, world: int) -> list:
+    """``world`` worker processes, each the leader of its own process group."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.pop("TEXTBOX_LIKE_TEST_DELAY", None)
+        log = open(Path(spec["out"]) / f"log{rank}", "w")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env, cwd=REPO,
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def run_ranks(spec: dict, world: int, timeout=900):
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+    procs = start_ranks(spec, world)
+    for proc in procs:
+        proc.wait(timeout=timeout)
+    logs = "\n".join((Path(spec["out"]) / f"log{r}").read_text()[-3000:] for r in range(world))
+    assert all(p.returncode == 0 for p in procs), logs
+
+
+def assert_same(a, b, where="state"):
+    """Equal bit for bit: tensors of the same dtype, shape and bytes; the same keys and values elsewhere."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
+        as_bytes = [t.detach().reshape(-1).contiguous().view(torch.uint8) for t in (a, b)]
+        assert torch.equal(*as_bytes), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(map(str, a)), sorted(map(str, b)))
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def dumped(out: Path, name: str):
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def full_state(model, optimizer) -> dict:
+    """A process's own (unsharded) model and optimizer as a DDP run's checkpoint holds them."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+# ---------------------------------------------------------------- runs
+@pytest.fixture(scope="module")
+def two_rank_save(tmp_path_factory):
+    """Two ranks train 3 updates, save (checkpoint_1_3 and checkpoint_last),
+    then go on for 2 more: each rank's shards and the full state dumped at both points."""
+    root = tmp_path_factory.mktemp("sharded2")
+    spec = {"out": str(root / "out"), "models": MODELS, "steps": [
+        {"do": "train", "first": 0, "last": 3},
+        {"do": "save", "dir": str(root / "save"), "names": ["checkpoint_1_3.pt", "checkpoint_last.pt"], "update": 3},
+        {"do": "dump", "tag": "saved"},
+        {"do": "train", "first": 3, "last": 5},
+        {"do": "dump", "tag": "continued"}]}
+    run_ranks(spec, 2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_process_save(tmp_path_factory):
+    """This process (no process group, no sharding) trains 3 updates and saves
+    sharded and as a DDP run's file state."""
+    root = tmp_path_factory.mktemp("sharded1")
+    states = {}
+    for kind in MODELS:
+        model, optimizer = worker.build(kind, shard=False)
+        worker.train(kind, model, optimizer, 0, 3, rank=0)
+        (root / "save" / kind).mkdir(parents=True)
+        save_sharded(root / "save" / kind, ["checkpoint_last.pt"], model, optimizer,
+                     {**worker.run_metadata(kind), "train": {"num_updates": 3}})
+        states[kind] = full_state(model, optimizer)
+        (root / "ddp").mkdir(exist_ok=True)
+        torch.save(states[kind], root / "ddp" / f"{kind}.pt")
+    return root, states
+
+
+@pytest.fixture(scope="module")
+def two_rank_loads(two_rank_save, one_process_save, tmp_path_factory):
+    """Two fresh ranks load the two-rank save and train 2 more updates; then,
+    into fresh models, the one-process save and the DDP file state."""
+    root = tmp_path_factory.mktemp("sharded2load")
+    one_root, _ = one_process_save
+    spec = {"out": str(root / "out"), "models": MODELS, "steps": [
+        {"do": "load", "path": str(two_rank_save / "save" / "{model}" / "checkpoint_last.dcp")},
+        {"do": "dump", "tag": "loaded"},
+        {"do": "train", "first": 3, "last": 5},
+        {"do": "dump", "tag": "resumed"},
+        {"do": "build"},
+        {"do": "load", "path": str(one_root / "save" / "{model}" / "checkpoint_last.dcp")},
+        {"do": "dump", "tag": "from_one"},
+        {"do": "build"},
+        {"do": "load_full", "path": str(one_root / "ddp" / "{model}.pt")},
+        {"do": "dump", "tag": "from_ddp"},
+        {"do": "manager_save", "dir": str(root / "managed"), "first": 3, "last": 6},
+        {"do": "dump", "tag": "managed"}]}
+    run_ranks(spec, 2)
+    return root
+
+
+# ---------------------------------------------------------------- (a) same world size
+@pytest.mark.parametrize("kind", MODELS)
+def test_two_ranks_resume_bitwise(two_rank_save, two_rank_loads, kind):
+    """Each rank's shards of the parameters and of Adam's state after the load
+    are the saved ones bit for bit, and 2 more updates give the same bits as the run that went on."""
+    saved_out, loaded_out = two_rank_save / "out", two_rank_loads / "out"
+    for rank in (0, 1):
+        assert_same(dumped(loaded_out, f"{kind}.loaded.local{rank}"), dumped(saved_out, f"{kind}.saved.local{rank}"))
+        assert_same(dumped(loaded_out, f"{kind}.resumed.local{rank}"),
+                    dumped(saved_out, f"{kind}.continued.local{rank}"))
+    # the shards are halves: the two ranks' pieces differ (not one replicated copy)
+    a, b = (dumped(saved_out, f"{kind}.saved.local{r}")["model"] for r in (0, 1))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_save_is_published_whole_under_each_name(two_rank_save):
+    """Every name is a published checkpoint of its own data (copies, not one
+    directory), both verify, and nothing half-written is left."""
+    save = two_rank_save / "save" / "mlp"
+    newest = sharded_checkpoints_newest_first(save)
+    assert [p.name for p in newest] == ["checkpoint_last.dcp", "checkpoint_1_3.dcp"]
+    assert all(is_sharded_checkpoint(p) for p in newest)
+    assert newest[0].resolve() != newest[1].resolve()
+    manifests = [read_manifest(p) for p in newest]
+    assert manifests[0]["files"] == manifests[1]["files"] and manifests[0]["world_size"] == 2
+    assert not [p for p in save.iterdir() if p.name.endswith(".partial")]
+    assert sorted(manifests[0]["files"]) == sorted(p.name for p in newest[0].iterdir() if p.name != "manifest.json")
+
+
+# ---------------------------------------------------------------- (b) other world sizes, DDP <-> FSDP
+@pytest.mark.parametrize("kind", MODELS)
+def test_one_process_loads_a_two_rank_save(two_rank_save, kind):
+    model, optimizer = worker.build(kind, shard=False)
+    extra = load_sharded(two_rank_save / "save" / kind / "checkpoint_last.dcp", model, optimizer)
+    assert extra["train"] == {"num_updates": 3} and extra["task"] == worker.run_metadata(kind)["task"]
+    assert_same(full_state(model, optimizer), dumped(two_rank_save / "out", f"{kind}.saved.full"))
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_two_ranks_load_a_one_process_save_and_a_ddp_state(one_process_save, two_rank_loads, kind):
+    """Two sharded ranks load what one process saved (DCP reshards), and a DDP
+    run's full state (load_full_state): the full state gathered back is the one saved."""
+    _, states = one_process_save
+    assert_same(dumped(two_rank_loads / "out", f"{kind}.from_one.full"), states[kind])
+    assert_same(dumped(two_rank_loads / "out", f"{kind}.from_ddp.full"), states[kind])
+
+
+def test_three_sharded_ranks_load_a_two_rank_save(two_rank_save, tmp_path):
+    """From two shards per tensor to three, uneven (16 rows over 3 ranks): the full state gathered back is the one saved."""
+    spec = {"out": str(tmp_path / "out"), "models": MODELS, "steps": [
+        {"do": "load", "path": str(two_rank_save / "save" / "{model}" / "checkpoint_last.dcp")},
+        {"do": "dump", "tag": "loaded"}]}
+    run_ranks(spec, 3)
+    for kind in MODELS:
+        assert_same(dumped(tmp_path / "out", f"{kind}.loaded.full"), dumped(two_rank_save / "out", f"{kind}.saved.full"))
+    # the MLP's middle layer (16 x 16): each of the three ranks holds its own, uneven, piece
+    rows = [dumped(tmp_path / "out", f"mlp.loaded.local{r}")["model"]["2.weight"].shape[0] for r in range(3)]
+    assert sum(rows) == 16 and min(rows) > 0 and len(set(rows)) > 1, rows
+
+
+# ---------------------------------------------------------------- (c) kill -9 mid-save
+def test_save_killed_midway_leaves_the_previous_checkpoint_newest(tmp_path):
+    """Two ranks save at update 2, then at update 4 rank 0 stops (test hook)
+    after every file is written and before the rename: both are killed with
+    SIGKILL there. The update-2 save is still the newest and loads bit for
+    bit; the leftovers go at the next start; the next save replaces it."""
+    save = tmp_path / "save"
+    spec = {"out": str(tmp_path / "out"), "models": ["mlp"], "steps": [
+        {"do": "train", "first": 0, "last": 2},
+        {"do": "save", "dir": str(save), "names": ["checkpoint_1_2.pt", "checkpoint_last.pt"], "update": 2},
+        {"do": "dump", "tag": "first"},
+        {"do": "train", "first": 2, "last": 4},
+        {"do": "save", "dir": str(save), "names": ["checkpoint_1_4.pt", "checkpoint_last.pt"], "update": 4,
+         "publish_delay": 3600}]}
+    Path(spec["out"]).mkdir()
+    procs = start_ranks(spec, 2)
+    try:
+        written = []
+        while len(written) < 2:  # both names' directories hold every file: the save sleeps before its rename
+            assert all(p.poll() is None for p in procs), [(Path(spec["out"]) / f"log{r}").read_text()[-2000:]
+                                                         for r in (0, 1)]
+            written = list((save / "mlp").glob(".checkpoint_*.partial/manifest.json"))
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2  # killed in the save, not finished
+    directory = save / "mlp"
+    newest = sharded_checkpoints_newest_first(directory)
+    assert [p.name for p in newest] == ["checkpoint_last.dcp", "checkpoint_1_2.dcp"]
+    model, optimizer = worker.build("mlp", shard=False)
+    assert load_sharded(newest[0], model, optimizer)["train"] == {"num_updates": 2}
+    assert_same(full_state(model, optimizer), dumped(Path(spec["out"]), "mlp.first.full"))
+
+    partials = sorted(p.parent for p in written)
+    assert sorted(remove_leftovers(directory)) == partials
+    assert not any(p.exists() for p in partials)
+    assert [p.name for p in sharded_checkpoints_newest_first(directory)] == ["checkpoint_last.dcp", "checkpoint_1_2.dcp"]
+
+    # the next save (one process) replaces checkpoint_last.dcp and removes its old data
+    old_data = (directory / "checkpoint_last.dcp").resolve()
+    worker.train("mlp", model, optimizer, 2, 4, rank=0)
+    save_sharded(directory, ["checkpoint_1_4.pt", "checkpoint_last.pt"], model, optimizer,
+                 {"task": "test", "train": {"num_updates": 4}})
+    assert not old_data.exists()
+    newest = sharded_checkpoints_newest_first(directory)
+    assert [p.name for p in newest][:2] == ["checkpoint_last.dcp", "checkpoint_1_4.dcp"]
+    assert consolidated_state(newest[0])["train"] == {"num_updates": 4}
+    assert remove_leftovers(directory) == []
+
+
+# ---------------------------------------------------------------- (d) damage
+def test_damaged_shard_is_one_line_and_changes_nothing(two_rank_save, tmp_path):
+    """A byte flipped in one rank's shard: the load refuses it naming the file
+    and the fix, before touching the model; the other name's copy still loads.
+    A truncated or missing file likewise; the export command says it in one line, exit 2."""
+    directory = tmp_path / "save"
+    shutil.copytree(two_rank_save / "save" / "mlp", directory, symlinks=True)
+    damaged = directory / "checkpoint_last.dcp"
+    shard = damaged / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+    model, optimizer = worker.build("mlp", shard=False)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UserError) as refused:
+        load_sharded(damaged, model, optimizer)
+    assert str(refused.value) == (
+        f"checkpoint {damaged}: its file __1_0.distcp fails its digest check (its contents were changed or "
+        f"corrupted after it was written); restore another checkpoint of that directory with --restore-file, "
+        f"or start without --resume")
+    assert_same(model.state_dict(), fresh)
+    assert not optimizer.state
+
+    # the copy under the other name is its own: it loads
+    load_sharded(directory / "checkpoint_1_3.dcp", model, optimizer)
+    assert_same(full_state(model, optimizer), dumped(two_rank_save / "out", "mlp.saved.full"))
+
+    out = subprocess.run([sys.executable, "-m", "textbox_like.export", str(damaged), "--to", str(tmp_path / "x")],
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: {refused.value}"], out.stderr[-3000:]
+    assert not (tmp_path / "x").exists()
+
+    shard.write_bytes(bytes(data[:100]))
+    with pytest.raises(UserError, match=r"its file __1_0\.distcp is truncated or changed \(100 bytes, \d+ written\)"):
+        load_sharded(damaged, model, optimizer)
+    shard.unlink()
+    with pytest.raises(UserError, match=r"is missing its file __1_0\.distcp; restore another checkpoint"):
+        load_sharded(damaged, model, optimizer)
+
+
+def test_not_a_sharded_checkpoint_is_one_line(tmp_path):
+    (tmp_path / "empty.dcp").mkdir()
+    with pytest.raises(UserError, match=r"is not a textbox_like sharded checkpoint \(no manifest.json\)"):
+        load_sharded(tmp_path / "empty.dcp", *worker.build("mlp", shard=False))
+    with pytest.raises(UserError, match="does not exist; check the path"):
+        read_manifest(tmp_path / "missing.dcp")
+    assert not is_sharded_checkpoint(tmp_path / "empty.dcp")
+    (tmp_path / "empty.dcp" / "manifest.json").write_text("{not json")
+    out = subprocess.run([sys.executable, "-m", "textbox_like.export", str(tmp_path / "empty.dcp"), "--to",
+                          str(tmp_path / "x")], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
+    assert f"checkpoint {tmp_path / 'empty.dcp'}: its manifest.json cannot be read" in out.stderr
+
+
+# ---------------------------------------------------------------- (e) export
+@pytest.mark.parametrize("kind", MODELS)
+def test_export_equals_the_full_state_dict(two_rank_save, tmp_path, kind):
+    """The exported weights are the model's full state dict as the sharded
+    run gathered it, and load into the unsharded model."""
+    path = two_rank_save / "save" / kind / "checkpoint_last.dcp"
+    target = export_model_weights(path, tmp_path / "weights.pt")
+    weights = torch.load(target, weights_only=True)
+    assert_same(weights, dumped(two_rank_save / "out", f"{kind}.saved.full")["model"])
+    model, _ = worker.build(kind, shard=False)
+    model.load_state_dict(weights)  # strict: every key, no other
+    state = consolidated_state(path)
+    assert_same(state["model"], weights)
+    assert state["train"] == {"num_updates": 3}
+
+
+def test_export_command_takes_a_sharded_mnist_checkpoint(two_rank_save, tmp_path):
+    """``python -m textbox_like.export CKPT.dcp --to DIR``: the mnist run's
+    weights as model.safetensors for the model the task builds."""
+    from safetensors.torch import load_file
+    path = two_rank_save / "save" / "mnist" / "checkpoint_last.dcp"
+    out = subprocess.run([sys.executable, "-m", "textbox_like.export", str(path), "--to", str(tmp_path / "x")],
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "update 3: task mnist, MNISTNet" in out.stdout
+    assert_same({k: v.contiguous() for k, v in load_file(tmp_path / "x" / "model.safetensors").items()},
+                {k: v.contiguous() for k, v in dumped(two_rank_save / "out", "mnist.saved.full")["model"].items()})
+
+
+# ---------------------------------------------------------------- the trainer's manager
+def manager_for(save_dir, saves_sharded, *flags):
+    """A fresh run's model, Adam, update counter and checkpoint manager of ``save_dir``."""
+    model, optimizer = worker.build("mlp", shard=False)
+    manager, counter = worker.manager_for(save_dir, model, optimizer, saves_sharded, *flags)
+    return model, optimizer, counter, manager
+
+
+def train_and_save(model, optimizer, counter, manager, first, last):
+    for update in range(first, last):
+        worker.train("mlp", model, optimizer, update, update + 1, rank=0)
+        counter.updates = update + 1
+        manager.save(manager.names(1, update + 1, end_of_epoch=False, is_best=False))
+
+
+def test_manager_saves_prunes_and_resumes_from_the_newest_that_verifies(tmp_path):
+    model, optimizer, counter, manager = manager_for(tmp_path, True)
+    train_and_save(model, optimizer, counter, manager, 0, 4)
+    saved = full_state(model, optimizer)
+    # --keep-interval-updates 2: the two newest interval checkpoints and last, each with its own data, nothing else
+    assert [p.name for p in sharded_checkpoints_newest_first(tmp_path)] == [
+        "checkpoint_last.dcp", "checkpoint_1_4.dcp", "checkpoint_1_3.dcp"]
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]) == 3
+    # a new run (no --resume) there is refused before anything is written, as for file checkpoints
+    from textbox_like.checkpoint import refuse_rerun
+    with pytest.raises(UserError, match=r"already holds a run \(checkpoint_1_3\.dcp and 2 other checkpoint\(s\)\)"):
+        refuse_rerun(manager.cfg)
+
+    model, optimizer, counter, resumed = manager_for(tmp_path, True, "--resume")
+    path = resumed.resume_path()
+    assert path == tmp_path / "checkpoint_last.dcp"
+    state, path = resumed.load_newest(path, print)
+    resumed.check_resumed_config(state, path, {})
+    assert resumed.restore(state, path) == [] and counter.updates == 4
+    assert_same(full_state(model, optimizer), saved)
+
+    shard = tmp_path / "checkpoint_last.dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 0xFF]))
+    model, optimizer, counter, resumed = manager_for(tmp_path, True, "--resume")
+    said = []
+    state, path = resumed.load_newest(resumed.resume_path(), said.append)
+    assert path == tmp_path / "checkpoint_1_4.dcp"
+    assert len(said) == 1 and "its file __0_0.distcp fails its digest check" in said[0]
+    resumed.restore(state, path)
+    assert_same(full_state(model, optimizer), saved)
+
+
+def test_manager_switches_between_ddp_files_and_sharded_saves(tmp_path):
+    """A DDP run's file checkpoints resume into a sharded run (load_full_state),
+    whose sharded saves resume into a DDP run again, with the same numbers."""
+    model, optimizer, counter, ddp = manager_for(tmp_path, False)
+    train_and_save(model, optimizer, counter, ddp, 0, 2)
+    assert (tmp_path / "checkpoint_last.pt").is_file() and not sharded_checkpoints_newest_first(tmp_path)
+    expected = full_state(model, optimizer)
+
+    model, optimizer, counter, sharded = manager_for(tmp_path, True, "--resume")
+    state, path = sharded.load_newest(sharded.resume_path(), print)
+    assert path == tmp_path / "checkpoint_last.pt"
+    assert sharded.restore(state, path) == [] and counter.updates == 2
+    assert_same(full_state(model, optimizer), expected)
+    train_and_save(model, optimizer, counter, sharded, 2, 3)
+    expected = full_state(model, optimizer)
+
+    model, optimizer, counter, ddp = manager_for(tmp_path, False, "--resume")
+    state, path = ddp.load_newest(ddp.resume_path(), print)
+    assert path == tmp_path / "checkpoint_last.dcp"  # the newer of the two checkpoint_last
+    assert ddp.restore(state, path) == [] and counter.updates == 3
+    assert_same(full_state(model, optimizer), expected)
+
+    model, optimizer, counter, reset = manager_for(tmp_path, False, "--resume", "--reset-optimizer")
+    state, path = reset.load_newest(reset.resume_path(), print)
+    assert reset.restore(state, path) == ["optimizer"] and not optimizer.state
+    assert_same(model.state_dict(), expected["model"])
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_manager_of_two_sharded_ranks_resumes_in_one_process(two_rank_loads, tmp_path, kind):
+    """Two FSDP ranks save every update through the manager (each rank's own
+    value of a per-rank part gathered); one process resumes from the newest: the same weights and Adam state."""
+    directory = two_rank_loads / "managed" / kind
+    assert [p.name for p in sharded_checkpoints_newest_first(directory)] == [
+        "checkpoint_last.dcp", "checkpoint_1_6.dcp", "checkpoint_1_5.dcp"]
+    model, optimizer = worker.build(kind, shard=False)
+    manager, counter = worker.manager_for(directory, model, optimizer, False, "--resume")
+    state, path = manager.load_newest(manager.resume_path(), print)
+    assert path == directory / "checkpoint_last.dcp" and state["per_rank"] == ["rank 0", "rank 1"]
+    assert manager.restore(state, path) == [] and counter.updates == 6
+    assert_same(full_state(model, optimizer), dumped(two_rank_loads / "out", f"{kind}.managed.full"))
+
+
+def test_evaluate_takes_a_sharded_checkpoint(two_rank_save, small_mnist_dir, tmp_path):
+    """``textbox_like.evaluate`` (``textbox-like eval``) of a sharded checkpoint
+    gives what it gives for a file checkpoint of the same run state."""
+    import textbox_like
+    from textbox_like.checkpoint import FORMAT, atomic_save
+    sharded = two_rank_save / "save" / "mnist" / "checkpoint_last.dcp"
+    atomic_save({"format": FORMAT, **consolidated_state(sharded)}, tmp_path / "checkpoint_last.pt")
+    from_shards = textbox_like.evaluate(sharded, data=str(small_mnist_dir), cpu=True)
+    from_file = textbox_like.evaluate(tmp_path / "checkpoint_last.pt", data=str(small_mnist_dir), cpu=True)
+    assert from_shards["num_updates"] == 3 and from_shards["samples"] == from_file["samples"] > 0
+    assert {k: v for k, v in from_shards.items() if k != "checkpoint"} == \
+        {k: v for k, v in from_file.items() if k != "checkpoint"}
+
+
+def test_failed_write_publishes_nothing_and_a_superseded_process_writes_nothing(tmp_path):
+    """A save whose shard cannot be written (the file size limit: EFBIG, as a
+    full disk gives ENOSPC) is SaveFailed naming the reason, leaves no partial
+    directory and the previous checkpoint the newest; a process whose run no
+    longer owns the save directory writes nothing at all."""
+    import resource
+
+    from textbox_like import savelock
+    from textbox_like.faults import SaveFailed, Superseded
+    model, optimizer = worker.build("mlp", shard=False)
+    worker.train("mlp", model, optimizer, 0, 1, rank=0)
+    save_sharded(tmp_path, ["checkpoint_1_1.pt", "checkpoint_last.pt"], model, optimizer, {"task": "test"})
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    worker.train("mlp", model, optimizer, 1, 2, rank=0)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        with pytest.raises(SaveFailed, match=r"could not write the shards of .*checkpoint_1_2\.dcp \(File too large\)"):
+            save_sharded(tmp_path, ["checkpoint_1_2.pt", "checkpoint_last.pt"], model, optimizer, {"task": "test"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sharded_checkpoints_newest_first(tmp_path)[0].name == "checkpoint_last.dcp"
+    load_sharded(tmp_path / "checkpoint_last.dcp", *worker.build("mlp", shard=False))
+
+    lock = savelock.SaveDirLock.acquire(tmp_path)
+    try:
+        savelock.own(tmp_path, "the token of an older run", holds_lock=False, who="rank 0")
+        with pytest.raises(Superseded, match="no longer owns the run"):
+            save_sharded(tmp_path, ["checkpoint_1_2.pt", "checkpoint_last.pt"], model, optimizer, {"task": "test"})
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["run.lock"])
+    finally:
+        savelock.disown()
+        lock.release()

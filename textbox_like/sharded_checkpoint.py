@@ -1,0 +1,643 @@
+"""Sharded checkpoints: torch's distributed checkpoint format (DCP), written
+by every rank in parallel, published whole or not at all.
+
+A sharded checkpoint is a directory. Under a name the trainer chooses as for
+file checkpoints (:meth:`~textbox_like.checkpoint.CheckpointManager.names`),
+with ``.dcp`` for ``.pt`` (``checkpoint_last.dcp``, ``checkpoint_best.dcp``,
+``checkpoint3.dcp``, ``checkpoint_1_200.dcp``), the save directory holds a
+relative symbolic link to a hidden data directory beside it
+(``.checkpoint_last.dcp.3f9a2c1e``) holding:
+
+* DCP's files: ``.metadata`` and the shards ``__<rank>_<n>.distcp``; each rank
+  writes its own shards of the model and optimizer state
+  (``torch.distributed.checkpoint.save`` of
+  ``torch.distributed.checkpoint.state_dict.get_state_dict``: sharded
+  DTensors under FSDP, full tensors under DDP or in one process, which DCP
+  writes once);
+* ``extra.pt``: the small replicated parts (train state, RNG of every rank,
+  scheduler, iterator position, run metadata: whatever ``extra_state`` the
+  caller gives), written by rank 0 for ``torch.load(weights_only=True)``;
+* ``manifest.json``: the format marker, the world size, whether it holds the
+  optimizer, and each file's size and BLAKE2b digest.
+
+Atomic as a whole: every name is written into ``.<name>.<hex>.partial``
+beside the save directory's files; only after every rank has finished
+(DCP's own last collective, then an exchange of the ranks' outcomes) does
+rank 0 rename it to its data directory and replace the link (a rename of a
+link over a link: a reader sees the old checkpoint or the new one, never a
+missing or half one), then remove the old data directory. A save killed
+midway leaves a ``.partial`` directory that never becomes the newest, which
+:func:`remove_leftovers` removes at the next start. Several names of one save
+are copies (each rank copies its own part), not links to one directory, so
+damage at rest to one leaves the others readable, as for file checkpoints.
+Every write first proves the run still owns the save directory
+(:func:`~textbox_like.savelock.check_owner`).
+
+Loading checks every file's digest first (the ranks share the reading), then
+loads through DCP, which reshards: a checkpoint saved by N ranks loads into M
+ranks, sharded or not, and into one process without a process group.
+
+The API (every call on every rank of the group unless said otherwise)::
+
+    ShardedCheckpointManager(cfg, parts, metadata, is_main, saves_sharded, group)  # the trainer's, below
+    save_sharded(save_dir, names, model, optimizer, extra_state, group=None) -> [published paths]
+    load_sharded(path, model, optimizer=None, group=None) -> extra_state
+    read_extra_state(path, group=None) -> extra_state         # verified, without the model
+    is_sharded_checkpoint(path) -> bool                       # any process
+    claims_to_be_sharded(path) -> bool                        # a directory with a manifest, valid or not
+    read_manifest(path) -> dict                               # any process
+    verify_sharded(path, group=None)                          # UserError naming the bad file
+    sharded_checkpoints_newest_first(save_dir) -> [paths]     # any process
+    remove_sharded(path); remove_leftovers(save_dir)          # the main process
+    full_state_dicts(model, optimizer) -> (model, optimizer)  # a DDP-style (file checkpoint) state
+    load_full_state(model, optimizer, model_state, optimizer_state)  # a DDP checkpoint into FSDP
+    read_full_model_state(path) -> {name: tensor}             # one process, no model needed
+    consolidated_state(path) -> dict                          # load_checkpoint's shape, for export.py
+    export_model_weights(path, target)                        # a plain state dict file
+
+``group``: the process group of the save's collectives (the trainer's
+long-timeout gloo group: a large save takes a while); None: the default
+group, or no group in one process.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from .checkpoint import CheckpointManager
+from .errors import UserError, first_line
+from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
+from .fileio import atomic_write, fsync_dir
+from .savelock import check_owner
+
+FORMAT = "textbox_like-sharded-1"
+SUFFIX = ".dcp"
+MANIFEST = "manifest.json"
+EXTRA = "extra.pt"
+PARTIAL = ".partial"
+#: the fix named where a checkpoint's file is damaged or missing
+DAMAGED_FIX = "restore another checkpoint of that directory with --restore-file, or start without --resume"
+
+
+# ------------------------------------------------------------------ names
+def sharded_name(name: str) -> str:
+    """The sharded checkpoint's name for a file checkpoint's (``checkpoint_last.pt`` -> ``checkpoint_last.dcp``)."""
+    return name[:-3] + SUFFIX if name.endswith(".pt") else name if name.endswith(SUFFIX) else name + SUFFIX
+
+
+def is_sharded_checkpoint(path) -> bool:
+    """Whether ``path`` (a published name or its data directory) holds a sharded checkpoint of ours."""
+    manifest = Path(path) / MANIFEST
+    try:
+        return json.loads(manifest.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def claims_to_be_sharded(path) -> bool:
+    """Whether ``path`` is a directory with a manifest, valid or not (:func:`read_manifest` says which)."""
+    return Path(path).is_dir() and (Path(path) / MANIFEST).exists()
+
+
+def read_manifest(path) -> dict:
+    """The manifest of the sharded checkpoint ``path``, or one line saying what ``path`` is instead."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint {path} does not exist; check the path")
+    if not path.is_dir():
+        raise UserError(f"{path} is a file, not a sharded checkpoint directory (a *.dcp name)")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} is not a textbox_like sharded checkpoint (no {MANIFEST}); pass a checkpoint_*.dcp "
+                        f"of a save directory") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"checkpoint {path}: its {MANIFEST} cannot be read ({first_line(exc, 120)}); "
+                        f"{DAMAGED_FIX}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise UserError(f"{path} is not a textbox_like sharded checkpoint (its {MANIFEST} has no '{FORMAT}' marker)")
+    return manifest
+
+
+def sharded_checkpoints_newest_first(directory) -> list:
+    """The published sharded checkpoints of a save directory, newest first by
+    the time each name was published (``checkpoint_last.dcp`` first among equals)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.glob(f"checkpoint*{SUFFIX}") if p.is_dir()]
+    return sorted(found, key=lambda p: (os.lstat(p).st_mtime_ns, p.name == f"checkpoint_last{SUFFIX}"), reverse=True)
+
+
+def file_digest(path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
+# ------------------------------------------------------------ collectives
+def distributed() -> bool:
+    """Whether this process is in a process group (else DCP reads and writes alone)."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_and_rank(group=None) -> tuple:
+    import torch.distributed as dist
+    if not distributed():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def gathered(value, group=None) -> list:
+    """``value`` of every rank of ``group``, in rank order."""
+    from .collectives import one_per_rank
+    return one_per_rank(value, world_and_rank(group)[0], group)
+
+
+def from_rank0(value, group=None):
+    """Rank 0's ``value`` on every rank."""
+    import torch.distributed as dist
+    if world_and_rank(group)[0] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+def first_failure(exc) -> tuple:
+    """(rank, exception) of the first rank a DCP CheckpointException names."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank in sorted(failures):
+        inner = failures[rank]
+        return rank, inner[0] if isinstance(inner, tuple) else inner
+    return None, exc
+
+
+def agree(step, group=None, what="the save"):
+    """Run ``step()`` on this rank, then learn every rank's outcome: the rank
+    that failed raises its own exception (a write failure as SaveFailed), the
+    others a SaveFailed naming it. So no rank waits in a collective for a
+    peer that gave up."""
+    error, result = None, None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers learn of it
+        error = exc
+    outcomes = gathered(None if error is None else f"{type(error).__name__}: {os_reason(error)}", group)
+    if error is not None:
+        if isinstance(error, OSError) or failed_writing(error):
+            raise SaveFailed(f"could not write {what} ({os_reason(error)})") from None
+        raise error
+    failed = [(rank, why) for rank, why in enumerate(outcomes) if why is not None]
+    if failed:
+        rank, why = failed[0]
+        raise SaveFailed(f"rank {rank} could not write {what} ({why}); stopping")
+    return result
+
+
+# ------------------------------------------------------------------- save
+def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=None) -> list:
+    """Save ``model`` and ``optimizer`` (None: the model alone) sharded, with
+    ``extra_state`` (plain values and tensors, rank 0's written), under each
+    of ``names`` in ``save_dir`` (file names are mapped by :func:`sharded_name`);
+    returns the published paths. On every rank of ``group``. A failure to
+    write raises :class:`~textbox_like.faults.SaveFailed` on every rank and
+    publishes nothing; the previous checkpoints stay as they were."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+    save_dir = Path(save_dir)
+    names = [sharded_name(n) for n in names]
+    if not names:
+        return []
+    world, rank = world_and_rank(group)
+    targets = [save_dir / n for n in names]
+
+    def make_partials():
+        for target in targets:
+            check_owner(target)  # every rank proves ownership before any write
+        if rank != 0:
+            return None
+        # never recreated: a save directory removed under a run is a fault, not a fresh start
+        made = []
+        for target in targets:
+            partial = save_dir / f".{target.name}.{uuid.uuid4().hex[:8]}{PARTIAL}"
+            partial.mkdir()
+            made.append(str(partial))
+        return made
+    partials = [Path(p) for p in from_rank0(agree(make_partials, group, f"{targets[0]}"), group)]
+
+    def write_and_publish():
+        if optimizer is not None:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+        else:
+            state = {"model": get_model_state_dict(model)}
+
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:  # DCP's own collectives carry a failing rank's exception to every rank
+            dcp.save(state, checkpoint_id=str(partials[0]), process_group=group, no_dist=not distributed())
+        except CheckpointException as exc:
+            failed_rank, inner = first_failure(exc)
+            if failed_writing(inner):
+                raise SaveFailed(f"rank {failed_rank} could not write the shards of {targets[0]} "
+                                 f"({os_reason(inner)})") from None
+            raise
+
+        def digest_share():  # the ranks share the reading: each hashes every world-th file
+            files = sorted(p.name for p in partials[0].iterdir() if p.is_file())
+            return {name: {"bytes": (partials[0] / name).stat().st_size, "blake2b": file_digest(partials[0] / name)}
+                    for name in files[rank::world]}
+        files = {}
+        for share in gathered(agree(digest_share, group, f"{targets[0]}"), group):
+            files.update(share)
+
+        def write_extra_and_manifest():
+            # every rank copies the files it hashed into the other names' directories
+            for partial in partials[1:]:
+                for name in sorted(files)[rank::world]:
+                    copy_synced(partials[0] / name, partial / name)
+            if rank != 0:
+                return
+            import torch
+            with open(partials[0] / EXTRA, "wb") as handle:
+                torch.save(extra_state, handle)
+                synced(handle)
+            files[EXTRA] = {"bytes": (partials[0] / EXTRA).stat().st_size, "blake2b": file_digest(partials[0] / EXTRA)}
+            manifest = {"format": FORMAT, "world_size": world, "optimizer": optimizer is not None,
+                        "saved": time.time(), "files": files}
+            for partial in partials:
+                if partial is not partials[0]:
+                    copy_synced(partials[0] / EXTRA, partial / EXTRA)
+                with open(partial / MANIFEST, "w", encoding="utf-8") as handle:
+                    json.dump(manifest, handle, indent=1, sort_keys=True)
+                    synced(handle)
+                fsync_dir(partial)
+        agree(write_extra_and_manifest, group, f"{targets[0]}")
+
+        def publish():
+            if rank != 0:
+                return
+            time.sleep(test_delay("publish"))  # test hook: a save killed after its writes, before its rename
+            for partial, target in zip(partials, targets):
+                publish_directory(partial, target)
+            fsync_dir(save_dir)
+        agree(publish, group, f"{targets[0]}")
+
+    try:
+        write_and_publish()
+    except BaseException as exc:
+        # a failed save leaves nothing behind; a superseded process writes (and removes) nothing
+        if rank == 0 and not isinstance(exc, Superseded):
+            for partial in partials:
+                shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return targets
+
+
+def synced(handle) -> None:
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def copy_synced(source, target) -> None:
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 22)
+        synced(dst)
+
+
+def publish_directory(partial: Path, target: Path) -> None:
+    """``partial`` (complete, synced) becomes the checkpoint named ``target``:
+    renamed to its data directory, then a new link replaces the name's old
+    one in one rename; the old data directory is removed last."""
+    check_owner(target)  # writing took a while: a newer run may own the directory by now
+    data = partial.with_name(partial.name[:-len(PARTIAL)])
+    os.replace(partial, data)
+    old = os.readlink(target) if target.is_symlink() else None
+    link = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.link")
+    os.symlink(data.name, link)
+    try:
+        os.replace(link, target)
+    except BaseException:
+        link.unlink(missing_ok=True)
+        raise
+    if old is not None and old != data.name and not os.path.isabs(old) and (target.parent / old).is_dir():
+        shutil.rmtree(target.parent / old)
+
+
+def remove_sharded(path) -> None:
+    """Remove a published sharded checkpoint (pruning): its name, then its data (main process)."""
+    path = Path(path)
+    check_owner(path)
+    data = path.parent / os.readlink(path) if path.is_symlink() else None
+    path.unlink(missing_ok=True)
+    if data is not None and data.parent == path.parent and data.is_dir():
+        shutil.rmtree(data)
+
+
+LEFTOVER = re.compile(rf"\.checkpoint.*{re.escape(SUFFIX)}\.[0-9a-f]{{8}}({re.escape(PARTIAL)}|\.link)?")
+
+
+def remove_leftovers(save_dir) -> list:
+    """What killed saves left (``.partial`` directories, half-made links, data
+    directories no name points to any more), removed; the main process, at
+    start, before the first save. Returns what was removed."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    held = {os.readlink(p) for p in save_dir.glob(f"checkpoint*{SUFFIX}") if p.is_symlink()}
+    removed = []
+    for path in save_dir.iterdir():
+        if not LEFTOVER.fullmatch(path.name) or path.name in held:
+            continue
+        check_owner(path)
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+# ------------------------------------------------------------------- load
+def verify_sharded(path, group=None, alone=False) -> dict:
+    """Check every file of the checkpoint against its manifest (sizes, then
+    digests; the ranks of ``group`` share the reading, or this process
+    ``alone``); one line naming the first damaged or missing file, on every
+    rank. Returns the manifest."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    world, rank = (1, 0) if alone else world_and_rank(group)
+
+    def check(name, expected):
+        file = path / name
+        if not file.is_file():
+            return f"checkpoint {path} is missing its file {name}; {DAMAGED_FIX}"
+        size = file.stat().st_size
+        if size != expected.get("bytes"):
+            return (f"checkpoint {path}: its file {name} is truncated or changed ({size} bytes, {expected.get('bytes')}"
+                    f" written); {DAMAGED_FIX}")
+        if file_digest(file) != expected.get("blake2b"):
+            return (f"checkpoint {path}: its file {name} fails its digest check (its contents were changed or "
+                    f"corrupted after it was written); {DAMAGED_FIX}")
+        return None
+    names = sorted(manifest["files"])
+    mine = [problem for name in names[rank::world] if (problem := check(name, manifest["files"][name]))]
+    problems = mine if alone else [p for share in gathered(mine, group) for p in share]
+    if problems:
+        raise UserError(problems[0])
+    return manifest
+
+
+def load_sharded(path, model, optimizer=None, group=None, verify=True) -> dict:
+    """Load the sharded checkpoint ``path`` into ``model`` (FSDP, DDP or plain;
+    any world size: DCP reshards) and into ``optimizer`` when given and the
+    checkpoint holds an optimizer state (``read_manifest(path)["optimizer"]``);
+    returns the ``extra_state`` it was saved with. Digests are checked first
+    (unless ``verify=False``: checked just before, by :func:`read_extra_state`),
+    so a damaged checkpoint changes nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict, set_state_dict)
+    path = Path(path)
+    manifest = verify_sharded(path, group) if verify else read_manifest(path)
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        if optimizer is not None and manifest["optimizer"]:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        else:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
+            set_model_state_dict(model, state["model"])
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+        reason = first_line(first_failure(exc)[1] if isinstance(exc, CheckpointException) else exc, 200)
+        raise UserError(f"the model or optimizer state in {path} does not fit this run ({reason}); "
+                        f"use the model and optimizer it was trained with, or pass --reset-optimizer") from None
+    return read_extra_state(path, verify=False)
+
+
+def read_extra_state(path, group=None, verify=True) -> dict:
+    """The ``extra_state`` a sharded checkpoint was saved with, its files'
+    digests checked first (on every rank of ``group``, sharing the reading)."""
+    import torch
+    verify_sharded(path, group) if verify else read_manifest(path)
+    try:
+        return torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True)
+    except Exception as exc:  # verified: only a foreign file that was never ours gets here
+        from .checkpoint import unreadable_weights_reason
+        raise UserError(f"checkpoint {path}: its {EXTRA} cannot be read ({unreadable_weights_reason(exc)})") from None
+
+
+# ------------------------------------------------------- DDP <-> sharded
+def optimizer_param_names(model, optimizer) -> list:
+    """The model's name of each parameter of ``optimizer``, in the order of its
+    param_groups: the ids a DDP-style (``optimizer.state_dict()``) state uses."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    try:
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    except KeyError:
+        raise ValueError("the optimizer holds a parameter that is not the model's") from None
+
+
+def full_state_dicts(model, optimizer=None) -> tuple:
+    """The model's and optimizer's full state (gathered from the shards;
+    every rank takes part, rank 0 gets the values, the others empty dicts),
+    in the DDP-style form a file checkpoint holds: the model's own keys, the
+    optimizer's ``state_dict()`` with parameter ids."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=options), None
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if not optimizer_state:
+        return model_state, optimizer_state
+    ids = {name: i for i, name in enumerate(optimizer_param_names(model, optimizer))}
+    return model_state, {"state": {ids[name]: value for name, value in optimizer_state["state"].items()},
+                         "param_groups": [{**group, "params": [ids[n] for n in group["params"]]}
+                                          for group in optimizer_state["param_groups"]]}
+
+
+def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict | None = None) -> None:
+    """Load a DDP-style full state (a file checkpoint's ``model`` and
+    ``optimizer`` entries, every rank holding all of it) into a sharded
+    ``model`` and its ``optimizer``: each rank keeps its own shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+    options = StateDictOptions(full_state_dict=True)
+    if optimizer is None or optimizer_state is None:
+        set_model_state_dict(model, model_state, options=options)
+        return
+    names = optimizer_param_names(model, optimizer)
+    by_name = {"state": {names[int(i)]: value for i, value in optimizer_state["state"].items()},
+               "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
+                                for group in optimizer_state["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=by_name, options=options)
+
+
+# ----------------------------------------------------------------- export
+def read_full_model_state(path, verify=True) -> dict:
+    """The model's full weights from a sharded checkpoint, in one process, without
+    building the model (nor reading the optimizer's shards): DCP reads each
+    tensor whole from the shards of every rank that saved a piece of it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    path = Path(path)
+    verify_sharded(path, alone=True) if verify else read_manifest(path)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    weights = {}
+    for key, item in metadata.state_dict_metadata.items():
+        where = metadata.planner_data[key]
+        if where[0] == "model" and len(where) == 2 and isinstance(item, TensorStorageMetadata):
+            weights[where[1]] = torch.empty(item.size, dtype=item.properties.dtype)
+    state = {"model": weights}
+    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return state["model"]
+
+
+def consolidated_state(path) -> dict:
+    """The checkpoint in the shape :func:`~textbox_like.checkpoint.load_checkpoint`
+    returns (its extra state, e.g. task, config and train, with the full model
+    weights as ``model``), so that :mod:`textbox_like.export`'s
+    ``export_hf``/``export_weights``/``model_with_weights`` take it."""
+    model = read_full_model_state(path)
+    return {**read_extra_state(path, verify=False), "model": model}
+
+
+def export_model_weights(path, target) -> Path:
+    """Write the model's full weights of the sharded checkpoint ``path`` as one
+    plain state dict file (``torch.load(target, weights_only=True)`` reads it;
+    ``model.load_state_dict`` takes it), atomically."""
+    import torch
+    weights = read_full_model_state(path)
+    return atomic_write(target, lambda handle: torch.save(weights, handle))
+
+
+# ------------------------------------------------------------------ manager
+SHARDED_FROM = "sharded_checkpoint"  # the key under which a read sharded state names its directory
+
+
+class ShardedCheckpointManager(CheckpointManager):
+    """The trainer's :class:`~textbox_like.checkpoint.CheckpointManager` for a
+    run that may meet sharded checkpoints: with ``saves_sharded`` (an FSDP
+    run) it saves sharded checkpoints (every rank writes; the same names with
+    ``.dcp``), else file checkpoints as the base class does. It resumes from
+    the newest checkpoint of either format: a sharded one through DCP (any
+    world size, into a sharded or a DDP model), a file one (a DDP run's) into
+    a sharded model through :func:`load_full_state`. So a run switches
+    between DDP and FSDP across a --resume.
+
+    ``parts["model"]`` has ``module()`` (the model, unwrapped of DDP and
+    torch.compile; an FSDP module itself), ``parts["optimizer"]`` has
+    ``optimizer``, ``name`` and ``saved`` (training/state.py's ModelPart and
+    OptimizerPart); the other parts are saved in ``extra.pt``. ``group``: the
+    process group of the save's and load's collectives (the long-timeout
+    gloo group). Call ``save``, ``load_newest`` and ``restore`` on every rank."""
+
+    def __init__(self, cfg, parts: dict, metadata: dict, is_main: bool, saves_sharded: bool, group=None):
+        super().__init__(cfg, parts, metadata, is_main)
+        self.saves_sharded, self.group = saves_sharded, group
+        if self.enabled and is_main and self.dir.is_dir():
+            remove_leftovers(self.dir)
+
+    def model_and_optimizer(self):
+        model = self.parts["model"].module()
+        part = self.parts.get("optimizer")
+        optimizer = getattr(part.optimizer, "optimizer", part.optimizer)  # Accelerate's wrapper: torch's own
+        return model, optimizer, part
+
+    # save ----------------------------------------------------------------
+    def save(self, names) -> list:
+        if not self.saves_sharded:
+            return super().save(names)
+        if not names:
+            return []
+        model, optimizer, optimizer_part = self.model_and_optimizer()
+        extra = {**self.metadata, "optimizer_name": optimizer_part.name,
+                 **{name: part.state_dict() for name, part in self.parts.items() if name not in ("model", "optimizer")}}
+        try:
+            paths = save_sharded(self.dir, names, model, optimizer if optimizer_part.saved else None, extra, self.group)
+        except SaveFailed as exc:
+            if not self.dir.is_dir():
+                raise SaveFailed(f"could not write {self.dir / sharded_name(names[0])}: the save directory {self.dir} "
+                                 f"was removed during the run, with its checkpoints, config.yaml and metrics.jsonl; "
+                                 f"stopping (nothing is recreated)") from None
+            last = self.newest_good()
+            raise SaveFailed(f"{exc}; " + (f"the last good checkpoint is {last}: free space or fix the directory, "
+                                           f"then rerun with --resume" if last else
+                                           "no checkpoint was saved before this one")) from None
+        if self.is_main:
+            self.prune_sharded()
+        self.last_saved = paths[0]
+        return paths
+
+    def prune_sharded(self):
+        """--keep-interval-updates and --keep-last-epochs for sharded checkpoints (the main process)."""
+        cfg = self.cfg
+        for pattern, keep, index in ((rf"checkpoint_(\d+)_(\d+){re.escape(SUFFIX)}", cfg.keep_interval_updates, 1),
+                                     (rf"checkpoint(\d+){re.escape(SUFFIX)}", cfg.keep_last_epochs, 0)):
+            if keep <= 0:
+                continue
+            found = [(int(m.group(index + 1)), path) for path in self.dir.iterdir()
+                     if (m := re.fullmatch(pattern, path.name)) and path.is_symlink()]
+            for _, path in sorted(found, reverse=True)[keep:]:
+                remove_sharded(path)
+
+    # restore -------------------------------------------------------------
+    def candidates(self) -> list:
+        """The checkpoints of the save directory of both formats, newest first."""
+        from .checkpoint import checkpoints_newest_first
+        found = sharded_checkpoints_newest_first(self.dir) + checkpoints_newest_first(self.dir)
+        return sorted(found, key=lambda p: (os.lstat(p).st_mtime_ns, p.stem == "checkpoint_last"), reverse=True)
+
+    def is_checkpoint(self, path) -> bool:
+        return Path(path).is_file() or is_sharded_checkpoint(path)
+
+    def read(self, path) -> dict:
+        """A checkpoint's state, verified: a file checkpoint whole; a sharded
+        one's extra state (its model and optimizer are loaded by :meth:`restore`)."""
+        from .checkpoint import load_checkpoint
+        path = Path(path)
+        if path.is_dir():
+            return {**read_extra_state(path, self.group), SHARDED_FROM: str(path)}
+        return load_checkpoint(path)
+
+    def restore(self, state, path) -> list:
+        sharded_state = SHARDED_FROM in state
+        if not sharded_state and not self.saves_sharded:
+            return super().restore(state, path)  # a file checkpoint into a DDP run: as ever
+        # the other parts first, as the base class restores them (the task checked before anything)
+        fresh = [name for name in super().restore({**state, "model": None, "optimizer": None}, path)
+                 if name not in ("model", "optimizer")]
+        model, optimizer, optimizer_part = self.model_and_optimizer()
+        if sharded_state:
+            saved_name, has_optimizer = state.get("optimizer_name"), read_manifest(path)["optimizer"]
+        else:
+            saved = state.get("optimizer")
+            saved_name, has_optimizer = (saved or {}).get("name"), saved is not None
+        keep_optimizer = has_optimizer and not self.cfg.reset_optimizer
+        if keep_optimizer and saved_name != optimizer_part.name:
+            raise UserError(f"the checkpoint holds {saved_name} state, this run uses {optimizer_part.name}; "
+                            f"pass --reset-optimizer to start {optimizer_part.name} afresh")
+        if not keep_optimizer:
+            fresh.append("optimizer")
+        if sharded_state:
+            load_sharded(path, model, optimizer if keep_optimizer else None, self.group, verify=False)
+        else:  # a DDP run's file checkpoint into this sharded run
+            optimizer_state = {k: v for k, v in state["optimizer"].items() if k != "name"} if keep_optimizer else None
+            try:
+                load_full_state(model, optimizer if keep_optimizer else None, state["model"], optimizer_state)
+            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+                raise UserError(f"the model or optimizer state in {path} does not fit this run "
+                                f"({first_line(exc, 150)}); use the model options it was trained with, or pass "
+                                f"--reset-optimizer") from None
+        return fresh

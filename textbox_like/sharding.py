@@ -1,0 +1,240 @@
+"""--fsdp: parameters, gradients and optimizer states sharded over the ranks
+with FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of DDP's full
+copy per rank.
+
+On CUDA Accelerate applies it (its FSDP2 plugin, built here from the run's
+settings: :func:`accelerate_plugin`). Accelerate activates FSDP only on GPU
+types, and on CPU it would make the run DDP, so there :func:`shard_model`
+applies ``fully_shard`` with the same settings itself, before the optimizer
+is built, and the model goes through ``prepare_model`` without DDP.
+
+The maths stays DDP's: FSDP2 divides the reduce-scattered gradients by the
+world size as DDP's all-reduce does, and every rank already scales its
+summed loss for that (step.UpdateStep.backward); ranks run the same number
+of forward/backward calls per update (feed.py, global_batch.py), which FSDP
+needs, since every forward all-gathers.
+"""
+from __future__ import annotations
+
+import contextlib
+
+STATE_PER_PARAMETER = {}  # optimizer name -> state elements per parameter element (optimizer_state_elements)
+
+
+def enabled(cfg) -> bool:
+    return bool(cfg.sharding.fsdp)
+
+
+def where(cuda: bool) -> str:
+    """Who applies the sharding on this device, for the start line."""
+    if cuda:
+        return "Accelerate's FSDP2 plugin"
+    return "fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
+
+
+def mixed_precision_policy(mixed_precision: str):
+    """FSDP2's policy for the run's precision: parameters gathered in bf16/fp16
+    for compute, gradients reduced in float32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+
+
+def nodes(placement) -> int:
+    return max(1, placement.world_size // max(placement.local_world_size, 1))
+
+
+def shard_degree(cfg, placement) -> int:
+    """Over how many ranks each parameter is split."""
+    strategy = cfg.sharding.fsdp_sharding
+    if strategy == "none":
+        return 1
+    if strategy == "hybrid":
+        return placement.world_size // nodes(placement)
+    return placement.world_size
+
+
+def device_mesh(cfg, placement, device_type):
+    """full: one dimension over all ranks; hybrid: (nodes, ranks per node),
+    sharded within a node and replicated across nodes; none: replicated
+    over all ranks (a shard dimension of 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world, strategy = placement.world_size, cfg.sharding.fsdp_sharding
+    if strategy == "full":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    replicas = nodes(placement) if strategy == "hybrid" else world
+    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+
+
+def block_class_names(model, sharding) -> list:
+    """The layer classes wrapped one unit each: --fsdp-block-classes, else the
+    model's own ``_no_split_modules`` (Hugging Face models and ours declare it)."""
+    if sharding.fsdp_block_classes:
+        return list(sharding.fsdp_block_classes)
+    for module in model.modules():  # the outermost model that declares them (ours, or the HF model itself)
+        if getattr(module, "_no_split_modules", None):
+            return list(module._no_split_modules)
+    return []
+
+
+def ties_outside(model, unit, prefix) -> bool:
+    """Whether a parameter of ``unit`` is also the model's elsewhere (tied
+    embeddings): FSDP needs tied parameters in one unit, so such a unit
+    stays in its parent's."""
+    own = {id(p) for p in unit.parameters()}
+    return any(id(p) in own and not name.startswith(prefix + ".")
+               for name, p in model.named_parameters(remove_duplicate=False))
+
+
+def wrapped_units(model, sharding) -> list:
+    """The submodules sharded as units of their own (before the model itself,
+    the root unit): by block class, or by size (a submodule holding at least
+    --fsdp-min-params parameters not already in a smaller unit), or none."""
+    from .errors import UserError
+    if sharding.fsdp_wrap == "none":
+        return []
+    if sharding.fsdp_wrap == "block":
+        names = set(block_class_names(model, sharding))
+        units = [m for prefix, m in model.named_modules() if m is not model and type(m).__name__ in names
+                 and not ties_outside(model, m, prefix)]
+        present = {type(m).__name__ for m in units}
+        if sharding.fsdp_block_classes and not present:
+            found = sorted({type(m).__name__ for m in model.modules()})
+            raise UserError(f"--fsdp-block-classes {','.join(sharding.fsdp_block_classes)}: no such layer in "
+                            f"{type(model).__name__} (its classes: {', '.join(found)})")
+        return units
+    units = []
+
+    def visit(module, prefix):  # post-order: the smallest submodule that reaches the size is a unit
+        inside = sum(visit(child, f"{prefix}.{name}" if prefix else name) for name, child in module.named_children())
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        total = inside + own
+        if module is not model and total >= sharding.fsdp_min_params and not ties_outside(model, module, prefix):
+            units.append(module)
+            return 0
+        return total
+    visit(model, "")
+    return units
+
+
+def shard_model(model, cfg, placement, device_type, mixed_precision) -> list:
+    """fully_shard the units, then the whole model; the units' names."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    sharding = cfg.sharding
+    kwargs = {"mesh": device_mesh(cfg, placement, device_type),
+              "reshard_after_forward": sharding.fsdp_reshard_after_forward,
+              "mp_policy": mixed_precision_policy(mixed_precision)}
+    if sharding.fsdp_cpu_offload and device_type == "cuda":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for p in model.parameters():
+        if not p.is_contiguous():  # FSDP2 shards contiguous tensors only (mnist's CNN is channels_last)
+            p.data = p.data.contiguous()
+    units = wrapped_units(model, sharding)
+    names = {id(m): n for n, m in model.named_modules()}
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return [names[id(u)] for u in units]
+
+
+def accelerate_plugin(cfg, placement, mixed_precision):
+    """(Accelerate's FSDP2 plugin, its ParallelismConfig or None) for CUDA,
+    with the settings shard_model applies on CPU."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    sharding = cfg.sharding
+    wrap = {"block": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}[sharding.fsdp_wrap]
+    kwargs = {}
+    if sharding.fsdp_wrap == "block" and sharding.fsdp_block_classes:
+        kwargs["transformer_cls_names_to_wrap"] = list(sharding.fsdp_block_classes)
+    if sharding.fsdp_wrap == "size":
+        kwargs["min_num_params"] = sharding.fsdp_min_params
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=sharding.fsdp_reshard_after_forward, auto_wrap_policy=wrap,
+        cpu_offload=sharding.fsdp_cpu_offload, mixed_precision_policy=mixed_precision_policy(mixed_precision),
+        activation_checkpointing=False,  # --checkpointing: the task enables it on the model (tasks/*.py)
+        state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False, **kwargs)
+    parallelism = None
+    if sharding.fsdp_sharding != "full" and placement.world_size > 1:
+        from accelerate.parallelism_config import ParallelismConfig
+        degree = shard_degree(cfg, placement)
+        parallelism = ParallelismConfig(dp_replicate_size=placement.world_size // degree, dp_shard_size=degree)
+    return plugin, parallelism
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def no_sync(accelerator, model):
+    """A micro-batch that is not the update's last: no gradient reduction
+    (FSDP2: accumulate the unsharded gradients; DDP: Accelerate's no_sync)."""
+    if not is_sharded(model):
+        with accelerator.no_sync(model):
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_value(tensor):
+    """A DTensor (a norm over sharded gradients) as the plain tensor every rank agrees on."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def optimizer_state_elements(optim_cfg) -> float:
+    """State elements the optimizer keeps per parameter element (Adam 2,
+    SGD with momentum 1): measured on one small tensor with the run's
+    optimizer class and arguments."""
+    import torch
+
+    from .optim import build_optimizer
+    name = optim_cfg.optimizer
+    if name not in STATE_PER_PARAMETER:
+        p = torch.nn.Parameter(torch.zeros(64))
+        p.grad = torch.ones(64)
+        opt = build_optimizer(optim_cfg, [{"params": [p]}], fused_default=False)
+        opt.step()
+        STATE_PER_PARAMETER[name] = sum(v.numel() for s in opt.state.values() for v in s.values()
+                                        if torch.is_tensor(v) and v.numel() == p.numel()) / p.numel()
+    return STATE_PER_PARAMETER[name]
+
+
+def describe(model, cfg, placement, cuda: bool, elements: int) -> str:
+    """The start line's sharding: strategy, who applied it, the units, and
+    the expected memory per rank."""
+    from collections import Counter
+
+    from torch.distributed.fsdp import FSDPModule
+    sharding = cfg.sharding
+    units = Counter(type(m).__name__.removeprefix("FSDP") for m in model.modules()
+                    if isinstance(m, FSDPModule) and m is not model)
+    unit_text = ", ".join(f"{n} {name}" for name, n in units.items()) + " + the root" if units else "the root only"
+    degree = shard_degree(cfg, placement)
+    how = {"full": f"full over {degree} ranks", "none": f"none (replicated over {placement.world_size} ranks)",
+           "hybrid": f"hybrid: over {degree} ranks per node, replicated over {nodes(placement)} node(s)"}
+    return (f"sharding {how[sharding.fsdp_sharding]} ({where(cuda)}; units: {unit_text}; "
+            f"reshard after forward {'on' if sharding.fsdp_reshard_after_forward else 'off'}"
+            + ("; parameters offloaded to CPU" if sharding.fsdp_cpu_offload and cuda else "")
+            + ("; activation checkpointing" if cfg.model.checkpointing else "")
+            + f") | {memory_line(elements, cfg, placement)}")
+
+
+def memory_line(elements: int, cfg, placement) -> str:
+    """Expected memory per rank of parameters, gradients and optimizer states
+    (float32 masters, split over the shard degree), beside DDP's."""
+    state = optimizer_state_elements(cfg.optim)
+    degree = shard_degree(cfg, placement)
+
+    def mib(n):
+        return f"{n * 4 / degree / 2 ** 20:,.2f}"
+    figures = (f"parameters {mib(elements)} MiB, gradients {mib(elements)} MiB, "
+               f"optimizer states {mib(elements * state)} MiB")
+    full = f"{elements * (2 + state) * 4 / 2 ** 20:,.2f}"
+    return f"expected per rank: {figures} (DDP: {full} MiB in all)"
+
