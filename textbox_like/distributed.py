@@ -396,6 +396,21 @@ def _handle_stale_file(path, rank, timeout):
         time.sleep(0.2)
 
 
+def one_rank_group(cfg, device):
+    """--fsdp on the GPU of a run of one process that no launcher started: a
+    process group of this process alone, and LOCAL_RANK, without which
+    Accelerate treats the run as not distributed and leaves its FSDP2 plugin
+    unused (no mixed-precision policy, no --fsdp-cpu-offload); the same state
+    as under ``torchrun --nproc_per_node 1``. cleanup() destroys it."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("LOCAL_RANK", "0")
+    nccl_environment()
+    dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device,
+                            timeout=datetime.timedelta(seconds=cfg.distributed.distributed_timeout))
+
+
 def init_process_group(p: Placement, cfg):
     """Create the process group for this worker (when world size > 1) and set
     the environment Accelerate reads."""
