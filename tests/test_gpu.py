@@ -388,7 +388,6 @@ def test_fsdp_bert_large_bf16_through_accelerates_plugin_saves_sharded_and_resum
             f"{2 * mib:,.2f} MiB") in line, line
 
     records = assert_finite_losses(out, 8, ("loss", "mlm_loss", "nsp_loss"))
-    assert sum(r["loss"] for r in records[-3:]) / 3 < records[0]["loss"] - 0.1, [r["loss"] for r in records]
     total = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
     for r in records:
         assert len(r["peak_mem_gib"]) == ranks and all(0 < peak < total for peak in r["peak_mem_gib"]), r
@@ -401,7 +400,11 @@ def test_fsdp_bert_large_bf16_through_accelerates_plugin_saves_sharded_and_resum
     err = run_fsdp(launcher, [*fsdp_bert_large_args(bert_data, out, 12), "--resume"])
     assert f"resumed from {last}: epoch 1, update 8" in err, err[-3000:]
     assert read_extra_state(last)["train"]["num_updates"] == 12
-    assert [r["update"] for r in assert_finite_losses(out, 12, ("loss",))] == list(range(1, 13))
+    records = assert_finite_losses(out, 12, ("loss", "mlm_loss", "nsp_loss"))  # one record per update: none redone
+    # the masked-word loss falls (batches of 8 with 5 masked words each: means over a few updates, not single ones;
+    # the next-sentence loss of so few pairs is noise)
+    mlm = [r["mlm_loss"] for r in records]
+    assert sum(mlm[-3:]) / 3 < sum(mlm[:2]) / 2 - 0.1, mlm
     if ranks > 1 or launcher != "python":
         return
 
