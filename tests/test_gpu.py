@@ -358,7 +358,7 @@ def run_fsdp(launcher, args, timeout=900):
 @gpu
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("launcher", ["python", "torchrun", "accelerate", "two ranks"])
-def test_fsdp_bert_large_bf16_through_accelerates_plugin_saves_sharded_and_resumes(bert_data, tmp_path, launcher):  # noqa: F811
+def test_fsdp_bert_large_bf16_on_cuda_saves_sharded_and_resumes(bert_data, tmp_path, launcher):  # noqa: F811
     """BERT-large, bf16, --fsdp, one GPU per rank: Accelerate's FSDP2 plugin
     shards it (the start line says so, with each of the 24 BertLayers a unit
     and the expected memory per rank), the loss falls, every rank's peak
