@@ -429,9 +429,11 @@ def test_fsdp_one_gpu_without_a_launcher_gets_a_group_of_one_and_accelerates_fsd
     assert (plugin.mixed_precision_policy.param_dtype, plugin.mixed_precision_policy.reduce_dtype) == \
         (torch.bfloat16, torch.float32)
     assert "parallelism_config" not in made and made["mixed_precision"] == "bf16"
+    monkeypatch.setattr(dist, "destroy_process_group", group.clear)
+    distributed.cleanup()  # the end of the run: the group and the LOCAL_RANK it needed are gone
+    assert group == {} and "LOCAL_RANK" not in os.environ
 
     # a launcher's group (two ranks) is left alone: no second group is made
-    group.clear()
     made.clear()
     FakeAccelerator.num_processes = 2
     build_accelerator(config.replace(distributed_world_size=2),
