@@ -6,6 +6,7 @@
     python -m textbox_like.bench mnist --compile [--compile_mode MODE] [--compile-plain]
     python -m textbox_like.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300] [--hooks none,fp16,bf16,powersgd]
     python -m textbox_like.bench bert-loader [--data DIR] [--batch 32] [--no-train]
+    python -m textbox_like.bench fsdp [--rounds 5] [--updates 4] [--model large] [--layers 12]
 
 mnist, bert, hf: the trainer against a plain loop of the same work. Both sides
 use the same model, batch size, optimizer, clipping, threads and data; the
@@ -42,6 +43,14 @@ Figures come from the trainer's own metrics.jsonl after its first log window
 (start-up and compilation excluded). expansion = N-process samples/s /
 (N x 1-process samples/s); 1.0 is perfect. Trainer options pass through
 (--update-freq K, --compile, --task bert ...).
+
+fsdp: the same model on 2 ranks (subprocess trainer runs; CPU: gloo, one
+thread each; CUDA: one GPU per rank) under DDP and under --fsdp, the order
+reversed every other round: each rank's peak memory from the trainer's log
+(peak_rss_gib, on CUDA peak_mem_gib), samples/s after the first log window
+(as scaling), and the medians of FSDP/DDP peak memory (the highest rank's)
+and FSDP/DDP samples/s. BERT-large of --layers 12 on synthetic shards by
+default; on CPU with malloc giving freed chunks back (RELEASING_MALLOC).
 
 bert-loader: how fast the BERT HDF5 loader serves batches (a fresh dataset
 reading its shuffled-block order, cold: every block decompressed once),
