@@ -6,7 +6,7 @@
     python -m textbox_like.bench mnist --compile [--compile_mode MODE] [--compile-plain]
     python -m textbox_like.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300] [--hooks none,fp16,bf16,powersgd]
     python -m textbox_like.bench bert-loader [--data DIR] [--batch 32] [--no-train]
-    python -m textbox_like.bench fsdp [--rounds 5] [--updates 4] [--model large] [--layers 12]
+    python -m textbox_like.bench fsdp [--rounds 5] [--updates 3] [--model large] [--layers 12]
 
 mnist, bert, hf: the trainer against a plain loop of the same work. Both sides
 use the same model, batch size, optimizer, clipping, threads and data; the
@@ -647,33 +647,31 @@ def fsdp_run(base_argv, sharded, args, key, env):
 
 
 def fsdp_main(args, rest):
-    import os
-
     import torch
 
     from .errors import UserError
     from .malloc import user_chose_malloc
-    cuda = torch.cuda.is_available() and "--cpu" not in rest
-    key = peak_memory_key("cuda" if cuda else "cpu")
     base = ["--task", "bert", "--model-preset", args.model, "--max-sentences", str(args.max_sentences),
             *(["--num-layers", str(args.layers)] if args.layers else []), *rest, "--threads", str(args.threads)]
-    # the allocator gives freed chunks back, so that the peak resident set is what the run needed: the trainer
-    # keeps freed heap for speed (malloc.py), and FSDP's model, built whole before it is sharded, would leave
-    # that whole copy counted (measured: BERT-large of 12 layers, 3.38 GiB per FSDP rank against 2.64)
-    env = {} if cuda or args.keep_malloc or user_chose_malloc() else dict(RELEASING_MALLOC)
     with tempfile.TemporaryDirectory() as shards:
         try:
             if args.updates < 1 or args.warmup < 1 or args.rounds < 1 or args.max_sentences < 1:
                 raise UserError("--updates, --warmup, --rounds and --max-sentences must be at least 1")
-            if cuda and torch.cuda.device_count() < 2:
-                raise UserError(f"fsdp: 2 ranks take one GPU each, this machine has {torch.cuda.device_count()}; "
-                                f"give --cpu to measure on the CPU")
-            if "--data" not in rest:
+            if not any(a == "--data" or a.startswith("--data=") for a in rest):
                 synthetic_shards(shards, n=args.synthetic_samples, length=args.seq_length, preds=args.seq_length // 8)
                 base += ["--data", shards]
             cfg = _cfg_for(base + ["--max-update", "1", "--distributed-world-size", "2"])
+            cuda = bench_device(cfg).type == "cuda"
+            if cuda and torch.cuda.device_count() < 2:
+                raise UserError(f"fsdp: 2 ranks take one GPU each, this machine has {torch.cuda.device_count()}; "
+                                f"give --cpu to measure on the CPU")
         except UserError as exc:
             return _user_error(exc)
+        key = peak_memory_key("cuda" if cuda else "cpu")
+        # the allocator gives freed chunks back, so that the peak resident set is what the run needed: the trainer
+        # keeps freed heap for speed (malloc.py), and FSDP's model, built whole before it is sharded, would leave
+        # that whole copy counted (measured: BERT-large of 12 layers, 3.38 GiB per FSDP rank against 2.64)
+        env = {} if cuda or args.keep_malloc or user_chose_malloc() else dict(RELEASING_MALLOC)
         where = f"one GPU per rank ({torch.cuda.get_device_name(0)})" if cuda else f"CPU, gloo, {args.threads} thread(s) per rank"
         print(f"fsdp {cfg.data.task}: DDP vs --fsdp on 2 ranks, {where}, batch {cfg.data.max_sentences} per rank, "
               f"{args.updates} updates after {args.warmup}, {args.rounds} rounds; peak memory: {key}"
@@ -896,13 +894,13 @@ def build_parser():
                                      "go to the trainer (--data DIR of BERT shards, --fsdp-wrap size, --bf16 ...).")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds, order reversed every other; medians "
                                                          "are reported (default 5)")
-    p.add_argument("--updates", type=int, default=4, help="updates per run after the warm-up (default 4)")
+    p.add_argument("--updates", type=int, default=3, help="updates per run after the warm-up (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="updates in the first log window, left out (default 1)")
     p.add_argument("--model", default="large", help="the BERT preset (default large: hidden 1024, 16 heads)")
     p.add_argument("--layers", type=int, default=12,
                    help="its layers (default 12: 185M parameters, ~4.7 GiB per DDP rank on CPU; 0: the preset's)")
     p.add_argument("--max-sentences", "--max_sentences", type=int, default=2, help="batch per rank (default 2)")
-    p.add_argument("--seq-length", type=int, default=64, help="synthetic shards' sequence length (default 64)")
+    p.add_argument("--seq-length", type=int, default=32, help="synthetic shards' sequence length (default 32)")
     p.add_argument("--synthetic-samples", type=int, default=512, help="rows of synthetic shards without --data")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--keep-malloc", action="store_true",
