@@ -898,7 +898,7 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=1, help="updates in the first log window, left out (default 1)")
     p.add_argument("--model", default="large", help="the BERT preset (default large: hidden 1024, 16 heads)")
     p.add_argument("--layers", type=int, default=12,
-                   help="its layers (default 12: 185M parameters, ~4.7 GiB per DDP rank on CPU; 0: the preset's)")
+                   help="its layers (default 12: 185M parameters, ~4.5 GiB per DDP rank on CPU; 0: the preset's)")
     p.add_argument("--max-sentences", "--max_sentences", type=int, default=2, help="batch per rank (default 2)")
     p.add_argument("--seq-length", type=int, default=32, help="synthetic shards' sequence length (default 32)")
     p.add_argument("--synthetic-samples", type=int, default=512, help="rows of synthetic shards without --data")
