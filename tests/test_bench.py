@@ -120,7 +120,7 @@ def test_fsdp_rounds_alternate_and_ratios(capsys, monkeypatch):
     figures = {False: iter([(10.0, [4.0, 4.2]), (12.0, [4.0, 4.0]), (11.0, [4.1, 4.0])]),
                True: iter([(8.0, [2.0, 2.1]), (9.0, [2.4, 2.0]), (8.8, [2.05, 2.05])])}
     calls = []
-    monkeypatch.setattr(bench, "fsdp_run", lambda base, sharded, args, key, env: (
+    monkeypatch.setattr(bench, "fsdp_run", lambda base, sharded, args, key: (
         calls.append((base, sharded, key)), next(figures[sharded]))[1])
     report, err = bench_in_process(capsys, "fsdp", "--rounds", 3, "--model", "tiny", "--layers", 2)
     assert [sharded for _, sharded, _ in calls] == [False, True, True, False, False, True]

@@ -50,7 +50,7 @@ reversed every other round: each rank's peak memory from the trainer's log
 (peak_rss_gib, on CUDA peak_mem_gib), samples/s after the first log window
 (as scaling), and the medians of FSDP/DDP peak memory (the highest rank's)
 and FSDP/DDP samples/s. BERT-large of --layers 12 on synthetic shards by
-default; on CPU with malloc giving freed chunks back (RELEASING_MALLOC).
+default.
 
 bert-loader: how fast the BERT HDF5 loader serves batches (a fresh dataset
 reading its shuffled-block order, cold: every block decompressed once),
@@ -539,10 +539,10 @@ def steady_samples_per_s(save_dir):
     return samples / seconds
 
 
-def trainer_processes_run(base_argv, processes, args, read, env=None):
+def trainer_processes_run(base_argv, processes, args, read):
     """A whole trainer run of ``processes`` ranks (a subprocess, one thread
     each: --threads), timed from its metrics.jsonl: ``read(save_dir)`` after
-    it ends. ``env``: variables added to the run's environment."""
+    it ends."""
     import os
     import subprocess
     with tempfile.TemporaryDirectory() as out:
@@ -550,7 +550,7 @@ def trainer_processes_run(base_argv, processes, args, read, env=None):
                "--max-update", str(args.updates + args.warmup), "--max-epoch", "0",
                "--log-interval", str(args.warmup), "--log-format", "none", "--disable-validation",
                "--no-epoch-checkpoints", "--no-last-checkpoints", "--save-dir", out, "--distributed-world-size", str(processes)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), **(env or {})}
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
         done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             sys.stderr.write(done.stderr[-4000:])
@@ -620,11 +620,6 @@ def scaling_main(args, rest):
 
 
 # ---------------------------------------------------------------- fsdp
-#: glibc's own starting mmap threshold, fixed: chunks above it are mapped and
-#: given back when freed (see fsdp_main)
-RELEASING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-
-
 def peak_memory_key(device_type):
     """The log's per-rank peak memory key (training/reporting.py): the CUDA
     allocator's peak, or elsewhere the process's peak resident set."""
@@ -640,17 +635,16 @@ def peak_memory_per_rank(save_dir, key):
     return [max(column) for column in zip(*rows)]
 
 
-def fsdp_run(base_argv, sharded, args, key, env):
+def fsdp_run(base_argv, sharded, args, key):
     """(samples/s in the steady window, peak memory per rank) of one 2-rank run, DDP or --fsdp."""
     return trainer_processes_run(base_argv + (["--fsdp"] if sharded else []), 2, args,
-                                 lambda out: (steady_samples_per_s(out), peak_memory_per_rank(out, key)), env)
+                                 lambda out: (steady_samples_per_s(out), peak_memory_per_rank(out, key)))
 
 
 def fsdp_main(args, rest):
     import torch
 
     from .errors import UserError
-    from .malloc import user_chose_malloc
     base = ["--task", "bert", "--model-preset", args.model, "--max-sentences", str(args.max_sentences),
             *(["--num-layers", str(args.layers)] if args.layers else []), *rest, "--threads", str(args.threads)]
     with tempfile.TemporaryDirectory() as shards:
@@ -668,20 +662,14 @@ def fsdp_main(args, rest):
         except UserError as exc:
             return _user_error(exc)
         key = peak_memory_key("cuda" if cuda else "cpu")
-        # the allocator gives freed chunks back, so that the peak resident set is what the run needed: the trainer
-        # keeps freed heap for speed (malloc.py), and FSDP's model, built whole before it is sharded, would leave
-        # that whole copy counted (measured: BERT-large of 12 layers, 3.38 GiB per FSDP rank against 2.64)
-        env = {} if cuda or args.keep_malloc or user_chose_malloc() else dict(RELEASING_MALLOC)
         where = f"one GPU per rank ({torch.cuda.get_device_name(0)})" if cuda else f"CPU, gloo, {args.threads} thread(s) per rank"
         print(f"fsdp {cfg.data.task}: DDP vs --fsdp on 2 ranks, {where}, batch {cfg.data.max_sentences} per rank, "
-              f"{args.updates} updates after {args.warmup}, {args.rounds} rounds; peak memory: {key}"
-              + (f" ({' '.join(f'{k}={v}' for k, v in env.items())}: freed memory given back)" if env else ""),
-              file=sys.stderr)
+              f"{args.updates} updates after {args.warmup}, {args.rounds} rounds; peak memory: {key}", file=sys.stderr)
         runs = {"ddp": [], "fsdp": []}
         for r in range(args.rounds):
             order = ("ddp", "fsdp") if r % 2 == 0 else ("fsdp", "ddp")  # drift in load hits both alike
             for side in order:
-                runs[side].append(fsdp_run(base, side == "fsdp", args, key, env))
+                runs[side].append(fsdp_run(base, side == "fsdp", args, key))
             (ddp_rate, ddp_mem), (fsdp_rate, fsdp_mem) = runs["ddp"][-1], runs["fsdp"][-1]
             print(f"round {r + 1} ({' first, '.join(order)} second): peak {key} per rank DDP {ddp_mem}, FSDP {fsdp_mem}, "
                   f"FSDP/DDP {max(fsdp_mem) / max(ddp_mem):.3f}; samples/s DDP {ddp_rate:.2f}, FSDP {fsdp_rate:.2f}, "
@@ -692,7 +680,7 @@ def fsdp_main(args, rest):
         "mode": "fsdp", "task": cfg.data.task, "model": args.model, "layers": args.layers, "processes": 2,
         "device": "cuda" if cuda else "cpu", "threads_per_process": args.threads,
         "batch_per_rank": cfg.data.max_sentences, "updates": args.updates, "warmup": args.warmup,
-        "rounds": args.rounds, "memory_key": key, "malloc_env": env,
+        "rounds": args.rounds, "memory_key": key,
         "ddp_peak_gib_per_rank_rounds": [d[1] for d in runs["ddp"]],
         "fsdp_peak_gib_per_rank_rounds": [f[1] for f in runs["fsdp"]],
         "ddp_peak_gib_per_rank": [round(statistics.median(c), 3) for c in zip(*(d[1] for d in runs["ddp"]))],
@@ -903,9 +891,6 @@ def build_parser():
     p.add_argument("--seq-length", type=int, default=32, help="synthetic shards' sequence length (default 32)")
     p.add_argument("--synthetic-samples", type=int, default=512, help="rows of synthetic shards without --data")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--keep-malloc", action="store_true",
-                   help="keep the trainer's malloc settings (freed heap kept): the peak resident set then counts "
-                        "memory freed, such as FSDP's model before sharding")
     p = modes.add_parser("bert-loader", aliases=["bert_loader"], allow_abbrev=False,
                          help="the BERT HDF5 loader alone vs tiny-BERT training",
                          description="samples/s of the BERT HDF5 loader against tiny-BERT training.")

@@ -17,6 +17,9 @@ needs, since every forward all-gathers.
 from __future__ import annotations
 
 import contextlib
+import gc
+
+from . import malloc
 
 STATE_PER_PARAMETER = {}  # optimizer name -> state elements per parameter element (optimizer_state_elements)
 
@@ -135,6 +138,8 @@ def shard_model(model, cfg, placement, device_type, mixed_precision) -> list:
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    gc.collect()  # the whole weights are garbage now: only this rank's shard is kept
+    malloc.give_back_freed_heap()
     return [names[id(u)] for u in units]
 
 
