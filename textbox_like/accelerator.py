@@ -191,6 +191,7 @@ def build_accelerator(cfg, placement, log_with=None):
     if sharding.enabled(cfg):
         launched = cfg.source("fsdp") == "accelerate launch / accelerate config"
         sources["sharding"] = cfg.source("fsdp") if launched else "--fsdp"
+        sharding.check_nodes_alike(cfg, placement)  # before any mesh is built
         if cuda:
             fsdp["fsdp_plugin"], parallelism = sharding.accelerate_plugin(cfg, placement, chosen)
             if parallelism is not None:
