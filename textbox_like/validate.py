@@ -22,9 +22,9 @@ def evaluate(task, model, data, batch_sizes, accelerator, to_device=None):
     model.eval()
     # inference_mode, not no_grad: no version counters or view tracking
     # either; nothing made here is kept for training (metrics leave as floats).
-    # Except under --fsdp: FSDP2 keeps the unsharded parameters it makes in a
-    # forward for the next ones, and made under inference_mode they are
-    # inference tensors that a later training backward cannot update
+    # Except under --fsdp: FSDP2 makes its unsharded parameters at the first
+    # forward and reuses them after; made under inference_mode they are
+    # inference tensors, which training's forward and backward cannot update
     with torch.no_grad() if is_sharded(model) else torch.inference_mode():
         sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else [batch_sizes] * world
         for row in plan_fixed(len(data), sizes):
