@@ -191,6 +191,7 @@ def build_accelerator(cfg, placement, log_with=None):
     if sharding.enabled(cfg):
         launched = cfg.source("fsdp") == "accelerate launch / accelerate config"
         sources["sharding"] = cfg.source("fsdp") if launched else "--fsdp"
+        sharding.check_nodes_alike(cfg, placement)  # before any mesh is built
         if cuda:
             if placement.world_size == 1:
                 one_rank_group(cfg, device)

@@ -1,6 +1,7 @@
 """The ranks' host-side agreements, one helper per idiom: "did any rank
-fail" and "one value per rank", over the host (CPU) group so that no device
-stream waits for them. Imports nothing of ours: any module may use it."""
+fail", "one value per rank" and "rank 0's value", over the host (CPU) group
+so that no device stream waits for them. Imports nothing of ours: any module
+may use it."""
 from __future__ import annotations
 
 
@@ -32,3 +33,14 @@ def one_per_rank(value, world: int, group=None) -> list:
     out = [None] * world
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def from_rank0(value, world: int, group=None):
+    """Rank 0's (of ``group``) ``value`` (any picklable) on every rank: one
+    broadcast over ``group``."""
+    if world == 1:
+        return value
+    import torch.distributed as dist
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]

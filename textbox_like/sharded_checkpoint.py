@@ -71,6 +71,7 @@ import uuid
 from pathlib import Path
 
 from .checkpoint import CheckpointManager
+from .collectives import from_rank0, one_per_rank
 from .errors import UserError, first_line
 from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
 from .fileio import atomic_write, fsync_dir
@@ -154,22 +155,6 @@ def world_and_rank(group=None) -> tuple:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def gathered(value, group=None) -> list:
-    """``value`` of every rank of ``group``, in rank order."""
-    from .collectives import one_per_rank
-    return one_per_rank(value, world_and_rank(group)[0], group)
-
-
-def from_rank0(value, group=None):
-    """Rank 0's ``value`` on every rank."""
-    import torch.distributed as dist
-    if world_and_rank(group)[0] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
-
-
 def first_failure(exc) -> tuple:
     """(rank, exception) of the first rank a DCP CheckpointException names."""
     failures = getattr(exc, "failures", None) or {}
@@ -189,7 +174,8 @@ def agree(step, group=None, what="the save"):
         result = step()
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers learn of it
         error = exc
-    outcomes = gathered(None if error is None else f"{type(error).__name__}: {os_reason(error)}", group)
+    outcomes = one_per_rank(None if error is None else f"{type(error).__name__}: {os_reason(error)}",
+                            world_and_rank(group)[0], group)
     if error is not None:
         if isinstance(error, OSError) or failed_writing(error):
             raise SaveFailed(f"could not write {what} ({os_reason(error)})") from None
@@ -231,7 +217,7 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
             partial.mkdir()
             made.append(str(partial))
         return made
-    partials = [Path(p) for p in from_rank0(agree(make_partials, group, f"{targets[0]}"), group)]
+    partials = [Path(p) for p in from_rank0(agree(make_partials, group, f"{targets[0]}"), world, group)]
 
     def write_and_publish():
         if optimizer is not None:
@@ -255,7 +241,7 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
             return {name: {"bytes": (partials[0] / name).stat().st_size, "blake2b": file_digest(partials[0] / name)}
                     for name in files[rank::world]}
         files = {}
-        for share in gathered(agree(digest_share, group, f"{targets[0]}"), group):
+        for share in one_per_rank(agree(digest_share, group, f"{targets[0]}"), world, group):
             files.update(share)
 
         def write_extra_and_manifest():
@@ -389,7 +375,7 @@ def verify_sharded(path, group=None, alone=False) -> dict:
         return None
     names = sorted(manifest["files"])
     mine = [problem for name in names[rank::world] if (problem := check(name, manifest["files"][name]))]
-    problems = mine if alone else [p for share in gathered(mine, group) for p in share]
+    problems = mine if alone else [p for share in one_per_rank(mine, world, group) for p in share]
     if problems:
         raise UserError(problems[0])
     return manifest

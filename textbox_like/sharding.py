@@ -21,11 +21,42 @@ import gc
 
 from . import malloc
 
-STATE_PER_PARAMETER = {}  # optimizer name -> state elements per parameter element (optimizer_state_elements)
+#: (optimizer name, its constructor arguments) -> state elements per parameter
+#: element (optimizer_state_elements): SGD keeps a momentum buffer only with momentum > 0
+STATE_PER_PARAMETER = {}
 
 
 def enabled(cfg) -> bool:
     return bool(cfg.sharding.fsdp)
+
+
+def check_settings(cfg) -> None:
+    """DDP's settings under --fsdp: refused where they cannot be honoured (one
+    line, before anything starts), a note where they change nothing."""
+    from .distributed import uses_cuda
+    from .errors import UserError, note
+    if not enabled(cfg):
+        return
+    dist = cfg.distributed
+    if dist.ddp_comm_hook != "none":
+        raise UserError(f"--ddp-comm-hook {dist.ddp_comm_hook} compresses DDP's all-reduce; --fsdp reduce-scatters "
+                        f"the gradients without communication hooks: drop one of them")
+    if dist.bucket_cap_mb is not None:
+        raise UserError("--bucket-cap-mb sizes DDP's gradient buckets; --fsdp reduces the gradients one unit at a "
+                        "time (the units: --fsdp-wrap, --fsdp-min-params): drop --bucket-cap-mb")
+    if cfg.sharding.fsdp_cpu_offload and not uses_cuda(cfg):
+        note("--fsdp-cpu-offload changes nothing on CPU: parameters, gradients and optimizer states are in CPU "
+             "memory already")
+
+
+def reduce_unused_parameters(model, cfg) -> None:
+    """--find-unused-parameters under --fsdp: a parameter that this rank's
+    forward left unused still takes part in the reduce-scatter, with a zero
+    gradient (FSDP2's set_reduce_scatter_unused_params), so ranks that use
+    different parameters run the same collectives, as DDP's
+    find_unused_parameters lets them."""
+    if cfg.distributed.find_unused_parameters:
+        sharded_root(model).set_reduce_scatter_unused_params(True)
 
 
 def where(cuda: bool) -> str:
@@ -46,6 +77,28 @@ def mixed_precision_policy(mixed_precision: str):
 
 def nodes(placement) -> int:
     return max(1, placement.world_size // max(placement.local_world_size, 1))
+
+
+def check_nodes_alike(cfg, placement) -> None:
+    """--fsdp-sharding hybrid lays the ranks out as (nodes, ranks per node),
+    each rank from its own LOCAL_WORLD_SIZE: nodes with unlike numbers of
+    ranks would build unlike meshes (mismatched collectives, or a hang), so
+    every rank's count and local rank are compared first (one all-gather)."""
+    from .collectives import one_per_rank
+    from .errors import UserError
+    world = placement.world_size
+    if cfg.sharding.fsdp_sharding != "hybrid" or world == 1:
+        return
+    seen = one_per_rank((placement.local_world_size, placement.local_rank), world)
+    sizes, locals_ = [size for size, _ in seen], [local for _, local in seen]
+    per_node = sizes[0]
+    if any(size != per_node for size in sizes) or world % per_node:
+        raise UserError(f"--fsdp-sharding hybrid needs the same number of ranks on every node (here the ranks "
+                        f"see {sizes} ranks on their node, rank by rank: LOCAL_WORLD_SIZE); use --fsdp-sharding full")
+    if any(local != rank % per_node for rank, local in enumerate(locals_)):
+        raise UserError(f"--fsdp-sharding hybrid needs each node's ranks numbered one after another (here the "
+                        f"local ranks are {locals_}, rank by rank, with {per_node} per node); use --fsdp-sharding "
+                        f"full, or start the ranks node by node")
 
 
 def shard_degree(cfg, placement) -> int:
@@ -167,24 +220,37 @@ def accelerate_plugin(cfg, placement, mixed_precision):
     return plugin, parallelism
 
 
-def is_sharded(model) -> bool:
+def sharded_root(model):
+    """The FSDP2 module that ``model`` is, or that it wraps: --compile puts a
+    model that is not compiled by regions under torch.compile's
+    OptimizedModule (``_orig_mod``), DDP under ``module``; None where the
+    model is not sharded."""
     from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
+    while not isinstance(model, FSDPModule):
+        model = model._modules.get("_orig_mod") or model._modules.get("module")
+        if model is None:
+            return None
+    return model
+
+
+def is_sharded(model) -> bool:
+    return sharded_root(model) is not None
 
 
 @contextlib.contextmanager
 def no_sync(accelerator, model):
     """A micro-batch that is not the update's last: no gradient reduction
     (FSDP2: accumulate the unsharded gradients; DDP: Accelerate's no_sync)."""
-    if not is_sharded(model):
+    root = sharded_root(model)
+    if root is None:
         with accelerator.no_sync(model):
             yield
         return
-    model.set_requires_gradient_sync(False)
+    root.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        root.set_requires_gradient_sync(True)
 
 
 def full_value(tensor):
@@ -198,16 +264,16 @@ def optimizer_state_elements(optim_cfg) -> float:
     optimizer class and arguments."""
     import torch
 
-    from .optim import build_optimizer
-    name = optim_cfg.optimizer
-    if name not in STATE_PER_PARAMETER:
+    from .optim import build_optimizer, optimizer_kwargs
+    key = (optim_cfg.optimizer, repr(sorted(optimizer_kwargs(optim_cfg).items())))
+    if key not in STATE_PER_PARAMETER:
         p = torch.nn.Parameter(torch.zeros(64))
         p.grad = torch.ones(64)
         opt = build_optimizer(optim_cfg, [{"params": [p]}], fused_default=False)
         opt.step()
-        STATE_PER_PARAMETER[name] = sum(v.numel() for s in opt.state.values() for v in s.values()
-                                        if torch.is_tensor(v) and v.numel() == p.numel()) / p.numel()
-    return STATE_PER_PARAMETER[name]
+        STATE_PER_PARAMETER[key] = sum(v.numel() for s in opt.state.values() for v in s.values()
+                                       if torch.is_tensor(v) and v.numel() == p.numel()) / p.numel()
+    return STATE_PER_PARAMETER[key]
 
 
 def describe(model, cfg, placement, cuda: bool, elements: int) -> str:
@@ -217,8 +283,9 @@ def describe(model, cfg, placement, cuda: bool, elements: int) -> str:
 
     from torch.distributed.fsdp import FSDPModule
     sharding = cfg.sharding
-    units = Counter(type(m).__name__.removeprefix("FSDP") for m in model.modules()
-                    if isinstance(m, FSDPModule) and m is not model)
+    root = sharded_root(model)
+    units = Counter(type(m).__name__.removeprefix("FSDP") for m in root.modules()
+                    if isinstance(m, FSDPModule) and m is not root)
     unit_text = ", ".join(f"{n} {name}" for name, n in units.items()) + " + the root" if units else "the root only"
     degree = shard_degree(cfg, placement)
     how = {"full": f"full over {degree} rank{'s' if degree != 1 else ''}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .errors import UserError
 from .meters import StatSums
+from .sharding import is_sharded
 
 
 def evaluate(task, model, data, batch_sizes, accelerator, to_device=None):
@@ -20,8 +21,11 @@ def evaluate(task, model, data, batch_sizes, accelerator, to_device=None):
     was_training = model.training
     model.eval()
     # inference_mode, not no_grad: no version counters or view tracking
-    # either; nothing made here is kept for training (metrics leave as floats)
-    with torch.inference_mode():
+    # either; nothing made here is kept for training (metrics leave as floats).
+    # Except under --fsdp: FSDP2 makes its unsharded parameters at the first
+    # forward and reuses them after; made under inference_mode they are
+    # inference tensors, which training's forward and backward cannot update
+    with torch.no_grad() if is_sharded(model) else torch.inference_mode():
         sizes = list(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else [batch_sizes] * world
         for row in plan_fixed(len(data), sizes):
             batch = data.get_batch(np.arange(row[rank], row[rank + 1]))

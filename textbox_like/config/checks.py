@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from .. import sharding
 from ..errors import UserError, closest
 
 
@@ -43,6 +44,7 @@ def check(cfg):
     if os.path.exists(ckpt.save_dir) and not os.path.isdir(ckpt.save_dir):
         raise UserError(f"--save-dir {ckpt.save_dir} is a file, not a directory; choose another path")
     _check_optimizer_values(optim)
+    sharding.check_settings(cfg)
     task = TASKS.get(data.task)
     task.check_config(cfg)
     metric = cfg.validation.best_checkpoint_metric

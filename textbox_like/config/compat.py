@@ -122,6 +122,15 @@ def environment_settings(environ=None) -> dict:
 #: accelerate launch --fsdp_auto_wrap_policy -> --fsdp-wrap
 FSDP_WRAPS = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}
 
+#: FSDP1's sharding strategies, which accelerate launch --fsdp_reshard_after_forward
+#: also takes (FSDP1 only: Accelerate refuses them for FSDP2), as our
+#: (--fsdp-sharding, --fsdp-reshard-after-forward): ZeRO-3 reshards the
+#: parameters after forward, ZeRO-2 (SHARD_GRAD_OP) keeps them gathered
+FSDP1_STRATEGIES = {"FULL_SHARD": ("full", True), "SHARD_GRAD_OP": ("full", False), "NO_SHARD": ("none", True),
+                    "HYBRID_SHARD": ("hybrid", True), "HYBRID_SHARD_ZERO2": ("hybrid", False)}
+#: the truth values Accelerate's str_to_bool reads
+TRUE_WORDS, FALSE_WORDS = ("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0")
+
 
 def fsdp_environment_settings(environ) -> dict:
     """``accelerate launch --use_fsdp --fsdp_version 2`` (or ``accelerate
@@ -136,10 +145,16 @@ def fsdp_environment_settings(environ) -> dict:
     truthy = ("true", "1", "yes")
     out = {"fsdp": True}
     reshard = environ.get("FSDP_RESHARD_AFTER_FORWARD", "").strip()
-    if reshard:  # FSDP2's bool, or FSDP1's strategy names, as Accelerate reads them
-        out["fsdp_reshard_after_forward"] = reshard.lower() in truthy or reshard.upper() == "FULL_SHARD"
-        if reshard.upper() == "HYBRID_SHARD":
-            out["fsdp_sharding"], out["fsdp_reshard_after_forward"] = "hybrid", True
+    if reshard.lower() in TRUE_WORDS + FALSE_WORDS:  # FSDP2's bool
+        out["fsdp_reshard_after_forward"] = reshard.lower() in TRUE_WORDS
+    elif reshard.upper() in FSDP1_STRATEGIES:  # an FSDP1 strategy: what it means under FSDP2
+        out["fsdp_sharding"], out["fsdp_reshard_after_forward"] = FSDP1_STRATEGIES[reshard.upper()]
+        note(f"accelerate launch --fsdp_reshard_after_forward {reshard.upper()} is FSDP1's sharding strategy; "
+             f"under FSDP2 it is --fsdp-sharding {out['fsdp_sharding']} --fsdp-reshard-after-forward "
+             f"{str(out['fsdp_reshard_after_forward']).lower()}")
+    elif reshard:
+        raise UserError(f"accelerate launch --fsdp_reshard_after_forward {reshard} (FSDP_RESHARD_AFTER_FORWARD): "
+                        f"FSDP2 takes true or false there (or one of FSDP1's {', '.join(FSDP1_STRATEGIES)})")
     wrap = environ.get("FSDP_AUTO_WRAP_POLICY", "").strip().upper()
     if wrap in FSDP_WRAPS:
         out["fsdp_wrap"] = FSDP_WRAPS[wrap]

@@ -137,6 +137,8 @@ class Trainer:
         else:
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.sharding_line = None  # the start line's sharding, where the model is sharded
+        if sharding.is_sharded(self.model):
+            sharding.reduce_unused_parameters(self.model, cfg)
         if sharding.enabled(cfg):
             self.sharding_line = sharding.describe(self.model, cfg, self.placement, cuda, self.n_params) \
                 if sharding.is_sharded(self.model) else "sharding none (--fsdp with one process: nothing to shard)"

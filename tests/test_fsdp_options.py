@@ -1,0 +1,242 @@
+"""--fsdp with the run's other options (review of issue 32): --compile on a
+model compiled whole, hybrid sharding on unlike nodes, DDP's settings under
+--fsdp and Accelerate's FSDP1 spellings, evaluating a sharded model before it
+trains, --find-unused-parameters, and the optimizer-state figure of the start
+line. Real processes over gloo where the behaviour is multi-rank."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, write_mnist
+from test_fsdp import assert_close, checkpoint, train_records
+from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def torchrun(script, tmp_path, timeout=300):
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(path)], cwd=REPO,
+                         env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+# ------------------------------------------------------------------ --compile (a model compiled whole)
+@pytest.mark.timeout(1200)
+def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(models, text_data, tmp_path):  # noqa: F811
+    """GPT-2 declares no compile regions: Accelerate wraps the whole sharded
+    model in torch.compile, and the run must still see it sharded (start
+    line, the micro-batch count the ranks agree on, the sharded gradient
+    norm, the sharded checkpoint). Compiled and eager differ only by the
+    rounding of fused kernels: after 3 SGD steps of lr 0.5 on weights of
+    size up to 1 they differ by one float32 ulp (1.2e-7 measured), far below
+    1e-5 (the exactness tests' bound), while a wrong update (one rank's
+    gradient alone, a missed reduction) moves weights by ~1e-2."""
+    common = ("--max-update", 3, "--distributed-world-size", 2, "--fsdp", "--distributed-timeout", 600)
+    eager = subprocess.run(list(map(str, exactness_args(models["causal_lm"], text_data, tmp_path / "eager",
+                                                        *common))),
+                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    compiled = subprocess.run(list(map(str, exactness_args(models["causal_lm"], text_data, tmp_path / "compiled",
+                                                           *common, "--compile"))),
+                              cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    start = next(line for line in compiled.stderr.splitlines() if line.startswith("task hf"))
+    assert "sharding full over 2 ranks (fully_shard applied by textbox_like" in start, start
+    assert "units: 2 GPT2Block + the root" in start, start
+    assert "compile from --compile" in start, start
+    assert "did not compile" not in compiled.stderr and "Traceback" not in compiled.stderr
+    records = train_records(tmp_path / "compiled")
+    assert [r["update"] for r in records] == [1, 2, 3]
+    assert all(min(r["compute_s_per_rank"]) > 0 for r in records)  # the sharded timing ran
+    assert (tmp_path / "compiled" / "checkpoint_last.dcp").is_dir()  # a sharded checkpoint, as eager's
+    assert_close(checkpoint(tmp_path / "compiled")["model"], checkpoint(tmp_path / "eager")["model"], atol=1e-5)
+    assert records[-1]["loss"] == pytest.approx(train_records(tmp_path / "eager")[-1]["loss"], abs=1e-5)
+
+
+def test_sharded_root_is_found_under_torch_compile_and_ddp_like_wrappers(tmp_path):
+    """Unit level: the FSDP module under torch.compile's OptimizedModule and
+    under a ``.module`` wrapper (as DDP's), and none in a plain model."""
+    out = torchrun('''
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from textbox_like import sharding
+dist.init_process_group("gloo")
+m = torch.nn.Sequential(torch.nn.Linear(4, 4)); fully_shard(m)
+class Wrapper(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__(); self.module = module
+plain = torch.nn.Linear(4, 4)
+print("found", sharding.sharded_root(torch.compile(m)) is m, sharding.sharded_root(Wrapper(torch.compile(m))) is m,
+      sharding.is_sharded(plain), sharding.is_sharded(torch.compile(plain)), flush=True)
+''', tmp_path)
+    assert [line for line in out.splitlines() if line.startswith("found")] == ["found True True False False"] * 2, out
+
+
+# ------------------------------------------------------------------ hybrid on unlike nodes
+@pytest.mark.timeout(300)
+def test_hybrid_on_nodes_with_unlike_rank_counts_is_refused_on_every_rank(tmp_path):
+    """Rank 0 says its node holds 2 ranks, rank 1 that its node holds 1
+    (LOCAL_WORLD_SIZE as torchrun or SLURM would set it on unlike nodes):
+    each would lay out another mesh, (1, 2) against (2, 1). Both ranks stop
+    with the one line and exit 2, before any mesh is built (no hang)."""
+    data = tmp_path / "mnist"
+    write_mnist(data, n_train=256, n_test=16)
+    procs = []
+    for rank, local_world in ((0, 2), (1, 1)):
+        env = {**clean_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": "127.0.0.1",
+               "TEXTBOX_LIKE_INIT_METHOD": f"file://{tmp_path / 'rdzv'}"}
+        procs.append(subprocess.Popen(
+            [PY, "run_hetseq.py", "--task", "mnist", "--data", str(data), "--save-dir", str(tmp_path / "save"),
+             "--max-sentences", "16", "--max-update", "2", "--threads", "1", "--disable-validation",
+             "--distributed-timeout", "120", "--fsdp", "--fsdp-sharding", "hybrid"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    for err in errs:
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert lines == ["error: --fsdp-sharding hybrid needs the same number of ranks on every node (here the "
+                         "ranks see [2, 1] ranks on their node, rank by rank: LOCAL_WORLD_SIZE); use "
+                         "--fsdp-sharding full"], err[-2000:]
+        assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ evaluation before training
+EVAL_FIRST_SCRIPT = '''
+import numpy as np, torch, torch.distributed as dist
+from accelerate import Accelerator
+from torch.distributed.fsdp import fully_shard
+from textbox_like.validate import evaluate
+acc = Accelerator(cpu=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+fully_shard(model[0]); fully_shard(model[2]); fully_shard(model)
+inputs = torch.randn(32, 8)
+class Data:
+    def __len__(self): return len(inputs)
+    def get_batch(self, index): return inputs[index]
+class Task:
+    def loss(self, model, batch):
+        return None, {"loss_sum": model(batch).square().sum().item(), "nsamples": len(batch)}
+    def validation_stats(self, model, batch): return None
+    def metrics(self, sums): return {"loss": sums["loss_sum"] / sums["nsamples"]}
+first = evaluate(Task(), model, Data(), 8, acc, to_device=lambda b: b)
+model(inputs).square().sum().backward()  # training after the evaluation
+second = evaluate(Task(), model, Data(), 8, acc, to_device=lambda b: b)
+print("rank", dist.get_rank(), "trained after evaluating", first == second, flush=True)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_model_evaluated_before_training_still_trains(tmp_path):
+    """FSDP2's first forward under inference_mode makes inference tensors it
+    keeps: a backward afterwards fails ("Inplace update to inference tensor
+    outside InferenceMode"). Evaluating a sharded model uses no_grad."""
+    out = torchrun(EVAL_FIRST_SCRIPT, tmp_path)
+    assert sorted(line for line in out.splitlines() if line.startswith("rank")) == \
+        ["rank 0 trained after evaluating True", "rank 1 trained after evaluating True"], out
+
+
+# ------------------------------------------------------------------ --find-unused-parameters
+UNUSED_SCRIPT = '''
+import torch, torch.distributed as dist
+from textbox_like import sharding
+from textbox_like.config.resolution import resolve
+from textbox_like.distributed import Placement
+import datetime, sys
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+cfg, _ = resolve(["--fsdp", "--fsdp-wrap", "none"] + sys.argv[1:])
+torch.manual_seed(0)
+class TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 4), torch.nn.Linear(6, 4)
+    def forward(self, x, branch):
+        return getattr(self, branch)(x)
+model, ref = TwoBranches(), TwoBranches()
+ref.load_state_dict(model.state_dict())
+x = torch.randn(5, 6)
+ref.a(x).square().sum().div(2).backward(); ref.b(x).square().sum().div(2).backward()  # the mean of both ranks
+sharding.shard_model(model, cfg, Placement(world_size=2, local_world_size=2), "cpu", "no")
+sharding.reduce_unused_parameters(model, cfg)
+model(x, "a" if rank == 0 else "b").square().sum().backward()  # rank 0 uses a only, rank 1 b only
+error = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+print("rank", rank, "error", error < 1e-6, flush=True)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_find_unused_parameters_lets_fsdp_ranks_use_different_parameters(tmp_path):
+    """Each rank's forward uses another layer: with --find-unused-parameters
+    the unused layer's zero gradient joins the reduce-scatter on both ranks,
+    and every gradient is the mean over the ranks, as DDP's."""
+    out = torchrun(UNUSED_SCRIPT.replace("sys.argv[1:]", '["--find-unused-parameters"]'), tmp_path)
+    assert sorted(line for line in out.splitlines() if line.startswith("rank")) == \
+        ["rank 0 error True", "rank 1 error True"], out
+
+
+# ------------------------------------------------------------------ DDP's settings and Accelerate's spellings
+@pytest.mark.parametrize("flags,message", [
+    (["--ddp-comm-hook", "bf16"], "error: --ddp-comm-hook bf16 compresses DDP's all-reduce; --fsdp reduce-scatters "
+                                  "the gradients without communication hooks: drop one of them"),
+    (["--bucket-cap-mb", "8"], "error: --bucket-cap-mb sizes DDP's gradient buckets; --fsdp reduces the gradients "
+                               "one unit at a time (the units: --fsdp-wrap, --fsdp-min-params): drop --bucket-cap-mb"),
+])
+def test_ddp_settings_that_fsdp_cannot_honour_are_refused(tmp_path, flags, message):
+    data = tmp_path / "mnist"
+    write_mnist(data, n_train=64, n_test=16)
+    out = subprocess.run([PY, "run_hetseq.py", "--task", "mnist", "--data", str(data), "--save-dir",
+                          str(tmp_path / "save"), "--max-sentences", "16", "--max-update", "1", "--fsdp", *flags],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [message]
+    assert "Traceback" not in out.stderr and not (tmp_path / "save").exists()
+
+
+def test_cpu_offload_on_cpu_says_it_changes_nothing(capsys):
+    from textbox_like import sharding
+    from textbox_like.config.resolution import resolve
+    cfg, _ = resolve(["--fsdp", "--fsdp-cpu-offload", "--cpu"])
+    sharding.check_settings(cfg)
+    assert capsys.readouterr().err == ("note: --fsdp-cpu-offload changes nothing on CPU: parameters, gradients and "
+                                       "optimizer states are in CPU memory already\n")
+
+
+@pytest.mark.parametrize("value,sharding_strategy,reshard", [
+    ("no_shard", "none", True), ("shard_grad_op", "full", False), ("hybrid_shard", "hybrid", True),
+    ("hybrid_shard_zero2", "hybrid", False), ("full_shard", "full", True), ("false", "full", False),
+    ("off", "full", False), ("TRUE", "full", True)])
+def test_accelerate_reshard_values_read_as_fsdp2_settings(value, sharding_strategy, reshard):
+    """accelerate launch lowercases --fsdp_reshard_after_forward; FSDP1's
+    strategy names mean a sharding and a resharding under FSDP2."""
+    from textbox_like.config.resolution import resolve
+    environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": value}
+    s = resolve([], environ=environ)[0].sharding
+    assert (s.fsdp_sharding, s.fsdp_reshard_after_forward) == (sharding_strategy, reshard)
+
+
+def test_an_unknown_reshard_value_is_refused():
+    from textbox_like.config.resolution import resolve
+    from textbox_like.errors import UserError
+    with pytest.raises(UserError, match="FSDP2 takes true or false there"):
+        resolve([], environ={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "2"})
+
+
+# ------------------------------------------------------------------ the start line's optimizer-state figure
+def test_optimizer_state_figure_follows_the_optimizers_arguments():
+    """SGD keeps a momentum buffer only with momentum > 0: in one process
+    (run_hyper's trials), each configuration gets its own figure."""
+    from textbox_like import sharding
+    from textbox_like.config.resolution import resolve
+    plain = resolve(["--optimizer", "sgd", "--momentum", "0"])[0].optim
+    heavy = resolve(["--optimizer", "sgd", "--momentum", "0.9"])[0].optim
+    assert (sharding.optimizer_state_elements(plain), sharding.optimizer_state_elements(heavy)) == (0, 1)
