@@ -1,6 +1,7 @@
 """The GPU check behind scripts/gpu-check.sh: on a machine with CUDA and no
 internet, install what is missing from a folder of wheels, run the CUDA tests
-and the GPU benchmarks, and write a short report.
+(among them BERT-large in bf16 under --fsdp, one GPU per rank: one rank, and
+two where there are two GPUs) and the GPU benchmarks, and write a short report.
 
     scripts/gpu-check.sh [WHEELS_DIR] [--no-install] [--no-bench]
 

@@ -113,6 +113,42 @@ def test_scaling_runs_two_processes(small_mnist_dir):
     assert "expansion (2-process / (2 x 1-process))" in err
 
 
+# ---------------------------------------------------------------- fsdp
+def test_fsdp_rounds_alternate_and_ratios(capsys, monkeypatch):
+    """Rounds alternate which run goes first; the ratios are FSDP/DDP of the
+    highest rank's peak and of samples/s, per round and as medians (stubbed runs)."""
+    figures = {False: iter([(10.0, [4.0, 4.2]), (12.0, [4.0, 4.0]), (11.0, [4.1, 4.0])]),
+               True: iter([(8.0, [2.0, 2.1]), (9.0, [2.4, 2.0]), (8.8, [2.05, 2.05])])}
+    calls = []
+    monkeypatch.setattr(bench, "fsdp_run", lambda base, sharded, args, key: (
+        calls.append((base, sharded, key)), next(figures[sharded]))[1])
+    report, err = bench_in_process(capsys, "fsdp", "--rounds", 3, "--model", "tiny", "--layers", 2)
+    assert [sharded for _, sharded, _ in calls] == [False, True, True, False, False, True]
+    base, _, key = calls[0]
+    assert key == "peak_rss_gib" and report["memory_key"] == "peak_rss_gib"
+    assert base[base.index("--model-preset") + 1] == "tiny" and base[base.index("--num-layers") + 1] == "2"
+    assert report["ddp_peak_gib_per_rank_rounds"] == [[4.0, 4.2], [4.0, 4.0], [4.1, 4.0]]
+    assert report["fsdp_peak_gib_per_rank"] == [2.05, 2.05] and report["ddp_peak_gib_per_rank"] == [4.0, 4.0]
+    assert report["memory_ratios"] == [0.5, 0.6, 0.5] and report["memory_ratio_median"] == 0.5
+    assert report["samples_per_s_ratios"] == [0.8, 0.75, 0.8] and report["samples_per_s_ratio_median"] == 0.8
+    assert "FSDP/DDP peak memory (max over ranks): 0.500" in err and "FSDP/DDP samples/s: 0.800" in err
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_runs_two_ranks_both_ways():
+    report, err = run_bench("fsdp", "--model", "tiny", "--layers", 2, "--rounds", 1, "--updates", 1, "--warmup", 1,
+                            "--synthetic-samples", 64, "--seq-length", 32, timeout=580)
+    assert report["mode"] == "fsdp" and report["processes"] == 2 and report["memory_key"] == "peak_rss_gib"
+    for side in ("ddp", "fsdp"):
+        (per_rank,) = report[f"{side}_peak_gib_per_rank_rounds"]
+        # the log's figure per rank: each rank is a whole Python process with torch, well above 0.1 GiB
+        assert len(per_rank) == 2 and all(0.1 < gib < 64 for gib in per_rank), report
+        assert report[f"{side}_samples_per_s"] > 0
+    assert len(report["memory_ratios"]) == 1 and report["memory_ratio_median"] > 0
+    assert len(report["samples_per_s_ratios"]) == 1 and report["samples_per_s_ratio_median"] > 0
+    assert "FSDP/DDP peak memory (max over ranks)" in err
+
+
 # ---------------------------------------------------------------- BERT loader
 @pytest.mark.timeout(300)
 def test_bert_loader_synthetic():
@@ -138,6 +174,7 @@ def test_bert_loader_on_shards_loader_only(bert_data):  # noqa: F811
     (["nosuchmode"], "invalid choice"),
     (["bert-loader", "--bogus"], "--bogus"),
     (["scaling", "--processes", "1"], "--processes"),
+    (["fsdp", "--updates", "0"], "--updates"),
     (["mnist", "--updates", "0"], "--updates"),
     (["mnist", "--peak-tflops", "0"], "--peak-tflops"),
 ])

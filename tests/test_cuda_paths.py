@@ -390,3 +390,52 @@ def test_ddp_bucket_size_defaults_by_device(gpus, monkeypatch, n_gpus, given, ex
     build_accelerator(config, distributed.placement_from_env(config) or distributed.Placement())
     (ddp,) = made["kwargs_handlers"]
     assert ddp.bucket_cap_mb == expected and ddp.gradient_as_bucket_view
+
+
+def test_fsdp_one_gpu_without_a_launcher_gets_a_group_of_one_and_accelerates_fsdp2_plugin(gpus, monkeypatch):
+    """--fsdp in one process on a GPU, started without torchrun: Accelerate
+    applies its FSDP plugin only in a distributed run (LOCAL_RANK set, a
+    process group), so the process makes a group of itself (NCCL, bound to
+    its GPU) before the Accelerator, which gets the FSDP2 plugin with the
+    run's settings: bf16 parameters for compute, float32 gradient reduction."""
+    calls = gpus(1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # bf16 in hardware
+    # restored to absent at teardown: the code under test sets it with os.environ
+    monkeypatch.setenv("LOCAL_RANK", "unset")
+    monkeypatch.delenv("LOCAL_RANK")
+    import accelerate
+    import torch.distributed as dist
+    group = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(group))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: group.update(kw))
+    made = {}
+
+    class FakeAccelerator:
+        num_processes = 1
+
+        def __init__(self, **kw):
+            made.update(kw, local_rank=os.environ.get("LOCAL_RANK"), group=dict(group))
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+    from textbox_like.accelerator import build_accelerator
+    config = cfg(fsdp=True, bf16=True, fp16=False, train_dtype="float32", update_freq=[1], compile=False,
+                 compile_mode="default", find_unused_parameters=False, bucket_cap_mb=None, save_dir="x",
+                 device_id=0)
+    build_accelerator(config, distributed.Placement())
+    assert calls == [0] and made["cpu"] is False and made["local_rank"] == "0"
+    assert made["group"]["backend"] == "nccl" and made["group"]["world_size"] == 1
+    assert made["group"]["device_id"] == torch.device("cuda", 0)
+    plugin = made["fsdp_plugin"]
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert (plugin.mixed_precision_policy.param_dtype, plugin.mixed_precision_policy.reduce_dtype) == \
+        (torch.bfloat16, torch.float32)
+    assert "parallelism_config" not in made and made["mixed_precision"] == "bf16"
+    monkeypatch.setattr(dist, "destroy_process_group", group.clear)
+    distributed.cleanup()  # the end of the run: the group and the LOCAL_RANK it needed are gone
+    assert group == {} and "LOCAL_RANK" not in os.environ
+
+    # a launcher's group (two ranks) is left alone: no second group is made
+    made.clear()
+    FakeAccelerator.num_processes = 2
+    build_accelerator(config.replace(distributed_world_size=2),
+                      distributed.Placement(world_size=2, local_world_size=2))
+    assert made["group"] == {} and made["fsdp_plugin"].fsdp_version == 2

@@ -85,3 +85,37 @@ def test_a_users_malloc_setting_is_left_alone():
 ])
 def test_user_chose_malloc(env, chose):
     assert user_chose_malloc(env) is chose
+
+
+# 64 MB of 1 MB chunks freed under a small live chunk (as a model's weights
+# freed under what was allocated after them): kept, the pages stay resident;
+# give_back_freed_heap returns them. Prints resident MB after the free and after.
+TRIM = """
+import ctypes, os
+from textbox_like.malloc import keep_freed_heap, give_back_freed_heap
+assert keep_freed_heap()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def resident_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+chunks = [libc.malloc(1 << 20) for _ in range(64)]
+for c in chunks:
+    ctypes.memset(c, 1, 1 << 20)
+pin = libc.malloc(4096)
+for c in chunks:
+    libc.free(c)
+freed = resident_mb()
+print(give_back_freed_heap(), freed, resident_mb())
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim")
+def test_give_back_freed_heap_returns_a_freed_model_to_the_os():
+    done = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in __import__("os").environ.items()
+                               if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    applied, freed, after = done.stdout.split()
+    assert applied == "True"
+    assert float(freed) - float(after) > 48, (freed, after)  # most of the 64 MB

@@ -68,6 +68,23 @@ def test_metrics_jsonl_train_and_valid_records(small_mnist_dir, tmp_path):
             assert field in r
 
 
+def test_peak_resident_set_per_rank_on_cpu(small_mnist_dir, tmp_path):
+    """On CPU the log's peak memory is the process's peak resident set, under
+    its own key (peak_mem_gib is the CUDA allocator's): at least what the
+    process held before the run, at most its peak after it."""
+    import resource
+    held_before = next(int(line.split()[1]) for line in open("/proc/self/status")
+                       if line.startswith("VmRSS:")) / 2 ** 20  # KiB
+    out = train(small_mnist_dir, tmp_path / "o", "--log-interval", "2", max_update=4)
+    peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+    rows = records(out, "train")
+    assert len(rows) == 2
+    for r in rows:
+        (peak,) = r["peak_rss_gib"]  # one figure per rank, rounded to 3 decimals
+        assert held_before - 0.001 <= peak <= peak_after + 0.001, (held_before, r, peak_after)
+        assert "peak_mem_gib" not in r
+
+
 def test_simple_log_lines(small_mnist_dir, tmp_path, capsys):
     train(small_mnist_dir, tmp_path / "o", "--log-format", "simple", "--log-interval", "1", max_update=2)
     err = capsys.readouterr().err

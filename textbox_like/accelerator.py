@@ -15,7 +15,7 @@ import os
 import sys
 
 from . import sharding
-from .distributed import bind_device, uses_cuda
+from .distributed import bind_device, one_rank_group, uses_cuda
 from .errors import UserError
 
 PRECISIONS = {"float32": "no", "float64": "no", "float16": "fp16", "bfloat16": "bf16"}
@@ -168,7 +168,7 @@ def build_accelerator(cfg, placement, log_with=None):
         # --device-id modulo the visible devices for a node's only process (also
         # under torchrun --nproc_per_node 1, where Accelerate would take
         # cuda:LOCAL_RANK), else the node-local rank modulo them
-        bind_device(placement, cfg)
+        device = bind_device(placement, cfg)
     chosen, precision_source = precision(cfg.numerics, cuda)
     plugin, compile_source = compile_plugin(cfg.runtime, cuda)
     sources = {"precision": precision_source, "update-freq": update_freq_source(cfg), "compile": compile_source}
@@ -192,6 +192,8 @@ def build_accelerator(cfg, placement, log_with=None):
         launched = cfg.source("fsdp") == "accelerate launch / accelerate config"
         sources["sharding"] = cfg.source("fsdp") if launched else "--fsdp"
         if cuda:
+            if placement.world_size == 1:
+                one_rank_group(cfg, device)
             fsdp["fsdp_plugin"], parallelism = sharding.accelerate_plugin(cfg, placement, chosen)
             if parallelism is not None:
                 fsdp["parallelism_config"] = parallelism

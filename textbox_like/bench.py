@@ -6,6 +6,7 @@
     python -m textbox_like.bench mnist --compile [--compile_mode MODE] [--compile-plain]
     python -m textbox_like.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300] [--hooks none,fp16,bf16,powersgd]
     python -m textbox_like.bench bert-loader [--data DIR] [--batch 32] [--no-train]
+    python -m textbox_like.bench fsdp [--rounds 5] [--updates 3] [--model large] [--layers 12]
 
 mnist, bert, hf: the trainer against a plain loop of the same work. Both sides
 use the same model, batch size, optimizer, clipping, threads and data; the
@@ -42,6 +43,14 @@ Figures come from the trainer's own metrics.jsonl after its first log window
 (start-up and compilation excluded). expansion = N-process samples/s /
 (N x 1-process samples/s); 1.0 is perfect. Trainer options pass through
 (--update-freq K, --compile, --task bert ...).
+
+fsdp: the same model on 2 ranks (subprocess trainer runs; CPU: gloo, one
+thread each; CUDA: one GPU per rank) under DDP and under --fsdp, the order
+reversed every other round: each rank's peak memory from the trainer's log
+(peak_rss_gib, on CUDA peak_mem_gib), samples/s after the first log window
+(as scaling), and the medians of FSDP/DDP peak memory (the highest rank's)
+and FSDP/DDP samples/s. BERT-large of --layers 12 on synthetic shards by
+default.
 
 bert-loader: how fast the BERT HDF5 loader serves batches (a fresh dataset
 reading its shuffled-block order, cold: every block decompressed once),
@@ -526,11 +535,14 @@ def steady_samples_per_s(save_dir):
         seconds += dt
         samples += rec["samples_per_s"] * dt
     if seconds <= 0:
-        raise SystemExit(f"scaling: too few log windows in {save_dir}/metrics.jsonl (raise --updates)")
+        raise SystemExit(f"too few log windows in {save_dir}/metrics.jsonl (raise --updates)")
     return samples / seconds
 
 
-def scaling_run(base_argv, processes, args):
+def trainer_processes_run(base_argv, processes, args, read):
+    """A whole trainer run of ``processes`` ranks (a subprocess, one thread
+    each: --threads), timed from its metrics.jsonl: ``read(save_dir)`` after
+    it ends."""
     import os
     import subprocess
     with tempfile.TemporaryDirectory() as out:
@@ -542,8 +554,12 @@ def scaling_run(base_argv, processes, args):
         done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             sys.stderr.write(done.stderr[-4000:])
-            raise SystemExit(f"scaling: the {processes}-process run exited with {done.returncode}")
-        return steady_samples_per_s(out)
+            raise SystemExit(f"{args.mode}: the {processes}-process run exited with {done.returncode}")
+        return read(out)
+
+
+def scaling_run(base_argv, processes, args):
+    return trainer_processes_run(base_argv, processes, args, steady_samples_per_s)
 
 
 def scaling_main(args, rest):
@@ -599,6 +615,89 @@ def scaling_main(args, rest):
           f"{report['expansion_median']:.3f} (rounds {_fmt_rounds(expansion)})"
           + "".join(f"\n  --ddp-comm-hook {h}: {statistics.median(e):.3f} (rounds {_fmt_rounds(e)})"
                     for h, e in hook_expansion.items() if len(hooks) > 1), file=sys.stderr)
+    print(json.dumps(report))
+    return 0
+
+
+# ---------------------------------------------------------------- fsdp
+def peak_memory_key(device_type):
+    """The log's per-rank peak memory key (training/reporting.py): the CUDA
+    allocator's peak, or elsewhere the process's peak resident set."""
+    return "peak_mem_gib" if device_type == "cuda" else "peak_rss_gib"
+
+
+def peak_memory_per_rank(save_dir, key):
+    """Each rank's highest peak memory over the run's train records."""
+    records = [json.loads(line) for line in open(Path(save_dir) / "metrics.jsonl")]
+    rows = [r[key] for r in records if r["kind"] == "train" and key in r]
+    if not rows:
+        raise SystemExit(f"fsdp: no {key} in {save_dir}/metrics.jsonl")
+    return [max(column) for column in zip(*rows)]
+
+
+def fsdp_run(base_argv, sharded, args, key):
+    """(samples/s in the steady window, peak memory per rank) of one 2-rank run, DDP or --fsdp."""
+    return trainer_processes_run(base_argv + (["--fsdp"] if sharded else []), 2, args,
+                                 lambda out: (steady_samples_per_s(out), peak_memory_per_rank(out, key)))
+
+
+def fsdp_main(args, rest):
+    import torch
+
+    from .errors import UserError
+    base = ["--task", "bert", "--model-preset", args.model, "--max-sentences", str(args.max_sentences),
+            *(["--num-layers", str(args.layers)] if args.layers else []), *rest, "--threads", str(args.threads)]
+    with tempfile.TemporaryDirectory() as shards:
+        try:
+            if args.updates < 1 or args.warmup < 1 or args.rounds < 1 or args.max_sentences < 1:
+                raise UserError("--updates, --warmup, --rounds and --max-sentences must be at least 1")
+            if not any(a == "--data" or a.startswith("--data=") for a in rest):
+                synthetic_shards(shards, n=args.synthetic_samples, length=args.seq_length, preds=args.seq_length // 8)
+                base += ["--data", shards]
+            cfg = _cfg_for(base + ["--max-update", "1", "--distributed-world-size", "2"])
+            cuda = bench_device(cfg).type == "cuda"
+            if cuda and torch.cuda.device_count() < 2:
+                raise UserError(f"fsdp: 2 ranks take one GPU each, this machine has {torch.cuda.device_count()}; "
+                                f"give --cpu to measure on the CPU")
+        except UserError as exc:
+            return _user_error(exc)
+        key = peak_memory_key("cuda" if cuda else "cpu")
+        where = f"one GPU per rank ({torch.cuda.get_device_name(0)})" if cuda else f"CPU, gloo, {args.threads} thread(s) per rank"
+        print(f"fsdp {cfg.data.task}: DDP vs --fsdp on 2 ranks, {where}, batch {cfg.data.max_sentences} per rank, "
+              f"{args.updates} updates after {args.warmup}, {args.rounds} rounds; peak memory: {key}", file=sys.stderr)
+        runs = {"ddp": [], "fsdp": []}
+        for r in range(args.rounds):
+            order = ("ddp", "fsdp") if r % 2 == 0 else ("fsdp", "ddp")  # drift in load hits both alike
+            for side in order:
+                runs[side].append(fsdp_run(base, side == "fsdp", args, key))
+            (ddp_rate, ddp_mem), (fsdp_rate, fsdp_mem) = runs["ddp"][-1], runs["fsdp"][-1]
+            print(f"round {r + 1} ({' first, '.join(order)} second): peak {key} per rank DDP {ddp_mem}, FSDP {fsdp_mem}, "
+                  f"FSDP/DDP {max(fsdp_mem) / max(ddp_mem):.3f}; samples/s DDP {ddp_rate:.2f}, FSDP {fsdp_rate:.2f}, "
+                  f"FSDP/DDP {fsdp_rate / ddp_rate:.3f}", file=sys.stderr)
+    memory = [max(f[1]) / max(d[1]) for d, f in zip(runs["ddp"], runs["fsdp"])]
+    speed = [f[0] / d[0] for d, f in zip(runs["ddp"], runs["fsdp"])]
+    report = {
+        "mode": "fsdp", "task": cfg.data.task, "model": args.model, "layers": args.layers, "processes": 2,
+        "device": "cuda" if cuda else "cpu", "threads_per_process": args.threads,
+        "batch_per_rank": cfg.data.max_sentences, "updates": args.updates, "warmup": args.warmup,
+        "rounds": args.rounds, "memory_key": key,
+        "ddp_peak_gib_per_rank_rounds": [d[1] for d in runs["ddp"]],
+        "fsdp_peak_gib_per_rank_rounds": [f[1] for f in runs["fsdp"]],
+        "ddp_peak_gib_per_rank": [round(statistics.median(c), 3) for c in zip(*(d[1] for d in runs["ddp"]))],
+        "fsdp_peak_gib_per_rank": [round(statistics.median(c), 3) for c in zip(*(f[1] for f in runs["fsdp"]))],
+        "memory_ratio_median": _r(statistics.median(memory)), "memory_ratios": [_r(x) for x in memory],
+        "memory_ratio": "max over ranks of FSDP's peak / max over ranks of DDP's peak",
+        "ddp_samples_per_s": round(statistics.median(d[0] for d in runs["ddp"]), 2),
+        "fsdp_samples_per_s": round(statistics.median(f[0] for f in runs["fsdp"]), 2),
+        "ddp_samples_per_s_rounds": [round(d[0], 2) for d in runs["ddp"]],
+        "fsdp_samples_per_s_rounds": [round(f[0], 2) for f in runs["fsdp"]],
+        "samples_per_s_ratio_median": _r(statistics.median(speed)), "samples_per_s_ratios": [_r(x) for x in speed],
+        "samples_per_s_ratio": "FSDP samples/s / DDP samples/s (both 2 ranks, steady window)"}
+    print(f"median of {args.rounds} rounds: peak {key} per rank DDP {report['ddp_peak_gib_per_rank']}, FSDP "
+          f"{report['fsdp_peak_gib_per_rank']}\nFSDP/DDP peak memory (max over ranks): "
+          f"{report['memory_ratio_median']:.3f} (rounds {_fmt_rounds(memory)})\nFSDP/DDP samples/s: "
+          f"{report['samples_per_s_ratio_median']:.3f} (rounds {_fmt_rounds(speed)}); DDP {report['ddp_samples_per_s']}, "
+          f"FSDP {report['fsdp_samples_per_s']}", file=sys.stderr)
     print(json.dumps(report))
     return 0
 
@@ -777,6 +876,21 @@ def build_parser():
                         "(default none; the first is the headline expansion)")
     p.add_argument("--update-freq", "--update_freq", default=None, help="the trainer's --update-freq K")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p = modes.add_parser("fsdp", allow_abbrev=False, help="DDP vs --fsdp on 2 ranks: peak memory per rank and samples/s",
+                         description="DDP vs --fsdp on 2 ranks (subprocess trainer runs; CPU: gloo, CUDA: one GPU per "
+                                     "rank): peak memory per rank and samples/s, their FSDP/DDP ratios. Other options "
+                                     "go to the trainer (--data DIR of BERT shards, --fsdp-wrap size, --bf16 ...).")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds, order reversed every other; medians "
+                                                         "are reported (default 5)")
+    p.add_argument("--updates", type=int, default=3, help="updates per run after the warm-up (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="updates in the first log window, left out (default 1)")
+    p.add_argument("--model", default="large", help="the BERT preset (default large: hidden 1024, 16 heads)")
+    p.add_argument("--layers", type=int, default=12,
+                   help="its layers (default 12: 185M parameters, ~4.5 GiB per DDP rank on CPU; 0: the preset's)")
+    p.add_argument("--max-sentences", "--max_sentences", type=int, default=2, help="batch per rank (default 2)")
+    p.add_argument("--seq-length", type=int, default=32, help="synthetic shards' sequence length (default 32)")
+    p.add_argument("--synthetic-samples", type=int, default=512, help="rows of synthetic shards without --data")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p = modes.add_parser("bert-loader", aliases=["bert_loader"], allow_abbrev=False,
                          help="the BERT HDF5 loader alone vs tiny-BERT training",
                          description="samples/s of the BERT HDF5 loader against tiny-BERT training.")
@@ -799,6 +913,8 @@ def main(argv=None):
         return scaling_main(args, rest)
     if args.mode in ("bert-loader", "bert_loader"):
         return bert_loader_main(args, rest)
+    if args.mode == "fsdp":
+        return fsdp_main(args, rest)
     return compare_main(args, rest)
 
 

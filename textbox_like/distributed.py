@@ -396,6 +396,24 @@ def _handle_stale_file(path, rank, timeout):
         time.sleep(0.2)
 
 
+def one_rank_group(cfg, device):
+    """--fsdp on the GPU of a run of one process that no launcher started: a
+    process group of this process alone, and LOCAL_RANK, without which
+    Accelerate treats the run as not distributed and leaves its FSDP2 plugin
+    unused (no mixed-precision policy, no --fsdp-cpu-offload); the same state
+    as under ``torchrun --nproc_per_node 1``. cleanup() destroys it (and
+    drops the LOCAL_RANK set here: a later run in this process may be DDP)."""
+    import torch.distributed as dist
+    global _OWN_LOCAL_RANK
+    if dist.is_initialized():
+        return
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"], _OWN_LOCAL_RANK = "0", True
+    nccl_environment()
+    dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device,
+                            timeout=datetime.timedelta(seconds=cfg.distributed.distributed_timeout))
+
+
 def init_process_group(p: Placement, cfg):
     """Create the process group for this worker (when world size > 1) and set
     the environment Accelerate reads."""
@@ -489,6 +507,7 @@ def _check_peers(peers):
 
 
 _LONG_GROUP = None
+_OWN_LOCAL_RANK = False  # LOCAL_RANK set by one_rank_group, not by a launcher
 
 
 def long_timeout(cfg) -> int:
@@ -544,8 +563,11 @@ def main_then_local_main_first(accelerator):
 
 
 def cleanup():
-    global _LONG_GROUP
+    global _LONG_GROUP, _OWN_LOCAL_RANK
     _LONG_GROUP = None
+    if _OWN_LOCAL_RANK:
+        os.environ.pop("LOCAL_RANK", None)
+        _OWN_LOCAL_RANK = False
     try:
         import torch.distributed as dist
         if dist.is_initialized():

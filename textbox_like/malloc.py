@@ -56,3 +56,22 @@ def keep_freed_heap() -> bool:
     # own adjustment of both, so the trim threshold is set only when the mmap
     # threshold was accepted
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def give_back_freed_heap() -> bool:
+    """Return the heap's free pages to the OS now (glibc's malloc_trim):
+    once, after a large one-off structure is freed (the whole model that
+    --fsdp builds before keeping only this rank's shard), since the trim
+    threshold above keeps up to 256 MB per arena, and chunks of a freed
+    model stay scattered below the top of the heap. True where done."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version
+        malloc_trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    malloc_trim(0)
+    return True

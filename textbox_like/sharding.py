@@ -17,6 +17,9 @@ needs, since every forward all-gathers.
 from __future__ import annotations
 
 import contextlib
+import gc
+
+from . import malloc
 
 STATE_PER_PARAMETER = {}  # optimizer name -> state elements per parameter element (optimizer_state_elements)
 
@@ -135,6 +138,8 @@ def shard_model(model, cfg, placement, device_type, mixed_precision) -> list:
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    gc.collect()  # the whole weights are garbage now: only this rank's shard is kept
+    malloc.give_back_freed_heap()
     return [names[id(u)] for u in units]
 
 
@@ -216,18 +221,20 @@ def describe(model, cfg, placement, cuda: bool, elements: int) -> str:
                     if isinstance(m, FSDPModule) and m is not model)
     unit_text = ", ".join(f"{n} {name}" for name, n in units.items()) + " + the root" if units else "the root only"
     degree = shard_degree(cfg, placement)
-    how = {"full": f"full over {degree} ranks", "none": f"none (replicated over {placement.world_size} ranks)",
+    how = {"full": f"full over {degree} rank{'s' if degree != 1 else ''}",
+           "none": f"none (replicated over {placement.world_size} ranks)",
            "hybrid": f"hybrid: over {degree} ranks per node, replicated over {nodes(placement)} node(s)"}
     return (f"sharding {how[sharding.fsdp_sharding]} ({where(cuda)}; units: {unit_text}; "
             f"reshard after forward {'on' if sharding.fsdp_reshard_after_forward else 'off'}"
             + ("; parameters offloaded to CPU" if sharding.fsdp_cpu_offload and cuda else "")
             + ("; activation checkpointing" if cfg.model.checkpointing else "")
-            + f") | {memory_line(elements, cfg, placement)}")
+            + f") | {memory_line(elements, cfg, placement, offloaded=sharding.fsdp_cpu_offload and cuda)}")
 
 
-def memory_line(elements: int, cfg, placement) -> str:
+def memory_line(elements: int, cfg, placement, offloaded=False) -> str:
     """Expected memory per rank of parameters, gradients and optimizer states
-    (float32 masters, split over the shard degree), beside DDP's."""
+    (float32 masters, split over the shard degree), beside DDP's; ``offloaded``
+    (--fsdp-cpu-offload on CUDA): they are in CPU memory, not the GPU's."""
     state = optimizer_state_elements(cfg.optim)
     degree = shard_degree(cfg, placement)
 
@@ -236,5 +243,6 @@ def memory_line(elements: int, cfg, placement) -> str:
     figures = (f"parameters {mib(elements)} MiB, gradients {mib(elements)} MiB, "
                f"optimizer states {mib(elements * state)} MiB")
     full = f"{elements * (2 + state) * 4 / 2 ** 20:,.2f}"
-    return f"expected per rank: {figures} (DDP: {full} MiB in all)"
+    held = " in CPU memory" if offloaded else ""
+    return f"expected per rank{held}: {figures} (DDP: {full} MiB in all)"
 

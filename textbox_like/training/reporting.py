@@ -18,6 +18,15 @@ LOG_EVERY_S = 5.0
 CLOCK_KEY = "log_clock_s_rank0"
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started (getrusage's
+    ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 class Reporting:
     """The open log window and the schedule that decides when it is logged."""
 
@@ -110,8 +119,7 @@ class Reporting:
         target = self.target_updates()
         if target and rates["updates_per_s"] > 0:
             record["eta_s"] = max(target - state.num_updates, 0) / rates["updates_per_s"]
-        if t.accelerator.device.type == "cuda":
-            record["peak_mem_gib"] = self.peak_memory_per_rank()
+        record.update(self.peak_memory_per_rank())
         if t.world > 1:
             record.update(self.seconds_per_rank())
         record["wall"] = state.clock.elapsed()
@@ -137,12 +145,20 @@ class Reporting:
                                   "wall": state.clock.elapsed()})
         state.epoch_sums.reset()
 
-    def peak_memory_per_rank(self) -> list:
+    def peak_memory_per_rank(self) -> dict:
+        """Each rank's peak memory in GiB so far, under a key that says which
+        figure it is: on CUDA the allocator's peak (``peak_mem_gib``), on
+        other devices the process's peak resident set (``peak_rss_gib``:
+        everything the process held, Python and torch themselves included)."""
         import torch
         t = self.trainer
-        # in the default dtype, as a device tensor of it held the figure before
-        peak = torch.tensor(torch.cuda.max_memory_allocated() / 2 ** 30, dtype=torch.get_default_dtype()).item()
-        return [round(float(v), 3) for v in collectives.one_per_rank(peak, t.world, t.host_group)]
+        if t.accelerator.device.type == "cuda":
+            # in the default dtype, as a device tensor of it held the figure before
+            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2 ** 30, dtype=torch.get_default_dtype()).item()
+            key = "peak_mem_gib"
+        else:
+            peak, key = peak_rss_bytes() / 2 ** 30, "peak_rss_gib"
+        return {key: [round(float(v), 3) for v in collectives.one_per_rank(peak, t.world, t.host_group)]}
 
     def start_line(self) -> str:
         """What the run is: task, size, devices, precision and where it was
