@@ -461,6 +461,12 @@ def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict |
     if optimizer is None or optimizer_state is None:
         set_model_state_dict(model, model_state, options=options)
         return
+    if not optimizer_state["state"]:
+        # no per-parameter state (SGD without momentum): torch's set_state_dict finds no tensor to
+        # take the device from and fails; the param groups alone load by position, as the ids name them
+        set_model_state_dict(model, model_state, options=options)
+        optimizer.load_state_dict(optimizer_state)
+        return
     names = optimizer_param_names(model, optimizer)
     by_name = {"state": {names[int(i)]: value for i, value in optimizer_state["state"].items()},
                "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}

@@ -1,17 +1,75 @@
 """A peer lost mid-run: every survivor saves the last completed update from
 its own state (one of them writes, under a claim), writes the hand-off note
 for the restart, and exits 75 (torchrun restarts on it). The agent's side
-is :mod:`textbox_like.elastic`."""
+is :mod:`textbox_like.elastic`.
+
+Under --fsdp a survivor can save alone only where every rank holds whole
+tensors (``--fsdp-sharding none``, or hybrid with one rank per node): each
+DTensor's local part is then the whole tensor, saved as DDP saves it. Under
+full sharding the lost rank's shards exist nowhere else: the restart goes on
+from the last checkpoint, and the updates since it are lost."""
 from __future__ import annotations
 
 import os
 import sys
 
 from ..checkpoint import rng_state
-from ..errors import first_line
+from ..errors import UserError, first_line
 from ..faults import SaveFailed, failed_writing, os_reason
 from ..fileio import remove
 from ..preemption import PREEMPTED_EXIT_CODE
+
+
+def holds_whole_tensors(model) -> bool:
+    """Whether this rank's parameters are whole (a DTensor replicated, or
+    split over a mesh dimension of one rank), as they are on every rank
+    alike: a property of the run's mesh, not of this rank's shapes."""
+    from torch.distributed.tensor import DTensor
+    return all(all(placement.is_replicate() or p.device_mesh.size(dim) == 1
+                   for dim, placement in enumerate(p.placements))
+               for p in model.parameters() if isinstance(p, DTensor))
+
+
+def local_whole(value):
+    """A state (nested dicts and lists) with each DTensor as its local tensor,
+    which :func:`holds_whole_tensors` says is the whole one: no collective."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        # torch.save writes a view's whole storage: a local part that is a view into
+        # a larger buffer is copied, so the file holds this tensor only
+        if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+            local = local.clone()
+        return local
+    if isinstance(value, dict):
+        return {key: local_whole(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(local_whole(item) for item in value)
+    return value
+
+
+def restart_notes(trainer, update: int) -> None:
+    """The hand-off note for the restart, and the rendezvous file gone (one
+    survivor, under the claim)."""
+    from .. import elastic
+    t = trainer
+    elastic.write_handoff(t.cfg.checkpoint.save_dir, t.agent, update, t.global_batch.total(), "lost peer")
+    init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or t.cfg.distributed.distributed_init_method or ""
+    if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
+        remove(init[len("file://"):])
+
+
+def run_claim(trainer, note: str):
+    """The claim of one writer among the survivors, one for the run (named by
+    its owner token, so a claim a killed writer of an earlier run left blocks
+    nothing), not per update: a collective can complete on one survivor and
+    fail on another (gloo's ring all-reduce), so survivors may stand one
+    update apart and must still write once."""
+    from .. import savelock
+    from ..elastic import Claim
+    run = (savelock.owner_token() or "run")[:16]
+    return Claim(trainer.checkpointer.checkpoints.dir / f".emergency-{run}.claim",
+                 stale_after=trainer.cfg.distributed.distributed_timeout, note=note)
 
 
 def emergency_save(trainer):
@@ -21,9 +79,8 @@ def emergency_save(trainer):
     and this rank's RNG as of then. One writer among the survivors (a
     claim file, one for the run: survivors may stand one update apart);
     (the path, or None where another survivor writes it; the update saved)."""
-    from .. import elastic, savelock
+    from .. import sharding
     from ..checkpoint import FORMAT, atomic_save
-    from ..elastic import Claim
     t = trainer
     ck, state, start = t.checkpointer.checkpoints, t.state, t.in_flight.start
     t.step.settle()  # a host read of the last device-skipped update's norm, no collective
@@ -32,13 +89,10 @@ def emergency_save(trainer):
     rng = [None] * t.world
     rng[t.rank] = start["rng"] if start is not None else rng_state()
     parts = {name: part.state_dict() for name, part in ck.parts.items() if name != "rng"}
+    if sharding.is_sharded(t.model):  # whole tensors on every rank (peer_lost): DDP's file checkpoint
+        parts = local_whole(parts)
     path = ck.dir / f"checkpoint_{state.epoch}_{state.num_updates}.pt"
-    # one claim for the run (named by its owner token, so a claim a killed writer of an earlier run left
-    # blocks nothing), not per update: a collective can complete on one survivor and fail on another
-    # (gloo's ring all-reduce), so survivors may stand one update apart and must still write once
-    run = (savelock.owner_token() or "run")[:16]
-    with Claim(ck.dir / f".emergency-{run}.claim", stale_after=t.cfg.distributed.distributed_timeout,
-               note=str(state.num_updates)) as claim:
+    with run_claim(t, str(state.num_updates)) as claim:
         if not claim.held:
             # every write of this run is the claim holder's, made before it lets go of
             # the claim; the lock holder leaves last: its release ends the run's writes
@@ -52,11 +106,7 @@ def emergency_save(trainer):
                 raise
             raise SaveFailed(f"rank {t.rank}: lost a peer, and could not write the emergency checkpoint "
                              f"{path} ({os_reason(exc)}); the newest earlier checkpoint is kept") from None
-        elastic.write_handoff(t.cfg.checkpoint.save_dir, t.agent, state.num_updates, t.global_batch.total(),
-                              "lost peer")
-        init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or t.cfg.distributed.distributed_init_method or ""
-        if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
-            remove(init[len("file://"):])
+        restart_notes(t, state.num_updates)
     return path, str(state.num_updates)
 
 
@@ -70,17 +120,49 @@ def peer_lost(trainer, exc) -> int:
         print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     from .. import sharding
-    if sharding.is_sharded(trainer.model):
-        # a survivor holds its shard only, and gathering the rest needs the lost peer
-        last = trainer.checkpointer.checkpoints.newest_good()
-        trainer.lifecycle.release_save_dir()
-        print(f"error: {where}; under --fsdp a rank holds only its shard of the weights, so nothing is saved "
-              f"now: rerun with --resume from the last checkpoint ({last or 'none saved yet'})", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+    if sharding.is_sharded(trainer.model) and not holds_whole_tensors(trainer.model):
+        return shards_lost(trainer, where)
     path, update = emergency_save(trainer)
     saved = f"saved update {update} to {path}" if path is not None else f"another survivor saved update {update}"
     how = ("torchrun restarts the workers and they resume from it by themselves" if trainer.agent is not None
            else "rerun with --resume, on any number of ranks (--global-batch-size keeps the global batch)")
     trainer.lifecycle.release_save_dir()
     print(f"error: {where}; {saved}: {how}", file=sys.stderr)
+    return PREEMPTED_EXIT_CODE
+
+
+def shards_lost(trainer, where: str) -> int:
+    """A survivor of a run whose ranks hold shards (--fsdp-sharding full, or
+    hybrid with several ranks per node): the lost rank's shards exist nowhere
+    else, so nothing can be saved now; the run goes on from the last
+    checkpoint (one survivor writes the hand-off note for the restart). One
+    line, saying how for the way the run was started, and 75."""
+    from ..sharded_checkpoint import is_sharded_checkpoint, read_extra_state
+    t = trainer
+    last = t.checkpointer.checkpoints.newest_good()
+    update = None
+    if last is not None:
+        try:
+            extra = read_extra_state(last, verify=False) if is_sharded_checkpoint(last) else None
+            update = extra["train"]["num_updates"] if extra is not None else None
+        except (UserError, KeyError, TypeError):  # the update is a courtesy of the line; the path is what counts
+            update = None
+    with run_claim(t, str(update)) as claim:
+        if claim.held:
+            restart_notes(t, update if update is not None else 0)
+        else:
+            claim.wait_for_writer()
+    t.lifecycle.release_save_dir()
+    at = f" at update {update}" if update is not None else ""
+    lost = (f"under --fsdp a rank holds only its shard of the weights (--fsdp-sharding "
+            f"{t.cfg.sharding.fsdp_sharding}), and the lost rank's shards exist nowhere else, so nothing is saved now and the updates since the last "
+            f"checkpoint are lost")
+    if last is None:
+        how = "no checkpoint was saved yet: " + ("torchrun restarts the workers and they start afresh"
+                                                  if t.agent is not None else "rerun without --resume")
+    elif t.agent is not None:
+        how = f"torchrun restarts the workers and they resume by themselves from the last checkpoint ({last}){at}"
+    else:
+        how = f"rerun with --resume from the last checkpoint ({last}){at}"
+    print(f"error: {where}; {lost}: {how}", file=sys.stderr)
     return PREEMPTED_EXIT_CODE
