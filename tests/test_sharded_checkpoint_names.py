@@ -9,7 +9,6 @@ gathers no weights. Real processes: the trainer, two ranks over gloo."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
