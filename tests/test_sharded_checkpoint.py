@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from textbox_like.errors import UserError
-from textbox_like.sharded_checkpoint import (consolidated_state, export_model_weights, is_sharded_checkpoint,
-                                             load_sharded, read_manifest, remove_leftovers, save_sharded,
+from textbox_like.sharded_checkpoint import (consolidated_state, is_sharded_checkpoint, load_sharded, read_full_model_state,
+                                             read_manifest, remove_leftovers, save_sharded,
                                              sharded_checkpoints_newest_first)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -250,11 +250,13 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_newest(tmp_path):
     assert not any(p.exists() for p in partials)
     assert [p.name for p in sharded_checkpoints_newest_first(directory)] == ["checkpoint_last.dcp", "checkpoint_1_2.dcp"]
 
-    # the next save (one process) replaces checkpoint_last.dcp and removes its old data
+    # the next save (one process) replaces checkpoint_last.dcp; its old data goes at the save after
     old_data = (directory / "checkpoint_last.dcp").resolve()
     worker.train("mlp", model, optimizer, 2, 4, rank=0)
     save_sharded(directory, ["checkpoint_1_4.pt", "checkpoint_last.pt"], model, optimizer,
                  {"task": "test", "train": {"num_updates": 4}})
+    assert old_data.is_dir()
+    save_sharded(directory, ["checkpoint_last.pt"], model, optimizer, {"task": "test", "train": {"num_updates": 4}})
     assert not old_data.exists()
     newest = sharded_checkpoints_newest_first(directory)
     assert [p.name for p in newest][:2] == ["checkpoint_last.dcp", "checkpoint_1_4.dcp"]
@@ -326,8 +328,7 @@ def test_export_equals_the_full_state_dict(two_rank_save, tmp_path, kind):
     """The exported weights are the model's full state dict as the sharded
     run gathered it, and load into the unsharded model."""
     path = two_rank_save / "save" / kind / "checkpoint_last.dcp"
-    target = export_model_weights(path, tmp_path / "weights.pt")
-    weights = torch.load(target, weights_only=True)
+    weights = read_full_model_state(path)
     assert_same(weights, dumped(two_rank_save / "out", f"{kind}.saved.full")["model"])
     model, _ = worker.build(kind, shard=False)
     model.load_state_dict(weights)  # strict: every key, no other
@@ -371,10 +372,12 @@ def test_manager_saves_prunes_and_resumes_from_the_newest_that_verifies(tmp_path
     # --keep-interval-updates 2: the two newest interval checkpoints and last, each with its own data, nothing else
     assert [p.name for p in sharded_checkpoints_newest_first(tmp_path)] == [
         "checkpoint_last.dcp", "checkpoint_1_4.dcp", "checkpoint_1_3.dcp"]
-    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]) == 3
+    # (checkpoint_last's data of the save before stays until its next save)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]) == 4
     # a new run (no --resume) there is refused before anything is written, as for file checkpoints
     from textbox_like.checkpoint import refuse_rerun
-    with pytest.raises(UserError, match=r"already holds a run \(checkpoint_1_3\.dcp and 2 other checkpoint\(s\)\)"):
+    # the newest named (this stand-in's train part has no num_updates to give)
+    with pytest.raises(UserError, match=r"already holds a run \(checkpoint_last\.dcp and 2 other checkpoint\(s\)\)"):
         refuse_rerun(manager.cfg)
 
     model, optimizer, counter, resumed = manager_for(tmp_path, True, "--resume")

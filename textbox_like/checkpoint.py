@@ -95,13 +95,15 @@ def run_held_in(directory) -> str | None:
     (``checkpoint_last.pt at update 142``), or None where it holds none: a
     directory that is empty or holds only a config.yaml (a run that failed
     before training) is not a run."""
+    # a sharded (FSDP) run's checkpoints are directories (sharded_checkpoint.py)
+    from .sharded_checkpoint import checkpoints_of_both_formats_newest_first, read_extra_state
     directory = Path(directory)
-    # a sharded (FSDP) run's checkpoints are directories (sharded_checkpoint.py), named last
-    found = checkpoints_newest_first(directory) + sorted(p for p in directory.glob("checkpoint*.dcp") if p.is_dir())
+    found = checkpoints_of_both_formats_newest_first(directory)
     if found:
         newest = found[0]
         try:
-            update = f" at update {int(load_checkpoint(newest, verify=False)['train']['num_updates'])}"
+            state = read_extra_state(newest, verify=False) if newest.is_dir() else load_checkpoint(newest, verify=False)
+            update = f" at update {int(state['train']['num_updates'])}"
         except (UserError, KeyError, TypeError, ValueError):
             update = ""  # unreadable: named all the same, it is still a run's file
         more = f" and {len(found) - 1} other checkpoint(s)" if len(found) > 1 else ""
@@ -120,7 +122,9 @@ def restores_own_checkpoint(cfg) -> bool:
     path, directory = Path(cfg.restore_file), Path(cfg.save_dir)
     if not path.is_absolute() and not path.exists():
         path = directory / path
-    return path.is_file() and directory.is_dir() and path.resolve().parent == directory.resolve()
+    from .sharded_checkpoint import is_sharded_checkpoint
+    return (path.is_file() or is_sharded_checkpoint(path)) and directory.is_dir() \
+        and path.resolve().parent == directory.resolve()
 
 
 def refuse_rerun(cfg) -> None:

@@ -25,9 +25,13 @@ beside the save directory's files; only after every rank has finished
 (DCP's own last collective, then an exchange of the ranks' outcomes) does
 rank 0 rename it to its data directory and replace the link (a rename of a
 link over a link: a reader sees the old checkpoint or the new one, never a
-missing or half one), then remove the old data directory. A save killed
-midway leaves a ``.partial`` directory that never becomes the newest, which
-:func:`remove_leftovers` removes at the next start. Several names of one save
+missing or half one). The data directory a name pointed to before stays until
+that name's next save: a reader that resolved the name (:func:`pinned`) before
+a save reads the checkpoint it began with, whole (disk: up to two copies per
+name). A save killed midway leaves a ``.partial`` directory that never becomes
+the newest, which :func:`remove_leftovers` removes at the next start. The name
+is a link: copy a checkpoint with ``cp -rL`` (``cp -r`` copies the link
+alone), or write its model with ``textbox-like export``. Several names of one save
 are copies (each rank copies its own part), not links to one directory, so
 damage at rest to one leaves the others readable, as for file checkpoints.
 Every write first proves the run still owns the save directory
@@ -48,12 +52,13 @@ The API (every call on every rank of the group unless said otherwise)::
     read_manifest(path) -> dict                               # any process
     verify_sharded(path, group=None)                          # UserError naming the bad file
     sharded_checkpoints_newest_first(save_dir) -> [paths]     # any process
+    checkpoints_of_both_formats_newest_first(save_dir) -> [paths]  # .pt and .dcp
+    pinned(path) -> Path                                      # the data directory a name points to now
     remove_sharded(path); remove_leftovers(save_dir)          # the main process
     full_state_dicts(model, optimizer) -> (model, optimizer)  # a DDP-style (file checkpoint) state
     load_full_state(model, optimizer, model_state, optimizer_state)  # a DDP checkpoint into FSDP
     read_full_model_state(path) -> {name: tensor}             # one process, no model needed
     consolidated_state(path) -> dict                          # load_checkpoint's shape, for export.py
-    export_model_weights(path, target)                        # a plain state dict file
 
 ``group``: the process group of the save's collectives (the trainer's
 long-timeout gloo group: a large save takes a while); None: the default
@@ -74,7 +79,7 @@ from .checkpoint import CheckpointManager
 from .collectives import from_rank0, one_per_rank
 from .errors import UserError, first_line
 from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
-from .fileio import atomic_write, fsync_dir
+from .fileio import fsync_dir
 from .savelock import check_owner
 
 FORMAT = "textbox_like-sharded-1"
@@ -106,15 +111,16 @@ def claims_to_be_sharded(path) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).exists()
 
 
-def read_manifest(path) -> dict:
-    """The manifest of the sharded checkpoint ``path``, or one line saying what ``path`` is instead."""
-    path = Path(path)
-    if not path.exists():
+def read_manifest(path, named=None) -> dict:
+    """The manifest of the sharded checkpoint ``path``, or one line saying what
+    it is instead (``named``: the name a line gives it, for a :func:`pinned` path)."""
+    path, read = Path(named or path), Path(path)
+    if not read.exists():
         raise UserError(f"checkpoint {path} does not exist; check the path")
-    if not path.is_dir():
+    if not read.is_dir():
         raise UserError(f"{path} is a file, not a sharded checkpoint directory (a *.dcp name)")
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((read / MANIFEST).read_text())
     except FileNotFoundError:
         raise UserError(f"{path} is not a textbox_like sharded checkpoint (no {MANIFEST}); pass a checkpoint_*.dcp "
                         f"of a save directory") from None
@@ -134,6 +140,30 @@ def sharded_checkpoints_newest_first(directory) -> list:
         return []
     found = [p for p in directory.glob(f"checkpoint*{SUFFIX}") if p.is_dir()]
     return sorted(found, key=lambda p: (os.lstat(p).st_mtime_ns, p.name == f"checkpoint_last{SUFFIX}"), reverse=True)
+
+
+def checkpoints_of_both_formats_newest_first(directory) -> list:
+    """The file (``.pt``) and sharded (``.dcp``) checkpoints of a save
+    directory, newest first by the time each was written or published
+    (``checkpoint_last`` first among equals)."""
+    from .checkpoint import checkpoints_newest_first
+    found = sharded_checkpoints_newest_first(directory) + checkpoints_newest_first(directory)
+    return sorted(found, key=lambda p: (os.lstat(p).st_mtime_ns, p.stem == "checkpoint_last"), reverse=True)
+
+
+def pinned(path) -> Path:
+    """The data directory the published name ``path`` points to now (``path``
+    itself where it is one, e.g. a copy): a reader reads every file through it,
+    so a save that replaces the name meanwhile does not mix two checkpoints
+    (the replaced data stays until the name's next save)."""
+    return Path(os.path.realpath(path))
+
+
+def data_directories(save_dir, name) -> list:
+    """The data directories of the published name ``name`` (``checkpoint_last.dcp``):
+    the one it points to and the one it replaced, or more after a killed save."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{8}}")
+    return [p for p in Path(save_dir).glob(f".{name}.*") if pattern.fullmatch(p.name) and not p.is_symlink()]
 
 
 def file_digest(path) -> str:
@@ -301,7 +331,8 @@ def copy_synced(source, target) -> None:
 def publish_directory(partial: Path, target: Path) -> None:
     """``partial`` (complete, synced) becomes the checkpoint named ``target``:
     renamed to its data directory, then a new link replaces the name's old
-    one in one rename; the old data directory is removed last."""
+    one in one rename. The data directory the old link pointed to stays (a
+    reader that pinned it goes on reading it); the ones before it are removed."""
     check_owner(target)  # writing took a while: a newer run may own the directory by now
     data = partial.with_name(partial.name[:-len(PARTIAL)])
     os.replace(partial, data)
@@ -313,17 +344,18 @@ def publish_directory(partial: Path, target: Path) -> None:
     except BaseException:
         link.unlink(missing_ok=True)
         raise
-    if old is not None and old != data.name and not os.path.isabs(old) and (target.parent / old).is_dir():
-        shutil.rmtree(target.parent / old)
+    for stale in data_directories(target.parent, target.name):
+        if stale.name not in (data.name, old):
+            shutil.rmtree(stale)
 
 
 def remove_sharded(path) -> None:
-    """Remove a published sharded checkpoint (pruning): its name, then its data (main process)."""
+    """Remove a published sharded checkpoint (pruning): its name, then its data,
+    the replaced one too (main process)."""
     path = Path(path)
     check_owner(path)
-    data = path.parent / os.readlink(path) if path.is_symlink() else None
     path.unlink(missing_ok=True)
-    if data is not None and data.parent == path.parent and data.is_dir():
+    for data in data_directories(path.parent, path.name):
         shutil.rmtree(data)
 
 
@@ -332,15 +364,17 @@ LEFTOVER = re.compile(rf"\.checkpoint.*{re.escape(SUFFIX)}\.[0-9a-f]{{8}}({re.es
 
 def remove_leftovers(save_dir) -> list:
     """What killed saves left (``.partial`` directories, half-made links, data
-    directories no name points to any more), removed; the main process, at
-    start, before the first save. Returns what was removed."""
+    directories of a name no longer published), removed; the main process, at
+    start, before the first save. The data a published name replaced stays
+    (:func:`publish_directory`). Returns what was removed."""
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         return []
-    held = {os.readlink(p) for p in save_dir.glob(f"checkpoint*{SUFFIX}") if p.is_symlink()}
+    published = {p.name for p in save_dir.glob(f"checkpoint*{SUFFIX}") if p.is_symlink()}
     removed = []
     for path in save_dir.iterdir():
-        if not LEFTOVER.fullmatch(path.name) or path.name in held:
+        match = LEFTOVER.fullmatch(path.name)
+        if not match or match.group(1) is None and path.name[1:-9] in published:
             continue
         check_owner(path)
         if path.is_symlink() or not path.is_dir():
@@ -352,17 +386,18 @@ def remove_leftovers(save_dir) -> list:
 
 
 # ------------------------------------------------------------------- load
-def verify_sharded(path, group=None, alone=False) -> dict:
+def verify_sharded(path, group=None, alone=False, named=None) -> dict:
     """Check every file of the checkpoint against its manifest (sizes, then
     digests; the ranks of ``group`` share the reading, or this process
     ``alone``); one line naming the first damaged or missing file, on every
-    rank. Returns the manifest."""
-    path = Path(path)
-    manifest = read_manifest(path)
+    rank. Returns the manifest. ``named``: as for :func:`read_manifest`."""
+    read = Path(path)
+    manifest = read_manifest(read, named)
+    path = Path(named or path)
     world, rank = (1, 0) if alone else world_and_rank(group)
 
     def check(name, expected):
-        file = path / name
+        file = read / name
         if not file.is_file():
             return f"checkpoint {path} is missing its file {name}; {DAMAGED_FIX}"
         size = file.stat().st_size
@@ -381,18 +416,18 @@ def verify_sharded(path, group=None, alone=False) -> dict:
     return manifest
 
 
-def load_sharded(path, model, optimizer=None, group=None, verify=True) -> dict:
+def load_sharded(path, model, optimizer=None, group=None, verify=True, named=None) -> dict:
     """Load the sharded checkpoint ``path`` into ``model`` (FSDP, DDP or plain;
     any world size: DCP reshards) and into ``optimizer`` when given and the
     checkpoint holds an optimizer state (``read_manifest(path)["optimizer"]``);
     returns the ``extra_state`` it was saved with. Digests are checked first
     (unless ``verify=False``: checked just before, by :func:`read_extra_state`),
-    so a damaged checkpoint changes nothing."""
+    so a damaged checkpoint changes nothing. ``named``: as for :func:`read_manifest`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                          set_model_state_dict, set_state_dict)
     path = Path(path)
-    manifest = verify_sharded(path, group) if verify else read_manifest(path)
+    manifest = verify_sharded(path, group, named=named) if verify else read_manifest(path, named)
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         if optimizer is not None and manifest["optimizer"]:
@@ -406,21 +441,23 @@ def load_sharded(path, model, optimizer=None, group=None, verify=True) -> dict:
             set_model_state_dict(model, state["model"])
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
         reason = first_line(first_failure(exc)[1] if isinstance(exc, CheckpointException) else exc, 200)
-        raise UserError(f"the model or optimizer state in {path} does not fit this run ({reason}); "
+        raise UserError(f"the model or optimizer state in {named or path} does not fit this run ({reason}); "
                         f"use the model and optimizer it was trained with, or pass --reset-optimizer") from None
-    return read_extra_state(path, verify=False)
+    return read_extra_state(path, verify=False, named=named)
 
 
-def read_extra_state(path, group=None, verify=True) -> dict:
+def read_extra_state(path, group=None, verify=True, named=None) -> dict:
     """The ``extra_state`` a sharded checkpoint was saved with, its files'
-    digests checked first (on every rank of ``group``, sharing the reading)."""
+    digests checked first (on every rank of ``group``, sharing the reading).
+    ``named``: as for :func:`read_manifest`."""
     import torch
-    verify_sharded(path, group) if verify else read_manifest(path)
+    verify_sharded(path, group, named=named) if verify else read_manifest(path, named)
     try:
         return torch.load(Path(path) / EXTRA, map_location="cpu", weights_only=True)
     except Exception as exc:  # verified: only a foreign file that was never ours gets here
         from .checkpoint import unreadable_weights_reason
-        raise UserError(f"checkpoint {path}: its {EXTRA} cannot be read ({unreadable_weights_reason(exc)})") from None
+        raise UserError(f"checkpoint {named or path}: its {EXTRA} cannot be read "
+                        f"({unreadable_weights_reason(exc)})") from None
 
 
 # ------------------------------------------------------- DDP <-> sharded
@@ -475,7 +512,7 @@ def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict |
 
 
 # ----------------------------------------------------------------- export
-def read_full_model_state(path, verify=True) -> dict:
+def read_full_model_state(path, verify=True, named=None) -> dict:
     """The model's full weights from a sharded checkpoint, in one process, without
     building the model (nor reading the optimizer's shards): DCP reads each
     tensor whole from the shards of every rank that saved a piece of it."""
@@ -484,7 +521,7 @@ def read_full_model_state(path, verify=True) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     path = Path(path)
-    verify_sharded(path, alone=True) if verify else read_manifest(path)
+    verify_sharded(path, alone=True, named=named) if verify else read_manifest(path, named)
     metadata = FileSystemReader(str(path)).read_metadata()
     weights = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -500,18 +537,13 @@ def consolidated_state(path) -> dict:
     """The checkpoint in the shape :func:`~textbox_like.checkpoint.load_checkpoint`
     returns (its extra state, e.g. task, config and train, with the full model
     weights as ``model``), so that :mod:`textbox_like.export`'s
-    ``export_hf``/``export_weights``/``model_with_weights`` take it."""
-    model = read_full_model_state(path)
-    return {**read_extra_state(path, verify=False), "model": model}
-
-
-def export_model_weights(path, target) -> Path:
-    """Write the model's full weights of the sharded checkpoint ``path`` as one
-    plain state dict file (``torch.load(target, weights_only=True)`` reads it;
-    ``model.load_state_dict`` takes it), atomically."""
-    import torch
-    weights = read_full_model_state(path)
-    return atomic_write(target, lambda handle: torch.save(weights, handle))
+    ``export_hf``/``export_weights``/``model_with_weights`` take it. Read
+    whole from the data directory ``path`` points to at the start: a training
+    run saving under that name meanwhile (``textbox-like eval`` of
+    ``checkpoint_best.dcp`` during training) changes nothing of it."""
+    data = pinned(path)
+    model = read_full_model_state(data, named=path)
+    return {**read_extra_state(data, verify=False, named=path), "model": model}
 
 
 # ------------------------------------------------------------------ manager
@@ -587,20 +619,20 @@ class ShardedCheckpointManager(CheckpointManager):
     # restore -------------------------------------------------------------
     def candidates(self) -> list:
         """The checkpoints of the save directory of both formats, newest first."""
-        from .checkpoint import checkpoints_newest_first
-        found = sharded_checkpoints_newest_first(self.dir) + checkpoints_newest_first(self.dir)
-        return sorted(found, key=lambda p: (os.lstat(p).st_mtime_ns, p.stem == "checkpoint_last"), reverse=True)
+        return checkpoints_of_both_formats_newest_first(self.dir)
 
     def is_checkpoint(self, path) -> bool:
         return Path(path).is_file() or is_sharded_checkpoint(path)
 
     def read(self, path) -> dict:
         """A checkpoint's state, verified: a file checkpoint whole; a sharded
-        one's extra state (its model and optimizer are loaded by :meth:`restore`)."""
+        one's extra state (its model and optimizer are loaded by :meth:`restore`
+        from the same data directory, :func:`pinned` by rank 0 for every rank)."""
         from .checkpoint import load_checkpoint
         path = Path(path)
         if path.is_dir():
-            return {**read_extra_state(path, self.group), SHARDED_FROM: str(path)}
+            data = Path(from_rank0(str(pinned(path)), self.group))
+            return {**read_extra_state(data, self.group, named=path), SHARDED_FROM: str(data)}
         return load_checkpoint(path)
 
     def restore(self, state, path) -> list:
@@ -612,7 +644,8 @@ class ShardedCheckpointManager(CheckpointManager):
                  if name not in ("model", "optimizer")]
         model, optimizer, optimizer_part = self.model_and_optimizer()
         if sharded_state:
-            saved_name, has_optimizer = state.get("optimizer_name"), read_manifest(path)["optimizer"]
+            saved_name = state.get("optimizer_name")
+            has_optimizer = read_manifest(state[SHARDED_FROM], path)["optimizer"]
         else:
             saved = state.get("optimizer")
             saved_name, has_optimizer = (saved or {}).get("name"), saved is not None
@@ -623,7 +656,8 @@ class ShardedCheckpointManager(CheckpointManager):
         if not keep_optimizer:
             fresh.append("optimizer")
         if sharded_state:
-            load_sharded(path, model, optimizer if keep_optimizer else None, self.group, verify=False)
+            load_sharded(state[SHARDED_FROM], model, optimizer if keep_optimizer else None, self.group, verify=False,
+                         named=path)
         else:  # a DDP run's file checkpoint into this sharded run
             optimizer_state = {k: v for k, v in state["optimizer"].items() if k != "name"} if keep_optimizer else None
             try:

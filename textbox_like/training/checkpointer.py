@@ -14,6 +14,16 @@ from .due import crosses, every
 from .state import LossScalerPart, ModelPart, OptimizerPart, RNGPart
 
 
+def weights_finite(params, world: int, group=None) -> bool:
+    """Whether every weight is finite on every rank: one check over this
+    rank's own values (its shards under --fsdp: no weight is gathered), then
+    one collective of one number."""
+    import torch
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    finite = bool(torch.stack([value.isfinite().all() for value in local]).all()) if local else True
+    return not collectives.any_rank_failed(not finite, world, group)[0]
+
+
 class Checkpointer:
     """The checkpoint parts of the run, the save schedule and the save."""
 
@@ -68,7 +78,7 @@ class Checkpointer:
             return
         started = time.perf_counter()
         t.reporting.fold_log_window()  # so the saved meters are already summed over ranks
-        if not all(bool(sharding.full_value(p.isfinite().all())) for p in t.grad_params):
+        if not weights_finite(t.grad_params, t.world, t.host_group):
             raise Diverged(f"the weights are not finite at update {state.num_updates}; not saving them. "
                            f"The last finite checkpoint is {self.checkpoints.newest_good()}")
         failure = None

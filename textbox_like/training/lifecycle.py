@@ -55,8 +55,19 @@ class Lifecycle:
         if refusal is not None:
             raise refusal
         # a rank that does not see rank 0's lock (a save directory not shared
-        # by its node) cannot prove anything, and writes nothing there in a normal run
-        if token is not None and savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None:
+        # by its node) cannot prove anything, and writes nothing there in a
+        # normal run; under --fsdp every rank writes its shards there
+        sees_lock = token is not None and savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None
+        if token is not None and t.world > 1 and sharding.enabled(t.cfg):
+            seen = collectives.one_per_rank(sees_lock, t.world, t.host_group)
+            blind = [rank for rank, sees in enumerate(seen) if not sees]
+            if blind:
+                self.release_save_dir()
+                raise UserError(f"--fsdp needs a --save-dir that every rank shares (each writes its shards of every "
+                                f"checkpoint there): rank(s) {', '.join(map(str, blind))} do not see rank 0's lock "
+                                f"file in {save_dir}; give every node the same directory on a shared file system, "
+                                f"or pass --no-save")
+        if sees_lock:
             savelock.own(save_dir, token, holds_lock=self.save_lock is not None, who=f"rank {t.rank}")
 
     def release_save_dir(self):

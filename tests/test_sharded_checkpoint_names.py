@@ -1,0 +1,222 @@
+"""The names of sharded (--fsdp, ``.dcp``) checkpoints in a save directory
+(review of issue 32): --restore-file of the run's own ``.dcp`` continues the
+run; a new run there is refused naming the newest checkpoint and its update;
+a name's replaced data stays until its next save, so a reader (export, eval)
+that began before a save reads the checkpoint it began with, whole; ``cp -rL``
+copies a checkpoint whole (README); a --fsdp run whose ranks do not share the
+save directory stops at start in one line; the non-finite check before a save
+gathers no weights. Real processes: the trainer, two ranks over gloo."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from textbox_like.sharded_checkpoint import consolidated_state, read_extra_state, read_full_model_state
+
+from conftest import clean_env, free_port, write_mnist
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def mnist_args(data, save_dir, *extra):
+    """One process, --fsdp (nothing to shard, saved sharded all the same), a save every 2 updates."""
+    return [PY, str(REPO / "run_hetseq.py"), "--task", "mnist", "--data", str(data), "--save-dir", str(save_dir),
+            "--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0",
+            "--max-sentences", "16", "--save-interval-updates", "2", "--log-format", "simple", "--log-interval", "1",
+            "--threads", "1", "--disable-validation", "--fsdp", *map(str, extra)]
+
+
+def run(cmd, expect=0, **kwargs):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), **kwargs)
+    assert out.returncode == expect, out.stderr[-4000:]
+    return out
+
+
+def error_lines(text):
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_names")
+    write_mnist(directory, n_train=256, n_test=32)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def four_updates(mnist, tmp_path_factory):
+    """A --fsdp run to update 4: checkpoint_1_2.dcp, checkpoint_1_4.dcp, checkpoint_last.dcp."""
+    save = tmp_path_factory.mktemp("four") / "save"
+    run(mnist_args(mnist, save, "--max-update", 4))
+    assert sorted(p.name for p in save.glob("checkpoint*")) == [
+        "checkpoint_1_2.dcp", "checkpoint_1_4.dcp", "checkpoint_last.dcp"]
+    return save
+
+
+def copy_run(save, target):
+    """The save directory as it is, its names' relative links kept."""
+    shutil.copytree(save, target, symlinks=True)
+    return target
+
+
+# ------------------------------------------------------------------ item 9: the run a directory holds
+def test_new_run_in_a_sharded_runs_directory_names_its_newest_checkpoint(mnist, four_updates):
+    out = run(mnist_args(mnist, four_updates, "--max-update", 6), expect=2)
+    assert error_lines(out.stderr) == [
+        f"error: --save-dir {four_updates} already holds a run (checkpoint_last.dcp at update 4 and 2 other "
+        f"checkpoint(s)); continue it with --resume, or start a new run in another --save-dir"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------ item 8: --restore-file of its own .dcp
+def test_restore_file_of_the_runs_own_sharded_checkpoint_goes_on_from_it(mnist, four_updates, tmp_path):
+    """fairseq's way to go on from an earlier point of the same run, as with a .pt."""
+    save = copy_run(four_updates, tmp_path / "save")
+    out = run(mnist_args(mnist, save, "--max-update", 6, "--restore-file", "checkpoint_1_2.dcp"))
+    assert f"resumed from {save / 'checkpoint_1_2.dcp'}: epoch 1, update 2" in out.stderr
+    assert read_extra_state(save / "checkpoint_last.dcp")["train"]["num_updates"] == 6
+    assert read_extra_state(save / "checkpoint_1_6.dcp")["train"]["num_updates"] == 6
+
+
+# ------------------------------------------------------------------ item 10: copies and readers of a name
+def test_cp_rL_copies_a_sharded_checkpoint_whole(mnist, four_updates, tmp_path):
+    """The README's copy: the copy is a directory of plain files that verifies
+    and exports after the run's own directory is gone."""
+    save = copy_run(four_updates, tmp_path / "save")
+    expected = consolidated_state(save / "checkpoint_last.dcp")
+    subprocess.run(["cp", "-rL", str(save / "checkpoint_last.dcp"), str(tmp_path / "keep.dcp")], check=True)
+    shutil.rmtree(save)
+    copy = tmp_path / "keep.dcp"
+    assert copy.is_dir() and not copy.is_symlink() and not any(p.is_symlink() for p in copy.iterdir())
+    copied = consolidated_state(copy)  # every file's digest checked first
+    assert copied["train"]["num_updates"] == 4
+    assert all(torch.equal(copied["model"][k], expected["model"][k]) for k in expected["model"])
+    out = run([PY, "-m", "textbox_like.export", str(copy), "--to", str(tmp_path / "export")], cwd=REPO)
+    assert "update 4: task mnist" in out.stdout and (tmp_path / "export" / "model.safetensors").is_file()
+
+
+READER = '''
+import json, sys, time
+from pathlib import Path
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from textbox_like.sharded_checkpoint import consolidated_state
+name, reading, go, out = map(Path, sys.argv[1:])
+read_data = FileSystemReader.read_data
+
+def paused_read_data(self, *args, **kwargs):  # verified and planned: the shards are read next
+    reading.write_text("reading")
+    while not go.exists():
+        time.sleep(0.05)
+    return read_data(self, *args, **kwargs)
+
+FileSystemReader.read_data = paused_read_data
+state = consolidated_state(name)
+out.write_text(json.dumps({"update": state["train"]["num_updates"],
+                           "model": {k: v.double().sum().item() for k, v in state["model"].items()}}))
+'''
+
+
+def test_reader_of_a_name_reads_the_checkpoint_it_began_with_across_a_save(mnist, four_updates, tmp_path):
+    """``textbox-like export``/``eval``'s read of checkpoint_last.dcp, a second
+    process, has verified the update-4 checkpoint when the training run
+    (resumed) saves update 6 under that name; it goes on reading: weights and
+    train state of update 4, whole, not files of the new save."""
+    save = copy_run(four_updates, tmp_path / "save")
+    expected = read_full_model_state(save / "checkpoint_1_4.dcp")
+    (tmp_path / "reader.py").write_text(READER)
+    files = [tmp_path / name for name in ("reading", "go", "out.json")]
+    reader = subprocess.Popen([PY, str(tmp_path / "reader.py"), str(save / "checkpoint_last.dcp"), *map(str, files)],
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not files[0].exists():
+            assert reader.poll() is None, reader.communicate()[1][-3000:]
+            time.sleep(0.05)
+        run(mnist_args(mnist, save, "--max-update", 6, "--resume"))
+        assert read_extra_state(save / "checkpoint_last.dcp")["train"]["num_updates"] == 6
+        files[1].write_text("go")
+        _, err = reader.communicate(timeout=300)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert reader.returncode == 0, err[-3000:]
+    got = json.loads(files[2].read_text())
+    assert got["update"] == 4
+    assert got["model"] == {k: v.double().sum().item() for k, v in expected.items()}
+
+
+# ------------------------------------------------------------------ item 11: a save directory not shared
+def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(mnist, tmp_path):
+    """Two ranks whose --save-dir is the same relative path from different
+    working directories, as two nodes without a shared disk: both stop with
+    one line before training, rank 0's lock released, nothing saved."""
+    rdzv = tmp_path / "rdzv"
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    procs = []
+    for rank, node in enumerate(nodes):
+        node.mkdir()
+        procs.append(subprocess.Popen(
+            mnist_args(mnist, "save", "--max-update", 4, "--distributed-world-size", 2, "--distributed-gpus", 1,
+                       "--distributed-rank", rank, "--distributed-init-method", f"file://{rdzv}",
+                       "--distributed-timeout", 120),
+            cwd=node, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs[0][-3000:] + errs[1][-3000:]
+    line = (f"error: --fsdp needs a --save-dir that every rank shares (each writes its shards of every checkpoint "
+            f"there): rank(s) 1 do not see rank 0's lock file in save; give every node the same directory on a "
+            f"shared file system, or pass --no-save")
+    for err in errs:
+        assert error_lines(err) == [line] and "Traceback" not in err, err[-3000:]
+    saved = nodes[0] / "save"
+    assert not list(saved.glob("checkpoint*")) and not (saved / "run.lock").exists()
+    assert not any("| update" in err for err in errs)  # stopped before the first update
+
+
+# ------------------------------------------------------------------ item 16: the check before a save
+CHECK_SCRIPT = '''
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
+from textbox_like.training.checkpointer import weights_finite
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+said = {}
+for case in ("finite", "nan in rank 1's shard"):
+    if case != "finite" and rank == 1:
+        with torch.no_grad():
+            model[2].weight.to_local()[0, 0] = float("nan")
+    with CommDebugMode() as comm:
+        said[case] = [weights_finite(list(model.parameters()), 2), comm.get_total_counts()]
+open(sys.argv[1] + str(rank), "w").write(json.dumps(said))
+dist.destroy_process_group()
+'''
+
+
+def test_non_finite_check_before_a_save_is_one_collective_and_gathers_no_weight(tmp_path):
+    """Two FSDP ranks: every rank learns that one rank's shard holds a NaN,
+    through one collective (no all-gather of a weight per parameter)."""
+    script = tmp_path / "check.py"
+    script.write_text(CHECK_SCRIPT)
+    port = free_port()
+    procs = [subprocess.Popen([PY, str(script), str(tmp_path / "said")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**clean_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for rank in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for rank in (0, 1):
+        said = json.loads((tmp_path / f"said{rank}").read_text())
+        assert said == {"finite": [True, 1], "nan in rank 1's shard": [False, 1]}, (rank, said)
