@@ -375,7 +375,7 @@ def test_manager_saves_prunes_and_resumes_from_the_newest_that_verifies(tmp_path
     # (checkpoint_last's data of the save before stays until its next save)
     assert len([p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]) == 4
     # a new run (no --resume) there is refused before anything is written, as for file checkpoints
-    from textbox_like.checkpoint import refuse_rerun
+    from textbox_like.sharded_checkpoint import refuse_rerun
     # the newest named (this stand-in's train part has no num_updates to give)
     with pytest.raises(UserError, match=r"already holds a run \(checkpoint_last\.dcp and 2 other checkpoint\(s\)\)"):
         refuse_rerun(manager.cfg)

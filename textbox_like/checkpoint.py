@@ -90,55 +90,6 @@ def checkpoints_newest_first(directory) -> list:
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "checkpoint_last.pt"), reverse=True)
 
 
-def run_held_in(directory) -> str | None:
-    """What a save directory holds of an earlier run, for a message
-    (``checkpoint_last.pt at update 142``), or None where it holds none: a
-    directory that is empty or holds only a config.yaml (a run that failed
-    before training) is not a run."""
-    # a sharded (FSDP) run's checkpoints are directories (sharded_checkpoint.py)
-    from .sharded_checkpoint import checkpoints_of_both_formats_newest_first, read_extra_state
-    directory = Path(directory)
-    found = checkpoints_of_both_formats_newest_first(directory)
-    if found:
-        newest = found[0]
-        try:
-            state = read_extra_state(newest, verify=False) if newest.is_dir() else load_checkpoint(newest, verify=False)
-            update = f" at update {int(state['train']['num_updates'])}"
-        except (UserError, KeyError, TypeError, ValueError):
-            update = ""  # unreadable: named all the same, it is still a run's file
-        more = f" and {len(found) - 1} other checkpoint(s)" if len(found) > 1 else ""
-        return f"{newest.name}{update}{more}"
-    # metrics.jsonl is opened (created empty) with the log, before this check
-    held = [name for name in ("metrics.jsonl", "results.json")
-            if (directory / name).is_file() and (directory / name).stat().st_size]
-    return " and ".join(held) or None
-
-
-def restores_own_checkpoint(cfg) -> bool:
-    """--restore-file names a checkpoint of the save directory itself
-    (fairseq's way to go on from an earlier point of the same run)."""
-    if not cfg.restore_file:
-        return False
-    path, directory = Path(cfg.restore_file), Path(cfg.save_dir)
-    if not path.is_absolute() and not path.exists():
-        path = directory / path
-    from .sharded_checkpoint import is_sharded_checkpoint
-    return (path.is_file() or is_sharded_checkpoint(path)) and directory.is_dir() \
-        and path.resolve().parent == directory.resolve()
-
-
-def refuse_rerun(cfg) -> None:
-    """A new run (no --resume) in a save directory that holds a run would
-    overwrite its checkpoints and append to its metrics.jsonl: refused
-    before anything is written (``cfg``: the checkpoint section)."""
-    if cfg.resume or cfg.no_save or restores_own_checkpoint(cfg):
-        return
-    held = run_held_in(cfg.save_dir)
-    if held:
-        raise UserError(f"--save-dir {cfg.save_dir} already holds a run ({held}); continue it with --resume, "
-                        f"or start a new run in another --save-dir")
-
-
 # --------------------------------------------------------------------- RNG
 def rng_state() -> dict:
     import torch

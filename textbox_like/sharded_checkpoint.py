@@ -75,7 +75,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, load_checkpoint
 from .collectives import from_rank0, one_per_rank
 from .errors import UserError, first_line
 from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
@@ -667,3 +667,51 @@ class ShardedCheckpointManager(CheckpointManager):
                                 f"({first_line(exc, 150)}); use the model options it was trained with, or pass "
                                 f"--reset-optimizer") from None
         return fresh
+
+
+# ------------------------------------------------ a save directory's earlier run (either format)
+def run_held_in(directory) -> str | None:
+    """What a save directory holds of an earlier run, for a message
+    (``checkpoint_last.pt at update 142``), or None where it holds none: a
+    directory that is empty or holds only a config.yaml (a run that failed
+    before training) is not a run."""
+    # checkpoints of either format: a sharded (FSDP) run's are directories
+    directory = Path(directory)
+    found = checkpoints_of_both_formats_newest_first(directory)
+    if found:
+        newest = found[0]
+        try:
+            state = read_extra_state(newest, verify=False) if newest.is_dir() else load_checkpoint(newest, verify=False)
+            update = f" at update {int(state['train']['num_updates'])}"
+        except (UserError, KeyError, TypeError, ValueError):
+            update = ""  # unreadable: named all the same, it is still a run's file
+        more = f" and {len(found) - 1} other checkpoint(s)" if len(found) > 1 else ""
+        return f"{newest.name}{update}{more}"
+    # metrics.jsonl is opened (created empty) with the log, before this check
+    held = [name for name in ("metrics.jsonl", "results.json")
+            if (directory / name).is_file() and (directory / name).stat().st_size]
+    return " and ".join(held) or None
+
+
+def restores_own_checkpoint(cfg) -> bool:
+    """--restore-file names a checkpoint of the save directory itself
+    (fairseq's way to go on from an earlier point of the same run)."""
+    if not cfg.restore_file:
+        return False
+    path, directory = Path(cfg.restore_file), Path(cfg.save_dir)
+    if not path.is_absolute() and not path.exists():
+        path = directory / path
+    return (path.is_file() or is_sharded_checkpoint(path)) and directory.is_dir() \
+        and path.resolve().parent == directory.resolve()
+
+
+def refuse_rerun(cfg) -> None:
+    """A new run (no --resume) in a save directory that holds a run would
+    overwrite its checkpoints and append to its metrics.jsonl: refused
+    before anything is written (``cfg``: the checkpoint section)."""
+    if cfg.resume or cfg.no_save or restores_own_checkpoint(cfg):
+        return
+    held = run_held_in(cfg.save_dir)
+    if held:
+        raise UserError(f"--save-dir {cfg.save_dir} already holds a run ({held}); continue it with --resume, "
+                        f"or start a new run in another --save-dir")

@@ -57,7 +57,7 @@ def refuse_earlier_runs(output, seeds):
     """Every seed starts afresh in ``output/seed_<seed>``: a directory that
     holds an earlier run of that seed is refused before any seed starts (the
     trainer would refuse it alone, after the others had run)."""
-    from ..checkpoint import run_held_in
+    from ..sharded_checkpoint import run_held_in
     for seed in seeds:
         held = run_held_in(Path(output) / f"seed_{seed}")
         if held:

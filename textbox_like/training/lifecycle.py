@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from .. import collectives, distributed, sharding
-from ..checkpoint import changes_numbers, refuse_rerun
+from ..checkpoint import changes_numbers
 from ..config import to_yaml
 from ..errors import UserError, first_line
-from ..sharded_checkpoint import full_state_dicts
+from ..sharded_checkpoint import full_state_dicts, refuse_rerun
 from ..faults import SaveFailed, os_reason
 from ..fileio import atomic_write_text
 from ..preemption import PREEMPTED_EXIT_CODE
