@@ -24,7 +24,7 @@ With ``--balance`` the split follows the ranks' measured speed:
   compute: on CPU the host time in FSDP's collectives (:class:`TimedCollective`)
   counts as wait, not compute; where that time cannot be seen (CUDA, whose
   collectives run on their own streams, or a replicated mesh dimension,
-  whose all-reduce has no hook) the ranks' compute times are not compared
+  whose all-reduce cannot be timed) the ranks' compute times are not compared
   and the split is searched on whole-update time alone;
 - :class:`Balancer` shares the figures every ``--balance-interval`` updates
   (the first within 10) in one small collective and computes, on every rank
@@ -529,8 +529,8 @@ class RankTimer:
         shard dimension (full sharding), its all-gathers and reduce-scatters
         are timed and left out; None where the waits cannot be left out:
         CUDA (collectives on their own streams, not on the host's clock), or
-        a replicated mesh dimension (hybrid, none), whose all-reduce FSDP2
-        runs without a hook."""
+        a replicated mesh dimension (hybrid, none), whose gradient
+        all-reduce FSDP2 issues itself, with no custom collective to time it."""
         import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -539,13 +539,15 @@ class RankTimer:
         meshes = {p.device_mesh.ndim for p in model.parameters() if hasattr(p, "device_mesh")}
         if self.cuda or meshes != {1}:
             return None
-        for unit in units:  # FSDP2's own calls (its DefaultAllGather, DefaultReduceScatter), timed
-            unit.set_custom_all_gather(TimedCollective(
-                self, lambda output_tensor, input_tensor, group, async_op=False: dist.all_gather_single(
-                    output_tensor, input_tensor, group=group, async_op=async_op)))
-            unit.set_custom_reduce_scatter(TimedCollective(
-                self, lambda output_tensor, input_tensor, group, op, async_op=False: dist.reduce_scatter_single(
-                    output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)))
+        # FSDP2's own calls (what its DefaultAllGather and DefaultReduceScatter do), timed
+        gather = TimedCollective(self, lambda output_tensor, input_tensor, group, async_op=False:
+                                 dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op))
+        scatter = TimedCollective(self, lambda output_tensor, input_tensor, group, op, async_op=False:
+                                  dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group,
+                                                             op=op, async_op=async_op))
+        for unit in units:
+            unit.set_custom_all_gather(gather)
+            unit.set_custom_reduce_scatter(scatter)
         return self.COMPUTE_WITHOUT_COLLECTIVES
 
     def in_collective(self, seconds: float):
