@@ -18,7 +18,14 @@ With ``--balance`` the split follows the ranks' measured speed:
 - :class:`RankTimer` measures this rank's compute (forward and backward up to
   its last gradient, not the wait in DDP's all-reduce), its wait in that
   all-reduce and its wait for data; on CUDA with events, read only where the
-  host waits anyway (a log line, a re-split, the end), so no update waits;
+  host waits anyway (a log line, a re-split, the end), so no update waits.
+  Under --fsdp every unit's forward and backward all-gathers and
+  reduce-scatters, so a fast rank waits for a slow one inside its own
+  compute: on CPU the host time in FSDP's collectives (:class:`TimedCollective`)
+  counts as wait, not compute; where that time cannot be seen (CUDA, whose
+  collectives run on their own streams, or a replicated mesh dimension,
+  whose all-reduce cannot be timed) the ranks' compute times are not compared
+  and the split is searched on whole-update time alone;
 - :class:`Balancer` shares the figures every ``--balance-interval`` updates
   (the first within 10) in one small collective and computes, on every rank
   from the same numbers, the same new split: shares in proportion to speed,
@@ -149,10 +156,16 @@ class Balancer:
     Z = 3.0
     #: measured splits kept (the oldest are forgotten)
     KEEP = 32
+    #: why the search starts where it is when the ranks' compute times are not compared
+    UNCOMPARED = ("no proportional start: under --fsdp here each rank's compute time holds its wait in FSDP's "
+                  "collectives, so the search runs on whole-update time alone")
 
     def __init__(self, global_batch_size: int, world: int, multiple: int = 1, interval: int = 50,
                  enabled: bool = True, unit: str = "samples", caps=None):
         self.total, self.world, self.multiple = int(global_batch_size), int(world), int(multiple)
+        # what the ranks' compute times measure (RankTimer.compute_is): None where they hold
+        # waits for the other ranks, and the search runs on whole-update time alone
+        self.speeds = RankTimer.COMPUTE
         self.unit = unit  # what the split counts: samples, or tokens (--max-tokens)
         self.interval, self.enabled = int(interval), bool(enabled)
         # each rank's largest share (None: any share, cut into micro-batches under its memory cap)
@@ -314,12 +327,16 @@ class Balancer:
         best = self.measured(self.best) if self.best is not None else None
         if self.phase == "start":  # the search starts from the proportional split, where it pays
             proposal = self.anchor = self.proportional()
-            taken = proposal != self.split and update_seconds(proposal, self.seconds_per_sample) <= \
+            taken = self.speeds is not None and proposal != self.split and \
+                update_seconds(proposal, self.seconds_per_sample) <= \
                 update_seconds(self.split, self.seconds_per_sample) * (1 - self.THRESHOLD)
             self.phase, self.best, self.round_start = "search", list(proposal if taken else self.split), num_updates
             self.queue = self.neighbours(self.best, self.step)
             if taken:
-                return self.move(proposal, num_updates, "proportional to the ranks' measured speed")
+                return self.move(proposal, num_updates, "proportional to the ranks' measured speed"
+                                 + ("" if self.speeds == RankTimer.COMPUTE else f" ({self.speeds})"))
+            if self.speeds is None:
+                return self.next_candidate(num_updates, gained=self.UNCOMPARED)
         elif self.split != self.best and best is not None and self.faster(entry, best):
             gained = f"faster than {self.best} ({entry['s']:.4f} s against {best['s']:.4f} s per update)"
             move = [a - b for a, b in zip(self.split, self.best)]
@@ -352,6 +369,8 @@ class Balancer:
         """How far the proportional split moved since the search last
         started from it, where that is a coarse step or more (a neighbour
         came or went, the ranks' speeds changed): else None."""
+        if self.speeds is None:  # the ranks' compute times hold their waits: no measure of speed to follow
+            return None
         proposal = self.proportional()
         shift = [p - a for p, a in zip(proposal, self.anchor or proposal)]
         return shift if max(abs(d) for d in shift) >= self.coarse_step() else None
@@ -460,11 +479,22 @@ class RankTimer:
     parameter gradient exists (one autograd hook over all parameters); what
     follows in the update's last backward is DDP waiting for the other ranks.
     On CUDA the marks are events on the stream, resolved without waiting
-    (:meth:`poll`) or where the host waits anyway (:meth:`totals`)."""
+    (:meth:`poll`) or where the host waits anyway (:meth:`totals`).
 
-    def __init__(self, params, device):
+    Under --fsdp (``model`` sharded) compute runs to the end of the backward
+    (:meth:`backward_done`), and on CPU the time in FSDP's all-gathers and
+    reduce-scatters within it is moved from compute to wait
+    (:meth:`in_collective`): :attr:`compute_is` says what compute measures."""
+
+    #: compute_is under DDP (and one process): forward and backward to the last gradient
+    COMPUTE = "compute"
+    #: compute_is under --fsdp on CPU
+    COMPUTE_WITHOUT_COLLECTIVES = "compute without the time in FSDP's collectives"
+
+    def __init__(self, params, device, model=None):
         import torch
         self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self.compute_is = self.COMPUTE if model is None else self.watch_collectives(model)
         self.compute = self.wait = self.data = 0.0
         self.samples = self.updates = 0
         # whole updates (data, compute, all-reduce, step) on the host clock:
@@ -494,11 +524,45 @@ class RankTimer:
         self.add("compute", self.started, self.grads_at)
         self.started = None
 
+    def watch_collectives(self, model):
+        """What compute measures on ``model``: under --fsdp on CPU with one
+        shard dimension (full sharding), its all-gathers and reduce-scatters
+        are timed and left out; None where the waits cannot be left out:
+        CUDA (collectives on their own streams, not on the host's clock), or
+        a replicated mesh dimension (hybrid, none), whose gradient
+        all-reduce FSDP2 issues itself, with no custom collective to time it."""
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not units:
+            return self.COMPUTE
+        meshes = {p.device_mesh.ndim for p in model.parameters() if hasattr(p, "device_mesh")}
+        if self.cuda or meshes != {1}:
+            return None
+        # FSDP2's own calls (what its DefaultAllGather and DefaultReduceScatter do), timed
+        gather = TimedCollective(self, lambda output_tensor, input_tensor, group, async_op=False:
+                                 dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op))
+        scatter = TimedCollective(self, lambda output_tensor, input_tensor, group, op, async_op=False:
+                                  dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group,
+                                                             op=op, async_op=async_op))
+        for unit in units:
+            unit.set_custom_all_gather(gather)
+            unit.set_custom_reduce_scatter(scatter)
+        return self.COMPUTE_WITHOUT_COLLECTIVES
+
+    def in_collective(self, seconds: float):
+        """``seconds`` spent in one of FSDP's collectives: inside a
+        micro-batch's compute, waiting for the other ranks (and moving the
+        bytes), not computing."""
+        if self.started is not None:
+            self.compute -= seconds
+            self.wait += seconds
+
     def backward_done(self):
         """After a backward whose gradients the hook cannot see: FSDP's
         sharded parameters are not in the autograd graph (their gathered
-        copies are), so compute runs to the end of the backward, its
-        all-gathers and reduce-scatters included."""
+        copies are), so compute runs to the end of the backward, less its
+        all-gathers and reduce-scatters where they are timed (:meth:`in_collective`)."""
         if self.started is not None:
             self.grads_done(None)
 
@@ -559,6 +623,29 @@ class RankTimer:
 
     def close(self):
         self.handle.remove()
+
+
+class TimedCollective:
+    """One of FSDP2's collectives (``FSDPModule.set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``: ``collective`` is torch's own call) with
+    the host's time in it given to ``timer`` (:meth:`RankTimer.in_collective`).
+    On CPU FSDP2 calls them synchronously (its all-gathers are not async
+    unless prefetched by hand, which the trainer does not ask for), so the
+    host waits in them until every rank has joined: the wait for a slower rank."""
+
+    def __init__(self, timer, collective):
+        self.timer, self.collective = timer, collective
+
+    def allocate(self, size, *, dtype, device):
+        import torch
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, **kwargs):
+        started = time.perf_counter()
+        try:
+            return self.collective(**kwargs)
+        finally:
+            self.timer.in_collective(time.perf_counter() - started)
 
 
 def since(now: dict, mark: dict | None) -> dict:

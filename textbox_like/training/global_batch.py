@@ -18,8 +18,10 @@ class RankTiming:
 
     def __init__(self, trainer):
         from .. import balance
-        self.timer = balance.RankTimer(trainer.grad_params, trainer.accelerator.device) \
+        self.timer = balance.RankTimer(trainer.grad_params, trainer.accelerator.device, trainer.model) \
             if trainer.world > 1 or trainer.global_batch.balancer is not None else None
+        if self.timer is not None and trainer.global_batch.balancer is not None:
+            trainer.global_batch.balancer.speeds = self.timer.compute_is
         self.marks = {}  # consumer -> RankTimer.totals() when it last looked
 
     def window(self, consumer) -> dict:

@@ -12,10 +12,10 @@ from .. import collectives, distributed, sharding
 from ..checkpoint import changes_numbers
 from ..config import to_yaml
 from ..errors import UserError, first_line
-from ..sharded_checkpoint import full_state_dicts, refuse_rerun
 from ..faults import SaveFailed, os_reason
 from ..fileio import atomic_write_text
 from ..preemption import PREEMPTED_EXIT_CODE
+from ..sharded_checkpoint import full_state_dicts, refuse_rerun
 
 
 class Lifecycle:
