@@ -628,10 +628,9 @@ class ShardedCheckpointManager(CheckpointManager):
         """A checkpoint's state, verified: a file checkpoint whole; a sharded
         one's extra state (its model and optimizer are loaded by :meth:`restore`
         from the same data directory, :func:`pinned` by rank 0 for every rank)."""
-        from .checkpoint import load_checkpoint
         path = Path(path)
         if path.is_dir():
-            data = Path(from_rank0(str(pinned(path)), self.group))
+            data = Path(from_rank0(str(pinned(path)), world_and_rank(self.group)[0], self.group))
             return {**read_extra_state(data, self.group, named=path), SHARDED_FROM: str(data)}
         return load_checkpoint(path)
 
