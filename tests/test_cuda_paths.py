@@ -439,3 +439,42 @@ def test_fsdp_one_gpu_without_a_launcher_gets_a_group_of_one_and_accelerates_fsd
     build_accelerator(config.replace(distributed_world_size=2),
                       distributed.Placement(world_size=2, local_world_size=2))
     assert made["group"] == {} and made["fsdp_plugin"].fsdp_version == 2
+
+
+@pytest.mark.parametrize("strategy, per_node", [("none", 2), ("hybrid", 1), ("full", 2), ("hybrid", 2)])
+def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accelerate(gpus, monkeypatch,
+                                                                                       strategy, per_node):
+    """Two ranks on CUDA where each parameter is split over one rank (none;
+    hybrid over two nodes of one GPU): Accelerate 1.15 refuses its FSDP2
+    plugin there ("no dimension for FSDP to shard across"), so the
+    Accelerator gets no plugin and no parallelism config (nor the
+    launcher's ACCELERATE_USE_FSDP), and the trainer's shard_model applies
+    the (world, 1) mesh, the code the CPU runs test; full and hybrid on one
+    node of two GPUs keep Accelerate's plugin."""
+    from textbox_like import sharding
+    gpus(2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    import accelerate
+    made = {}
+
+    class FakeAccelerator:
+        num_processes = 2
+
+        def __init__(self, **kw):
+            made.update(kw, use_fsdp=os.environ.get("ACCELERATE_USE_FSDP"))
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+    monkeypatch.setattr(sharding, "check_nodes_alike", lambda cfg, placement: None)  # a collective: no group here
+    from textbox_like.accelerator import build_accelerator
+    config = cfg(fsdp=True, fsdp_sharding=strategy, bf16=True, fp16=False, train_dtype="float32", update_freq=[1],
+                 compile=False, compile_mode="default", find_unused_parameters=False, bucket_cap_mb=None,
+                 save_dir="x", distributed_world_size=2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as accelerate launch --use_fsdp exports it
+    placement = distributed.Placement(world_size=2, local_world_size=per_node)
+    build_accelerator(config, placement)
+    ours = sharding.shard_degree(config, placement) == 1
+    assert sharding.applied_by_us(config, placement, cuda=True) is ours
+    if ours:
+        assert "fsdp_plugin" not in made and "parallelism_config" not in made and made["use_fsdp"] is None
+        assert sharding.where(True, ours).startswith("fully_shard applied by textbox_like")
+    else:
+        assert made["fsdp_plugin"].fsdp_version == 2 and "parallelism_config" not in made

@@ -192,15 +192,15 @@ def build_accelerator(cfg, placement, log_with=None):
         launched = cfg.source("fsdp") == "accelerate launch / accelerate config"
         sources["sharding"] = cfg.source("fsdp") if launched else "--fsdp"
         sharding.check_nodes_alike(cfg, placement)  # before any mesh is built
-        if cuda:
+        if cuda and not sharding.applied_by_us(cfg, placement, cuda):  # else the trainer's shard_model
             if placement.world_size == 1:
                 one_rank_group(cfg, device)
             fsdp["fsdp_plugin"], parallelism = sharding.accelerate_plugin(cfg, placement, chosen)
             if parallelism is not None:
                 fsdp["parallelism_config"] = parallelism
     if not fsdp:
-        # the run's settings decide: without --fsdp (or on CPU, where the
-        # trainer shards itself) Accelerate builds no plugin of its own from
+        # the run's settings decide: without --fsdp (or where the trainer
+        # shards itself: sharding.applied_by_us) Accelerate builds no plugin of its own from
         # what accelerate launch exported
         os.environ.pop("ACCELERATE_USE_FSDP", None)
     accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp], dynamo_plugin=plugin,

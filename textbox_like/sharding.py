@@ -3,10 +3,12 @@ with FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of DDP's full
 copy per rank.
 
 On CUDA Accelerate applies it (its FSDP2 plugin, built here from the run's
-settings: :func:`accelerate_plugin`). Accelerate activates FSDP only on GPU
-types, and on CPU it would make the run DDP, so there :func:`shard_model`
-applies ``fully_shard`` with the same settings itself, before the optimizer
-is built, and the model goes through ``prepare_model`` without DDP.
+settings: :func:`accelerate_plugin`) where parameters are split. Accelerate
+activates FSDP only on GPU types, and on CPU it would make the run DDP, so
+there :func:`shard_model` applies ``fully_shard`` with the same settings
+itself, before the optimizer is built, and the model goes through
+``prepare_model`` without DDP; so it does on CUDA where no parameter is split
+(a shard degree of one: :func:`applied_by_us`).
 
 The maths stays DDP's: FSDP2 divides the reduce-scattered gradients by the
 world size as DDP's all-reduce does, and every rank already scales its
@@ -59,10 +61,25 @@ def reduce_unused_parameters(model, cfg) -> None:
         sharded_root(model).set_reduce_scatter_unused_params(True)
 
 
-def where(cuda: bool) -> str:
+def applied_by_us(cfg, placement, cuda: bool) -> bool:
+    """Whether :func:`shard_model` applies the sharding, not Accelerate's FSDP2
+    plugin: on CPU, where Accelerate has no FSDP; and on CUDA where each
+    parameter is split over one rank (--fsdp-sharding none, hybrid with one
+    rank per node), which Accelerate refuses ("no dimension for FSDP to shard
+    across"): the (world, 1) mesh it needs is the one the CPU runs use, so
+    the code CPU tests run is the code these CUDA runs run. One process on
+    CUDA keeps Accelerate's plugin (distributed.one_rank_group)."""
+    if not enabled(cfg) or placement.world_size == 1:
+        return False
+    return not cuda or shard_degree(cfg, placement) == 1
+
+
+def where(cuda: bool, ours: bool = True) -> str:
     """Who applies the sharding on this device, for the start line."""
-    if cuda:
+    if not ours:
         return "Accelerate's FSDP2 plugin"
+    if cuda:
+        return "fully_shard applied by textbox_like (Accelerate's FSDP needs ranks to shard across)"
     return "fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
 
 
@@ -213,9 +230,11 @@ def accelerate_plugin(cfg, placement, mixed_precision):
         activation_checkpointing=False,  # --checkpointing: the task enables it on the model (tasks/*.py)
         state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False, **kwargs)
     parallelism = None
-    if sharding.fsdp_sharding != "full" and placement.world_size > 1:
+    degree = shard_degree(cfg, placement)
+    if degree == 1 and placement.world_size > 1:  # Accelerate cannot; applied_by_us routes these to shard_model
+        raise ValueError("accelerate_plugin: a shard degree of 1 over several ranks is shard_model's")
+    if degree != placement.world_size:  # hybrid over several nodes of several ranks
         from accelerate.parallelism_config import ParallelismConfig
-        degree = shard_degree(cfg, placement)
         parallelism = ParallelismConfig(dp_replicate_size=placement.world_size // degree, dp_shard_size=degree)
     return plugin, parallelism
 
@@ -291,7 +310,8 @@ def describe(model, cfg, placement, cuda: bool, elements: int) -> str:
     how = {"full": f"full over {degree} rank{'s' if degree != 1 else ''}",
            "none": f"none (replicated over {placement.world_size} ranks)",
            "hybrid": f"hybrid: over {degree} ranks per node, replicated over {nodes(placement)} node(s)"}
-    return (f"sharding {how[sharding.fsdp_sharding]} ({where(cuda)}; units: {unit_text}; "
+    ours = applied_by_us(cfg, placement, cuda)
+    return (f"sharding {how[sharding.fsdp_sharding]} ({where(cuda, ours)}; units: {unit_text}; "
             f"reshard after forward {'on' if sharding.fsdp_reshard_after_forward else 'off'}"
             + ("; parameters offloaded to CPU" if sharding.fsdp_cpu_offload and cuda else "")
             + ("; activation checkpointing" if cfg.model.checkpointing else "")

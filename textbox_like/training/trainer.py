@@ -127,8 +127,8 @@ class Trainer:
         if self.compiled_regions is not None:
             self.sources["compile"] += f", regions {', '.join(self.compiled_regions)} on {acc.device.type}"
         cuda = acc.device.type == "cuda"
-        ours = sharding.enabled(cfg) and self.world > 1 and not cuda
-        if ours:  # Accelerate has no FSDP on CPU: sharded here, before the optimizer holds the parameters
+        ours = sharding.applied_by_us(cfg, self.placement, cuda)
+        if ours:  # CPU, or a shard degree of 1: sharded here, before the optimizer holds the parameters
             sharding.shard_model(model, cfg, self.placement, acc.device.type, acc.mixed_precision)
         optimizer = build_optimizer(cfg.optim, self.task.param_groups(model, cfg.optim.weight_decay),
                                     fused_default=cuda and acc.scaler is None)
