@@ -116,3 +116,52 @@ def test_fsdp_full_sharding_the_restarted_workers_resume_from_the_last_checkpoin
     (left_at,) = resumed_updates(text)
     assert left_at == update and Path(named).is_dir() and Path(named).suffix == ".dcp"
     assert_equals_one_process(save, one_process)
+
+
+MID_FORWARD_SCRIPT = '''
+import datetime
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from textbox_like import sharding
+from textbox_like.config.resolution import resolve
+from textbox_like.distributed import Placement
+from textbox_like.training import elastic
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+chosen = []
+elastic.shards_lost = lambda trainer, where: chosen.append("nothing saved") or 75
+elastic.emergency_save = lambda trainer: chosen.append("emergency save") or (None, "3")
+for strategy in ("full", "none"):
+    cfg, _ = resolve(["--fsdp", "--fsdp-sharding", strategy, "--fsdp-wrap", "none",
+                      "--fsdp-reshard-after-forward", "false"])
+    placement = Placement(world_size=2, local_world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.Linear(13, 10))
+    shapes = {name: tuple(v.shape) for name, v in model.state_dict().items()}
+    sharding.shard_model(model, cfg, placement, "cpu", "no")
+    model(torch.randn(4, 9))  # forward done, backward not begun: the root holds the gathered Parameters
+    visible = sum(isinstance(p, DTensor) for p in model.parameters())
+    trainer = SimpleNamespace(model=model, cfg=cfg, placement=placement, rank=dist.get_rank(), agent=None,
+                              state=SimpleNamespace(num_updates=3),
+                              checkpointer=SimpleNamespace(checkpoints=SimpleNamespace(enabled=True)),
+                              lifecycle=SimpleNamespace(release_save_dir=lambda: None))
+    chosen.clear()
+    elastic.peer_lost(trainer, RuntimeError("Connection closed by peer"))
+    saved = {name: tuple(v.shape) for name, v in elastic.local_whole(model.state_dict()).items()}
+    print("rank", dist.get_rank(), strategy, "dtensors visible", visible, chosen, "whole", saved == shapes, flush=True)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_lost_mid_forward_is_judged_by_the_mesh_not_by_the_gathered_parameters(tmp_path):
+    """Two real ranks, the failure met between forward and backward under
+    --fsdp-reshard-after-forward false, where FSDP2 has put plain gathered
+    Parameters in the modules (no DTensor visible): under full sharding the
+    survivor still saves nothing (its shards are not the whole tensors);
+    under none it saves, and what it would save is whole."""
+    from test_fsdp_options import torchrun
+    out = torchrun(MID_FORWARD_SCRIPT, tmp_path)
+    lines = sorted(line for line in out.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} {s} dtensors visible 0 ['{what}'] whole {whole}"
+                     for r in (0, 1) for s, what, whole in (("full", "nothing saved", False),
+                                                            ("none", "emergency save", True))], out

@@ -20,19 +20,20 @@ from ..fileio import remove
 from ..preemption import PREEMPTED_EXIT_CODE
 
 
-def holds_whole_tensors(model) -> bool:
-    """Whether this rank's parameters are whole (a DTensor replicated, or
-    split over a mesh dimension of one rank), as they are on every rank
-    alike: a property of the run's mesh, not of this rank's shapes."""
-    from torch.distributed.tensor import DTensor
-    return all(all(placement.is_replicate() or p.device_mesh.size(dim) == 1
-                   for dim, placement in enumerate(p.placements))
-               for p in model.parameters() if isinstance(p, DTensor))
+def holds_whole_tensors(trainer) -> bool:
+    """Whether every rank holds whole tensors: decided by the run's mesh
+    (a shard degree of one), never by the parameters seen at the failure:
+    between forward and post-backward FSDP2 puts plain gathered Parameters
+    in the modules (the root always; every unit under
+    --fsdp-reshard-after-forward false), which say nothing of the shards."""
+    from .. import sharding
+    return sharding.shard_degree(trainer.cfg, trainer.placement) == 1
 
 
 def local_whole(value):
     """A state (nested dicts and lists) with each DTensor as its local tensor,
-    which :func:`holds_whole_tensors` says is the whole one: no collective."""
+    which :func:`holds_whole_tensors` says is the whole one (the model's
+    state_dict hooks reshard a module caught mid-forward): no collective."""
     from torch.distributed.tensor import DTensor
     if isinstance(value, DTensor):
         local = value.to_local()
@@ -120,7 +121,7 @@ def peer_lost(trainer, exc) -> int:
         print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     from .. import sharding
-    if sharding.is_sharded(trainer.model) and not holds_whole_tensors(trainer.model):
+    if sharding.is_sharded(trainer.model) and not holds_whole_tensors(trainer):
         return shards_lost(trainer, where)
     path, update = emergency_save(trainer)
     saved = f"saved update {update} to {path}" if path is not None else f"another survivor saved update {update}"
