@@ -194,3 +194,37 @@ def test_no_module_of_the_package_hides_its_api_functions():
             importlib.import_module(module.name)
     for name, function in api.items():
         assert getattr(textbox_like, name) is function and callable(function), name
+
+
+def test_runs_one_after_another_in_one_process_each_get_their_own_accelerate_state(small_mnist_dir, tmp_path):
+    """api.train three times in one process, Accelerate's process-wide state
+    not reset by the caller (no conftest here): a float32 run that ends, a
+    bf16 run that fails with an exception that is not the user's (re-raised
+    by cli.run), then float32 again. Each run sets up Accelerate anew, with
+    its own precision, instead of "AcceleratorState has already been
+    initialized and cannot be changed"."""
+    proc = python(f"""
+        import json, sys, textbox_like
+        from textbox_like import lr_scheduler
+        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "threads": 1, "cpu": True,
+                "report_to": "none", "disable_validation": True, "max_update": 2}}
+        first = textbox_like.train(base, save_dir={str(tmp_path / "a")!r})
+        def fails(*args, **kwargs):
+            raise RuntimeError("a fault of the model's own code")
+        kept, lr_scheduler.build_scheduler = lr_scheduler.build_scheduler, fails  # after the Accelerator is built
+        try:
+            textbox_like.train(base, save_dir={str(tmp_path / "b")!r}, bf16=True)
+            second = None
+        except RuntimeError as exc:
+            second = str(exc)
+        lr_scheduler.build_scheduler = kept
+        third = textbox_like.train(base, save_dir={str(tmp_path / "c")!r})
+        print(json.dumps({{"first": first["exit_code"], "second": second, "third": third["exit_code"],
+                          "updates": third.get("num_updates")}}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"first": 0, "second": "a fault of the model's own code", "third": 0, "updates": 2}, got
+    precisions = [line.split("| precision ")[1].split(" ")[0] for line in proc.stderr.splitlines()
+                  if "| precision " in line]
+    assert precisions == ["float32", "float32"], proc.stderr[-3000:]  # the bf16 run failed before its start line

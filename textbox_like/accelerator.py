@@ -15,7 +15,7 @@ import os
 import sys
 
 from . import sharding
-from .distributed import bind_device, one_rank_group, uses_cuda
+from .distributed import bind_device, claim_accelerate_state, one_rank_group, uses_cuda
 from .errors import UserError
 
 PRECISIONS = {"float32": "no", "float64": "no", "float16": "fp16", "bfloat16": "bf16"}
@@ -203,6 +203,7 @@ def build_accelerator(cfg, placement, log_with=None):
         # shards itself: sharding.applied_by_us) Accelerate builds no plugin of its own from
         # what accelerate launch exported
         os.environ.pop("ACCELERATE_USE_FSDP", None)
+    claim_accelerate_state()  # reset by distributed.cleanup() where this run sets it up
     accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp], dynamo_plugin=plugin,
                               step_scheduler_with_optimizer=False, log_with=log_with or None,
                               project_dir=cfg.checkpoint.save_dir if log_with else None, **fsdp)

@@ -83,16 +83,13 @@ def run(cfg):
     distributed.apply_determinism(cfg)
     cfg = elastic_restart(cfg)
     from .trainer import train
+    superseded = False
     try:
         return train(cfg)
-    except (UserError, RunStopped) as exc:
-        # leave the process group before exiting: a group torn down by the
-        # interpreter at exit, with its peer already gone, can abort the
-        # process ("terminate called without an active exception") and turn
-        # a clean refusal (exit 2) into SIGABRT. Not a superseded process:
-        # see exit_code
-        if not isinstance(exc, Superseded):
-            distributed.cleanup()
+    except Superseded:
+        superseded = True
+        raise
+    except (UserError, RunStopped):
         raise
     except Exception as exc:
         if cfg.numerics.cudnn_deterministic and isinstance(exc, RuntimeError) and "deterministic" in str(exc):
@@ -109,6 +106,15 @@ def run(cfg):
         print(f"error: rank {os.environ.get('RANK', '?')}: another process of this run died or is "
               f"unreachable ({first}){stale}; stopping", file=sys.stderr)
         return 1
+    finally:
+        # on every way out, also an exception re-raised: leave the process
+        # group (a group torn down by the interpreter at exit, with its peer
+        # already gone, can abort the process, "terminate called without an
+        # active exception", and turn a clean refusal, exit 2, into SIGABRT)
+        # and Accelerate's state (a later run in this process, api.train,
+        # starts clean). Not a superseded process: see exit_code
+        if not superseded:
+            distributed.cleanup()
 
 
 def elastic_restart(cfg):

@@ -218,6 +218,9 @@ def bind_device(p: Placement, cfg):
     import torch
     index = cuda_device(p, cfg)
     torch.cuda.set_device(index)
+    global _OWN_TORCH_DEVICE
+    if "ACCELERATE_TORCH_DEVICE" not in os.environ:
+        _OWN_TORCH_DEVICE = True
     os.environ["ACCELERATE_TORCH_DEVICE"] = f"cuda:{index}"
     return torch.device("cuda", index)
 
@@ -508,6 +511,20 @@ def _check_peers(peers):
 
 _LONG_GROUP = None
 _OWN_LOCAL_RANK = False  # LOCAL_RANK set by one_rank_group, not by a launcher
+_OWN_TORCH_DEVICE = False  # ACCELERATE_TORCH_DEVICE set by bind_device, not by a launcher
+_OWN_ACCELERATE_STATE = False  # Accelerate's process-wide state made by this run's Accelerator
+
+
+def claim_accelerate_state():
+    """Before this run's Accelerator: where Accelerate's process-wide state
+    (PartialState, AcceleratorState: the distributed type, backend, device,
+    precision, FSDP plugin) is not set up yet, this run sets it up, and
+    cleanup() resets it; a state the caller's own Accelerator made is left
+    alone."""
+    from accelerate.state import AcceleratorState, PartialState
+    global _OWN_ACCELERATE_STATE
+    if not (AcceleratorState._shared_state or PartialState._shared_state):
+        _OWN_ACCELERATE_STATE = True
 
 
 def long_timeout(cfg) -> int:
@@ -563,11 +580,25 @@ def main_then_local_main_first(accelerator):
 
 
 def cleanup():
-    global _LONG_GROUP, _OWN_LOCAL_RANK
+    """The end of a run in this process: its process group gone, and what
+    it set up for Accelerate (LOCAL_RANK, ACCELERATE_TORCH_DEVICE, the
+    process-wide state): a later run in this process (api.train) would
+    otherwise reuse a distributed type, backend and plugin whose group no
+    longer exists, or be refused another precision ("AcceleratorState has
+    already been initialized")."""
+    global _LONG_GROUP, _OWN_LOCAL_RANK, _OWN_TORCH_DEVICE, _OWN_ACCELERATE_STATE
     _LONG_GROUP = None
     if _OWN_LOCAL_RANK:
         os.environ.pop("LOCAL_RANK", None)
         _OWN_LOCAL_RANK = False
+    if _OWN_TORCH_DEVICE:
+        os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
+        _OWN_TORCH_DEVICE = False
+    if _OWN_ACCELERATE_STATE:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        _OWN_ACCELERATE_STATE = False
     try:
         import torch.distributed as dist
         if dist.is_initialized():
