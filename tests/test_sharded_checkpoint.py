@@ -427,6 +427,25 @@ def test_manager_switches_between_ddp_files_and_sharded_saves(tmp_path):
     assert_same(model.state_dict(), expected["model"])
 
 
+def test_sharded_pruning_counts_an_emergency_file_checkpoint_with_the_interval_checkpoints(tmp_path):
+    """What a survivor of a lost peer leaves under --fsdp-sharding none (an
+    emergency checkpoint_1_1.pt, alone): the restarted run resumes from it
+    and saves sharded; under --keep-interval-updates 2 the file goes once two
+    newer interval checkpoints exist, as an older .dcp would, instead of
+    staying forever."""
+    model, optimizer, counter, ddp = manager_for(tmp_path, False)
+    train_and_save(model, optimizer, counter, ddp, 0, 1)
+    (tmp_path / "checkpoint_last.pt").unlink()  # the emergency save writes checkpoint_E_U.pt only
+    model, optimizer, counter, sharded = manager_for(tmp_path, True, "--resume")
+    state, path = sharded.load_newest(sharded.resume_path(), print)
+    assert path == tmp_path / "checkpoint_1_1.pt" and sharded.restore(state, path) == [] and counter.updates == 1
+    train_and_save(model, optimizer, counter, sharded, 1, 2)
+    assert (tmp_path / "checkpoint_1_1.pt").is_file()  # one of the two newest interval checkpoints: kept
+    train_and_save(model, optimizer, counter, sharded, 2, 4)
+    assert [p.name for p in sharded.candidates()] == ["checkpoint_last.dcp", "checkpoint_1_4.dcp", "checkpoint_1_3.dcp"]
+    assert not list(tmp_path.glob("*.pt"))
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_manager_of_two_sharded_ranks_resumes_in_one_process(two_rank_loads, tmp_path, kind):
     """Two FSDP ranks save every update through the manager (each rank's own

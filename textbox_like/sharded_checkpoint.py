@@ -79,7 +79,7 @@ from .checkpoint import CheckpointManager, load_checkpoint
 from .collectives import from_rank0, one_per_rank
 from .errors import UserError, first_line
 from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
-from .fileio import fsync_dir
+from .fileio import fsync_dir, remove
 from .savelock import check_owner
 
 FORMAT = "textbox_like-sharded-1"
@@ -605,16 +605,26 @@ class ShardedCheckpointManager(CheckpointManager):
         return paths
 
     def prune_sharded(self):
-        """--keep-interval-updates and --keep-last-epochs for sharded checkpoints (the main process)."""
+        """--keep-interval-updates and --keep-last-epochs for sharded checkpoints
+        (the main process), counted together with the file checkpoints of the
+        same names beside them: a survivor's emergency save
+        (``checkpoint_E_U.pt``, training/elastic.py), an earlier DDP leg's;
+        the base class's pruning, which would take those, does not run for
+        sharded saves."""
         cfg = self.cfg
-        for pattern, keep, index in ((rf"checkpoint_(\d+)_(\d+){re.escape(SUFFIX)}", cfg.keep_interval_updates, 1),
-                                     (rf"checkpoint(\d+){re.escape(SUFFIX)}", cfg.keep_last_epochs, 0)):
+        kinds = rf"(?P<kind>{re.escape(SUFFIX)}|\.pt)"
+        for pattern, keep, index in ((rf"checkpoint_(\d+)_(\d+){kinds}", cfg.keep_interval_updates, 1),
+                                     (rf"checkpoint(\d+){kinds}", cfg.keep_last_epochs, 0)):
             if keep <= 0:
                 continue
             found = [(int(m.group(index + 1)), path) for path in self.dir.iterdir()
-                     if (m := re.fullmatch(pattern, path.name)) and path.is_symlink()]
+                     if (m := re.fullmatch(pattern, path.name))
+                     and (path.is_symlink() if m.group("kind") == SUFFIX else path.is_file())]
             for _, path in sorted(found, reverse=True)[keep:]:
-                remove_sharded(path)
+                if path.suffix == SUFFIX:
+                    remove_sharded(path)
+                else:
+                    remove(path)
 
     # restore -------------------------------------------------------------
     def candidates(self) -> list:
