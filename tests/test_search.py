@@ -303,19 +303,29 @@ def test_resume_after_interrupt_keeps_finished_trials_and_the_same_parameters(tm
     assert params_of(out) == params_of(reference)
 
 
-def test_an_interrupted_trial_with_only_interval_checkpoints_is_resumed(tmp_path, options):
+@pytest.mark.parametrize("kind", ["pt", "dcp"])
+def test_an_interrupted_trial_with_only_interval_checkpoints_is_resumed(tmp_path, options, kind):
     """A trial run with --no-last-checkpoints (or stopped in its first save)
     holds interval checkpoints only: it is continued from them, not started
-    afresh in a directory that holds a run (which the trainer refuses)."""
+    afresh in a directory that holds a run (which the trainer refuses), its
+    metrics.jsonl kept; an --fsdp trial's are sharded (a published
+    checkpoint_1_10.dcp link to its data directory)."""
     space = S.parse_textbox(TEXTBOX_EXAMPLE, "f", options)
     out = tmp_path / "out"
     code, _ = S.run_search(space, "tpe", 4, 5, BASE, out, runner=FakeRunner(interrupt_at=2), out=quiet)
     assert code == S.INTERRUPTED
-    (out / "trial_2" / "checkpoint_1_10.pt").write_bytes(b"a checkpoint")
+    trial = out / "trial_2"
+    if kind == "pt":
+        (trial / "checkpoint_1_10.pt").write_bytes(b"a checkpoint")
+    else:
+        (trial / ".checkpoint_1_10.dcp.0123abcd").mkdir()
+        (trial / "checkpoint_1_10.dcp").symlink_to(".checkpoint_1_10.dcp.0123abcd")
+    (trial / "metrics.jsonl").write_text('{"update": 10}\n')
     runner = FakeRunner()
     S.run_search(space, "tpe", 4, 5, BASE, out, runner=runner, out=quiet, resume=True)
     resumed = [cfg for cfg in runner.started if Path(flag(cfg, "save_dir")).name == "trial_2"]
     assert resumed and flag(resumed[0], "resume") is True
+    assert (trial / "metrics.jsonl").read_text().startswith('{"update": 10}\n')
 
 
 def test_parallel_runs_n_trials_at_once(tmp_path, options):

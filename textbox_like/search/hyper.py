@@ -9,8 +9,8 @@ import math
 import time
 from pathlib import Path
 
-from ..checkpoint import checkpoints_newest_first
 from ..errors import UserError, closest
+from ..sharded_checkpoint import checkpoints_of_both_formats_newest_first
 from .algos import DEFAULT_EVALS, Sampler, canonical_algo
 from .report import format_params, search_png, search_table, write_search_csv
 from .trials import (Job, SubprocessRunner, TrialConfigs, TrialRecord, plan_slots, read_json, read_jsonl, run_pool,
@@ -128,6 +128,15 @@ def blame(space, candidates, first, configs, error):
 
 
 # ====================================================================== setup
+def holds_checkpoint(save_dir) -> bool:
+    """Whether a trial's directory holds a checkpoint of its own, of any kind,
+    to resume from: file (.pt) or sharded (--fsdp's .dcp); a trial run with
+    --no-last-checkpoints, or stopped in its first save, has interval ones
+    only. A fresh start there would be refused as a rerun (and its
+    metrics.jsonl deleted first)."""
+    return bool(checkpoints_of_both_formats_newest_first(save_dir))
+
+
 class Setup:
     """Everything checked before the first trial."""
 
@@ -268,9 +277,7 @@ class Search:
             return None
         rec.status = "running"
         save_dir = Path(rec.save_dir)
-        # any checkpoint of its own: a trial run with --no-last-checkpoints, or stopped in its
-        # first save, has interval ones (and a fresh start there would be refused as a rerun)
-        resume = resume and bool(checkpoints_newest_first(save_dir))
+        resume = resume and holds_checkpoint(save_dir)
         for stale in ["results.json"] + ([] if resume else ["metrics.jsonl"]):
             if (save_dir / stale).exists():
                 (save_dir / stale).unlink()

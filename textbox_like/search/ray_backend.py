@@ -18,7 +18,6 @@ import socket
 import time
 from pathlib import Path
 
-from ..checkpoint import checkpoints_newest_first
 from ..config.files import write_resolved
 from ..config.resolution import read_resolved
 from ..distributed import usable_cpus
@@ -26,7 +25,7 @@ from ..errors import UserError, first_line
 from ..fileio import atomic_write_text
 from ..internals import ray_init_local
 from .algos import plain_value
-from .hyper import Setup, finish, objective
+from .hyper import Setup, finish, holds_checkpoint, objective
 from .trials import TRIAL_CONFIG, Handle, TrialConfigs, TrialRecord, read_json, read_jsonl, write_json
 
 INSTALL = 'pip install -e ".[ray]"  (or: pip install "ray[tune]")'
@@ -172,7 +171,7 @@ def make_trainable(spec):
         save_dir = claim_dir(spec["output"], trial_id, config.get("__dir__"))
         save_dir.mkdir(parents=True, exist_ok=True)
         params = {n: plain_value(config[n]) for n in spec["names"]}
-        resume = bool(checkpoints_newest_first(save_dir))  # its own, of any kind (see hyper.py)
+        resume = holds_checkpoint(save_dir)
         (save_dir / "ray_stopped").unlink(missing_ok=True)  # an earlier attempt's, stopped with its search
         if not resume:
             for stale in ("results.json", "metrics.jsonl"):
