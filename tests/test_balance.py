@@ -316,6 +316,19 @@ def test_slowest_rank_line_names_rank_and_bound():
     assert line.startswith("slowest rank 0: data-bound")
 
 
+def test_slowest_rank_line_names_no_rank_where_compute_holds_the_waits():
+    """--fsdp on CUDA, none, hybrid (RankTimer.compute_is None): the fast
+    rank's compute holds its wait for the slow one, so the largest compute
+    says nothing of who was slow: no rank is named, the caveat is said."""
+    per_rank = [{"compute": 4.0, "data": 0.1, "wait": 0.0, "updates": 10},  # rank 0 fast, waiting inside compute
+                {"compute": 3.9, "data": 0.3, "wait": 0.0, "updates": 10}]
+    assert slowest_rank_line(per_rank).startswith("slowest rank 1: compute-bound")  # DDP's reading
+    line = slowest_rank_line(per_rank, compute_is=None)
+    assert line == ("slowest rank not named: under --fsdp here each rank's compute time holds its wait in FSDP's "
+                    "collectives, so the ranks' compute times are not compared (0.3900-0.4000 s compute, "
+                    "0.0100-0.0300 s data per update over the ranks)")
+
+
 def test_per_rank_lists_reach_trackers_as_one_scalar_per_rank():
     from textbox_like.trackers import scalars
     out = scalars("train", {"update": 5, "loss": 1.0, "compute_s_per_rank": [0.1, 0.2], "name": "x"})

@@ -652,10 +652,22 @@ def since(now: dict, mark: dict | None) -> dict:
     return dict(now) if mark is None else {k: now[k] - mark[k] for k in now}
 
 
-def slowest_rank_line(per_rank) -> str:
+def slowest_rank_line(per_rank, compute_is=RankTimer.COMPUTE) -> str:
     """The run's last line: who was waited for, and why. ``per_rank``: each
-    rank's totals (compute, data, wait seconds and updates)."""
+    rank's totals (compute, data, wait seconds and updates); ``compute_is``:
+    what their compute measures (:attr:`RankTimer.compute_is`). Where it is
+    None (--fsdp on CUDA, or with a replicated mesh dimension) each rank's
+    compute holds its wait for the others, and the rank that waited most
+    would read as the slowest: no rank is named, the figures are given with
+    that caveat."""
     per_update = [{k: r[k] / max(r["updates"], 1) for k in ("compute", "data", "wait")} for r in per_rank]
+    if compute_is is None:
+        def spread(key):
+            values = [p[key] for p in per_update]
+            return f"{min(values):.4f}-{max(values):.4f} s {key}"
+        return (f"slowest rank not named: under --fsdp here each rank's compute time holds its wait in FSDP's "
+                f"collectives, so the ranks' compute times are not compared ({spread('compute')}, "
+                f"{spread('data')} per update over the ranks)")
     busy = [p["compute"] + p["data"] for p in per_update]
     slow = max(range(len(busy)), key=lambda r: (busy[r], -r))
     p = per_update[slow]
