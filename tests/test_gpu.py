@@ -428,6 +428,40 @@ def test_fsdp_bert_large_bf16_on_cuda_saves_sharded_and_resumes(bert_data, tmp_p
         assert torch.equal(weights[key], whole[key]), key
 
 
+@gpu
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("strategy", ["none", "hybrid"])
+def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_textbox_like(bert_data, tmp_path, strategy):  # noqa: F811
+    """Two GPUs, --fsdp-sharding none, and hybrid over two "nodes" of one GPU
+    each (LOCAL_WORLD_SIZE 1): nothing is split over ranks, which Accelerate's
+    FSDP2 plugin refuses ("no dimension for FSDP to shard across"), so the
+    trainer applies fully_shard over a (2, 1) mesh itself, as on CPU: the
+    start line says so, the run trains, saves sharded and resumes."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs: {torch.cuda.device_count()} here")
+    out = tmp_path / "run"
+    args = [*fsdp_bert_large_args(bert_data, out, 4), "--fsdp-sharding", strategy]
+    cmd, env = fsdp_command("two ranks", args)
+    if strategy == "hybrid":  # two one-GPU nodes on this machine: torchrun with one process per "node"
+        port = str(free_port())
+        cmd = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", port, "run_hetseq.py",
+                *[str(a) for a in args], "--bf16", "--fsdp", "--device-id", str(n)] for n in (0, 1)]
+        procs = [subprocess.Popen(c, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) for c in cmd]
+        errs = [p.communicate(timeout=1500)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+        err = errs[0]
+    else:
+        err = run_fsdp("two ranks", args)
+    line = start_line(err)
+    how = {"none": "sharding none (replicated over 2 ranks)",
+           "hybrid": "sharding hybrid: over 1 ranks per node, replicated over 2 node(s)"}[strategy]
+    assert f"{how} (fully_shard applied by textbox_like (Accelerate's FSDP needs ranks to shard across); " \
+           in line, line
+    assert_finite_losses(out, 4, ("loss", "mlm_loss", "nsp_loss"))
+    assert (out / "checkpoint_last.dcp").is_dir() and not list(out.glob("*.pt"))
+
+
 # ---------------------------------------------------------------- scripts/gpu-check.sh (runs anywhere)
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 

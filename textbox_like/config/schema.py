@@ -294,7 +294,8 @@ class DistributedConfig(Section):
 @dataclass(frozen=True)
 class ShardingConfig(Section):
     """--fsdp: parameters, gradients and optimizer states sharded over the
-    ranks (FSDP2's fully_shard; Accelerate's FSDP2 plugin on CUDA, ours on CPU).
+    ranks (FSDP2's fully_shard; Accelerate's FSDP2 plugin on CUDA where parameters
+    are split, ours on CPU and where nothing is split: sharding.applied_by_us).
     Its group is printed only where --fsdp is on (resolution.groups_for):
     the configuration of a run without it reads as before."""
     group = "sharding"
