@@ -148,7 +148,11 @@ for strategy in ("full", "none"):
     chosen.clear()
     elastic.peer_lost(trainer, RuntimeError("Connection closed by peer"))
     saved = {name: tuple(v.shape) for name, v in elastic.local_whole(model.state_dict()).items()}
-    print("rank", dist.get_rank(), strategy, "dtensors visible", visible, chosen, "whole", saved == shapes, flush=True)
+    mine = f"rank {dist.get_rank()} {strategy} dtensors visible {visible} {chosen} whole {saved == shapes}"
+    lines = [None, None]
+    dist.all_gather_object(lines, mine)
+    if dist.get_rank() == 0:  # one writer: two ranks printing to one pipe can interleave their lines
+        print("\\n".join(lines), flush=True)
 '''
 
 

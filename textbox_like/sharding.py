@@ -74,8 +74,8 @@ def applied_by_us(cfg, placement, cuda: bool) -> bool:
     return not cuda or shard_degree(cfg, placement) == 1
 
 
-def where(cuda: bool, ours: bool = True) -> str:
-    """Who applies the sharding on this device, for the start line."""
+def where(cuda: bool, ours: bool) -> str:
+    """Who applies the sharding on this device (``ours``: applied_by_us), for the start line."""
     if not ours:
         return "Accelerate's FSDP2 plugin"
     if cuda:
