@@ -152,25 +152,36 @@ out.write_text(json.dumps({"update": state["train"]["num_updates"],
 def test_reader_of_a_name_reads_the_checkpoint_it_began_with_across_a_save(mnist, four_updates, tmp_path):
     """``textbox-like export``/``eval``'s read of checkpoint_last.dcp, a second
     process, has verified the update-4 checkpoint when the training run
-    (resumed) saves update 6 under that name; it goes on reading: weights and
-    train state of update 4, whole, not files of the new save."""
+    (resumed) saves update 6 under that name and goes on (held in update 7 by
+    the slow-rank hook: the run's end drops the replaced data); it goes on
+    reading: weights and train state of update 4, whole, not files of the new save."""
     save = copy_run(four_updates, tmp_path / "save")
     expected = read_full_model_state(save / "checkpoint_1_4.dcp")
     (tmp_path / "reader.py").write_text(READER)
     files = [tmp_path / name for name in ("reading", "go", "out.json")]
     reader = subprocess.Popen([PY, str(tmp_path / "reader.py"), str(save / "checkpoint_last.dcp"), *map(str, files)],
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    training = None
     try:
         while not files[0].exists():
             assert reader.poll() is None, reader.communicate()[1][-3000:]
             time.sleep(0.05)
-        run(mnist_args(mnist, save, "--max-update", 6, "--resume"))
+        data4 = os.readlink(save / "checkpoint_last.dcp")
+        training = subprocess.Popen(mnist_args(mnist, save, "--max-update", 8, "--resume"),
+                                    env={**clean_env(), "TEXTBOX_LIKE_SLOW_RANK": "0:1000@7"},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while os.readlink(save / "checkpoint_last.dcp") == data4:  # published: the run goes on to update 7
+            assert training.poll() is None, training.communicate()[1][-3000:]
+            time.sleep(0.05)
         assert read_extra_state(save / "checkpoint_last.dcp")["train"]["num_updates"] == 6
         files[1].write_text("go")
         _, err = reader.communicate(timeout=300)
+        assert training.poll() is None  # still in update 7: not finished
     finally:
-        if reader.poll() is None:
-            reader.kill()
+        for proc in (reader, training):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert reader.returncode == 0, err[-3000:]
     got = json.loads(files[2].read_text())
     assert got["update"] == 4
