@@ -262,8 +262,8 @@ def own_mount_namespace(real, seen_as):
     probe = subprocess.run([*unshare, "true"], capture_output=True, text=True)
     assert probe.returncode == 0, f"this test needs a mount namespace (root or user namespaces): {probe.stderr}"
     seen_as.mkdir()
-    return [*unshare, "sh", "-c", 'mount --bind "$0" "$1" && mount -t tmpfs -o size=1m tmpfs "$0" && shift && exec "$@"',
-            str(real), str(seen_as)]
+    script = 'mount --bind "$0" "$1" && mount -t tmpfs -o size=1m tmpfs "$0" && shift && exec "$@"'
+    return [*unshare, "sh", "-c", script, str(real), str(seen_as)]
 
 
 def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_and_save(mnist, four_updates,
