@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from textbox_like.sharded_checkpoint import (consolidated_state, read_extra_state, read_full_model_state,
-                                            read_manifest)
+from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every_rank, read_extra_state,
+                                            read_full_model_state, read_manifest)
 
 from conftest import clean_env, free_port, write_mnist
 
@@ -290,6 +290,22 @@ def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_a
     for name in ("checkpoint_1_6.dcp", "checkpoint_last.dcp"):
         assert read_extra_state(save / name)["train"]["num_updates"] == 6
         assert read_manifest(save / name)["world_size"] == 2 and (save / name / "__1_0.distcp").is_file()
+
+
+def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(four_updates, tmp_path):
+    """What crosses to the other ranks is a name beside the path each rank
+    gives: a published name's data directory, a copy itself, and a link of
+    the user's to a directory elsewhere read as each rank reaches it."""
+    save = copy_run(four_updates, tmp_path / "save")
+    alias = tmp_path / "alias"
+    alias.symlink_to(save)  # another path to the same directory
+    name = os.readlink(save / "checkpoint_last.dcp")
+    assert pinned_on_every_rank(alias / "checkpoint_last.dcp") == alias / name
+    copy = tmp_path / "copy.dcp"
+    subprocess.run(["cp", "-rL", str(save / "checkpoint_last.dcp"), str(copy)], check=True)
+    assert pinned_on_every_rank(copy) == copy
+    (save / "elsewhere.dcp").symlink_to(copy)
+    assert pinned_on_every_rank(alias / "elsewhere.dcp") == alias / "elsewhere.dcp"
 
 
 # ------------------------------------------------------------------ kept data directories
