@@ -161,7 +161,7 @@ def pinned(path) -> Path:
     """The data directory the published name ``path`` points to now (``path``
     itself where it is one, e.g. a copy): a reader reads every file through it,
     so a save that replaces the name meanwhile does not mix two checkpoints
-    (the replaced data stays until the name's next save)."""
+    (the replaced data stays until the name's next save or the run's end)."""
     return Path(os.path.realpath(path))
 
 
