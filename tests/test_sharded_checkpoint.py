@@ -372,8 +372,12 @@ def test_manager_saves_prunes_and_resumes_from_the_newest_that_verifies(tmp_path
     # --keep-interval-updates 2: the two newest interval checkpoints and last, each with its own data, nothing else
     assert [p.name for p in sharded_checkpoints_newest_first(tmp_path)] == [
         "checkpoint_last.dcp", "checkpoint_1_4.dcp", "checkpoint_1_3.dcp"]
-    # (checkpoint_last's data of the save before stays until its next save)
-    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]) == 4
+    # (checkpoint_last's data of the save before stays, linked as .checkpoint_last.dcp.prev, until its next save)
+    hidden = sorted(p.name.rsplit(".", 1)[0] if p.is_dir() and not p.is_symlink() else p.name
+                    for p in tmp_path.iterdir() if p.name.startswith(".checkpoint"))
+    assert hidden == [".checkpoint_1_3.dcp", ".checkpoint_1_4.dcp", ".checkpoint_last.dcp", ".checkpoint_last.dcp",
+                      ".checkpoint_last.dcp.prev"], hidden
+    assert (tmp_path / ".checkpoint_last.dcp.prev").resolve() != (tmp_path / "checkpoint_last.dcp").resolve()
     # a new run (no --resume) there is refused before anything is written, as for file checkpoints
     from textbox_like.sharded_checkpoint import refuse_rerun
     # the newest named (this stand-in's train part has no num_updates to give)

@@ -4,12 +4,21 @@ run; a new run there is refused naming the newest checkpoint and its update;
 a name's replaced data stays until its next save, so a reader (export, eval)
 that began before a save reads the checkpoint it began with, whole; ``cp -rL``
 copies a checkpoint whole (README); a --fsdp run whose ranks do not share the
-save directory stops at start in one line; the non-finite check before a save
-gathers no weights. Real processes: the trainer, two ranks over gloo."""
+save directory stops at start in one line, and one that sees rank 0's lock
+late (a shared file system's cache) goes on; two ranks that reach the save
+directory through different paths (another mount point) resume and save; the
+non-finite check before a save gathers no weights; what a kill between a
+save's renames leaves goes at the next start, a finished run keeps one copy
+of each checkpoint, and the data a user's ``mv`` or ``ln -s`` of a ``.dcp``
+points to stays. Real processes: the trainer, two ranks over gloo, a rank in
+a mount namespace of its own."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from textbox_like.sharded_checkpoint import consolidated_state, read_extra_state, read_full_model_state
+from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every_rank, read_extra_state,
+                                            read_full_model_state, read_manifest)
 
 from conftest import clean_env, free_port, write_mnist
 
@@ -59,6 +69,21 @@ def four_updates(mnist, tmp_path_factory):
     assert sorted(p.name for p in save.glob("checkpoint*")) == [
         "checkpoint_1_2.dcp", "checkpoint_1_4.dcp", "checkpoint_last.dcp"]
     return save
+
+
+def data_directories_of(save):
+    """{name: [its data directories]} of a save directory's sharded names
+    (``.checkpoint_last.dcp.3f9a2c1e`` under ``checkpoint_last.dcp``)."""
+    found = {}
+    for path in save.iterdir():
+        match = re.fullmatch(r"\.(.+\.dcp)\.[0-9a-f]{8}", path.name)
+        if match and path.is_dir() and not path.is_symlink():
+            found.setdefault(match.group(1), []).append(path)
+    return found
+
+
+def kept_links(save):
+    return sorted(p.name for p in save.iterdir() if p.name.endswith(".prev"))
 
 
 def copy_run(save, target):
@@ -127,25 +152,36 @@ out.write_text(json.dumps({"update": state["train"]["num_updates"],
 def test_reader_of_a_name_reads_the_checkpoint_it_began_with_across_a_save(mnist, four_updates, tmp_path):
     """``textbox-like export``/``eval``'s read of checkpoint_last.dcp, a second
     process, has verified the update-4 checkpoint when the training run
-    (resumed) saves update 6 under that name; it goes on reading: weights and
-    train state of update 4, whole, not files of the new save."""
+    (resumed) saves update 6 under that name and goes on (held in update 7 by
+    the slow-rank hook: the run's end drops the replaced data); it goes on
+    reading: weights and train state of update 4, whole, not files of the new save."""
     save = copy_run(four_updates, tmp_path / "save")
     expected = read_full_model_state(save / "checkpoint_1_4.dcp")
     (tmp_path / "reader.py").write_text(READER)
     files = [tmp_path / name for name in ("reading", "go", "out.json")]
     reader = subprocess.Popen([PY, str(tmp_path / "reader.py"), str(save / "checkpoint_last.dcp"), *map(str, files)],
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    training = None
     try:
         while not files[0].exists():
             assert reader.poll() is None, reader.communicate()[1][-3000:]
             time.sleep(0.05)
-        run(mnist_args(mnist, save, "--max-update", 6, "--resume"))
+        data4 = os.readlink(save / "checkpoint_last.dcp")
+        training = subprocess.Popen(mnist_args(mnist, save, "--max-update", 8, "--resume"),
+                                    env={**clean_env(), "TEXTBOX_LIKE_SLOW_RANK": "0:1000@7"},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while os.readlink(save / "checkpoint_last.dcp") == data4:  # published: the run goes on to update 7
+            assert training.poll() is None, training.communicate()[1][-3000:]
+            time.sleep(0.05)
         assert read_extra_state(save / "checkpoint_last.dcp")["train"]["num_updates"] == 6
         files[1].write_text("go")
         _, err = reader.communicate(timeout=300)
+        assert training.poll() is None  # still in update 7: not finished
     finally:
-        if reader.poll() is None:
-            reader.kill()
+        for proc in (reader, training):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert reader.returncode == 0, err[-3000:]
     got = json.loads(files[2].read_text())
     assert got["update"] == 4
@@ -177,6 +213,156 @@ def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(mnist, tm
     saved = nodes[0] / "save"
     assert not list(saved.glob("checkpoint*")) and not (saved / "run.lock").exists()
     assert not any("| update" in err for err in errs)  # stopped before the first update
+
+
+def rank_args(mnist, save_dir, rank, rdzv, *extra):
+    return mnist_args(mnist, save_dir, "--distributed-world-size", 2, "--distributed-gpus", 1, "--distributed-rank",
+                      rank, "--distributed-init-method", f"file://{rdzv}", "--distributed-timeout", 120, *extra)
+
+
+def test_fsdp_rank_that_sees_rank_0s_lock_late_goes_on(mnist, tmp_path):
+    """A shared file system whose client shows a fresh file late (NFS's
+    lookup cache): rank 1's --save-dir appears only after its first look
+    (the test links it to rank 0's directory once rank 1 says it looks
+    again); both ranks train and save, each its own shards."""
+    shared, late = tmp_path / "shared" / "save", tmp_path / "late"
+    rdzv, log1 = tmp_path / "rdzv", tmp_path / "rank1.err"
+    with open(log1, "w") as err1:
+        procs = [subprocess.Popen(rank_args(mnist, shared, 0, rdzv, "--max-update", 4), env=clean_env(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+                 subprocess.Popen(rank_args(mnist, late / "save", 1, rdzv, "--max-update", 4), env=clean_env(),
+                                  stdout=subprocess.DEVNULL, stderr=err1, text=True)]
+        try:
+            while "looking again" not in log1.read_text():
+                assert procs[1].poll() is None, log1.read_text()[-3000:]
+                time.sleep(0.1)
+            late.symlink_to(shared.parent)  # the lock shows up on rank 1's node
+            err0 = procs[0].communicate(timeout=600)[1]
+            procs[1].wait(timeout=600)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    err1 = log1.read_text()
+    assert [p.returncode for p in procs] == [0, 0], err0[-3000:] + err1[-3000:]
+    assert [line for line in err1.splitlines() if line.startswith("warning: rank 1")] == [
+        f"warning: rank 1 does not see rank 0's lock file in {late / 'save'} (yet?); looking again for up to 30 s, "
+        f"as a shared file system may show a new file late"]
+    last = shared / "checkpoint_last.dcp"
+    assert read_extra_state(last)["train"]["num_updates"] == 4
+    assert read_manifest(last)["world_size"] == 2 and (last / "__1_0.distcp").is_file()
+
+
+def own_mount_namespace(real, seen_as):
+    """The command prefix of a process that sees the directory ``real`` only
+    at ``seen_as`` (a node that mounts the shared file system elsewhere):
+    ``real`` bind-mounted there in a mount namespace of its own, an empty
+    tmpfs over ``real`` itself."""
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-Urm"]  # the latter: user namespaces
+    probe = subprocess.run([*unshare, "true"], capture_output=True, text=True)
+    assert probe.returncode == 0, f"this test needs a mount namespace (root or user namespaces): {probe.stderr}"
+    seen_as.mkdir()
+    script = 'mount --bind "$0" "$1" && mount -t tmpfs -o size=1m tmpfs "$0" && shift && exec "$@"'
+    return [*unshare, "sh", "-c", script, str(real), str(seen_as)]
+
+
+def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_and_save(mnist, four_updates,
+                                                                                        tmp_path):
+    """Rank 1's node mounts the shared file system elsewhere: rank 0's path
+    of the save directory (and of the data directory checkpoint_last.dcp
+    points to) does not exist there. --resume on two ranks reads the
+    update-4 checkpoint on both and saves updates 6 with both ranks' shards."""
+    shared, mount1, rdzv = tmp_path / "shared", tmp_path / "mnt1", tmp_path / "rdzv"
+    save = copy_run(four_updates, shared / "save")
+    prefix = own_mount_namespace(shared, mount1)
+    procs = [subprocess.Popen(rank_args(mnist, save, 0, rdzv, "--resume", "--max-update", 6), env=clean_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(prefix + rank_args(mnist, mount1 / "save", 1, rdzv, "--resume", "--max-update", 6),
+                              env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    try:
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in errs[0]
+    for name in ("checkpoint_1_6.dcp", "checkpoint_last.dcp"):
+        assert read_extra_state(save / name)["train"]["num_updates"] == 6
+        assert read_manifest(save / name)["world_size"] == 2 and (save / name / "__1_0.distcp").is_file()
+
+
+def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(four_updates, tmp_path):
+    """What crosses to the other ranks is a name beside the path each rank
+    gives: a published name's data directory, a copy itself, and a link of
+    the user's to a directory elsewhere read as each rank reaches it."""
+    save = copy_run(four_updates, tmp_path / "save")
+    alias = tmp_path / "alias"
+    alias.symlink_to(save)  # another path to the same directory
+    name = os.readlink(save / "checkpoint_last.dcp")
+    assert pinned_on_every_rank(alias / "checkpoint_last.dcp") == alias / name
+    copy = tmp_path / "copy.dcp"
+    subprocess.run(["cp", "-rL", str(save / "checkpoint_last.dcp"), str(copy)], check=True)
+    assert pinned_on_every_rank(copy) == copy
+    (save / "elsewhere.dcp").symlink_to(copy)
+    assert pinned_on_every_rank(alias / "elsewhere.dcp") == alias / "elsewhere.dcp"
+
+
+# ------------------------------------------------------------------ kept data directories
+def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist, four_updates, tmp_path):
+    """A finished run keeps one data directory per name and no kept link. A
+    run killed (SIGKILL) between its save's renames, after checkpoint_1_4's
+    new data is in place and before the name points to it: the name keeps
+    its update-4 checkpoint, and the next start removes the new data (no
+    link points to it) although checkpoint_1_4.dcp is never saved again."""
+    assert kept_links(four_updates) == []
+    assert {name: len(dirs) for name, dirs in data_directories_of(four_updates).items()} == {
+        "checkpoint_1_2.dcp": 1, "checkpoint_1_4.dcp": 1, "checkpoint_last.dcp": 1}
+    save = copy_run(four_updates, tmp_path / "save")
+    before = set(data_directories_of(save)["checkpoint_1_4.dcp"])
+    run_to_4 = subprocess.Popen(mnist_args(mnist, save, "--max-update", 4, "--restore-file", "checkpoint_1_2.dcp"),
+                                env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=3600"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before:
+            assert run_to_4.poll() is None, run_to_4.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.kill(run_to_4.pid, signal.SIGKILL)
+    finally:
+        if run_to_4.poll() is None:
+            run_to_4.kill()
+        run_to_4.communicate(timeout=60)
+    assert run_to_4.returncode == -signal.SIGKILL
+    orphan, = set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before
+    assert [save / os.readlink(save / "checkpoint_1_4.dcp")] == sorted(before)
+    assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
+
+    out = run(mnist_args(mnist, save, "--resume", "--max-update", 4))  # at update 4 already: no save
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in out.stderr
+    assert not orphan.exists()
+    assert not list(save.glob(".checkpoint*.partial")) and not list(save.glob(".checkpoint*.link"))
+    assert data_directories_of(save)["checkpoint_1_4.dcp"] == sorted(before)
+    assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
+
+
+def test_users_mv_and_ln_of_a_sharded_checkpoint_survive_the_next_start_and_saves(mnist, four_updates, tmp_path):
+    """``mv checkpoint_1_2.dcp keep2.dcp`` and ``ln -s`` of checkpoint_last's
+    data directory as ``at4.dcp``: after --resume to update 8 (a start, saves
+    of checkpoint_last at 6 and 8, the run's end) both still hold their
+    checkpoints whole; the run's own kept copies are gone."""
+    save = copy_run(four_updates, tmp_path / "save")
+    subprocess.run(["mv", "checkpoint_1_2.dcp", "keep2.dcp"], cwd=save, check=True)
+    data4 = os.readlink(save / "checkpoint_last.dcp")
+    subprocess.run(["ln", "-s", data4, "at4.dcp"], cwd=save, check=True)
+    out = run(mnist_args(mnist, save, "--resume", "--max-update", 8))
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in out.stderr
+    assert read_extra_state(save / "keep2.dcp")["train"]["num_updates"] == 2  # every file's digest checked
+    assert read_extra_state(save / "at4.dcp")["train"]["num_updates"] == 4
+    assert read_extra_state(save / "checkpoint_last.dcp")["train"]["num_updates"] == 8
+    assert kept_links(save) == []
+    # checkpoint_last's data at 6 went with the run's end; at 4 stays for at4.dcp
+    assert sorted(p.name for p in data_directories_of(save)["checkpoint_last.dcp"]) == sorted(
+        [data4, os.readlink(save / "checkpoint_last.dcp")])
 
 
 # ------------------------------------------------------------------ item 16: the check before a save

@@ -25,11 +25,15 @@ beside the save directory's files; only after every rank has finished
 (DCP's own last collective, then an exchange of the ranks' outcomes) does
 rank 0 rename it to its data directory and replace the link (a rename of a
 link over a link: a reader sees the old checkpoint or the new one, never a
-missing or half one). The data directory a name pointed to before stays until
-that name's next save: a reader that resolved the name (:func:`pinned`) before
-a save reads the checkpoint it began with, whole (disk: up to two copies per
-name). A save killed midway leaves a ``.partial`` directory that never becomes
-the newest, which :func:`remove_leftovers` removes at the next start. The name
+missing or half one). The data directory a name pointed to before stays,
+linked as ``.<name>.prev``, until that name's next save or the end of the run
+(:func:`drop_kept_copies`): a reader that resolved the name (:func:`pinned`)
+before a save reads the checkpoint it began with, whole (disk: up to two
+copies per name during a run). A save killed midway leaves a ``.partial``
+directory that never becomes the newest; it, and any data directory no link
+of the save directory points to, goes at the next start
+(:func:`remove_leftovers`); the data a link of the user's points to (a name
+renamed with ``mv``, an ``ln -s`` of a data directory) is never removed. The name
 is a link: copy a checkpoint with ``cp -rL`` (``cp -r`` copies the link
 alone), or write its model with ``textbox-like export``. Several names of one save
 are copies (each rank copies its own part), not links to one directory, so
@@ -54,7 +58,9 @@ The API (every call on every rank of the group unless said otherwise)::
     sharded_checkpoints_newest_first(save_dir) -> [paths]     # any process
     checkpoints_of_both_formats_newest_first(save_dir) -> [paths]  # .pt and .dcp
     pinned(path) -> Path                                      # the data directory a name points to now
+    pinned_on_every_rank(path, group=None) -> Path            # rank 0's pinned, as each rank reaches it
     remove_sharded(path); remove_leftovers(save_dir)          # the main process
+    drop_kept_copies(save_dir)                                # the main process, at the end of a run
     full_state_dicts(model, optimizer) -> (model, optimizer)  # a DDP-style (file checkpoint) state
     load_full_state(model, optimizer, model_state, optimizer_state)  # a DDP checkpoint into FSDP
     read_full_model_state(path) -> {name: tensor}             # one process, no model needed
@@ -155,8 +161,26 @@ def pinned(path) -> Path:
     """The data directory the published name ``path`` points to now (``path``
     itself where it is one, e.g. a copy): a reader reads every file through it,
     so a save that replaces the name meanwhile does not mix two checkpoints
-    (the replaced data stays until the name's next save)."""
+    (the replaced data stays until the name's next save or the run's end)."""
     return Path(os.path.realpath(path))
+
+
+def pinned_on_every_rank(path, group=None) -> Path:
+    """The data directory rank 0 of ``group`` finds the published name ``path``
+    pointing to now (:func:`pinned`), on every rank, as each rank reaches it:
+    only its name crosses, rebuilt beside ``path``, since each node may reach
+    the save directory through a path of its own (another mount point, a
+    symlinked /home) where rank 0's resolved path does not exist. A ``path``
+    that points elsewhere (a link of the user's to another directory) is read
+    as each rank reaches it."""
+    path = Path(path)
+    world, rank = world_and_rank(group)
+    name = None
+    if rank == 0:
+        data = pinned(path)
+        name = data.name if data.parent == pinned(path.parent) else None
+    name = from_rank0(name, world, group)
+    return path.parent / name if name is not None else path
 
 
 def data_directories(save_dir, name) -> list:
@@ -245,9 +269,11 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
         for target in targets:
             partial = save_dir / f".{target.name}.{uuid.uuid4().hex[:8]}{PARTIAL}"
             partial.mkdir()
-            made.append(str(partial))
+            made.append(partial.name)
         return made
-    partials = [Path(p) for p in from_rank0(agree(make_partials, group, f"{targets[0]}"), world, group)]
+    # the names alone cross: each node may reach the save directory through a path of its own
+    # (another mount point, a symlinked /home), so each rank finds them in its own save_dir
+    partials = [save_dir / name for name in from_rank0(agree(make_partials, group, f"{targets[0]}"), world, group)]
 
     def write_and_publish():
         if optimizer is not None:
@@ -328,53 +354,99 @@ def copy_synced(source, target) -> None:
         synced(dst)
 
 
+KEPT = ".prev"  # the kept link's suffix: .<name>.prev
+#: what a killed save may leave: a data directory, a .partial one, a half-made link
+LEFTOVER = re.compile(rf"\.checkpoint.*{re.escape(SUFFIX)}\.[0-9a-f]{{8}}({re.escape(PARTIAL)}|\.link)?")
+KEPT_LINK = re.compile(rf"\.checkpoint.*{re.escape(SUFFIX)}{re.escape(KEPT)}")
+
+
+def kept_link(target: Path) -> Path:
+    """The link to the data directory the published name ``target`` replaced
+    at its last save (``.checkpoint_last.dcp.prev``), kept for its readers."""
+    return target.with_name(f".{target.name}{KEPT}")
+
+
+def replace_link(link: Path, points_to, name: str) -> None:
+    """``link`` points to ``points_to`` (None: no link) after one rename; a
+    half-made link (``.<name>.<hex>.link``) is what a kill leaves at worst."""
+    if points_to is None:
+        link.unlink(missing_ok=True)
+        return
+    made = link.with_name(f".{name}.{uuid.uuid4().hex[:8]}.link")
+    os.symlink(points_to, made)
+    try:
+        os.replace(made, link)
+    except BaseException:
+        made.unlink(missing_ok=True)
+        raise
+
+
+def linked_directories(save_dir) -> set:
+    """The resolved paths that the links of ``save_dir`` point to: its
+    published names, their kept links, and links of the user's (a name
+    renamed with ``mv``, an ``ln -s .checkpoint_best.dcp.3f9a2c1e ep3.dcp``);
+    the data they point to is never removed. A half-made link of a killed
+    save protects nothing."""
+    return {os.path.realpath(path) for path in Path(save_dir).iterdir()
+            if path.is_symlink() and not (LEFTOVER.fullmatch(path.name) and path.name.endswith(".link"))}
+
+
+def remove_unlinked(save_dir, name) -> None:
+    """The data directories of ``name`` that no link of ``save_dir`` points to, removed."""
+    linked = linked_directories(save_dir)
+    for data in data_directories(save_dir, name):
+        if os.path.realpath(data) not in linked:
+            shutil.rmtree(data)
+
+
 def publish_directory(partial: Path, target: Path) -> None:
     """``partial`` (complete, synced) becomes the checkpoint named ``target``:
     renamed to its data directory, then a new link replaces the name's old
-    one in one rename. The data directory the old link pointed to stays (a
-    reader that pinned it goes on reading it); the ones before it are removed."""
+    one in one rename. The data directory the old link pointed to stays,
+    linked by :func:`kept_link` (a reader that pinned it goes on reading it);
+    the name's other data directories are removed unless a link of the
+    user's points to them. A kill at any moment leaves every directory
+    worth keeping linked: what no link points to is garbage, removed at the
+    next start (:func:`remove_leftovers`)."""
     check_owner(target)  # writing took a while: a newer run may own the directory by now
     data = partial.with_name(partial.name[:-len(PARTIAL)])
     os.replace(partial, data)
+    time.sleep(test_delay("renamed"))  # test hook: a save killed between its renames
     old = os.readlink(target) if target.is_symlink() else None
-    link = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.link")
-    os.symlink(data.name, link)
-    try:
-        os.replace(link, target)
-    except BaseException:
-        link.unlink(missing_ok=True)
-        raise
-    for stale in data_directories(target.parent, target.name):
-        if stale.name not in (data.name, old):
-            shutil.rmtree(stale)
+    replace_link(kept_link(target), old, target.name)
+    replace_link(target, data.name, target.name)
+    remove_unlinked(target.parent, target.name)
 
 
 def remove_sharded(path) -> None:
-    """Remove a published sharded checkpoint (pruning): its name, then its data,
-    the replaced one too (main process)."""
+    """Remove a published sharded checkpoint (pruning): its name and kept
+    link, then its data, the replaced one too, unless a link of the user's
+    points to it (main process)."""
     path = Path(path)
     check_owner(path)
     path.unlink(missing_ok=True)
-    for data in data_directories(path.parent, path.name):
-        shutil.rmtree(data)
-
-
-LEFTOVER = re.compile(rf"\.checkpoint.*{re.escape(SUFFIX)}\.[0-9a-f]{{8}}({re.escape(PARTIAL)}|\.link)?")
+    kept_link(path).unlink(missing_ok=True)
+    remove_unlinked(path.parent, path.name)
 
 
 def remove_leftovers(save_dir) -> list:
     """What killed saves left (``.partial`` directories, half-made links, data
-    directories of a name no longer published), removed; the main process, at
-    start, before the first save. The data a published name replaced stays
-    (:func:`publish_directory`). Returns what was removed."""
+    directories no link points to: one a kill between the renames of
+    :func:`publish_directory` left, or one it left half-removed), and kept
+    links whose data is gone, removed; the main process, at start, before
+    the first save. The data a link points to stays: a published name's,
+    the one it replaced (its kept link), and any a link of the user's points
+    to. Returns what was removed."""
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         return []
-    published = {p.name for p in save_dir.glob(f"checkpoint*{SUFFIX}") if p.is_symlink()}
+    linked = linked_directories(save_dir)
     removed = []
     for path in save_dir.iterdir():
         match = LEFTOVER.fullmatch(path.name)
-        if not match or match.group(1) is None and path.name[1:-9] in published:
+        if match and match.group(1) is None and os.path.realpath(path) in linked:
+            continue
+        if not match and not (KEPT_LINK.fullmatch(path.name) and path.is_symlink() and not path.exists()):
             continue
         check_owner(path)
         if path.is_symlink() or not path.is_dir():
@@ -383,6 +455,21 @@ def remove_leftovers(save_dir) -> list:
             shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def drop_kept_copies(save_dir) -> list:
+    """The data each name replaced, removed with its kept link: at the end of
+    a run that finished (the main process), so that it leaves one copy of
+    each checkpoint. A reader still reading a replaced checkpoint then loses
+    it; the data a link of the user's points to stays. Returns what was removed."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    for link in save_dir.iterdir():
+        if KEPT_LINK.fullmatch(link.name) and link.is_symlink():
+            check_owner(link)
+            link.unlink(missing_ok=True)
+    return remove_leftovers(save_dir)
 
 
 # ------------------------------------------------------------------- load
@@ -637,10 +724,10 @@ class ShardedCheckpointManager(CheckpointManager):
     def read(self, path) -> dict:
         """A checkpoint's state, verified: a file checkpoint whole; a sharded
         one's extra state (its model and optimizer are loaded by :meth:`restore`
-        from the same data directory, :func:`pinned` by rank 0 for every rank)."""
+        from the same data directory, :func:`pinned_on_every_rank`)."""
         path = Path(path)
         if path.is_dir():
-            data = Path(from_rank0(str(pinned(path)), world_and_rank(self.group)[0], self.group))
+            data = pinned_on_every_rank(path, self.group)
             return {**read_extra_state(data, self.group, named=path), SHARDED_FROM: str(data)}
         return load_checkpoint(path)
 

@@ -15,7 +15,11 @@ from ..errors import UserError, first_line
 from ..faults import SaveFailed, os_reason
 from ..fileio import atomic_write_text
 from ..preemption import PREEMPTED_EXIT_CODE
-from ..sharded_checkpoint import full_state_dicts, refuse_rerun
+from ..sharded_checkpoint import drop_kept_copies, full_state_dicts, refuse_rerun
+
+
+#: seconds a rank that does not see rank 0's lock file under --fsdp looks again before the run stops
+LOCK_LOOKS = 30
 
 
 class Lifecycle:
@@ -59,8 +63,7 @@ class Lifecycle:
         # normal run; under --fsdp every rank writes its shards there
         sees_lock = token is not None and savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None
         if token is not None and t.world > 1 and sharding.enabled(t.cfg):
-            seen = collectives.one_per_rank(sees_lock, t.world, t.host_group)
-            blind = [rank for rank, sees in enumerate(seen) if not sees]
+            blind, sees_lock = self.ranks_blind_to_the_lock(save_dir, token, sees_lock)
             if blind:
                 self.release_save_dir()
                 raise UserError(f"--fsdp needs a --save-dir that every rank shares (each writes its shards of every "
@@ -69,6 +72,30 @@ class Lifecycle:
                                 f"or pass --no-save")
         if sees_lock:
             savelock.own(save_dir, token, holds_lock=self.save_lock is not None, who=f"rank {t.rank}")
+
+    def ranks_blind_to_the_lock(self, save_dir, token, sees_lock) -> tuple:
+        """(the ranks that do not see rank 0's lock file holding ``token`` in
+        ``save_dir``, whether this rank sees it), looked at again once a second
+        for LOCK_LOOKS seconds while a rank does not: the client of a shared
+        file system may answer from its cache that a file just made elsewhere
+        does not exist (NFS may keep a failed lookup as long as it caches the
+        directory's attributes). Every rank takes part in every look, so all
+        stop looking at the same one."""
+        import time
+
+        from .. import savelock
+        t = self.trainer
+        for look in range(LOCK_LOOKS + 1):
+            seen = collectives.one_per_rank(sees_lock, t.world, t.host_group)
+            blind = [rank for rank, sees in enumerate(seen) if not sees]
+            if not blind or look == LOCK_LOOKS:
+                return blind, sees_lock
+            if look == 0 and not sees_lock:
+                print(f"warning: rank {t.rank} does not see rank 0's lock file in {save_dir} (yet?); looking again "
+                      f"for up to {LOCK_LOOKS} s, as a shared file system may show a new file late", file=sys.stderr)
+            time.sleep(1.0)
+            if not sees_lock:
+                sees_lock = savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None
 
     def release_save_dir(self):
         from ..savelock import disown
@@ -197,6 +224,8 @@ class Lifecycle:
             from .. import elastic
             if reason != "preempted":
                 elastic.clear_handoff(cfg.checkpoint.save_dir)
+                # the data each sharded name replaced was kept for readers during the run
+                drop_kept_copies(cfg.checkpoint.save_dir)
             elif t.agent is not None:  # torchrun stops workers with SIGTERM when a node joins
                 elastic.write_handoff(cfg.checkpoint.save_dir, t.agent, state.num_updates, t.global_batch.total(),
                                       "membership change or preemption")
