@@ -116,7 +116,8 @@ def test_uncompared_speeds_search_on_whole_update_time_alone(seed):
 def test_fsdp_sharding_none_balances_on_whole_update_time_and_says_why(mnist, tmp_path):
     """--fsdp-sharding none: FSDP2's gradient all-reduce over the replicated
     dimension has no hook, so the ranks' compute times hold their waits: the
-    first exchange takes no proportional start and its line says why."""
+    first exchange takes no proportional start and its line says why, and the
+    last line names no slowest rank."""
     out = tmp_path / "none"
     proc = run([PY, *map(str, mnist_args(mnist, out, "--distributed-world-size", "2", "--fsdp",
                                          "--fsdp-sharding", "none", "--balance", "--balance-interval", "2",
@@ -125,3 +126,5 @@ def test_fsdp_sharding_none_balances_on_whole_update_time_and_says_why(mnist, tm
     assert records and records[0]["reason"].startswith(Balancer.UNCOMPARED), records
     assert Balancer.UNCOMPARED in proc.stderr
     assert not any(r["reason"].startswith("proportional") for r in records), records
+    # nor does the run's last line compare them to name a slowest rank
+    assert proc.stderr.strip().splitlines()[-1].startswith("slowest rank not named: under --fsdp"), proc.stderr[-800:]

@@ -241,7 +241,7 @@ class Lifecycle:
             totals = timer.totals()
             keys = ("compute", "data", "wait", "updates")
             rows = collectives.one_per_rank([float(totals[k]) for k in keys], t.world, t.host_group)
-            t.log.info(slowest_rank_line([dict(zip(keys, row)) for row in rows]))
+            t.log.info(slowest_rank_line([dict(zip(keys, row)) for row in rows], timer.compute_is))
         if timer is not None:
             timer.close()
         t.log.close()
