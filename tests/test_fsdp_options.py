@@ -25,7 +25,8 @@ def torchrun(script, tmp_path, timeout=300):
     out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(path)], cwd=REPO,
                          env=clean_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    # each rank's verdict in a file of its own: two ranks printing to one pipe interleave their lines
+    return "".join(p.read_text() for p in sorted(tmp_path.glob("script.py.rank*")))
 
 
 # ------------------------------------------------------------------ --compile (a model compiled whole)
@@ -74,8 +75,9 @@ class Wrapper(torch.nn.Module):
     def __init__(self, module):
         super().__init__(); self.module = module
 plain = torch.nn.Linear(4, 4)
-print("found", sharding.sharded_root(torch.compile(m)) is m, sharding.sharded_root(Wrapper(torch.compile(m))) is m,
-      sharding.is_sharded(plain), sharding.is_sharded(torch.compile(plain)), flush=True)
+found = (sharding.sharded_root(torch.compile(m)) is m, sharding.sharded_root(Wrapper(torch.compile(m))) is m,
+         sharding.is_sharded(plain), sharding.is_sharded(torch.compile(plain)))
+open(f"{__file__}.rank{dist.get_rank()}", "w").write("found %s %s %s %s\\n" % found)
 ''', tmp_path)
     assert [line for line in out.splitlines() if line.startswith("found")] == ["found True True False False"] * 2, out
 
@@ -131,7 +133,8 @@ class Task:
 first = evaluate(Task(), model, Data(), 8, acc, to_device=lambda b: b)
 model(inputs).square().sum().backward()  # training after the evaluation
 second = evaluate(Task(), model, Data(), 8, acc, to_device=lambda b: b)
-print("rank", dist.get_rank(), "trained after evaluating", first == second, flush=True)
+rank = dist.get_rank()
+open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} trained after evaluating {first == second}\\n")
 '''
 
 
@@ -170,7 +173,7 @@ sharding.shard_model(model, cfg, Placement(world_size=2, local_world_size=2), "c
 sharding.reduce_unused_parameters(model, cfg)
 model(x, "a" if rank == 0 else "b").square().sum().backward()  # rank 0 uses a only, rank 1 b only
 error = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-print("rank", rank, "error", error < 1e-6, flush=True)
+open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} error {error < 1e-6}\\n")
 '''
 
 
