@@ -270,7 +270,7 @@ def test_the_trainer_keeps_freed_heap_before_loading_data(data30, tmp_path, monk
     from textbox_like import malloc
     from textbox_like.tasks import mnist as mnist_task
     order = []
-    monkeypatch.setattr(malloc, "keep_freed_heap", lambda: order.append("malloc") or True)
+    monkeypatch.setattr(malloc, "keep_freed_heap", lambda *threshold: order.append("malloc") or True)
     real_build = mnist_task.MNISTTask.build_dataset
     monkeypatch.setattr(mnist_task.MNISTTask, "build_dataset",
                         lambda self, split: order.append("data") or real_build(self, split))
