@@ -210,6 +210,7 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
     from accelerate.utils import TorchDynamoPlugin
 
     from textbox_like import optim
+    from textbox_like.distributed import Placement
     from textbox_like.trainer import Trainer
     asked = []
     monkeypatch.setattr(optim, "build_optimizer", lambda cfg, groups, fused_default=False: asked.append(
@@ -222,6 +223,7 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
         fake.task = SimpleNamespace(build_model=lambda: torch.nn.Linear(2, 2),
                                     param_groups=lambda m, wd: [{"params": list(m.parameters())}])
         fake.rank = 0
+        fake.placement = Placement()  # one process: nothing to shard
         monkeypatch.setattr("textbox_like.lr_scheduler.build_scheduler", lambda cfg, opt: None)
         Trainer.build_model(fake)
         assert asked[-1] is expected, (device, scaler)

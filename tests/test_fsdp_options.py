@@ -25,8 +25,9 @@ def torchrun(script, tmp_path, timeout=300):
     out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(path)], cwd=REPO,
                          env=clean_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    # each rank's verdict in a file of its own: two ranks printing to one pipe interleave their lines
-    return "".join(p.read_text() for p in sorted(tmp_path.glob("script.py.rank*")))
+    # what rank 0 printed, then each rank's verdict from a file of its own (where each rank has one to
+    # give: two ranks printing to one pipe interleave their lines)
+    return out.stdout + "".join(p.read_text() for p in sorted(tmp_path.glob("script.py.rank*")))
 
 
 # ------------------------------------------------------------------ --compile (a model compiled whole)
