@@ -243,6 +243,44 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
     assert_params_close(params(save), one_process)
 
 
+@pytest.mark.timeout(300)
+def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data, tmp_path):
+    """Rank 1 is killed (SIGKILL) once the run's last update is done and
+    saved, while rank 0 is in the run's end (results.json written, its
+    collectives ahead: TEXTBOX_LIKE_TEST_DELAY=finish holds it there):
+    rank 0 exits 0 with one warning line, as a completed run; no emergency
+    checkpoint, no hand-off note (torchrun would restart a finished run)."""
+    from textbox_like.checkpoint import load_checkpoint
+    from textbox_like.faults import DELAY_ENV
+    save, rdzv = tmp_path / "save", tmp_path / "rdzv"
+    train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30,
+                 "--max-update", 3)
+    ranks = [subprocess.Popen([PY, "run_hetseq.py", *train, "--distributed-init-method", f"file://{rdzv}",
+                               "--distributed-world-size", "2", "--distributed-rank", str(r), "--distributed-no-spawn"],
+                              cwd=REPO, env={**env(), **({DELAY_ENV: "finish=30"} if r == 0 else {})},
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{r}.log", "w"), text=True)
+             for r in (0, 1)]
+    log0 = tmp_path / "r0.log"
+    deadline = time.monotonic() + 240
+    while not (save / "results.json").exists():
+        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+        time.sleep(0.05)
+    ranks[1].kill()
+    assert ranks[1].wait(timeout=60) == -signal.SIGKILL
+    assert ranks[0].wait(timeout=180) == 0, log0.read_text()[-3000:]
+    text = log0.read_text()
+    warnings = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert "Traceback" not in text and not [line for line in text.splitlines() if line.startswith("error:")], \
+        text[-3000:]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: rank 0: a peer was lost during the run's end (update 3 finished and saved"), warnings
+    assert warnings[0].endswith("; nothing is lost"), warnings
+    results = json.loads((save / "results.json").read_text())
+    assert results["num_updates"] == 3 and results["stopped"] == "completed"
+    assert load_checkpoint(save / "checkpoint_last.pt")["train"]["num_updates"] == 3
+    assert not list(save.glob("checkpoint_*_*.pt")) and not (save / "elastic.json").exists(), list(save.iterdir())
+
+
 def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
     """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75
     with one line each; one writes the emergency checkpoint, the hand-off
