@@ -226,15 +226,14 @@ class Lifecycle:
                    "world_size": t.world, "samples_trained": state.samples_trained}
         if t.is_main and not cfg.checkpoint.no_save:
             self.write_results(results)
+            time.sleep(t.hooks.finish_delay)  # test-only: a slow end (a peer dies, the directory turns read-only)
             from .. import elastic
             if reason != "preempted":
                 elastic.clear_handoff(cfg.checkpoint.save_dir)
-                # the data each sharded name replaced was kept for readers during the run
-                drop_kept_copies(cfg.checkpoint.save_dir)
+                self.remove_kept_copies()
             elif t.agent is not None:  # torchrun stops workers with SIGTERM when a node joins
                 elastic.write_handoff(cfg.checkpoint.save_dir, t.agent, state.num_updates, t.global_batch.total(),
                                       "membership change or preemption")
-        time.sleep(t.hooks.finish_delay)  # test-only: a slow end, for a peer to die in
         if not cfg.checkpoint.no_save and reason != "preempted":
             # sharded (--fsdp): every rank takes part in gathering the whole weights onto the main one
             whole = full_state_dicts(t.model)[0] if sharding.is_sharded(t.model) else None
@@ -300,6 +299,19 @@ class Lifecycle:
         if t.is_main and not cfg.checkpoint.no_save:
             self.plot_curves()
         return self.exit_code()
+
+    def remove_kept_copies(self):
+        """The data each sharded name replaced, kept for readers during the run,
+        removed (the main process, before the other ranks' last collectives):
+        a failure to remove it is one warning, never a stop that leaves them
+        waiting for this rank (then a lost peer)."""
+        save_dir = self.trainer.cfg.checkpoint.save_dir
+        try:
+            drop_kept_copies(save_dir)
+        except OSError as exc:
+            print(f"warning: the data of replaced checkpoints, kept for readers during the run, could not be removed "
+                  f"from {save_dir} ({os_reason(exc)}); the checkpoints are whole: the next run in it that finishes "
+                  f"removes it", file=sys.stderr)
 
     def write_results(self, results):
         path = Path(self.trainer.cfg.checkpoint.save_dir) / "results.json"
