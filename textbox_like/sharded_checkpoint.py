@@ -407,14 +407,19 @@ def publish_directory(partial: Path, target: Path) -> None:
     the name's other data directories are removed unless a link of the
     user's points to them. A kill at any moment leaves every directory
     worth keeping linked: what no link points to is garbage, removed at the
-    next start (:func:`remove_leftovers`)."""
+    next start (:func:`remove_leftovers`). Ownership is proved again before
+    the links change and before the removal: a newer run that took the
+    directory meanwhile may have renamed its own data directory of the name
+    into place, not linked yet, which the removal would take for garbage."""
     check_owner(target)  # writing took a while: a newer run may own the directory by now
     data = partial.with_name(partial.name[:-len(PARTIAL)])
     os.replace(partial, data)
-    time.sleep(test_delay("renamed"))  # test hook: a save killed between its renames
+    time.sleep(test_delay("renamed"))  # test hook: a save killed (or its run taken over) between its renames
+    check_owner(target)
     old = os.readlink(target) if target.is_symlink() else None
     replace_link(kept_link(target), old, target.name)
     replace_link(target, data.name, target.name)
+    check_owner(target)
     remove_unlinked(target.parent, target.name)
 
 
