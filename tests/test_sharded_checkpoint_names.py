@@ -294,8 +294,9 @@ def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_a
 
 def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(four_updates, tmp_path):
     """What crosses to the other ranks is a name beside the path each rank
-    gives: a published name's data directory, a copy itself, and a link of
-    the user's to a directory elsewhere read as each rank reaches it."""
+    gives: a published name's data directory, a copy itself, and the
+    directory a link of the user's to elsewhere points to when rank 0 looks,
+    reached through each rank's own path."""
     save = copy_run(four_updates, tmp_path / "save")
     alias = tmp_path / "alias"
     alias.symlink_to(save)  # another path to the same directory
@@ -305,7 +306,15 @@ def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(fo
     subprocess.run(["cp", "-rL", str(save / "checkpoint_last.dcp"), str(copy)], check=True)
     assert pinned_on_every_rank(copy) == copy
     (save / "elsewhere.dcp").symlink_to(copy)
-    assert pinned_on_every_rank(alias / "elsewhere.dcp") == alias / "elsewhere.dcp"
+    read = pinned_on_every_rank(alias / "elsewhere.dcp")
+    assert read.resolve() == copy.resolve() and str(read).startswith(f"{alias}{os.sep}")
+    # the link repointed after rank 0 pinned it (another run saving its published name anew):
+    # the path every rank reads is still the pinned checkpoint
+    later = tmp_path / "later.dcp"
+    later.mkdir()
+    (save / "elsewhere.dcp").unlink()
+    (save / "elsewhere.dcp").symlink_to(later)
+    assert read.resolve() == copy.resolve()
 
 
 # ------------------------------------------------------------------ kept data directories

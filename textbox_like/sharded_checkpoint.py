@@ -168,19 +168,17 @@ def pinned(path) -> Path:
 def pinned_on_every_rank(path, group=None) -> Path:
     """The data directory rank 0 of ``group`` finds the published name ``path``
     pointing to now (:func:`pinned`), on every rank, as each rank reaches it:
-    only its name crosses, rebuilt beside ``path``, since each node may reach
-    the save directory through a path of its own (another mount point, a
-    symlinked /home) where rank 0's resolved path does not exist. A ``path``
-    that points elsewhere (a link of the user's to another directory) is read
-    as each rank reaches it."""
+    only its path relative to ``path``'s directory crosses, rebuilt beside
+    ``path``, since each node may reach the save directory through a path of
+    its own (another mount point, a symlinked /home) where rank 0's resolved
+    path does not exist. Also where ``path`` is a link to a directory
+    elsewhere (a link of the user's to a published name of another run): a
+    rank resolving it itself, at its own moment, could find that name saved
+    anew meanwhile, and read another checkpoint than the others."""
     path = Path(path)
     world, rank = world_and_rank(group)
-    name = None
-    if rank == 0:
-        data = pinned(path)
-        name = data.name if data.parent == pinned(path.parent) else None
-    name = from_rank0(name, world, group)
-    return path.parent / name if name is not None else path
+    relative = os.path.relpath(pinned(path), pinned(path.parent)) if rank == 0 else None
+    return path.parent / from_rank0(relative, world, group)
 
 
 def data_directories(save_dir, name) -> list:
