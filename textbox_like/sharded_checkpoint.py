@@ -724,6 +724,20 @@ class ShardedCheckpointManager(CheckpointManager):
     def is_checkpoint(self, path) -> bool:
         return Path(path).is_file() or is_sharded_checkpoint(path)
 
+    def resume_path(self):
+        """Under --resume, the checkpoint rank 0 finds newest, on every rank:
+        each rank listing the save directory itself could choose another (a
+        shared file system's client answering from its cache; a save
+        directory per node), a ``.pt`` on one rank and a ``.dcp`` on another,
+        whose reads' collectives do not match. Its name crosses, found in
+        each rank's own save directory (a node may reach it by its own path)."""
+        if self.cfg.restore_file or not self.cfg.resume:
+            return super().resume_path()
+        world, rank = world_and_rank(self.group)
+        path = super().resume_path() if rank == 0 else None
+        name = from_rank0(path.name if path is not None else None, world, self.group)
+        return self.dir / name if name is not None else None
+
     def read(self, path) -> dict:
         """A checkpoint's state, verified: a file checkpoint whole; a sharded
         one's extra state (its model and optimizer are loaded by :meth:`restore`
