@@ -291,8 +291,9 @@ class Lifecycle:
         else:
             done = f"update {state.num_updates} finished" + (f"; saved last at update {saved}" if saved is not None
                                                               else "; not saved by this run")
+        from ..tasks.base import Task
         unexported = (t.is_main and not cfg.checkpoint.no_save and self.finishing != "preempted"
-                      and not self.exported)
+                      and not self.exported and type(t.task).export_at_end is not Task.export_at_end)
         print(f"warning: rank {t.rank}: a peer was lost during the run's end ({done}: {first_line(exc, 160)}); "
               + ("the model was not exported: write it with textbox-like export; " if unexported else "")
               + "nothing is lost", file=sys.stderr)
