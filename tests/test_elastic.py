@@ -243,6 +243,76 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
     assert_params_close(params(save), one_process)
 
 
+@pytest.mark.timeout(300)
+def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data, tmp_path):
+    """Rank 1 is killed (SIGKILL) once the run's last update is done and
+    saved, while rank 0 is in the run's end (results.json written, its
+    collectives ahead: TEXTBOX_LIKE_TEST_DELAY=finish holds it there):
+    rank 0 exits 0 with one warning line, as a completed run; no emergency
+    checkpoint, no hand-off note (torchrun would restart a finished run)."""
+    from textbox_like.checkpoint import load_checkpoint
+    from textbox_like.faults import DELAY_ENV
+    save, rdzv = tmp_path / "save", tmp_path / "rdzv"
+    train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30,
+                 "--max-update", 3)
+    ranks = [subprocess.Popen([PY, "run_hetseq.py", *train, "--distributed-init-method", f"file://{rdzv}",
+                               "--distributed-world-size", "2", "--distributed-rank", str(r), "--distributed-no-spawn"],
+                              cwd=REPO, env={**env(), **({DELAY_ENV: "finish=30"} if r == 0 else {})},
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{r}.log", "w"), text=True)
+             for r in (0, 1)]
+    log0 = tmp_path / "r0.log"
+    deadline = time.monotonic() + 240
+    while not (save / "results.json").exists():
+        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+        time.sleep(0.05)
+    ranks[1].kill()
+    assert ranks[1].wait(timeout=60) == -signal.SIGKILL
+    assert ranks[0].wait(timeout=180) == 0, log0.read_text()[-3000:]
+    text = log0.read_text()
+    warnings = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert "Traceback" not in text and not [line for line in text.splitlines() if line.startswith("error:")], \
+        text[-3000:]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: rank 0: a peer was lost during the run's end (update 3 finished and saved"), warnings
+    assert warnings[0].endswith("; nothing is lost"), warnings
+    results = json.loads((save / "results.json").read_text())
+    assert results["num_updates"] == 3 and results["stopped"] == "completed"
+    assert load_checkpoint(save / "checkpoint_last.pt")["train"]["num_updates"] == 3
+    assert not list(save.glob("checkpoint_*_*.pt")) and not (save / "elastic.json").exists(), list(save.iterdir())
+
+
+@pytest.mark.timeout(400)
+def test_ranks_whose_save_directories_list_different_checkpoints_resume_from_rank_0s_choice(data, tmp_path):
+    """--resume picks its checkpoint from a listing of the save directory;
+    rank 1's (a save directory per node here; a shared one whose client
+    answers from its cache alike) shows a newer checkpoint_1_6.pt that rank
+    0's does not: both resume from rank 0's choice, checkpoint_last.pt at
+    update 4, each from its own directory, and the run ends normally."""
+    import shutil
+    first = tmp_path / "first"
+    train = ["--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 60]
+    done = subprocess.run([PY, "run_hetseq.py", *args(data, first, *train, "--max-update", 6,
+                                                      "--save-interval-updates", 2)],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    own = [tmp_path / "rank0", tmp_path / "rank1"]
+    for directory in own:
+        directory.mkdir()
+        shutil.copy2(first / "checkpoint_1_4.pt", directory / "checkpoint_last.pt")
+    shutil.copy2(first / "checkpoint_1_6.pt", own[1] / "checkpoint_1_6.pt")
+    os.utime(own[1] / "checkpoint_1_6.pt", ns=(time.time_ns() + 10**9,) * 2)  # newer than checkpoint_last.pt
+    rdzv = tmp_path / "rdzv"
+    ranks = [subprocess.Popen([PY, "run_hetseq.py", *args(data, own[r], *train, "--max-update", 8, "--resume"),
+                               "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+                               "--distributed-rank", str(r), "--distributed-no-spawn"],
+                              cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [out[-2000:] for out in outs]
+    assert f"resumed from {own[0] / 'checkpoint_last.pt'}: epoch 1, update 4\n" in outs[0], outs[0][-3000:]
+    assert "done | updates 8" in outs[0]
+
+
 def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
     """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75
     with one line each; one writes the emergency checkpoint, the hand-off

@@ -798,6 +798,36 @@ def test_save_dir_made_read_only_mid_run_exits_74_with_one_line(data, tmp_path):
     assert load_checkpoint(out / "checkpoint_1_3.pt")["train"]["num_updates"] == 3  # kept, whole
 
 
+@pytest.mark.timeout(300)
+def test_kept_copies_that_cannot_be_removed_at_the_end_are_one_warning(data, tmp_path):
+    """The save directory turns read-only (chmod, in a child that mode bits
+    bind) once results.json is written (TEXTBOX_LIKE_TEST_DELAY=finish holds
+    the run there): the data a sharded name replaced, kept for readers,
+    cannot be removed at the end. One warning line, the run completes (0),
+    the kept copy stays; a rank never stops there while the others wait."""
+    out = tmp_path / "out"
+    out.mkdir()
+    kept = out / ".checkpoint_last.dcp.0123abcd"  # what a replaced checkpoint_last.dcp leaves, linked as .prev
+    kept.mkdir()
+    (kept / ".metadata").write_bytes(b"shards")
+    (out / ".checkpoint_last.dcp.prev").symlink_to(kept.name)
+    run = Run(mnist_args(data, out, max_update=3), preexec_fn=without_root_overrides(), delay="finish=30")
+    try:
+        run.wait_for(lambda: (out / "results.json").exists(), what="results.json")
+        out.chmod(0o555)  # an operator, or a quota script, takes the directory away
+        rc = run.finish(200)
+    finally:
+        run.kill()
+        out.chmod(0o755)
+    assert rc == 0 and not error_lines(run.stderr), run.stderr[-3000:]
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "could not be removed" in warnings[0] and "Permission denied" in warnings[0], \
+        run.stderr[-3000:]
+    assert (out / ".checkpoint_last.dcp.prev").is_symlink() and (kept / ".metadata").exists()
+    assert json.loads((out / "results.json").read_text())["stopped"] == "completed"
+    assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 3
+
+
 # ------------------------------------------------ a file:// rendezvous, a rank killed
 @pytest.mark.timeout(300)
 def test_rank_killed_over_a_file_rendezvous_saves_and_removes_the_file(data, tmp_path):

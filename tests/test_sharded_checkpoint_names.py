@@ -294,8 +294,9 @@ def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_a
 
 def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(four_updates, tmp_path):
     """What crosses to the other ranks is a name beside the path each rank
-    gives: a published name's data directory, a copy itself, and a link of
-    the user's to a directory elsewhere read as each rank reaches it."""
+    gives: a published name's data directory, a copy itself, and the
+    directory a link of the user's to elsewhere points to when rank 0 looks,
+    reached through each rank's own path."""
     save = copy_run(four_updates, tmp_path / "save")
     alias = tmp_path / "alias"
     alias.symlink_to(save)  # another path to the same directory
@@ -305,7 +306,15 @@ def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(fo
     subprocess.run(["cp", "-rL", str(save / "checkpoint_last.dcp"), str(copy)], check=True)
     assert pinned_on_every_rank(copy) == copy
     (save / "elsewhere.dcp").symlink_to(copy)
-    assert pinned_on_every_rank(alias / "elsewhere.dcp") == alias / "elsewhere.dcp"
+    read = pinned_on_every_rank(alias / "elsewhere.dcp")
+    assert read.resolve() == copy.resolve() and str(read).startswith(f"{alias}{os.sep}")
+    # the link repointed after rank 0 pinned it (another run saving its published name anew):
+    # the path every rank reads is still the pinned checkpoint
+    later = tmp_path / "later.dcp"
+    later.mkdir()
+    (save / "elsewhere.dcp").unlink()
+    (save / "elsewhere.dcp").symlink_to(later)
+    assert read.resolve() == copy.resolve()
 
 
 # ------------------------------------------------------------------ kept data directories
@@ -343,6 +352,39 @@ def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist,
     assert not list(save.glob(".checkpoint*.partial")) and not list(save.glob(".checkpoint*.link"))
     assert data_directories_of(save)["checkpoint_1_4.dcp"] == sorted(before)
     assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
+
+
+def test_a_run_taken_over_between_a_saves_renames_removes_nothing_of_the_new_owner(mnist, four_updates, tmp_path):
+    """A run held between its save's renames (TEXTBOX_LIKE_TEST_DELAY=renamed)
+    while a newer run takes the directory over (run.lock now holds another
+    token) and renames its own data directory of checkpoint_1_4.dcp into
+    place, not linked yet: the old run wakes and exits 77 without removing
+    that directory, and without repointing the name."""
+    save = copy_run(four_updates, tmp_path / "save")
+    before = set(data_directories_of(save)["checkpoint_1_4.dcp"])
+    linked = os.readlink(save / "checkpoint_1_4.dcp")
+    old_run = subprocess.Popen(mnist_args(mnist, save, "--max-update", 4, "--restore-file", "checkpoint_1_2.dcp"),
+                               env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=30"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before:
+            assert old_run.poll() is None, old_run.communicate()[1][-3000:]
+            time.sleep(0.1)
+        lock = json.loads((save / "run.lock").read_text())
+        (save / ".run.lock.newer").write_text(json.dumps({**lock, "token": "f" * len(lock["token"]), "pid": 1}))
+        os.replace(save / ".run.lock.newer", save / "run.lock")  # the newer run's lock
+        newer = save / ".checkpoint_1_4.dcp.feedf00d"
+        newer.mkdir()
+        (newer / ".metadata").write_bytes(b"the newer run's shards")
+        _, stderr = old_run.communicate(timeout=200)
+    finally:
+        if old_run.poll() is None:
+            old_run.kill()
+            old_run.communicate(timeout=60)
+    assert old_run.returncode == 77, stderr[-3000:]
+    assert "no longer owns the run" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert (newer / ".metadata").read_bytes() == b"the newer run's shards"
+    assert os.readlink(save / "checkpoint_1_4.dcp") == linked
 
 
 def test_users_mv_and_ln_of_a_sharded_checkpoint_survive_the_next_start_and_saves(mnist, four_updates, tmp_path):

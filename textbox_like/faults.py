@@ -116,7 +116,9 @@ DELAY_ENV = "TEXTBOX_LIKE_TEST_DELAY"
 
 def test_delay(where: str) -> float:
     """Seconds to wait at ``where`` ('start': while loading the data, after
-    the save directory's lock; 'save': before each save) under
+    the save directory's lock; 'save': before each save; 'finish': the main
+    process at the run's end, after writing results.json, before removing
+    the kept copies and before the end's collectives) under
     ``TEXTBOX_LIKE_TEST_DELAY=start=30,save=4``, else 0. Test-only: a slow
     file system, so that a test's signal surely arrives at that moment."""
     import os

@@ -168,19 +168,17 @@ def pinned(path) -> Path:
 def pinned_on_every_rank(path, group=None) -> Path:
     """The data directory rank 0 of ``group`` finds the published name ``path``
     pointing to now (:func:`pinned`), on every rank, as each rank reaches it:
-    only its name crosses, rebuilt beside ``path``, since each node may reach
-    the save directory through a path of its own (another mount point, a
-    symlinked /home) where rank 0's resolved path does not exist. A ``path``
-    that points elsewhere (a link of the user's to another directory) is read
-    as each rank reaches it."""
+    only its path relative to ``path``'s directory crosses, rebuilt beside
+    ``path``, since each node may reach the save directory through a path of
+    its own (another mount point, a symlinked /home) where rank 0's resolved
+    path does not exist. Also where ``path`` is a link to a directory
+    elsewhere (a link of the user's to a published name of another run): a
+    rank resolving it itself, at its own moment, could find that name saved
+    anew meanwhile, and read another checkpoint than the others."""
     path = Path(path)
     world, rank = world_and_rank(group)
-    name = None
-    if rank == 0:
-        data = pinned(path)
-        name = data.name if data.parent == pinned(path.parent) else None
-    name = from_rank0(name, world, group)
-    return path.parent / name if name is not None else path
+    relative = os.path.relpath(pinned(path), pinned(path.parent)) if rank == 0 else None
+    return path.parent / from_rank0(relative, world, group)
 
 
 def data_directories(save_dir, name) -> list:
@@ -407,14 +405,19 @@ def publish_directory(partial: Path, target: Path) -> None:
     the name's other data directories are removed unless a link of the
     user's points to them. A kill at any moment leaves every directory
     worth keeping linked: what no link points to is garbage, removed at the
-    next start (:func:`remove_leftovers`)."""
+    next start (:func:`remove_leftovers`). Ownership is proved again before
+    the links change and before the removal: a newer run that took the
+    directory meanwhile may have renamed its own data directory of the name
+    into place, not linked yet, which the removal would take for garbage."""
     check_owner(target)  # writing took a while: a newer run may own the directory by now
     data = partial.with_name(partial.name[:-len(PARTIAL)])
     os.replace(partial, data)
-    time.sleep(test_delay("renamed"))  # test hook: a save killed between its renames
+    time.sleep(test_delay("renamed"))  # test hook: a save killed (or its run taken over) between its renames
+    check_owner(target)
     old = os.readlink(target) if target.is_symlink() else None
     replace_link(kept_link(target), old, target.name)
     replace_link(target, data.name, target.name)
+    check_owner(target)
     remove_unlinked(target.parent, target.name)
 
 
@@ -720,6 +723,20 @@ class ShardedCheckpointManager(CheckpointManager):
 
     def is_checkpoint(self, path) -> bool:
         return Path(path).is_file() or is_sharded_checkpoint(path)
+
+    def resume_path(self):
+        """Under --resume, the checkpoint rank 0 finds newest, on every rank:
+        each rank listing the save directory itself could choose another (a
+        shared file system's client answering from its cache; a save
+        directory per node), a ``.pt`` on one rank and a ``.dcp`` on another,
+        whose reads' collectives do not match. Its name crosses, found in
+        each rank's own save directory (a node may reach it by its own path)."""
+        if self.cfg.restore_file or not self.cfg.resume:
+            return super().resume_path()
+        world, rank = world_and_rank(self.group)
+        path = super().resume_path() if rank == 0 else None
+        name = from_rank0(path.name if path is not None else None, world, self.group)
+        return self.dir / name if name is not None else None
 
     def read(self, path) -> dict:
         """A checkpoint's state, verified: a file checkpoint whole; a sharded

@@ -44,6 +44,7 @@ class Checkpointer:
                                   "precision": {"mixed": acc.mixed_precision, "source": t.sources["precision"]}},
             parts=parts, is_main=t.is_main, saves_sharded=sharding.enabled(cfg), group=distributed.long_group())
         self.snapshot = False  # the last update taken crossed a multiple of --snapshot-interval samples
+        self.saved_update = None  # the update this run saved last, once every rank knows the save succeeded
 
     def count_samples(self, samples_in_update: int):
         """An update taken: its samples, and kanachan's --snapshot-interval:
@@ -94,4 +95,5 @@ class Checkpointer:
             failure = SaveFailed("rank 0 could not write a checkpoint (see its message); stopping")
         if failure is not None:
             raise failure
+        self.saved_update = state.num_updates
         state.clock.paused += time.perf_counter() - started

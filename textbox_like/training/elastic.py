@@ -116,7 +116,10 @@ def peer_lost(trainer, exc) -> int:
     the restart (one survivor writes both), one line, and 75 (torchrun
     restarts on it)."""
     state = trainer.state
-    where = f"rank {trainer.rank}: lost a peer of this run at update {state.num_updates + 1} ({first_line(exc, 160)})"
+    # within an update, the one in flight; between two (validating, saving), after the last one taken
+    at = f"at update {state.num_updates + 1}" if trainer.in_flight.offset is not None \
+        else f"after update {state.num_updates}"
+    where = f"rank {trainer.rank}: lost a peer of this run {at} ({first_line(exc, 160)})"
     if not trainer.checkpointer.checkpoints.enabled:
         print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
         return PREEMPTED_EXIT_CODE

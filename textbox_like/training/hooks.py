@@ -11,7 +11,7 @@ from ..faults import limit_address_space, memory_limit_hook, test_delay
 
 class TestHooks:
     """``TEXTBOX_LIKE_SLOW_RANK`` (a slower device), ``TEXTBOX_LIKE_TEST_DELAY``
-    (a slow file system at start and at each save) and
+    (a slow file system at start, at each save and at the run's end) and
     ``TEXTBOX_LIKE_TEST_MEMORY_LIMIT`` (allocations that really fail)."""
     __test__ = False  # not a pytest class, whatever its name
 
@@ -19,6 +19,7 @@ class TestHooks:
         self.slow = slow_rank(rank)           # (seconds per sample, from update) or None
         self.start_delay = test_delay("start")
         self.save_delay = test_delay("save")
+        self.finish_delay = test_delay("finish")
         self.memory_limit = memory_limit_hook()  # (megabytes, from update) or None
 
     def slow_down(self, update: int, samples: int):

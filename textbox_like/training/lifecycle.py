@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from .. import collectives, distributed, sharding
@@ -29,6 +30,10 @@ class Lifecycle:
         self.trainer = trainer
         self.save_lock = None           # savelock.SaveDirLock, on the main process while it holds it
         self.updates_at_start = None    # num_updates when this start's first update began (out_of_memory)
+        # from finish()'s start, why the run ends: its last update is done (and
+        # saved), and a peer lost from here loses nothing (lost_peer_at_end)
+        self.finishing = None
+        self.exported = False           # the main process got to the task's export (export_model)
 
     def claim_save_dir(self):
         """One run per save directory: the main process takes its lock
@@ -213,7 +218,7 @@ class Lifecycle:
         t = self.trainer
         t.step.settle()
         cfg, state, acc = t.cfg, t.state, t.accelerator
-        reason = t.stop_reason() or "completed"
+        reason = self.finishing = t.stop_reason() or "completed"
         results = {"task": cfg.data.task, "num_updates": state.num_updates, "epochs_completed": state.epoch - 1,
                    "wall_time": state.clock.elapsed(),
                    "best_metric": state.best_metric, "best": state.best_valid, "final": state.last_valid,
@@ -221,11 +226,11 @@ class Lifecycle:
                    "world_size": t.world, "samples_trained": state.samples_trained}
         if t.is_main and not cfg.checkpoint.no_save:
             self.write_results(results)
+            time.sleep(t.hooks.finish_delay)  # test-only: a slow end (a peer dies, the directory turns read-only)
             from .. import elastic
             if reason != "preempted":
                 elastic.clear_handoff(cfg.checkpoint.save_dir)
-                # the data each sharded name replaced was kept for readers during the run
-                drop_kept_copies(cfg.checkpoint.save_dir)
+                self.remove_kept_copies()
             elif t.agent is not None:  # torchrun stops workers with SIGTERM when a node joins
                 elastic.write_handoff(cfg.checkpoint.save_dir, t.agent, state.num_updates, t.global_batch.total(),
                                       "membership change or preemption")
@@ -252,11 +257,62 @@ class Lifecycle:
             self.plot_curves()
         self.release_save_dir()
         distributed.cleanup()
-        if reason == "preempted":
-            print(t.preemption.message(t.checkpointer.checkpoints.enabled and not cfg.checkpoint.no_last_checkpoints),
+        return self.exit_code()
+
+    def exit_code(self) -> int:
+        """The exit code of the run that finish() ends, with the line of a preempted one."""
+        t = self.trainer
+        if self.finishing == "preempted":
+            print(t.preemption.message(t.checkpointer.checkpoints.enabled and not t.cfg.checkpoint.no_last_checkpoints),
                   file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         return 0
+
+    def lost_peer_at_end(self, exc) -> int:
+        """A peer lost during finish(): after the run's last update was done
+        and saved (a collective of the save), so not a failure mid-training:
+        no emergency save, no hand-off note, not 75 (torchrun would restart a
+        finished run), but one warning line and the run's own exit code. Left
+        to do are this process's own steps of the end, without the
+        collectives (the trackers: end_training finishes them before its
+        teardown, so a peer lost in finish() was lost before they were)."""
+        t = self.trainer
+        cfg, state = t.cfg, t.state
+        if t.timing.timer is not None:
+            t.timing.timer.close()
+        t.log.close()
+        for tracker in t.accelerator.trackers:
+            tracker.finish()
+        saved = t.checkpointer.saved_update
+        if cfg.checkpoint.no_save:
+            done = f"update {state.num_updates} finished; --no-save"
+        elif saved == state.num_updates:
+            done = f"update {state.num_updates} finished and saved"
+        else:
+            done = f"update {state.num_updates} finished" + (f"; saved last at update {saved}" if saved is not None
+                                                              else "; not saved by this run")
+        from ..tasks.base import Task
+        unexported = (t.is_main and not cfg.checkpoint.no_save and self.finishing != "preempted"
+                      and not self.exported and type(t.task).export_at_end is not Task.export_at_end)
+        print(f"warning: rank {t.rank}: a peer was lost during the run's end ({done}: {first_line(exc, 160)}); "
+              + ("the model was not exported: write it with textbox-like export; " if unexported else "")
+              + "nothing is lost", file=sys.stderr)
+        if t.is_main and not cfg.checkpoint.no_save:
+            self.plot_curves()
+        return self.exit_code()
+
+    def remove_kept_copies(self):
+        """The data each sharded name replaced, kept for readers during the run,
+        removed (the main process, before the other ranks' last collectives):
+        a failure to remove it is one warning, never a stop that leaves them
+        waiting for this rank (then a lost peer)."""
+        save_dir = self.trainer.cfg.checkpoint.save_dir
+        try:
+            drop_kept_copies(save_dir)
+        except OSError as exc:
+            print(f"warning: the data of replaced checkpoints, kept for readers during the run, could not be removed "
+                  f"from {save_dir} ({os_reason(exc)}); the checkpoints are whole: the next run in it that finishes "
+                  f"removes it", file=sys.stderr)
 
     def write_results(self, results):
         path = Path(self.trainer.cfg.checkpoint.save_dir) / "results.json"
@@ -271,6 +327,7 @@ class Lifecycle:
         ``textbox-like export`` writes it from them. ``whole``: a sharded
         model's gathered weights, exported from an unsharded copy."""
         t = self.trainer
+        self.exported = True  # tried: a failure to write is its own warning
         if whole is None:
             model = t.accelerator.unwrap_model(t.model, keep_torch_compile=False)
         else:

@@ -41,12 +41,15 @@ def train(cfg) -> int:
 
 def run(trainer) -> int:
     """Train; a fault ends as one line and its exit code, a lost peer as an
-    emergency checkpoint and 75 (elastic.py)."""
+    emergency checkpoint and 75 (elastic.py), or, once the run's end has
+    begun, as one warning and the run's own exit code."""
     try:
         return train_or_stop(trainer)
     except Exception as exc:
         if isinstance(exc, RunStopped) or not (trainer.preemption.started and distributed.lost_peer(exc)):
             return trainer_stopped(trainer, exc)
+        if trainer.lifecycle.finishing is not None:
+            return trainer.lifecycle.lost_peer_at_end(exc)
         return peer_lost(trainer, exc)
     finally:
         trainer.lifecycle.release_save_dir()
