@@ -448,7 +448,8 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
     hybrid over two nodes of one GPU): Accelerate 1.15 refuses its FSDP2
     plugin there ("no dimension for FSDP to shard across"), so the
     Accelerator gets no plugin and no parallelism config (nor the
-    launcher's ACCELERATE_USE_FSDP), and the trainer's shard_model applies
+    launcher's ACCELERATE_USE_FSDP, nor its
+    ACCELERATE_USE_PARALLELISM_CONFIG / PARALLELISM_CONFIG_*), and the trainer's shard_model applies
     the (world, 1) mesh, the code the CPU runs test; full and hybrid on one
     node of two GPUs keep Accelerate's plugin."""
     from textbox_like import sharding
@@ -461,7 +462,8 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
         num_processes = 2
 
         def __init__(self, **kw):
-            made.update(kw, use_fsdp=os.environ.get("ACCELERATE_USE_FSDP"))
+            made.update(kw, use_fsdp=os.environ.get("ACCELERATE_USE_FSDP"),
+                        parallelism_env=sorted(n for n in os.environ if "PARALLELISM_CONFIG" in n))
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
     monkeypatch.setattr(sharding, "check_nodes_alike", lambda cfg, placement: None)  # a collective: no group here
     from textbox_like.accelerator import build_accelerator
@@ -469,12 +471,18 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
                  compile=False, compile_mode="default", find_unused_parameters=False, bucket_cap_mb=None,
                  save_dir="x", distributed_world_size=2)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as accelerate launch --use_fsdp exports it
+    # as accelerate launch --parallelism_config_dp_shard_size 2 exports it: Accelerate
+    # would build a ParallelismConfig from these and apply it on top of ours
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
     placement = distributed.Placement(world_size=2, local_world_size=per_node)
     build_accelerator(config, placement)
     ours = sharding.shard_degree(config, placement) == 1
     assert sharding.applied_by_us(config, placement, cuda=True) is ours
     if ours:
         assert "fsdp_plugin" not in made and "parallelism_config" not in made and made["use_fsdp"] is None
+        assert made["parallelism_env"] == []
         assert sharding.where(True, ours).startswith("fully_shard applied by textbox_like")
     else:
         assert made["fsdp_plugin"].fsdp_version == 2 and "parallelism_config" not in made
+        assert made["parallelism_env"] == []
