@@ -247,9 +247,43 @@ def apply_determinism(cfg):
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
+    remember_torch_settings()
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)
+
+
+_TORCH_SETTINGS_BEFORE = None  # torch's process-wide settings before this run changed them
+
+
+def remember_torch_settings():
+    """Before this run changes torch's process-wide settings (the default
+    dtype of --train_dtype float64, --cudnn_deterministic's flags): what they
+    were, so cleanup() puts them back and a later run in this process builds
+    its model as its own settings say."""
+    global _TORCH_SETTINGS_BEFORE
+    if _TORCH_SETTINGS_BEFORE is not None:
+        return
+    import torch
+    _TORCH_SETTINGS_BEFORE = {
+        "dtype": torch.get_default_dtype(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+    }
+
+
+def restore_torch_settings():
+    global _TORCH_SETTINGS_BEFORE
+    before, _TORCH_SETTINGS_BEFORE = _TORCH_SETTINGS_BEFORE, None
+    if before is None:
+        return
+    import torch
+    torch.set_default_dtype(before["dtype"])
+    torch.use_deterministic_algorithms(before["deterministic"], warn_only=before["warn_only"])
+    torch.backends.cudnn.deterministic = before["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = before["cudnn_benchmark"]
 
 
 def usable_cpus() -> int:
@@ -582,12 +616,14 @@ def main_then_local_main_first(accelerator):
 def cleanup():
     """The end of a run in this process: its process group gone, and what
     it set up for Accelerate (LOCAL_RANK, ACCELERATE_TORCH_DEVICE, the
-    process-wide state): a later run in this process (api.train) would
+    process-wide state) and torch's default dtype and determinism flags as
+    they were before it: a later run in this process (api.train) would
     otherwise reuse a distributed type, backend and plugin whose group no
     longer exists, or be refused another precision ("AcceleratorState has
     already been initialized")."""
     global _LONG_GROUP, _OWN_LOCAL_RANK, _OWN_TORCH_DEVICE, _OWN_ACCELERATE_STATE
     _LONG_GROUP = None
+    restore_torch_settings()
     if _OWN_LOCAL_RANK:
         os.environ.pop("LOCAL_RANK", None)
         _OWN_LOCAL_RANK = False

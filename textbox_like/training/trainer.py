@@ -119,6 +119,8 @@ class Trainer:
         from ..optim import build_optimizer
         cfg = self.cfg
         if cfg.numerics.train_dtype == "float64":
+            from ..distributed import remember_torch_settings
+            remember_torch_settings()  # distributed.cleanup() puts the default back
             torch.set_default_dtype(torch.float64)
         model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
