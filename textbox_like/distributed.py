@@ -546,19 +546,38 @@ def _check_peers(peers):
 _LONG_GROUP = None
 _OWN_LOCAL_RANK = False  # LOCAL_RANK set by one_rank_group, not by a launcher
 _OWN_TORCH_DEVICE = False  # ACCELERATE_TORCH_DEVICE set by bind_device, not by a launcher
-_OWN_ACCELERATE_STATE = False  # Accelerate's process-wide state made by this run's Accelerator
+# Accelerate's process-wide states made by this run's Accelerator (each apart:
+# a caller may have made only a PartialState, and this run the AcceleratorState)
+_OWN_ACCELERATOR_STATE = False
+_OWN_PARTIAL_STATE = False
 
 
 def claim_accelerate_state():
-    """Before this run's Accelerator: where Accelerate's process-wide state
-    (PartialState, AcceleratorState: the distributed type, backend, device,
-    precision, FSDP plugin) is not set up yet, this run sets it up, and
-    cleanup() resets it; a state the caller's own Accelerator made is left
-    alone."""
+    """Before this run's Accelerator (a training run's, or evaluate()'s):
+    which of Accelerate's process-wide states (PartialState: the distributed
+    type, backend, device; AcceleratorState: precision, FSDP plugin) are not
+    set up yet; this run sets those up, and release_accelerate_state() resets
+    them; a state the caller made is left alone."""
     from accelerate.state import AcceleratorState, PartialState
-    global _OWN_ACCELERATE_STATE
-    if not (AcceleratorState._shared_state or PartialState._shared_state):
-        _OWN_ACCELERATE_STATE = True
+    global _OWN_ACCELERATOR_STATE, _OWN_PARTIAL_STATE
+    if not AcceleratorState._shared_state:
+        _OWN_ACCELERATOR_STATE = True
+    if not PartialState._shared_state:
+        _OWN_PARTIAL_STATE = True
+
+
+def release_accelerate_state():
+    """Resets the states claim_accelerate_state() found not set up, so a
+    later run in this process sets up its own (another precision) instead of
+    "AcceleratorState has already been initialized"."""
+    global _OWN_ACCELERATOR_STATE, _OWN_PARTIAL_STATE
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    if _OWN_ACCELERATOR_STATE:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    if _OWN_PARTIAL_STATE:
+        PartialState._reset_state()
+    _OWN_ACCELERATOR_STATE = _OWN_PARTIAL_STATE = False
 
 
 def long_timeout(cfg) -> int:
@@ -621,7 +640,7 @@ def cleanup():
     otherwise reuse a distributed type, backend and plugin whose group no
     longer exists, or be refused another precision ("AcceleratorState has
     already been initialized")."""
-    global _LONG_GROUP, _OWN_LOCAL_RANK, _OWN_TORCH_DEVICE, _OWN_ACCELERATE_STATE
+    global _LONG_GROUP, _OWN_LOCAL_RANK, _OWN_TORCH_DEVICE
     _LONG_GROUP = None
     restore_torch_settings()
     if _OWN_LOCAL_RANK:
@@ -630,11 +649,7 @@ def cleanup():
     if _OWN_TORCH_DEVICE:
         os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
         _OWN_TORCH_DEVICE = False
-    if _OWN_ACCELERATE_STATE:
-        from accelerate.state import AcceleratorState, GradientState
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        _OWN_ACCELERATE_STATE = False
+    release_accelerate_state()
     try:
         import torch.distributed as dist
         if dist.is_initialized():
