@@ -486,3 +486,27 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
     else:
         assert made["fsdp_plugin"].fsdp_version == 2 and "parallelism_config" not in made
         assert made["parallelism_env"] == []
+
+
+def test_hybrid_over_two_nodes_of_two_gpus_gives_a_parallelism_config_accelerate_accepts(gpus, monkeypatch):
+    """The one place the run builds a ParallelismConfig for Accelerate:
+    --fsdp-sharding hybrid over 2 nodes x 2 GPUs, replicated over the nodes
+    and sharded within each. Accelerate 1.15 validates it against its
+    Accelerator (the check Accelerator.__init__ runs) without complaint."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from textbox_like import sharding
+    gpus(2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    config = cfg(fsdp=True, fsdp_sharding="hybrid", distributed_world_size=4)
+    placement = distributed.Placement(world_size=4, local_world_size=2)
+    assert not sharding.applied_by_us(config, placement, cuda=True)
+    plugin, parallelism = sharding.accelerate_plugin(config, placement, "bf16")
+    assert plugin.fsdp_version == 2
+    assert (parallelism.dp_replicate_size, parallelism.dp_shard_size, parallelism.total_size) == (2, 2, 4)
+    accelerator = SimpleNamespace(num_processes=4, is_fsdp2=True, multi_device=True, is_main_process=True,
+                                  distributed_type=DistributedType.FSDP)
+    parallelism._validate_accelerator(accelerator)  # raises where Accelerate would refuse it
+    assert parallelism.dp_shard_enabled and parallelism.dp_replicate_enabled
