@@ -228,3 +228,60 @@ def test_runs_one_after_another_in_one_process_each_get_their_own_accelerate_sta
     precisions = [line.split("| precision ")[1].split(" ")[0] for line in proc.stderr.splitlines()
                   if "| precision " in line]
     assert precisions == ["float32", "float32"], proc.stderr[-3000:]  # the bf16 run failed before its start line
+
+
+def test_a_float64_deterministic_run_leaves_torch_as_it_found_it_for_the_next_run(small_mnist_dir, tmp_path):
+    """api.train with --train_dtype float64 and --cudnn_deterministic, then
+    a plain float32 run in the same process: the second run builds a float32
+    model (its checkpoint holds float32 weights) and torch's default dtype
+    and determinism flag are back to what they were before the first run."""
+    proc = python(f"""
+        import json, torch, textbox_like
+        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "threads": 1, "cpu": True,
+                "report_to": "none", "disable_validation": True, "max_update": 1}}
+        before = [str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled()]
+        first = textbox_like.train(base, save_dir={str(tmp_path / "a")!r}, train_dtype="float64",
+                                   cudnn_deterministic=True)
+        second = textbox_like.train(base, save_dir={str(tmp_path / "b")!r})
+        after = [str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled()]
+        def dtypes(name):
+            state = torch.load({str(tmp_path)!r} + "/" + name + "/checkpoint_last.pt", weights_only=False)
+            return sorted({{str(v.dtype) for v in state["model"].values() if v.is_floating_point()}})
+        print(json.dumps({{"codes": [first["exit_code"], second["exit_code"]], "before": before, "after": after,
+                          "first": dtypes("a"), "second": dtypes("b")}}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["codes"] == [0, 0], got
+    assert got["first"] == ["torch.float64"], got  # the first run did change the default
+    assert got["second"] == ["torch.float32"], got
+    assert got["after"] == got["before"] == ["torch.float32", False], got
+
+
+def test_evaluate_and_a_callers_partial_state_leave_a_later_run_its_own_precision(small_mnist_dir, tmp_path):
+    """In one process: train, evaluate() its checkpoint, then train in bf16:
+    evaluate's Accelerator state is reset, so the bf16 run is not refused
+    ("AcceleratorState has already been initialized"). Then a caller's own
+    PartialState(): a run keeps it (the same object, still set up) and
+    resets the AcceleratorState it made, so one more bf16 run goes too."""
+    proc = python(f"""
+        import json, textbox_like
+        from accelerate.state import AcceleratorState, PartialState
+        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "threads": 1, "cpu": True,
+                "report_to": "none", "disable_validation": True, "max_update": 1}}
+        codes = [textbox_like.train(base, save_dir={str(tmp_path / "a")!r})["exit_code"]]
+        metrics = textbox_like.evaluate({str(tmp_path / "a" / "checkpoint_last.pt")!r}, cpu=True)
+        codes.append(textbox_like.train(base, save_dir={str(tmp_path / "b")!r}, bf16=True)["exit_code"])
+        caller = PartialState(cpu=True)
+        codes.append(textbox_like.train(base, save_dir={str(tmp_path / "c")!r}, bf16=True)["exit_code"])
+        kept = bool(PartialState._shared_state) and PartialState().device == caller.device
+        codes.append(textbox_like.train(base, save_dir={str(tmp_path / "d")!r})["exit_code"])
+        print(json.dumps({{"codes": codes, "loss": "loss" in metrics, "kept": kept,
+                          "accelerator_state": bool(AcceleratorState._shared_state)}}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"codes": [0, 0, 0, 0], "loss": True, "kept": True, "accelerator_state": False}, got
+    precisions = [line.split("| precision ")[1].split(" ")[0] for line in proc.stderr.splitlines()
+                  if "| precision " in line]
+    assert precisions == ["float32", "bf16", "bf16", "float32"], proc.stderr[-3000:]

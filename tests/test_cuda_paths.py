@@ -448,7 +448,8 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
     hybrid over two nodes of one GPU): Accelerate 1.15 refuses its FSDP2
     plugin there ("no dimension for FSDP to shard across"), so the
     Accelerator gets no plugin and no parallelism config (nor the
-    launcher's ACCELERATE_USE_FSDP), and the trainer's shard_model applies
+    launcher's ACCELERATE_USE_FSDP, nor its
+    ACCELERATE_USE_PARALLELISM_CONFIG / PARALLELISM_CONFIG_*), and the trainer's shard_model applies
     the (world, 1) mesh, the code the CPU runs test; full and hybrid on one
     node of two GPUs keep Accelerate's plugin."""
     from textbox_like import sharding
@@ -461,7 +462,8 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
         num_processes = 2
 
         def __init__(self, **kw):
-            made.update(kw, use_fsdp=os.environ.get("ACCELERATE_USE_FSDP"))
+            made.update(kw, use_fsdp=os.environ.get("ACCELERATE_USE_FSDP"),
+                        parallelism_env=sorted(n for n in os.environ if "PARALLELISM_CONFIG" in n))
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
     monkeypatch.setattr(sharding, "check_nodes_alike", lambda cfg, placement: None)  # a collective: no group here
     from textbox_like.accelerator import build_accelerator
@@ -469,12 +471,42 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
                  compile=False, compile_mode="default", find_unused_parameters=False, bucket_cap_mb=None,
                  save_dir="x", distributed_world_size=2)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as accelerate launch --use_fsdp exports it
+    # as accelerate launch --parallelism_config_dp_shard_size 2 exports it: Accelerate
+    # would build a ParallelismConfig from these and apply it on top of ours
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
     placement = distributed.Placement(world_size=2, local_world_size=per_node)
     build_accelerator(config, placement)
     ours = sharding.shard_degree(config, placement) == 1
     assert sharding.applied_by_us(config, placement, cuda=True) is ours
     if ours:
         assert "fsdp_plugin" not in made and "parallelism_config" not in made and made["use_fsdp"] is None
+        assert made["parallelism_env"] == []
         assert sharding.where(True, ours).startswith("fully_shard applied by textbox_like")
     else:
         assert made["fsdp_plugin"].fsdp_version == 2 and "parallelism_config" not in made
+        assert made["parallelism_env"] == []
+
+
+def test_hybrid_over_two_nodes_of_two_gpus_gives_a_parallelism_config_accelerate_accepts(gpus, monkeypatch):
+    """The one place the run builds a ParallelismConfig for Accelerate:
+    --fsdp-sharding hybrid over 2 nodes x 2 GPUs, replicated over the nodes
+    and sharded within each. Accelerate 1.15 validates it against its
+    Accelerator (the check Accelerator.__init__ runs) without complaint."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from textbox_like import sharding
+    gpus(2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    config = cfg(fsdp=True, fsdp_sharding="hybrid", distributed_world_size=4)
+    placement = distributed.Placement(world_size=4, local_world_size=2)
+    assert not sharding.applied_by_us(config, placement, cuda=True)
+    plugin, parallelism = sharding.accelerate_plugin(config, placement, "bf16")
+    assert plugin.fsdp_version == 2
+    assert (parallelism.dp_replicate_size, parallelism.dp_shard_size, parallelism.total_size) == (2, 2, 4)
+    accelerator = SimpleNamespace(num_processes=4, is_fsdp2=True, multi_device=True, is_main_process=True,
+                                  distributed_type=DistributedType.FSDP)
+    parallelism._validate_accelerator(accelerator)  # raises where Accelerate would refuse it
+    assert parallelism.dp_shard_enabled and parallelism.dp_replicate_enabled

@@ -146,15 +146,35 @@ print("returned", before - resident_mb())
 def test_under_fsdp_the_trainer_gives_freed_megabyte_chunks_back(tmp_path):
     """--fsdp's gathered parameters and unsharded gradients (MBs each, freed
     unit by unit) are unmapped when freed instead of fragmenting the kept
-    heap; without --fsdp a freed 4 MB chunk stays for the next update."""
-    from conftest import REPO, clean_env, write_mnist
+    heap: in each rank process of a 2-rank --fsdp run (started as torchrun
+    would, the probe running in the rank). Where nothing is sharded (one
+    process under --fsdp) and without --fsdp a freed 4 MB chunk stays for the
+    next update."""
+    from conftest import REPO, clean_env, free_port, write_mnist
     write_mnist(tmp_path / "mnist", n_train=64, n_test=16)
+    env = {k: v for k, v in clean_env().items()
+           if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
     returned = {}
     for mode in ("fsdp", "ddp"):
         done = subprocess.run([sys.executable, "-c", AFTER_A_RUN, str(tmp_path / "mnist"), str(tmp_path / mode), mode],
-                              cwd=REPO, capture_output=True, text=True, timeout=240,
-                              env={k: v for k, v in clean_env().items()
-                                   if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")})
+                              cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         returned[mode] = float(done.stdout.split("returned")[-1])
-    assert returned["fsdp"] > 3.5 and returned["ddp"] < 0.5, returned
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", AFTER_A_RUN, str(tmp_path / "mnist"), str(tmp_path / "two"),
+                               "fsdp"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    returned["fsdp two ranks"] = [float(out.split("returned")[-1]) for out, _ in outputs]
+    assert returned["fsdp"] < 0.5 and returned["ddp"] < 0.5, returned
+    assert min(returned["fsdp two ranks"]) > 3.5, returned
+
+
+@pytest.mark.parametrize("fsdp, world_size, cuda, sharded", [
+    (True, 2, False, True), (True, 1, False, False), (True, 2, True, False), (False, 2, False, False)])
+def test_freed_megabyte_chunks_are_unmapped_only_for_fsdp_on_cpu_ranks(fsdp, world_size, cuda, sharded):
+    from textbox_like.malloc import MMAP_THRESHOLD, SHARDED_MMAP_THRESHOLD, mmap_threshold_for
+    assert mmap_threshold_for(fsdp, world_size, cuda) == (SHARDED_MMAP_THRESHOLD if sharded else MMAP_THRESHOLD)

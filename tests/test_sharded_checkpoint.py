@@ -516,3 +516,22 @@ def test_failed_write_publishes_nothing_and_a_superseded_process_writes_nothing(
     finally:
         savelock.disown()
         lock.release()
+
+
+@pytest.mark.timeout(600)
+def test_a_ddp_run_prunes_the_interval_checkpoints_an_fsdp_run_left(small_mnist_dir, tmp_path):
+    """A 2-rank --fsdp run saving every update leaves sharded interval
+    checkpoints; a DDP run resuming in the same directory with
+    --keep-interval-updates 1 counts them with its own .pt ones: only its
+    newest interval checkpoint stays, and the data directories of the removed
+    .dcp names go with them."""
+    import textbox_like
+    base = {"task": "mnist", "data": str(small_mnist_dir), "batch_size": 16, "threads": 1, "cpu": True,
+            "report_to": "none", "disable_validation": True, "save_dir": str(tmp_path), "save_interval_updates": 1}
+    assert textbox_like.train(base, fsdp=True, max_update=2, distributed_world_size=2)["exit_code"] == 0
+    assert {"checkpoint_1_1.dcp", "checkpoint_1_2.dcp"} <= set(os.listdir(tmp_path))
+    assert textbox_like.train(base, max_update=4, resume=True, keep_interval_updates=1)["exit_code"] == 0
+    names = set(os.listdir(tmp_path))
+    assert sorted(n for n in names if n.startswith("checkpoint_1_")) == ["checkpoint_1_4.pt"], names
+    # only checkpoint_last.dcp's data directory is left of the sharded ones
+    assert len([n for n in names if n.startswith(".checkpoint_")]) == 1, names

@@ -203,6 +203,13 @@ def build_accelerator(cfg, placement, log_with=None):
         # shards itself: sharding.applied_by_us) Accelerate builds no plugin of its own from
         # what accelerate launch exported
         os.environ.pop("ACCELERATE_USE_FSDP", None)
+    if "parallelism_config" not in fsdp:
+        # Accelerate 1.15 builds a ParallelismConfig from what accelerate launch
+        # --parallelism_config_* exported and applies it to every model, also one
+        # the trainer's shard_model already sharded: the run's mesh decides
+        for name in [n for n in os.environ if n == "ACCELERATE_USE_PARALLELISM_CONFIG"
+                     or n.startswith("PARALLELISM_CONFIG_")]:
+            os.environ.pop(name)
     claim_accelerate_state()  # reset by distributed.cleanup() where this run sets it up
     accelerator = Accelerator(cpu=not cuda, mixed_precision=chosen, kwargs_handlers=[ddp], dynamo_plugin=plugin,
                               step_scheduler_with_optimizer=False, log_with=log_with or None,

@@ -131,10 +131,15 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     split = task.batch_dataset(subset)
     model = task.build_model()
     model.load_state_dict(state["model"])
-    accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available())
-    model = accelerator.prepare(model)
+    from .distributed import claim_accelerate_state, release_accelerate_state
     from .trainer import valid_batch_size
-    size = batch_size or valid_batch_size(cfg.data)
-    metrics = evaluate_split(task, model, split, size, accelerator)
+    claim_accelerate_state()  # else a later train() in this process would inherit this precision
+    try:
+        accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available())
+        model = accelerator.prepare(model)
+        size = batch_size or valid_batch_size(cfg.data)
+        metrics = evaluate_split(task, model, split, size, accelerator)
+    finally:
+        release_accelerate_state()
     return {"checkpoint": str(checkpoint), "subset": subset, "samples": len(split),
             "num_updates": state["train"]["num_updates"], **metrics}

@@ -288,24 +288,11 @@ class CheckpointManager:
         return checkpoints_newest_first(self.dir)
 
     def _prune(self):
-        cfg = self.cfg
-        if cfg.keep_interval_updates > 0:
-            found = self._matching(r"checkpoint_(\d+)_(\d+)\.pt")
-            for path in [p for _, p in sorted(found, key=lambda t: t[0][1], reverse=True)][cfg.keep_interval_updates:]:
-                remove(path)
-        if cfg.keep_last_epochs > 0:
-            found = self._matching(r"checkpoint(\d+)\.pt")
-            for path in [p for _, p in sorted(found, key=lambda t: t[0][0], reverse=True)][cfg.keep_last_epochs:]:
-                remove(path)
-
-    def _matching(self, pattern):
-        regex = re.compile(pattern)
-        out = []
-        for path in self.dir.iterdir():
-            match = regex.fullmatch(path.name)
-            if match:
-                out.append((tuple(int(g) for g in match.groups()), path))
-        return out
+        """--keep-interval-updates and --keep-last-epochs after a file save:
+        counted together with the sharded (.dcp) checkpoints an earlier --fsdp
+        run left in this directory, as a sharded save counts both."""
+        from .sharded_checkpoint import ShardedCheckpointManager
+        ShardedCheckpointManager.prune_sharded(self)
 
     # restore -------------------------------------------------------------
     def resume_path(self):

@@ -247,9 +247,43 @@ def apply_determinism(cfg):
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
+    remember_torch_settings()
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)
+
+
+_TORCH_SETTINGS_BEFORE = None  # torch's process-wide settings before this run changed them
+
+
+def remember_torch_settings():
+    """Before this run changes torch's process-wide settings (the default
+    dtype of --train_dtype float64, --cudnn_deterministic's flags): what they
+    were, so cleanup() puts them back and a later run in this process builds
+    its model as its own settings say."""
+    global _TORCH_SETTINGS_BEFORE
+    if _TORCH_SETTINGS_BEFORE is not None:
+        return
+    import torch
+    _TORCH_SETTINGS_BEFORE = {
+        "dtype": torch.get_default_dtype(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+    }
+
+
+def restore_torch_settings():
+    global _TORCH_SETTINGS_BEFORE
+    before, _TORCH_SETTINGS_BEFORE = _TORCH_SETTINGS_BEFORE, None
+    if before is None:
+        return
+    import torch
+    torch.set_default_dtype(before["dtype"])
+    torch.use_deterministic_algorithms(before["deterministic"], warn_only=before["warn_only"])
+    torch.backends.cudnn.deterministic = before["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = before["cudnn_benchmark"]
 
 
 def usable_cpus() -> int:
@@ -512,19 +546,38 @@ def _check_peers(peers):
 _LONG_GROUP = None
 _OWN_LOCAL_RANK = False  # LOCAL_RANK set by one_rank_group, not by a launcher
 _OWN_TORCH_DEVICE = False  # ACCELERATE_TORCH_DEVICE set by bind_device, not by a launcher
-_OWN_ACCELERATE_STATE = False  # Accelerate's process-wide state made by this run's Accelerator
+# Accelerate's process-wide states made by this run's Accelerator (each apart:
+# a caller may have made only a PartialState, and this run the AcceleratorState)
+_OWN_ACCELERATOR_STATE = False
+_OWN_PARTIAL_STATE = False
 
 
 def claim_accelerate_state():
-    """Before this run's Accelerator: where Accelerate's process-wide state
-    (PartialState, AcceleratorState: the distributed type, backend, device,
-    precision, FSDP plugin) is not set up yet, this run sets it up, and
-    cleanup() resets it; a state the caller's own Accelerator made is left
-    alone."""
+    """Before this run's Accelerator (a training run's, or evaluate()'s):
+    which of Accelerate's process-wide states (PartialState: the distributed
+    type, backend, device; AcceleratorState: precision, FSDP plugin) are not
+    set up yet; this run sets those up, and release_accelerate_state() resets
+    them; a state the caller made is left alone."""
     from accelerate.state import AcceleratorState, PartialState
-    global _OWN_ACCELERATE_STATE
-    if not (AcceleratorState._shared_state or PartialState._shared_state):
-        _OWN_ACCELERATE_STATE = True
+    global _OWN_ACCELERATOR_STATE, _OWN_PARTIAL_STATE
+    if not AcceleratorState._shared_state:
+        _OWN_ACCELERATOR_STATE = True
+    if not PartialState._shared_state:
+        _OWN_PARTIAL_STATE = True
+
+
+def release_accelerate_state():
+    """Resets the states claim_accelerate_state() found not set up, so a
+    later run in this process sets up its own (another precision) instead of
+    "AcceleratorState has already been initialized"."""
+    global _OWN_ACCELERATOR_STATE, _OWN_PARTIAL_STATE
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    if _OWN_ACCELERATOR_STATE:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    if _OWN_PARTIAL_STATE:
+        PartialState._reset_state()
+    _OWN_ACCELERATOR_STATE = _OWN_PARTIAL_STATE = False
 
 
 def long_timeout(cfg) -> int:
@@ -582,23 +635,21 @@ def main_then_local_main_first(accelerator):
 def cleanup():
     """The end of a run in this process: its process group gone, and what
     it set up for Accelerate (LOCAL_RANK, ACCELERATE_TORCH_DEVICE, the
-    process-wide state): a later run in this process (api.train) would
+    process-wide state) and torch's default dtype and determinism flags as
+    they were before it: a later run in this process (api.train) would
     otherwise reuse a distributed type, backend and plugin whose group no
     longer exists, or be refused another precision ("AcceleratorState has
     already been initialized")."""
-    global _LONG_GROUP, _OWN_LOCAL_RANK, _OWN_TORCH_DEVICE, _OWN_ACCELERATE_STATE
+    global _LONG_GROUP, _OWN_LOCAL_RANK, _OWN_TORCH_DEVICE
     _LONG_GROUP = None
+    restore_torch_settings()
     if _OWN_LOCAL_RANK:
         os.environ.pop("LOCAL_RANK", None)
         _OWN_LOCAL_RANK = False
     if _OWN_TORCH_DEVICE:
         os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
         _OWN_TORCH_DEVICE = False
-    if _OWN_ACCELERATE_STATE:
-        from accelerate.state import AcceleratorState, GradientState
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        _OWN_ACCELERATE_STATE = False
+    release_accelerate_state()
     try:
         import torch.distributed as dist
         if dist.is_initialized():

@@ -15,8 +15,11 @@ instead: every forward and backward gathers a unit's whole parameters and
 makes its unsharded gradients (megabytes each), frees them a unit later, and
 allocates this rank's new shards among them. Served from the kept heap, those
 freed chunks fragment it, and the process held about 1 GiB more than it used
-(BERT-large, 2 ranks: 4.97 GiB peak resident per rank, 4.01 with mapped
+(BERT-large, 2 ranks: 4.97 GiB peak resident per rank, 4.02 with mapped
 chunks; DDP's 7.61 moved to 7.43), which is what sharding is chosen to save.
+Only where that happens: ``--fsdp`` on CPU with more than one rank. On CUDA
+the gathered parameters and gradients live in GPU memory, and one rank shards
+nothing; there mapped chunks would only bring the page faults back.
 
 A user's own choice wins: ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``, a ``glibc.malloc`` tunable in
@@ -49,9 +52,16 @@ def user_chose_malloc(environ=os.environ) -> bool:
     return any(name in environ.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS)
 
 
+def mmap_threshold_for(fsdp: bool, world_size: int, cuda: bool) -> int:
+    """The mmap threshold for a training process: ``SHARDED_MMAP_THRESHOLD``
+    only under --fsdp on CPU with more than one rank (the module docstring
+    says why), else ``MMAP_THRESHOLD``."""
+    return SHARDED_MMAP_THRESHOLD if fsdp and world_size > 1 and not cuda else MMAP_THRESHOLD
+
+
 def keep_freed_heap(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     """Set glibc's trim and mmap thresholds for this process (see the module
-    docstring; ``SHARDED_MMAP_THRESHOLD`` under --fsdp). True when set; False
+    docstring; mmap_threshold_for() chooses the mmap threshold). True when set; False
     where not glibc or the user chose."""
     if not sys.platform.startswith("linux") or user_chose_malloc():
         return False

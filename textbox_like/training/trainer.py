@@ -72,7 +72,7 @@ class Trainer:
 
     def setup_processes(self):
         from ..accelerator import build_accelerator
-        from ..malloc import MMAP_THRESHOLD, SHARDED_MMAP_THRESHOLD, keep_freed_heap
+        from ..malloc import keep_freed_heap, mmap_threshold_for
         from ..trackers import log_with, requested
         cfg = self.cfg
         trackers = requested(cfg.logging)  # before any process group: a missing package is one line
@@ -83,9 +83,10 @@ class Trainer:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
         # before any data or model is allocated: updates reuse freed heap
-        # instead of faulting fresh pages in; under --fsdp large chunks are
-        # unmapped when freed (malloc.py says why)
-        keep_freed_heap(SHARDED_MMAP_THRESHOLD if cfg.sharding.fsdp else MMAP_THRESHOLD)
+        # instead of faulting fresh pages in; under --fsdp on CPU ranks large
+        # chunks are unmapped when freed (malloc.py says why). uses_cuda asks
+        # torch.cuda.is_available(), which allocates nothing on a device
+        keep_freed_heap(mmap_threshold_for(cfg.sharding.fsdp, placement.world_size, distributed.uses_cuda(cfg)))
         import torch
         distributed.init_process_group(placement, cfg)
         self.accelerator, self.sources = build_accelerator(
@@ -119,6 +120,8 @@ class Trainer:
         from ..optim import build_optimizer
         cfg = self.cfg
         if cfg.numerics.train_dtype == "float64":
+            from ..distributed import remember_torch_settings
+            remember_torch_settings()  # distributed.cleanup() puts the default back
             torch.set_default_dtype(torch.float64)
         model = self.task.build_model()
         self.n_params = sum(p.numel() for p in model.parameters())
