@@ -142,7 +142,7 @@ for strategy in ("full", "none"):
     model(torch.randn(4, 9))  # forward done, backward not begun: the root holds the gathered Parameters
     visible = sum(isinstance(p, DTensor) for p in model.parameters())
     trainer = SimpleNamespace(model=model, cfg=cfg, placement=placement, rank=dist.get_rank(), agent=None,
-                              state=SimpleNamespace(num_updates=3),
+                              state=SimpleNamespace(num_updates=3), in_flight=SimpleNamespace(offset=0),
                               checkpointer=SimpleNamespace(checkpoints=SimpleNamespace(enabled=True)),
                               lifecycle=SimpleNamespace(release_save_dir=lambda: None))
     chosen.clear()
