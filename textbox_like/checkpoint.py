@@ -271,7 +271,7 @@ class CheckpointManager:
                              + (f"the last good checkpoint is {last}: free space or fix the directory, then "
                                 f"rerun with --resume" if last else "no checkpoint was saved before this one")) \
                 from None
-        self._prune()
+        self.prune_after_save()
         self.last_saved = self.dir / names[0]
         return [self.dir / n for n in names]
 
@@ -287,12 +287,20 @@ class CheckpointManager:
         checkpoint_last.pt first among equals)."""
         return checkpoints_newest_first(self.dir)
 
-    def _prune(self):
-        """--keep-interval-updates and --keep-last-epochs after a file save:
-        counted together with the sharded (.dcp) checkpoints an earlier --fsdp
-        run left in this directory, as a sharded save counts both."""
-        from .sharded_checkpoint import ShardedCheckpointManager
-        ShardedCheckpointManager.prune_sharded(self)
+    def prune_after_save(self):
+        """--keep-interval-updates and --keep-last-epochs after a file save,
+        over this directory's file checkpoints (the trainer's manager,
+        sharded_checkpoint.ShardedCheckpointManager, counts its .dcp
+        checkpoints with them)."""
+        cfg = self.cfg
+        for pattern, keep, index in ((r"checkpoint_(\d+)_(\d+)\.pt", cfg.keep_interval_updates, 1),
+                                     (r"checkpoint(\d+)\.pt", cfg.keep_last_epochs, 0)):
+            if keep <= 0:
+                continue
+            found = [(int(m.group(index + 1)), path) for path in self.dir.iterdir()
+                     if (m := re.fullmatch(pattern, path.name)) and path.is_file()]
+            for _, path in sorted(found, reverse=True)[keep:]:
+                remove(path)
 
     # restore -------------------------------------------------------------
     def resume_path(self):

@@ -694,6 +694,11 @@ class ShardedCheckpointManager(CheckpointManager):
         self.last_saved = paths[0]
         return paths
 
+    def prune_after_save(self):
+        """A file save's pruning (the base class calls it) counts the .dcp
+        checkpoints an earlier --fsdp run left here too."""
+        self.prune_sharded()
+
     def prune_sharded(self):
         """--keep-interval-updates and --keep-last-epochs for sharded checkpoints
         (the main process), counted together with the file checkpoints of the
