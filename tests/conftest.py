@@ -30,6 +30,9 @@ def pytest_configure(config):
     _CACHE = tempfile.mkdtemp(prefix="textbox_like_cache_")
     os.environ["TEXTBOX_LIKE_CACHE"] = _CACHE
     os.environ["TEXTBOX_LIKE_CURVES"] = "0"   # no curves.png per run (~1 s each); test_trackers draws one
+    # every process a test starts prints its Python threads' stacks if it dies of SIGSEGV/SIGABRT: a rare
+    # crash at a two-rank run's teardown (gloo; "terminate called without an active exception") left no stack
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def pytest_unconfigure(config):
