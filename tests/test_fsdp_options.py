@@ -244,3 +244,100 @@ def test_optimizer_state_figure_follows_the_optimizers_arguments():
     plain = resolve(["--optimizer", "sgd", "--momentum", "0"])[0].optim
     heavy = resolve(["--optimizer", "sgd", "--momentum", "0.9"])[0].optim
     assert (sharding.optimizer_state_elements(plain), sharding.optimizer_state_elements(heavy)) == (0, 1)
+
+
+# ------------------------------------------------------------------ Accelerate's FSDP2 plugin (the CUDA path)
+ACCELERATE_PLUGIN_SCRIPT = '''
+import copy, sys, types
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from torch.distributed.fsdp import FSDPModule
+from transformers import BertConfig
+from textbox_like import sharding
+from textbox_like.config.resolution import resolve
+from textbox_like.distributed import Placement
+from textbox_like.models.bert import BertForPreTrainingMasked
+cfg, _ = resolve(["--fsdp"] + sys.argv[3:])
+plugin, _ = sharding.accelerate_plugin(cfg, Placement(world_size=1, local_world_size=1), "no")
+torch.manual_seed(0)
+model = BertForPreTrainingMasked(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                            intermediate_size=32, hidden_dropout_prob=0.0,
+                                            attention_probs_dropout_prob=0.0))
+ref = copy.deepcopy(model)
+# what Accelerator.prepare calls under its FSDP2 plugin (which activates on GPUs only)
+accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                    mixed_precision="no", is_main_process=True, device=torch.device("cpu"))
+ids, positions = torch.randint(0, 64, (3, 8)), torch.tensor([[1, 2]] * 3)
+try:
+    if sys.argv[2] == "fitted":
+        with sharding.units_for_accelerate(accelerator, model, cfg):
+            model = fsdp2_prepare_model(accelerator, model)
+    else:
+        model = fsdp2_prepare_model(accelerator, model)
+    for m in (model, ref):
+        mlm, nsp = m(ids, masked_lm_positions=positions)
+        (mlm.square().sum() + nsp.square().sum()).backward()
+except Exception as exc:
+    print("failed:", type(exc).__name__)
+    sys.exit(0)
+units = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule) and m is not model)
+print("units", units)
+print("tied", model.get_input_embeddings().weight is model.get_output_embeddings().weight,
+      model.cls.predictions.bias is model.cls.predictions.decoder.bias)
+grads = {n: p.grad for n, p in ref.named_parameters()}
+error = max((p.grad.full_tensor() - grads[n]).abs().max().item() for n, p in model.named_parameters())
+print("gradients equal", error < 1e-6 or error)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_accelerates_fsdp2_plugin_shards_transformers_bert_with_the_units_shard_model_chooses(tmp_path):
+    """On CUDA Accelerate's FSDP2 plugin shards the model. transformers 5
+    adds BertEmbeddings to BERT's _no_split_modules, and the plugin, left to
+    itself, shards the tied word embedding apart from its decoder and fails
+    (seen on an H200: every --fsdp BERT run on one GPU). Fitted to the units
+    shard_model chooses (the BertLayers; the tied embedding in the root), it
+    shards, the tie holds, and the gradients equal the unsharded model's."""
+    script = tmp_path / "plugin.py"
+    script.write_text(ACCELERATE_PLUGIN_SCRIPT)
+
+    def run(*args):
+        out = subprocess.run([PY, str(script), str(tmp_path / "rdzv"), *args], cwd=REPO, env=clean_env(),
+                             capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (tmp_path / "rdzv").unlink(missing_ok=True)
+        return out.stdout.splitlines()
+
+    assert run("fitted") == ["units ['FSDPBertLayer', 'FSDPBertLayer']", "tied True True", "gradients equal True"]
+    assert run("fitted", "--fsdp-wrap", "none") == ["units []", "tied True True", "gradients equal True"]
+    assert run("as built") == ["failed: TypeError"]
+
+
+def test_a_tied_layer_that_accelerates_plugin_would_shard_alone_is_refused_in_one_line():
+    import torch
+
+    from textbox_like import sharding
+    from textbox_like.config.resolution import resolve
+    from textbox_like.errors import UserError
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+            self.head = torch.nn.Linear(4, 4)
+            self.head.weight = self.blocks[0].linear.weight
+
+    cfg, _ = resolve(["--fsdp", "--fsdp-block-classes", "Block"])
+    plugin = sharding.accelerate_plugin(cfg, __import__("textbox_like.distributed", fromlist=["Placement"]).Placement(
+        world_size=1, local_world_size=1), "no")[0]
+    with pytest.raises(UserError) as err:
+        sharding.fit_accelerate_plugin(plugin, Tied(), cfg)
+    assert str(err.value) == ("--fsdp-wrap block: Accelerate's FSDP2 plugin would shard blocks.0 (Block) as a unit "
+                              "apart from a parameter it shares with the rest of the model (tied weights); use "
+                              "--fsdp-wrap block, name the layers with --fsdp-block-classes, or --fsdp-wrap none")

@@ -239,6 +239,66 @@ def accelerate_plugin(cfg, placement, mixed_precision):
     return plugin, parallelism
 
 
+def fit_accelerate_plugin(plugin, model, cfg) -> None:
+    """Accelerate's FSDP2 plugin, before prepare(), told to wrap the units
+    shard_model wraps (wrapped_units). Left to itself it wraps the classes
+    of the model's ``_no_split_modules``, which transformers 5 gathers from
+    the submodules too (BERT's: BertEmbeddings beside BertLayer): a unit
+    holding a tied word embedding apart from its decoder, where fully_shard
+    fails ("Invariant encountered: value was None"). Where those units are
+    exactly all the instances of their classes, the plugin wraps those
+    classes, so both paths shard the same units; else (--fsdp-wrap size
+    picking some instances of a class) its own policy stays, and a unit it
+    would make that shares a parameter outside itself is refused in one line."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from .errors import UserError
+    sharding = cfg.sharding
+    units = wrapped_units(model, sharding)
+    names = {type(u).__name__ for u in units}
+    chosen = {id(u) for u in units}
+    if all(id(m) in chosen for m in model.modules() if m is not model and type(m).__name__ in names):
+        plugin.auto_wrap_policy = transformer_auto_wrap_policy
+        plugin.transformer_cls_names_to_wrap = sorted(names)
+        return
+    if sharding.fsdp_wrap == "block":
+        classes = set(block_class_names(model, sharding))
+        targets = [(prefix, m) for prefix, m in model.named_modules() if m is not model and type(m).__name__ in classes]
+    else:  # Accelerate's size policy: every submodule of more than min_num_params parameters
+        targets = [(prefix, m) for prefix, m in model.named_modules()
+                   if m is not model and sum(p.numel() for p in m.parameters()) > plugin.min_num_params]
+    for prefix, m in targets:
+        if ties_outside(model, m, prefix):
+            raise UserError(f"--fsdp-wrap {sharding.fsdp_wrap}: Accelerate's FSDP2 plugin would shard {prefix} "
+                            f"({type(m).__name__}) as a unit apart from a parameter it shares with the rest of the "
+                            f"model (tied weights); use --fsdp-wrap block, name the layers with "
+                            f"--fsdp-block-classes, or --fsdp-wrap none")
+
+
+@contextlib.contextmanager
+def units_for_accelerate(accelerator, model, cfg):
+    """Around ``accelerator.prepare`` where Accelerate's FSDP2 plugin shards
+    (CUDA): the plugin fitted to shard_model's units (fit_accelerate_plugin),
+    and the model's embeddings hidden from it. Accelerate carves the input and
+    output embeddings into units of their own (tied: one unit of both), and a
+    parameter tied beyond those two (BERT's decoder bias is its prediction
+    head's own ``bias``) then sits in two units, which torch 2.13 and later
+    refuses ("shared with a parameter already managed by another FSDP
+    group"). Hidden, they stay in the root unit, where shard_model keeps
+    them; Accelerate may still make the final norm a unit of its own."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None:
+        yield
+        return
+    fit_accelerate_plugin(plugin, model, cfg)
+    # instance attributes shadow the model's methods for the one prepare() call
+    model.get_input_embeddings = model.get_output_embeddings = lambda: None
+    try:
+        yield
+    finally:
+        del model.get_input_embeddings, model.get_output_embeddings
+
+
 def sharded_root(model):
     """The FSDP2 module that ``model`` is, or that it wraps: --compile puts a
     model that is not compiled by regions under torch.compile's

@@ -139,7 +139,8 @@ class Trainer:
         if ours:  # placement and autocast, without the DDP wrapper prepare() would add
             self.model, self.optimizer = acc.prepare_model(model, evaluation_mode=True), acc.prepare_optimizer(optimizer)
         else:
-            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+            with sharding.units_for_accelerate(acc, model, cfg):  # Accelerate shards (CUDA): shard_model's units
+                self.model, self.optimizer = acc.prepare(model, optimizer)
         self.sharding_line = None  # the start line's sharding, where the model is sharded
         if sharding.is_sharded(self.model):
             sharding.reduce_unused_parameters(self.model, cfg)
