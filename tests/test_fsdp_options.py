@@ -319,6 +319,7 @@ def test_a_tied_layer_that_accelerates_plugin_would_shard_alone_is_refused_in_on
 
     from textbox_like import sharding
     from textbox_like.config.resolution import resolve
+    from textbox_like.distributed import Placement
     from textbox_like.errors import UserError
 
     class Block(torch.nn.Module):
@@ -334,10 +335,23 @@ def test_a_tied_layer_that_accelerates_plugin_would_shard_alone_is_refused_in_on
             self.head.weight = self.blocks[0].linear.weight
 
     cfg, _ = resolve(["--fsdp", "--fsdp-block-classes", "Block"])
-    plugin = sharding.accelerate_plugin(cfg, __import__("textbox_like.distributed", fromlist=["Placement"]).Placement(
-        world_size=1, local_world_size=1), "no")[0]
+    plugin = sharding.accelerate_plugin(cfg, Placement(world_size=1, local_world_size=1), "no")[0]
     with pytest.raises(UserError) as err:
         sharding.fit_accelerate_plugin(plugin, Tied(), cfg)
     assert str(err.value) == ("--fsdp-wrap block: Accelerate's FSDP2 plugin would shard blocks.0 (Block) as a unit "
+                              "apart from a parameter it shares with the rest of the model (tied weights); name layer "
+                              "classes without tied weights with --fsdp-block-classes, or use --fsdp-wrap none")
+
+    # by size, Accelerate's policy takes the ModuleList that holds the tied block: the line names --fsdp-wrap block
+    class TiedBySize(Tied):
+        def __init__(self):
+            super().__init__()
+            self.big = torch.nn.Linear(8, 8)  # a unit of its own, untied: not what the refusal is about
+
+    cfg, _ = resolve(["--fsdp", "--fsdp-wrap", "size", "--fsdp-min-params", "10"])
+    plugin = sharding.accelerate_plugin(cfg, Placement(world_size=1, local_world_size=1), "no")[0]
+    with pytest.raises(UserError) as err:
+        sharding.fit_accelerate_plugin(plugin, TiedBySize(), cfg)
+    assert str(err.value) == ("--fsdp-wrap size: Accelerate's FSDP2 plugin would shard blocks (ModuleList) as a unit "
                               "apart from a parameter it shares with the rest of the model (tied weights); use "
-                              "--fsdp-wrap block, name the layers with --fsdp-block-classes, or --fsdp-wrap none")
+                              "--fsdp-wrap block (or name the layers with --fsdp-block-classes), or --fsdp-wrap none")

@@ -267,12 +267,15 @@ def fit_accelerate_plugin(plugin, model, cfg) -> None:
     else:  # Accelerate's size policy: every submodule of more than min_num_params parameters
         targets = [(prefix, m) for prefix, m in model.named_modules()
                    if m is not model and sum(p.numel() for p in m.parameters()) > plugin.min_num_params]
+    # the fix the line names is one the user has not tried yet
+    fixes = ("name layer classes without tied weights with --fsdp-block-classes, or use --fsdp-wrap none"
+             if sharding.fsdp_wrap == "block" else
+             "use --fsdp-wrap block (or name the layers with --fsdp-block-classes), or --fsdp-wrap none")
     for prefix, m in targets:
         if ties_outside(model, m, prefix):
             raise UserError(f"--fsdp-wrap {sharding.fsdp_wrap}: Accelerate's FSDP2 plugin would shard {prefix} "
                             f"({type(m).__name__}) as a unit apart from a parameter it shares with the rest of the "
-                            f"model (tied weights); use --fsdp-wrap block, name the layers with "
-                            f"--fsdp-block-classes, or --fsdp-wrap none")
+                            f"model (tied weights); {fixes}")
 
 
 @contextlib.contextmanager
