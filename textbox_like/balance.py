@@ -111,6 +111,16 @@ def micro_batches_by_tokens(tokens, cap_tokens: int, cap_samples: int | None = N
     return sizes + [count] if count or not sizes else sizes
 
 
+def pooled(a, b) -> dict:
+    """Two measurements of one split (``{"s", "se", "n", "at"}``: mean
+    seconds per update, its standard error, updates) as one: their updates'
+    mean and spread, the spread between the two means included."""
+    n = a["n"] + b["n"]
+    mean = (a["s"] * a["n"] + b["s"] * b["n"]) / n
+    square = sum(e["n"] * (e["se"] ** 2 * e["n"] + e["s"] ** 2) for e in (a, b)) / n  # mean of squared seconds
+    return {**b, "s": mean, "se": math.sqrt(max(square - mean * mean, 0.0) / n), "n": n}
+
+
 def split_name(split) -> str:
     """A split as a key of the measured table: ``44+20``."""
     return "+".join(str(int(s)) for s in split)
@@ -132,7 +142,13 @@ class Balancer:
     between two ranks (the slowest and the fastest first), the step coarse
     at first and halved down to one ``multiple`` when no neighbour is
     faster. A neighbour replaces the best only when it is faster by more
-    than the noise (:meth:`faster`). Once settled it re-checks every
+    than the noise (:meth:`faster`); one that looks faster by more than
+    :attr:`MIN_GAIN` but within the noise is timed on for up to
+    :attr:`EXTEND` more probes, its measurements pooled, before it is taken
+    or left (under a noisy neighbour one 10-update probe's noise margin is
+    ~6% of an update, more than a split near the best gains; the extension
+    stays on one split, so it adds no back-and-forth). Once
+    settled it re-checks every
     ``interval`` updates: the best re-measured over the interval, its two
     neighbours at :meth:`recheck_step`, and, where the ranks' speeds moved
     (a neighbour came or went), the best moved by as much as the
@@ -154,6 +170,8 @@ class Balancer:
     MIN_GAIN = 0.01
     #: ... nor one below this many standard errors of the two measurements' difference (noise guard)
     Z = 3.0
+    #: probes more that a neighbour faster on average, but within the noise, is timed for (pooled)
+    EXTEND = 3
     #: measured splits kept (the oldest are forgotten)
     KEEP = 32
     #: why the search starts where it is when the ranks' compute times are not compared
@@ -189,6 +207,8 @@ class Balancer:
         self.last_move = None  # the move that found the best (a second one the same way doubles the step)
         self.quiet = 0  # re-checks in a row that found nothing faster
         self.waited = 0  # intervals since the last re-check's neighbours
+        self.extended = 0  # probes the current split was timed on for, beyond its first (pooled)
+        self.contender = None  # a split faster than the best within the noise, while the best is timed again
         self.reason = "even"
 
     # ---------------------------------------------------------------- steps
@@ -296,6 +316,9 @@ class Balancer:
         variances = [max(w[1] / w[2] - m * m, 0.0) for w, m in zip(walls, means)]
         entry = {"split": list(self.split), "s": sum(means) / len(means),
                  "se": math.sqrt(sum(variances) / len(variances) / max(n, 1)), "n": int(n), "at": int(num_updates)}
+        earlier = self.measured(self.split)
+        if earlier is not None and (self.extended or self.contender is not None and self.split == self.best):
+            entry = pooled(earlier, entry)  # timed on, or the best timed again: one measurement with the earlier
         kept = [e for e in self.tried if e["split"] != entry["split"]]
         while len(kept) > self.KEEP - 1:  # the oldest go, never the best's measurement (the search compares with it)
             del kept[next(i for i, e in enumerate(kept) if self.best is None or e["split"] != list(self.best))]
@@ -306,6 +329,10 @@ class Balancer:
         """Measurement ``a`` beats ``b`` by more than MIN_GAIN and Z standard errors."""
         margin = max(self.MIN_GAIN * b["s"], self.Z * math.hypot(a["se"], b["se"]))
         return a["s"] < b["s"] - margin
+
+    def promising(self, a, b) -> bool:
+        """``a`` beats ``b`` by more than MIN_GAIN on average, not (yet) by more than the noise."""
+        return a["s"] < b["s"] * (1 - self.MIN_GAIN) and not self.faster(a, b)
 
     def decide(self, seconds, samples, num_updates: int, walls=None):
         """Fold in each rank's compute seconds and samples since the last
@@ -324,6 +351,7 @@ class Balancer:
         entry = self.record(walls or [], num_updates)
         if any(t is None for t in self.seconds_per_sample) or entry is None:
             return self.hold(num_updates)
+        extended, self.extended = self.extended, 0  # pooled once: from here on a fresh measurement
         best = self.measured(self.best) if self.best is not None else None
         if self.phase == "start":  # the search starts from the proportional split, where it pays
             proposal = self.anchor = self.proportional()
@@ -337,18 +365,31 @@ class Balancer:
                                  + ("" if self.speeds == RankTimer.COMPUTE else f" ({self.speeds})"))
             if self.speeds is None:
                 return self.next_candidate(num_updates, gained=self.UNCOMPARED)
+        elif self.split != self.best and best is not None and self.promising(entry, best) and \
+                extended < self.EXTEND and self.shift is None:
+            # faster on average, within the noise: timed on, pooled, before it is taken or left
+            self.extended = extended + 1
+            self.mark_at = num_updates  # no warm-up: the split stays
+            self.reason = (f"{split_name(self.split)} {entry['s']:.4f} s per update against the best "
+                           f"{split_name(self.best)} {best['s']:.4f} s: faster within the noise, timed on "
+                           f"({self.extended} of {self.EXTEND})")
+            return list(self.split)
+        elif self.split != self.best and best is not None and self.promising(entry, best) and \
+                self.shift is None:
+            # still within the noise after its extension: the best (often one short probe) timed
+            # again as long, pooled, and the two compared once more
+            self.contender = list(self.split)
+            self.move(self.best, num_updates, f"{split_name(self.split)} {entry['s']:.4f} s per update over "
+                      f"{entry['n']} updates against the best {split_name(self.best)} {best['s']:.4f} s: faster "
+                      f"within the noise; the best timed again")
+            self.next_check = num_updates + self.probe * (self.EXTEND + 1)
+            return list(self.split)
         elif self.split != self.best and best is not None and self.faster(entry, best):
-            gained = f"faster than {self.best} ({entry['s']:.4f} s against {best['s']:.4f} s per update)"
-            move = [a - b for a, b in zip(self.split, self.best)]
-            if self.last_move is not None and [m > 0 for m in move] == [m > 0 for m in self.last_move] and \
-                    [m < 0 for m in move] == [m < 0 for m in self.last_move]:
-                self.step = min(self.step * 2, self.widest_step())  # the same way again: larger strides
-            self.best, self.rechecking, self.last_move, self.quiet = list(self.split), False, move, 0
-            self.queue = self.neighbours(self.best, self.step)
-            onward = [b + (self.step if m > 0 else -self.step if m < 0 else 0) for b, m in zip(self.best, move)]
-            if self.allowed(onward):  # the way that paid first
-                self.queue = [onward] + [c for c in self.queue if c != onward]
-            return self.next_candidate(num_updates, gained=gained)
+            return self.take(entry, best, num_updates)
+        elif self.contender is not None and self.split == self.best:  # the best re-timed against the contender
+            contender, self.contender = self.measured(self.contender), None
+            if contender is not None and self.faster(contender, entry) and self.shift is None:
+                return self.take(contender, entry, num_updates)
         elif self.split == self.best and was_settled:  # the best re-measured over the interval
             if self.shift is None and self.waited < 2 ** min(self.quiet, 2) - 1:
                 # calm: the neighbours are timed every 1, 2, then 4 intervals while none was faster
@@ -364,16 +405,34 @@ class Balancer:
             return self.restart(num_updates)
         return self.next_candidate(num_updates)
 
+    def take(self, entry, best, num_updates):
+        """The measured ``entry`` is faster than ``best`` beyond the noise:
+        its split is the best, the search goes on around it, first onward
+        the way that paid."""
+        gained = f"faster than {self.best} ({entry['s']:.4f} s against {best['s']:.4f} s per update)"
+        move = [a - b for a, b in zip(entry["split"], self.best)]
+        if self.last_move is not None and [m > 0 for m in move] == [m > 0 for m in self.last_move] and \
+                [m < 0 for m in move] == [m < 0 for m in self.last_move]:
+            self.step = min(self.step * 2, self.widest_step())  # the same way again: larger strides
+        self.best, self.rechecking, self.last_move, self.quiet = list(entry["split"]), False, move, 0
+        self.queue = self.neighbours(self.best, self.step)
+        onward = [b + (self.step if m > 0 else -self.step if m < 0 else 0) for b, m in zip(self.best, move)]
+        if self.allowed(onward):  # the way that paid first
+            self.queue = [onward] + [c for c in self.queue if c != onward]
+        return self.next_candidate(num_updates, gained=gained)
+
     @property
     def shift(self):
         """How far the proportional split moved since the search last
-        started from it, where that is a coarse step or more (a neighbour
+        started from it, where that is two coarse steps or more (a neighbour
         came or went, the ranks' speeds changed): else None."""
         if self.speeds is None:  # the ranks' compute times hold their waits: no measure of speed to follow
             return None
         proposal = self.proportional()
         shift = [p - a for p, a in zip(proposal, self.anchor or proposal)]
-        return shift if max(abs(d) for d in shift) >= self.coarse_step() else None
+        # two steps: a noisy neighbour's own ups and downs move the proportional split by
+        # about one (measured: 38..46 of 64 within one run), and each restart loses the search
+        return shift if max(abs(d) for d in shift) >= 2 * self.coarse_step() else None
 
     def restart(self, num_updates):
         """The ranks' speeds changed: the times measured before are stale.
@@ -413,8 +472,11 @@ class Balancer:
         self.step = self.coarse_step()
         self.next_check = num_updates + self.interval  # a whole interval on the best before its next re-check
         best = self.measured(self.best)
-        why = (f"{gained}; " if gained else "") + \
-            f"the best measured ({best['s']:.4f} s per update); no neighbour faster"
+        within = sorted((e for e in self.tried if e["at"] >= self.round_start and e["split"] != self.best
+                         and e["s"] < best["s"]), key=lambda e: e["s"])
+        why = (f"{gained}; " if gained else "") + f"the best measured ({best['s']:.4f} s per update); " + (
+            f"no neighbour faster beyond the noise ({split_name(within[0]['split'])} {within[0]['s']:.4f} s, "
+            f"within {self.Z:g} standard errors or {self.MIN_GAIN:.0%})" if within else "no neighbour faster")
         if self.split == self.best:  # kept: reported, since the last line named it a candidate
             self.mark_at, self.reason = num_updates, why
             return list(self.split)
@@ -448,7 +510,8 @@ class Balancer:
                            "queue": [list(s) for s in self.queue], "step": self.step,
                            "rechecking": self.rechecking, "anchor": self.anchor, "reason": self.reason,
                            "round_start": self.round_start, "last_move": self.last_move,
-                           "quiet": self.quiet, "waited": self.waited,
+                           "quiet": self.quiet, "waited": self.waited, "extended": self.extended,
+                           "contender": self.contender,
                            "seconds_per_sample": list(self.seconds_per_sample)}}
 
     def load_state_dict(self, state):
@@ -464,6 +527,7 @@ class Balancer:
             self.rechecking, self.anchor, self.reason = search["rechecking"], search["anchor"], search["reason"]
             self.round_start, self.last_move = int(search["round_start"]), search["last_move"]
             self.quiet, self.waited = int(search["quiet"]), int(search["waited"])
+            self.extended, self.contender = int(search.get("extended", 0)), search.get("contender")
             self.seconds_per_sample = list(search["seconds_per_sample"])
         else:  # another world size, global batch or unit: the even split, re-measured
             self.reset(even_split(self.total, self.world, self.multiple))
