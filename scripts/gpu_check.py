@@ -202,17 +202,28 @@ def junit_counts(path):
 
 
 def run_pytest(label, args, tmp, log):
+    """pytest on ``args``, its output written to ``log`` as it comes (one
+    test per line): where the device's time runs out mid-run, the log that
+    comes back says which tests passed and which one was running."""
     xml = Path(tmp) / f"{label}.xml"
-    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-rs", "-p", "no:cacheprovider", "--junitxml", str(xml)]
+    cmd = [sys.executable, "-m", "pytest", *args, "-v", "-rs", "-p", "no:cacheprovider", "--junitxml", str(xml)]
     say(f"{label}: {shlex.join(cmd[2:])}")
     started = time.monotonic()
-    done = subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log.write(f"$ {shlex.join(cmd)}\n{done.stdout}\n")
+    log.write(f"$ {shlex.join(cmd)}\n")
     log.flush()
+    output = []
+    with subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+            text = chunk.decode(errors="replace")
+            output.append(text)
+            log.write(text)
+            log.flush()
+    stdout = "".join(output)
+    log.write("\n")
     counts = junit_counts(xml) or {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
-                                   "failed_names": [f"pytest exited with {done.returncode} and wrote no results"]}
-    counts.update(exit_code=done.returncode, seconds=round(time.monotonic() - started, 1),
-                  summary=(done.stdout.strip().splitlines() or [""])[-1])
+                                   "failed_names": [f"pytest exited with {proc.returncode} and wrote no results"]}
+    counts.update(exit_code=proc.returncode, seconds=round(time.monotonic() - started, 1),
+                  summary=(stdout.strip().splitlines() or [""])[-1])
     say(f"{label}: {counts['summary']}")
     return counts
 
@@ -384,10 +395,16 @@ def main(argv):
             say("no package missing")
         say(f"{', '.join(versions.get('gpus') or ['no GPU name'])}, driver {versions.get('driver')}, torch {versions.get('torch')} "
             f"(CUDA {versions.get('cuda_build')})")
+        # the report as far as it has come, after each stage: a run cut short still leaves one
+        report.update(status="incomplete", summary="The check was cut short: the stages listed ran (tests.log "
+                                                   "shows the test that was running).")
+        write_report(out, report)
         report["tests"]["tests/test_gpu.py -m cuda"] = run_pytest("gpu", ["-m", "cuda", "tests/test_gpu.py"], tmp,
                                                                    tests_log)
+        write_report(out, report)
         report["tests"]["tests/test_cuda_paths.py"] = run_pytest("cuda-paths", ["tests/test_cuda_paths.py"], tmp,
                                                                  tests_log)
+        write_report(out, report)
         if opts["bench"]:
             with open(out / "bench.log", "w") as bench_log:
                 report["benchmarks"] = benchmarks(opts, tmp, bench_log)

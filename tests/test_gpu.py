@@ -18,6 +18,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -542,3 +543,31 @@ def test_gpu_check_report_from_results(tmp_path):
     assert "| bert-base bf16, eager | trainer | 880.0 | 112640.0 | - | 40.0% | 9.8 |" in md
     assert "| bert-base bf16, --compile | failed: boom |" in md and "installed from /w: hyperopt" in md
     assert json.loads((tmp_path / "out" / "gpu-report.json").read_text())["tests"]["tests/test_gpu.py -m cuda"] == counts
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_writes_the_test_log_as_it_goes_so_a_cut_run_leaves_it(tmp_path):
+    """The device's time limit kills a check mid-run (the whole process
+    group, as a timeout does): tests.log already names the tests that passed
+    and the one that was running."""
+    import time
+    (tmp_path / "test_cut.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                          "def test_hangs():\n    time.sleep(600)\n")
+    log = tmp_path / "tests.log"
+    script = (f"import importlib.util\n"
+              f"spec = importlib.util.spec_from_file_location('gpu_check', {str(REPO / 'scripts' / 'gpu_check.py')!r})\n"
+              f"gc = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(gc)\n"
+              f"with open({str(log)!r}, 'w') as log:\n"
+              f"    gc.run_pytest('cut', [{str(tmp_path / 'test_cut.py')!r}, '-p', 'no:timeout'], {str(tmp_path)!r}, log)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=clean_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 150
+        while "test_hangs" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text() if log.exists() else None
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = log.read_text()
+    assert "test_cut.py::test_quick PASSED" in text and "test_cut.py::test_hangs" in text, text
