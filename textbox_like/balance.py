@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 
 SLOW_RANK_ENV = "TEXTBOX_LIKE_SLOW_RANK"
@@ -113,12 +114,22 @@ def micro_batches_by_tokens(tokens, cap_tokens: int, cap_samples: int | None = N
 
 def pooled(a, b) -> dict:
     """Two measurements of one split (``{"s", "se", "n", "at"}``: mean
-    seconds per update, its standard error, updates) as one: their updates'
-    mean and spread, the spread between the two means included."""
+    seconds per update, its standard error, updates; ``probes``: the mean of
+    each probe pooled into it) as one: their updates' mean and spread, the
+    spread between the two means included. Update times that swing from one
+    probe to the next (a noisy neighbour's) are not independent updates, so
+    the standard error has two parts: the updates' spread over all of them,
+    and the probe means' spread beyond what that spread alone would give,
+    over the number of probes (a random-effects estimate), from three probes
+    on (the spread of two means says too little: taken from two, it hid
+    gains of 5% that four probes against two showed)."""
     n = a["n"] + b["n"]
     mean = (a["s"] * a["n"] + b["s"] * b["n"]) / n
     square = sum(e["n"] * (e["se"] ** 2 * e["n"] + e["s"] ** 2) for e in (a, b)) / n  # mean of squared seconds
-    return {**b, "s": mean, "se": math.sqrt(max(square - mean * mean, 0.0) / n), "n": n}
+    variance = max(square - mean * mean, 0.0)
+    probes = a.get("probes", [a["s"]]) + b.get("probes", [b["s"]])
+    swing = max(statistics.variance(probes) - variance * len(probes) / n, 0.0) if len(probes) >= 3 else 0.0
+    return {**b, "s": mean, "se": math.sqrt(variance / n + swing / len(probes)), "n": n, "probes": probes}
 
 
 def split_name(split) -> str:
@@ -144,10 +155,13 @@ class Balancer:
     faster. A neighbour replaces the best only when it is faster by more
     than the noise (:meth:`faster`); one that looks faster by more than
     :attr:`MIN_GAIN` but within the noise is timed on for up to
-    :attr:`EXTEND` more probes, its measurements pooled, before it is taken
+    :attr:`EXTEND` more probes, its measurements pooled; still within the
+    noise, the best is timed again (:meth:`retime_length`, pooled with its
+    earlier probe) and the two compared once more, before the split is taken
     or left (under a noisy neighbour one 10-update probe's noise margin is
-    ~6% of an update, more than a split near the best gains; the extension
-    stays on one split, so it adds no back-and-forth). Once
+    ~6% of an update, more than a split near the best gains). That return to
+    the best is the one back-and-forth of an interval: it lasts an interval
+    at least, so going on to the split taken after it is not a second. Once
     settled it re-checks every
     ``interval`` updates: the best re-measured over the interval, its two
     neighbours at :meth:`recheck_step`, and, where the ranks' speeds moved
@@ -280,14 +294,30 @@ class Balancer:
     def start(self, num_updates: int):
         """Measuring starts (a fresh run or a resume): the first update warms
         up, the exchange after at most FIRST updates (a resume's search
-        continues where it was, on a fresh probe)."""
+        continues where it was, on a fresh probe; the best's re-timing
+        against a contender as long as it is)."""
         if self.phase == "start":
             self.next_check = num_updates + min(self.FIRST, self.interval)
         elif self.phase == "settled":  # the re-check an interval on
             self.next_check = num_updates + self.interval
+        elif self.contender is not None:
+            self.next_check = num_updates + self.retime_length()
         else:
             self.next_check = num_updates + self.probe
         self.mark_at = num_updates + 1
+
+    def retime_length(self) -> int:
+        """Updates the best is timed again against a contender: as long as
+        the contender was (its EXTEND + 1 probes), and an interval at least,
+        so that going on to the contender afterwards is no second return
+        within an interval."""
+        return max(self.interval, self.probe * (self.EXTEND + 1))
+
+    def fresh_for(self) -> int:
+        """Updates a measurement stays fresh within a round: a split measured
+        this recently is not tried again (a contender left after the best's
+        re-timing among them)."""
+        return max(self.interval, 4 * self.probe, self.retime_length())
 
     def due(self, num_updates: int) -> bool:
         return self.enabled and self.next_check is not None and num_updates >= self.next_check
@@ -382,7 +412,7 @@ class Balancer:
             self.move(self.best, num_updates, f"{split_name(self.split)} {entry['s']:.4f} s per update over "
                       f"{entry['n']} updates against the best {split_name(self.best)} {best['s']:.4f} s: faster "
                       f"within the noise; the best timed again")
-            self.next_check = num_updates + self.probe * (self.EXTEND + 1)
+            self.next_check = num_updates + self.retime_length()
             return list(self.split)
         elif self.split != self.best and best is not None and self.faster(entry, best):
             return self.take(entry, best, num_updates)
@@ -390,6 +420,11 @@ class Balancer:
             contender, self.contender = self.measured(self.contender), None
             if contender is not None and self.faster(contender, entry) and self.shift is None:
                 return self.take(contender, entry, num_updates)
+            if contender is not None and self.shift is None:
+                return self.next_candidate(num_updates, gained=(
+                    f"{split_name(contender['split'])} {contender['s']:.4f} s per update over {contender['n']} "
+                    f"updates against the best {split_name(self.best)} {entry['s']:.4f} s over {entry['n']}: "
+                    f"within the noise, left"))
         elif self.split == self.best and was_settled:  # the best re-measured over the interval
             if self.shift is None and self.waited < 2 ** min(self.quiet, 2) - 1:
                 # calm: the neighbours are timed every 1, 2, then 4 intervals while none was faster
@@ -456,7 +491,7 @@ class Balancer:
         step, or the best (settled until the next re-check). ``gained``: why
         the best just changed, for the reason."""
         # a split measured in this round (and recently) is not tried again in it
-        fresh_since = max(self.round_start, num_updates - max(self.interval, 4 * self.probe))
+        fresh_since = max(self.round_start, num_updates - self.fresh_for())
         while True:
             while self.queue:
                 candidate = self.queue.pop(0)
@@ -475,7 +510,7 @@ class Balancer:
         within = sorted((e for e in self.tried if e["at"] >= self.round_start and e["split"] != self.best
                          and e["s"] < best["s"]), key=lambda e: e["s"])
         why = (f"{gained}; " if gained else "") + f"the best measured ({best['s']:.4f} s per update); " + (
-            f"no neighbour faster beyond the noise ({split_name(within[0]['split'])} {within[0]['s']:.4f} s, "
+            f"no split tried faster beyond the noise ({split_name(within[0]['split'])} {within[0]['s']:.4f} s, "
             f"within {self.Z:g} standard errors or {self.MIN_GAIN:.0%})" if within else "no neighbour faster")
         if self.split == self.best:  # kept: reported, since the last line named it a candidate
             self.mark_at, self.reason = num_updates, why
