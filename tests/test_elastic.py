@@ -119,6 +119,17 @@ def children(pid) -> list:
     return found
 
 
+def signal_pending(pid, signum) -> bool:
+    """Whether ``signum`` waits to be delivered to process ``pid`` (a stopped
+    one receives it when continued): its bit in /proc's pending masks."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M)
+    return any(int(mask, 16) >> (signum - 1) & 1 for mask in masks)
+
+
 def resumed_updates(text) -> list:
     return [int(u) for u in re.findall(r"resumed from \S+: epoch \d+, update (\d+)", text)]
 
@@ -144,7 +155,19 @@ def test_a_node_leaves_then_one_joins_and_the_run_equals_one_process(data, tmp_p
     # then a node joins: A's workers stop by SIGTERM, save, and both resume at world size 2
     a.wait_for_update(left_at + 10)
     assert "lost a peer of this run" in a.text() and "world size 1" in a.text().split("resumed from")[1]
-    c = Node(port, tmp_path / "c.log", train)
+    # A's worker is held (SIGSTOP) until its agent has seen C and asked it to stop: on a loaded machine it could
+    # otherwise train to the end alone before C's agent has started, and C find no run to join
+    (worker,) = children(a.proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        c = Node(port, tmp_path / "c.log", train)
+        deadline = time.monotonic() + 240
+        while not signal_pending(worker, signal.SIGTERM):
+            assert a.proc.poll() is None and c.proc.poll() is None, (a.text()[-2000:], c.text()[-2000:])
+            assert time.monotonic() < deadline, c.text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        os.kill(worker, signal.SIGCONT)
     assert a.finish(300) == 0, a.text()[-3000:]
     assert c.finish(120) == 0, c.text()[-3000:]
     assert time.monotonic() - killed < 300
