@@ -1,7 +1,5 @@
 """``python -m textbox_like COMMAND ...``: the ``textbox-like`` command (see commands.py)."""
-import sys
-
-from .commands import main
+from .commands import console
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

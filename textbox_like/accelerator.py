@@ -15,7 +15,7 @@ import os
 import sys
 
 from . import sharding
-from .distributed import bind_device, claim_accelerate_state, one_rank_group, uses_cuda
+from .distributed import bind_device, claim_accelerate_state, note_group, one_rank_group, uses_cuda
 from .errors import UserError
 
 PRECISIONS = {"float32": "no", "float64": "no", "float16": "fp16", "bfloat16": "bf16"}
@@ -218,4 +218,7 @@ def build_accelerator(cfg, placement, log_with=None):
         raise UserError(f"Accelerate sees {accelerator.num_processes} process(es) but this run has "
                         f"{placement.world_size}; on a machine without CUDA start with "
                         f"'accelerate launch --multi_gpu --num_processes N' or '--distributed-world-size N'")
+    import torch.distributed as dist
+    if dist.is_initialized():
+        note_group()
     return accelerator, sources

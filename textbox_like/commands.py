@@ -64,5 +64,12 @@ def main(argv=None):
     return entry(argv[1:])
 
 
+def console():
+    """The installed ``textbox-like`` command (and ``python -m textbox_like``):
+    main(), then the way out a training process needs (cli.leave)."""
+    from .cli import leave
+    leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

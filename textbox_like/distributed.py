@@ -353,9 +353,8 @@ def run_local_ranks(placements, resolved, timeout, environment=None):
     the others are stopped after at most ``timeout`` seconds (30 at most).
     ``environment``: variables the children get on top of this process's.
     Returns the exit code for this node."""
-    argv = [sys.executable, "-c", "import sys; from textbox_like.cli import run_resolved; "
-                                  "from textbox_like.preemption import leaving; "
-                                  "sys.exit(leaving(run_resolved(sys.argv[1])))", resolved]
+    argv = [sys.executable, "-c", "import sys; from textbox_like.cli import leave, run_resolved; "
+                                  "leave(run_resolved(sys.argv[1]))", resolved]
     return _supervise(placements, argv, timeout, environment)
 
 
@@ -544,6 +543,7 @@ def _check_peers(peers):
 
 
 _LONG_GROUP = None
+_RANK_OF_A_GROUP = False  # see note_group
 _OWN_LOCAL_RANK = False  # LOCAL_RANK set by one_rank_group, not by a launcher
 _OWN_TORCH_DEVICE = False  # ACCELERATE_TORCH_DEVICE set by bind_device, not by a launcher
 # Accelerate's process-wide states made by this run's Accelerator (each apart:
@@ -632,6 +632,18 @@ def main_then_local_main_first(accelerator):
     return _FirstThenOthers(accelerator)
 
 
+def note_group():
+    """This process is a rank of a process group (also after the group is
+    destroyed: Accelerate's end_training destroys one): it leaves without
+    the interpreter's teardown (cli.leave)."""
+    global _RANK_OF_A_GROUP
+    _RANK_OF_A_GROUP = True
+
+
+def was_rank_of_a_group() -> bool:
+    return _RANK_OF_A_GROUP
+
+
 def cleanup():
     """The end of a run in this process: its process group gone, and what
     it set up for Accelerate (LOCAL_RANK, ACCELERATE_TORCH_DEVICE, the
@@ -653,6 +665,7 @@ def cleanup():
     try:
         import torch.distributed as dist
         if dist.is_initialized():
+            note_group()
             dist.destroy_process_group()
     except Exception:
         pass
