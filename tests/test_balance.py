@@ -948,8 +948,8 @@ if os.environ["RANK_UNDER_TEST"] == os.environ["OOM_RANK"]:
         loss_sum, stats = real(self, model, batch)
         return (OutOfMemoryInBackward.apply(loss_sum) if too_big else loss_sum), stats
     MNISTTask.loss = loss
-from textbox_like.cli import main
-sys.exit(main(sys.argv[1:]))
+from textbox_like.cli import leave, main
+leave(main(sys.argv[1:]))
 '''
 
 

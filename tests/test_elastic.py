@@ -139,46 +139,55 @@ def test_a_node_leaves_then_one_joins_and_the_run_equals_one_process(data, tmp_p
     save = tmp_path / "save"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
     port = free_port()
-    a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True)
-    b = Node(port, tmp_path / "b.log", train)
-    a.wait_for_update(15)
-    k = a.last_update()
-    b.die()
-    killed = time.monotonic()
-    # A notices, saves the last completed update, torchrun restarts it alone: it resumes there
-    deadline = time.monotonic() + 240
-    while not resumed_updates(a.text()):
-        assert a.proc.poll() is None and time.monotonic() < deadline, a.text()[-3000:]
-        time.sleep(0.1)
-    left_at = resumed_updates(a.text())[0]
-    assert left_at in (k, k + 1) or left_at >= k - 1, (k, left_at)  # at most the update in flight is redone
-    # then a node joins: A's workers stop by SIGTERM, save, and both resume at world size 2
-    a.wait_for_update(left_at + 10)
-    assert "lost a peer of this run" in a.text() and "world size 1" in a.text().split("resumed from")[1]
-    # A's worker is held (SIGSTOP) until its agent has seen C and asked it to stop: on a loaded machine it could
-    # otherwise train to the end alone before C's agent has started, and C find no run to join
-    (worker,) = children(a.proc.pid)
-    os.kill(worker, signal.SIGSTOP)
+    nodes = []
     try:
-        c = Node(port, tmp_path / "c.log", train)
+        a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True)
+        nodes.append(a)
+        b = Node(port, tmp_path / "b.log", train)
+        nodes.append(b)
+        a.wait_for_update(15)
+        k = a.last_update()
+        b.die()
+        killed = time.monotonic()
+        # A notices, saves the last completed update, torchrun restarts it alone: it resumes there
         deadline = time.monotonic() + 240
-        while not signal_pending(worker, signal.SIGTERM):
-            assert a.proc.poll() is None and c.proc.poll() is None, (a.text()[-2000:], c.text()[-2000:])
-            assert time.monotonic() < deadline, c.text()[-3000:]
-            time.sleep(0.05)
-    finally:
-        os.kill(worker, signal.SIGCONT)
-    assert a.finish(300) == 0, a.text()[-3000:]
-    assert c.finish(120) == 0, c.text()[-3000:]
-    assert time.monotonic() - killed < 300
-    joined = resumed_updates(a.text())
-    assert len(joined) == 2 and joined[1] > left_at, a.text()[-3000:]
-    assert "world size 2" in a.text().split("resumed from")[-1]
-    results = json.loads((save / "results.json").read_text())
-    assert results["num_updates"] == UPDATES and results["samples_trained"] == UPDATES * GLOBAL
-    assert results["world_size"] == 2
-    assert not (save / "elastic.json").exists()  # the run ended: no restart would resume it
-    assert_params_close(params(save), one_process)
+        while not resumed_updates(a.text()):
+            assert a.proc.poll() is None and time.monotonic() < deadline, a.text()[-3000:]
+            time.sleep(0.1)
+        left_at = resumed_updates(a.text())[0]
+        assert left_at in (k, k + 1) or left_at >= k - 1, (k, left_at)  # at most the update in flight is redone
+        # then a node joins: A's workers stop by SIGTERM, save, and both resume at world size 2
+        a.wait_for_update(left_at + 10)
+        assert "lost a peer of this run" in a.text() and "world size 1" in a.text().split("resumed from")[1]
+        # A's worker is held (SIGSTOP) until its agent has seen C and asked it to stop: on a loaded machine it could
+        # otherwise train to the end alone before C's agent has started, and C find no run to join
+        (worker,) = children(a.proc.pid)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            c = Node(port, tmp_path / "c.log", train)
+            nodes.append(c)
+            deadline = time.monotonic() + 240
+            while not signal_pending(worker, signal.SIGTERM):
+                assert a.proc.poll() is None and c.proc.poll() is None, (a.text()[-2000:], c.text()[-2000:])
+                assert time.monotonic() < deadline, c.text()[-3000:]
+                time.sleep(0.05)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert a.finish(300) == 0, a.text()[-3000:]
+        assert c.finish(120) == 0, c.text()[-3000:]
+        assert time.monotonic() - killed < 300
+        joined = resumed_updates(a.text())
+        assert len(joined) == 2 and joined[1] > left_at, a.text()[-3000:]
+        assert "world size 2" in a.text().split("resumed from")[-1]
+        results = json.loads((save / "results.json").read_text())
+        assert results["num_updates"] == UPDATES and results["samples_trained"] == UPDATES * GLOBAL
+        assert results["world_size"] == 2
+        assert not (save / "elastic.json").exists()  # the run ended: no restart would resume it
+        assert_params_close(params(save), one_process)
+    finally:  # no agent left running (each is in a session of its own) when an assertion fails
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.die()
 
 
 def running(pid) -> bool:

@@ -63,3 +63,29 @@ def test_a_process_of_one_rank_keeps_its_teardown(small_mnist_dir, tmp_path):
     done, marks, _ = marked_run(tmp_path, small_mnist_dir, command=("-m", "textbox_like", "train"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert marks == ["-"]
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_over_file_leave_no_rendezvous_file_and_the_same_command_runs_again(small_mnist_dir, tmp_path):
+    """Ranks started by hand (--distributed-no-spawn) over file://: torch's
+    FileStore removes its file only in its destructor, which a rank's way
+    out no longer runs (and DDP kept from running before): the run removes
+    it at its end, and the same command run again at once trains (with the
+    file left, its rendezvous hung until the timeout)."""
+    rdzv = tmp_path / "rdzv"
+
+    def two_nodes(save):
+        common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+                  "--distributed-gpus", "1", "--distributed-no-spawn", "--distributed-timeout", "60"]
+        procs = [subprocess.Popen([sys.executable, "run_hetseq.py", *base_args(small_mnist_dir, save, *common,
+                                                                              "--distributed-rank", rank)],
+                                  cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for rank in ("0", "1")]
+        errs = [p.communicate(timeout=200)[1] for p in procs]
+        return [p.returncode for p in procs], errs
+
+    for save in (tmp_path / "first", tmp_path / "again"):
+        codes, errs = two_nodes(save)
+        assert codes == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+        assert not rdzv.exists()
+        assert json.loads((save / "results.json").read_text())["num_updates"] == 4

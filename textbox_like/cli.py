@@ -41,27 +41,32 @@ def run_resolved(path):
 
 
 def leave(code):
-    """The end of a process that ran a command: exit with ``code`` (signals
-    ignored from here: preemption.leaving). A rank of a process group leaves
-    without the interpreter's teardown, its output flushed: DDP's reducer
-    keeps the group's gloo threads alive past destroy_process_group (torch
-    2.14), and destroying them while the interpreter shuts down aborted a
-    rank of a run that had finished and saved everything (SIGABRT,
-    "terminate called without an active exception", exit 134)."""
+    """The end of a process that ran a command: exit with ``code`` as
+    sys.exit would (signals ignored from here: preemption.leaving). A rank
+    of a process group (also one process with a group of its own: --fsdp on
+    a GPU) leaves without the interpreter's teardown, its output flushed:
+    DDP's reducer keeps the group's gloo threads alive past
+    destroy_process_group (torch 2.14), and destroying them while the
+    interpreter shut down aborted, now and then, a rank of a run that had
+    finished and saved everything (SIGABRT, "terminate called without an
+    active exception", exit 134)."""
     import logging
 
     from . import distributed
     from .preemption import leaving
     code = leaving(0 if code is None else code)
-    if distributed.was_rank_of_a_group():
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code if isinstance(code, int) else 1)  # sys.exit's rule: a message exits 1
-    sys.exit(code)
+    if not distributed.was_rank_of_a_group():
+        sys.exit(code)
+    if not isinstance(code, int):  # sys.exit's rule: a message is printed and exits 1
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # no stream (None), or closed
+            pass
+    os._exit(code)
 
 
 def exit_code(work):

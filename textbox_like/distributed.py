@@ -407,6 +407,17 @@ def _supervise(placements, argv, timeout, environment=None):
     return code
 
 
+def remove_rendezvous_file(cfg) -> None:
+    """This run's file:// rendezvous file gone, once no rank needs it (the
+    run ended, or its one survivor hands over): a rerun of the same command
+    within --distributed-timeout would otherwise find it fresh and hang in
+    its rendezvous. Only while the run is this process's (fileio.remove)."""
+    from .fileio import remove
+    init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or cfg.distributed.distributed_init_method or ""
+    if init.startswith("file://"):
+        remove(urlparse(init).path)
+
+
 def _handle_stale_file(path, rank, timeout):
     """A FileStore file left by a crashed run makes the next rendezvous hang.
     A file older than the timeout cannot belong to a run still gathering (that

@@ -30,7 +30,7 @@ from ..errors import UserError
 from ..fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-TRAINER = "import sys; from textbox_like.cli import run_resolved; sys.exit(run_resolved(sys.argv[1]))"
+TRAINER = "import sys; from textbox_like.cli import leave, run_resolved; leave(run_resolved(sys.argv[1]))"
 TRIAL_CONFIG = "trial_config.yaml"
 PREEMPTED = 75
 

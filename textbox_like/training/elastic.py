@@ -10,13 +10,12 @@ full sharding the lost rank's shards exist nowhere else: the restart goes on
 from the last checkpoint, and the updates since it are lost."""
 from __future__ import annotations
 
-import os
 import sys
 
+from .. import distributed
 from ..checkpoint import rng_state
 from ..errors import UserError, first_line
 from ..faults import SaveFailed, failed_writing, os_reason
-from ..fileio import remove
 from ..preemption import PREEMPTED_EXIT_CODE
 
 
@@ -55,9 +54,7 @@ def restart_notes(trainer, update: int) -> None:
     from .. import elastic
     t = trainer
     elastic.write_handoff(t.cfg.checkpoint.save_dir, t.agent, update, t.global_batch.total(), "lost peer")
-    init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or t.cfg.distributed.distributed_init_method or ""
-    if init.startswith("file://"):  # a rerun must not find this run's rendezvous file
-        remove(init[len("file://"):])
+    distributed.remove_rendezvous_file(t.cfg)
 
 
 def run_claim(trainer, note: str):

@@ -252,6 +252,8 @@ class Lifecycle:
         t.log.close()
         t.preemption.close()
         acc.wait_for_everyone()
+        if t.is_main:  # every rank is past its last collective: none needs the rendezvous any more
+            distributed.remove_rendezvous_file(cfg)
         acc.end_training()
         if t.is_main and not cfg.checkpoint.no_save:
             self.plot_curves()
