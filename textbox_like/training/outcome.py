@@ -133,10 +133,7 @@ def trainer_stopped(trainer, exc) -> int:
             message += f"; saving failed too ({allocation_reason(again)})"
     else:
         message += getattr(exc, "after_save", "")
-    # every rank stops together here, so leaving the group (and the rendezvous: a
-    # rerun with --resume must not find its file) is safe (see cli.run)
-    if trainer.is_main:
-        distributed.remove_rendezvous_file(trainer.cfg)
+    # every rank stops together here, so leaving the group is safe (see cli.run)
     distributed.cleanup()
     print(f"error: {message}", file=sys.stderr)
     return exc.exit_code
