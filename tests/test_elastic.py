@@ -345,12 +345,9 @@ def test_ranks_whose_save_directories_list_different_checkpoints_resume_from_ran
     assert "done | updates 8" in outs[0]
 
 
-def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
-    """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75
-    with one line each; one writes the emergency checkpoint, the hand-off
-    note and removes the rendezvous file, before the other (rank 0, the lock
-    holder, or not) lets go of the run; nobody is refused as no longer
-    owning it (77)."""
+def three_ranks_at_update_5(data, tmp_path):
+    """Three ranks over file:// (rank 0 holds the run's lock), once rank 0 is
+    past update 4: (the ranks, the save directory, the rendezvous file)."""
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
     ranks = [subprocess.Popen([PY, "run_hetseq.py", *train, "--distributed-init-method", f"file://{rdzv}",
@@ -359,22 +356,73 @@ def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
                               stderr=open(tmp_path / f"r{r}.log", "w"), text=True) for r in range(3)]
     log0 = tmp_path / "r0.log"
     deadline = time.monotonic() + 300
-    while not re.search(r"\| update (?:[5-9]|1\d) \|", log0.read_text()):
-        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
-        time.sleep(0.05)
-    ranks[2].kill()
-    assert [ranks[r].wait(timeout=180) for r in (0, 1)] == [75, 75], \
-        [(tmp_path / f"r{r}.log").read_text()[-2000:] for r in (0, 1)]
+    try:
+        while not re.search(r"\| update (?:[5-9]|1\d) \|", log0.read_text()):
+            assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+            time.sleep(0.05)
+    except BaseException:
+        for rank in ranks:
+            rank.kill()
+        raise
+    return ranks, save, rdzv
+
+
+def survivors_lines(tmp_path, survivors=(0, 1)):
+    """Each survivor's one error line (no traceback, nobody refused as no
+    longer owning the run), and the update the one writer saved."""
     lines = []
-    for r in (0, 1):
+    for r in survivors:
         text = (tmp_path / f"r{r}.log").read_text()
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in text and "no longer owns" not in text, text[-3000:]
         lines.append(errors[0])
     writers = [line for line in lines if re.search(r"saved update \d+ to ", line)]
     assert len(writers) == 1 and sum("another survivor saved update" in line for line in lines) == 1, lines
-    saved = int(re.search(r"saved update (\d+)", writers[0]).group(1))
+    return lines, int(re.search(r"saved update (\d+)", writers[0]).group(1))
+
+
+@pytest.mark.timeout(400)
+def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
+    """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75
+    with one line each; one writes the emergency checkpoint, the hand-off
+    note and removes the rendezvous file, before the other (rank 0, the lock
+    holder, or not) lets go of the run; nobody is refused as no longer
+    owning it (77)."""
+    ranks, save, rdzv = three_ranks_at_update_5(data, tmp_path)
+    ranks[2].kill()
+    assert [ranks[r].wait(timeout=180) for r in (0, 1)] == [75, 75], \
+        [(tmp_path / f"r{r}.log").read_text()[-2000:] for r in (0, 1)]
+    _, saved = survivors_lines(tmp_path)
     assert list(save.glob(f"checkpoint_*_{saved}.pt")) and (save / "elastic.json").exists()
+    assert not rdzv.exists() and not (save / "run.lock").exists() and not list(save.glob(".emergency-*"))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("late", [0, 1])
+def test_a_survivor_that_comes_after_the_writer_has_left_writes_nothing(data, tmp_path, late):
+    """Survivors see a lost peer at different times (on a loaded machine,
+    seconds apart). One survivor is held (SIGSTOP, before the peer dies) until
+    the other has saved, written its note and exited 75; continued, it finds
+    the writer's hand-off note and exits 75 without writing: not a second
+    save of the run (the late one holds the run's lock, rank 0), nor a refusal
+    as no longer owning it (rank 1: the writer, rank 0, ended the run)."""
+    ranks, save, rdzv = three_ranks_at_update_5(data, tmp_path)
+    writer = 1 - late
+    try:
+        os.kill(ranks[late].pid, signal.SIGSTOP)  # first: it must not see the loss before the writer has left
+        ranks[2].kill()
+        assert ranks[writer].wait(timeout=180) == 75, (tmp_path / f"r{writer}.log").read_text()[-2000:]
+        written = {path.name: path.stat().st_mtime_ns for path in save.glob("checkpoint_*.pt")}
+        note = (save / "elastic.json").read_text()
+    finally:
+        os.kill(ranks[late].pid, signal.SIGCONT)
+    assert ranks[late].wait(timeout=180) == 75, (tmp_path / f"r{late}.log").read_text()[-2000:]
+    lines, saved = survivors_lines(tmp_path)
+    assert re.search(rf"saved update {saved} to ", lines[writer]) and \
+        f"another survivor saved update {saved}" in lines[late], lines
+    # the late survivor wrote nothing: every checkpoint and the note as the writer left them
+    assert {path.name: path.stat().st_mtime_ns for path in save.glob("checkpoint_*.pt")} == written
+    assert (save / "elastic.json").read_text() == note and json.loads(note)["update"] == saved
     assert not rdzv.exists() and not (save / "run.lock").exists() and not list(save.glob(".emergency-*"))
 
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from .fileio import atomic_write_text, remove
-from .savelock import check_owner
+from .savelock import check_owner, owner_token
 from .torchrun_env import HANDOFF_NAME, Agent, read_handoff  # noqa: F401  (elastic's names)
 
 
@@ -53,9 +53,11 @@ def joining_note(agent, environ=None):
 
 # ------------------------------------------------------------ the hand-off
 def write_handoff(save_dir, agent, update: int, global_batch: int, why: str) -> None:
-    """Say that this run stopped mid-way for its agent to restart it."""
+    """Say that this run stopped mid-way for its agent to restart it. The
+    note names the run that wrote it (its owner token): a survivor that comes
+    after the writer let go of the run reads there that its update is saved."""
     note = {"run_id": agent.run_id if agent else None, "update": int(update), "global_batch": int(global_batch),
-            "why": why, "written": time.time()}
+            "why": why, "written": time.time(), "owner": owner_token()}
     try:
         atomic_write_text(Path(save_dir) / HANDOFF_NAME, json.dumps(note), make_parents=False)
     except OSError:
@@ -110,6 +112,13 @@ class Claim:
         self.path, self.stale_after, self.held, self.note = Path(path), stale_after, False, note
 
     def __enter__(self):
+        return self.take()
+
+    def take(self):
+        """Hold the claim if nobody (alive) does; ``held`` says which. Taking
+        it again while held changes nothing."""
+        if self.held:
+            return self
         for _ in range(2):
             check_owner(self.path)
             try:

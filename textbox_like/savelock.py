@@ -254,7 +254,9 @@ class SaveDirLock:
 
     def release(self):
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        # not alive: a signal ended take() while the thread was starting (a thread not yet
+        # started cannot be joined); once running it sees the stop at once, touching nothing
+        if self._thread is not None and self._thread is not threading.current_thread() and self._thread.is_alive():
             self._thread.join(timeout=5)
         found = _read(self.path)
         if found is not None and found[0] and found[0].get("token") == self.token:
@@ -328,4 +330,4 @@ def check_owner(writing, anywhere=False) -> None:
     if owned["holds_lock"] and not taken_over:
         raise SaveFailed(f"not writing {writing}: {why}; stopping (nothing is recreated)")
     raise Superseded(f"{owned['who']} (pid {os.getpid()}): not writing {writing}: this process no longer owns the "
-                     f"run in {owned['lock'].parent}: {why}; exiting without writing anything")
+                     f"run in {owned['lock'].parent}: {why}; exiting without writing anything", taken_over)

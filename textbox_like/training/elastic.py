@@ -15,7 +15,7 @@ import sys
 from .. import distributed
 from ..checkpoint import rng_state
 from ..errors import UserError, first_line
-from ..faults import SaveFailed, failed_writing, os_reason
+from ..faults import SaveFailed, Superseded, failed_writing, os_reason
 from ..preemption import PREEMPTED_EXIT_CODE
 
 
@@ -57,6 +57,17 @@ def restart_notes(trainer, update: int) -> None:
     distributed.remove_rendezvous_file(t.cfg)
 
 
+def saved_by_another(trainer):
+    """The update another survivor of this run saved, read from the hand-off
+    note it wrote (naming this run's owner token), or None."""
+    from ..elastic import read_handoff
+    from ..savelock import owner_token
+    note, token = read_handoff(trainer.cfg.checkpoint.save_dir), owner_token()
+    if note is None or token is None or note.get("owner") != token:
+        return None
+    return str(note["update"])
+
+
 def run_claim(trainer, note: str):
     """The claim of one writer among the survivors, one for the run (named by
     its owner token, so a claim a killed writer of an earlier run left blocks
@@ -90,13 +101,29 @@ def emergency_save(trainer):
     if sharding.is_sharded(t.model):  # whole tensors on every rank (peer_lost): DDP's file checkpoint
         parts = local_whole(parts)
     path = ck.dir / f"checkpoint_{state.epoch}_{state.num_updates}.pt"
-    with run_claim(t, str(state.num_updates)) as claim:
+    # Survivors see the loss at different times (under load, seconds apart): one that
+    # comes after the writer let go of its claim (and, if the writer held the run's
+    # lock, of the run) finds the writer's hand-off note, and writes nothing.
+    claim = run_claim(t, str(state.num_updates))
+    try:
+        claim.take()
+    except Superseded as exc:
+        # the lock is gone: the writer held it and has ended the run. A newer run's lock
+        # means this survivor was stopped past that run's start: refused (77), as any write
+        earlier = saved_by_another(t) if not exc.taken_over else None
+        if earlier is None:
+            raise
+        return None, earlier
+    with claim:  # taken above, or held by another survivor
         if not claim.held:
             # every write of this run is the claim holder's, made before it lets go of
             # the claim; the lock holder leaves last: its release ends the run's writes
             saved_by_other = claim.holder_note() or str(state.num_updates)
             claim.wait_for_writer()
             return None, saved_by_other
+        earlier = saved_by_another(t)  # written, and its claim let go, before this one took it
+        if earlier is not None:
+            return None, earlier
         try:
             atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
         except Exception as exc:
