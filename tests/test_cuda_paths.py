@@ -282,6 +282,8 @@ def test_main_then_local_main_first_barrier_counts(monkeypatch):
 def test_lost_peer_recognises_nccl_aborts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert distributed.lost_peer(RuntimeError("NCCL communicator was aborted on rank 1."))
+    # gloo, in DDP's backward, when a peer stopped answering (a SIGSTOPped rank, seen by the late-survivor test)
+    assert distributed.lost_peer(RuntimeError("Application timeout caused pair closure"))
     assert not distributed.lost_peer(RuntimeError("shape mismatch"))
 
 

@@ -414,8 +414,14 @@ def remove_rendezvous_file(cfg) -> None:
     its rendezvous. Only while the run is this process's (fileio.remove)."""
     from .fileio import remove
     init = os.environ.get("TEXTBOX_LIKE_INIT_METHOD") or cfg.distributed.distributed_init_method or ""
-    if init.startswith("file://"):
-        remove(urlparse(init).path)
+    if not init.startswith("file://"):
+        return
+    path = urlparse(init).path
+    try:
+        remove(path)
+    except OSError as exc:  # a shared file system's refusal ends nothing: the run is done or saved
+        print(f"warning: could not remove the rendezvous file {path} ({exc.strerror or exc}); remove it before "
+              f"running the same command again", file=sys.stderr)
 
 
 def _handle_stale_file(path, rank, timeout):
@@ -757,6 +763,8 @@ def lost_peer(exc) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
         s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out",
+                            # gloo's own words when a pair's wait ran out inside DDP's backward
+                            "Application timeout caused pair closure",
                             "Gloo", "gloo", "NCCL", "connectFullMesh", "communicator was aborted",
                             "Watchdog caught collective"))
 

@@ -28,7 +28,7 @@ class Superseded(RunStopped):
     be the newer run's now)."""
     exit_code = 77  # EX_NOPERM: no longer allowed to write; not 75, which a requeue script would rerun
 
-    def __init__(self, message: str, taken_over: bool):
+    def __init__(self, message: str, taken_over: bool = False):
         """``taken_over``: a newer run holds the lock (else the run ended)."""
         super().__init__(message)
         self.taken_over = taken_over

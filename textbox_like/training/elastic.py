@@ -15,7 +15,7 @@ import sys
 from .. import distributed
 from ..checkpoint import rng_state
 from ..errors import UserError, first_line
-from ..faults import SaveFailed, Superseded, failed_writing, os_reason
+from ..faults import SaveFailed, failed_writing, os_reason
 from ..preemption import PREEMPTED_EXIT_CODE
 
 
@@ -68,6 +68,35 @@ def saved_by_another(trainer):
     return str(note["update"])
 
 
+def write_once(trainer, update: str, write):
+    """Run ``write`` in the one survivor that writes for the run: None where
+    this one wrote; else the update another survivor saved. Survivors see a
+    lost peer at different times (under load, seconds apart): one that comes
+    after the writer let go of its claim (and, where the writer held the run's
+    lock, of the run) finds the writer's hand-off note, and writes nothing."""
+    from ..faults import Superseded
+    try:
+        with run_claim(trainer, update) as claim:
+            if not claim.held:
+                # every write of this run is the claim holder's, made before it lets go of
+                # the claim; the lock holder leaves last: its release ends the run's writes
+                saved_by_other = claim.holder_note() or update
+                claim.wait_for_writer()
+                return saved_by_other
+            earlier = saved_by_another(trainer)  # written, and its claim let go, before this one took it
+            if earlier is not None:
+                return earlier
+            write()
+            return None
+    except Superseded as exc:
+        # the lock is gone: its holder wrote and ended the run, or saw the note and left. A
+        # newer run's lock means this survivor slept past that run's start: refused (77)
+        earlier = saved_by_another(trainer) if not exc.taken_over else None
+        if earlier is None:
+            raise
+        return earlier
+
+
 def run_claim(trainer, note: str):
     """The claim of one writer among the survivors, one for the run (named by
     its owner token, so a claim a killed writer of an earlier run left blocks
@@ -101,29 +130,8 @@ def emergency_save(trainer):
     if sharding.is_sharded(t.model):  # whole tensors on every rank (peer_lost): DDP's file checkpoint
         parts = local_whole(parts)
     path = ck.dir / f"checkpoint_{state.epoch}_{state.num_updates}.pt"
-    # Survivors see the loss at different times (under load, seconds apart): one that
-    # comes after the writer let go of its claim (and, if the writer held the run's
-    # lock, of the run) finds the writer's hand-off note, and writes nothing.
-    claim = run_claim(t, str(state.num_updates))
-    try:
-        claim.take()
-    except Superseded as exc:
-        # the lock is gone: the writer held it and has ended the run. A newer run's lock
-        # means this survivor was stopped past that run's start: refused (77), as any write
-        earlier = saved_by_another(t) if not exc.taken_over else None
-        if earlier is None:
-            raise
-        return None, earlier
-    with claim:  # taken above, or held by another survivor
-        if not claim.held:
-            # every write of this run is the claim holder's, made before it lets go of
-            # the claim; the lock holder leaves last: its release ends the run's writes
-            saved_by_other = claim.holder_note() or str(state.num_updates)
-            claim.wait_for_writer()
-            return None, saved_by_other
-        earlier = saved_by_another(t)  # written, and its claim let go, before this one took it
-        if earlier is not None:
-            return None, earlier
+
+    def write():
         try:
             atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
         except Exception as exc:
@@ -132,6 +140,10 @@ def emergency_save(trainer):
             raise SaveFailed(f"rank {t.rank}: lost a peer, and could not write the emergency checkpoint "
                              f"{path} ({os_reason(exc)}); the newest earlier checkpoint is kept") from None
         restart_notes(t, state.num_updates)
+
+    saved_by_other = write_once(t, str(state.num_updates), write)
+    if saved_by_other is not None:
+        return None, saved_by_other
     return path, str(state.num_updates)
 
 
@@ -175,11 +187,7 @@ def shards_lost(trainer, where: str) -> int:
             update = extra["train"]["num_updates"] if extra is not None else None
         except (UserError, KeyError, TypeError):  # the update is a courtesy of the line; the path is what counts
             update = None
-    with run_claim(t, str(update)) as claim:
-        if claim.held:
-            restart_notes(t, update if update is not None else 0)
-        else:
-            claim.wait_for_writer()
+    write_once(t, str(update), lambda: restart_notes(t, update if update is not None else 0))
     t.lifecycle.release_save_dir()
     at = f" at update {update}" if update is not None else ""
     lost = (f"under --fsdp a rank holds only its shard of the weights (--fsdp-sharding "
