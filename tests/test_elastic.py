@@ -64,10 +64,10 @@ def env():
 class Node:
     """One torchrun agent (a "node") in a session of its own, logging to a file."""
 
-    def __init__(self, port, log: Path, train_args, hosts_rendezvous=False):
+    def __init__(self, port, log: Path, train_args, hosts_rendezvous=False, nproc=1):
         self.log = log
         # every "node" is on this host: only A may host the rendezvous store (a real cluster's --rdzv-endpoint node)
-        cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend",
+        cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--rdzv-backend",
                "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={hosts_rendezvous}",
                "--max-restarts", "3", "--monitor-interval", "0.5",
                "run_hetseq.py", *train_args]

@@ -15,33 +15,38 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import free_port
-from test_elastic import GLOBAL, UPDATES, Node, args, children, data, one_process, resumed_updates, running  # noqa: F401
+from test_elastic import (GLOBAL, PY, REPO, UPDATES, Node, args, children, data, env, one_process,  # noqa: F401
+                          resumed_updates, running)
 from test_fsdp import assert_close, checkpoint
 
 
-def lose_node_b(tmp_path, train, after_update):
-    """Nodes A and B train; once A logged ``after_update``, B's agent and its
-    process group are killed; A's torchrun restarts its worker alone, which
-    runs to the end. (A's log, the last update A logged before the kill)."""
+def lose_node_b(tmp_path, train, after_update, nproc=1):
+    """Nodes A and B train, ``nproc`` workers each; once A logged
+    ``after_update``, B's agent and its process group are killed; A's
+    torchrun restarts its workers alone, which run to the end. (A's log, the
+    last update A logged before the kill)."""
     port = free_port()
-    a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True)
-    b = Node(port, tmp_path / "b.log", train)
+    a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True, nproc=nproc)
+    b = Node(port, tmp_path / "b.log", train, nproc=nproc)
     try:
-        a.wait_for_update(after_update)
-        (worker,) = children(b.proc.pid)
+        a.wait_for_update(after_update, timeout=480)
+        workers = children(b.proc.pid)
+        assert len(workers) == nproc, workers
         k = a.last_update()
-        os.killpg(b.proc.pid, signal.SIGKILL)  # the agent's group: its worker is not in it
+        os.killpg(b.proc.pid, signal.SIGKILL)  # the agent's group: its workers are not in it
         b.proc.wait()
         deadline = time.monotonic() + 60
-        while running(worker):
-            assert time.monotonic() < deadline, f"the worker {worker} of the killed agent trains on"
-            time.sleep(0.05)
+        for worker in workers:
+            while running(worker):
+                assert time.monotonic() < deadline, f"the worker {worker} of the killed agent trains on"
+                time.sleep(0.05)
         assert a.finish(500) == 0, a.text()[-3000:]
     finally:
         for node in (a, b):
@@ -56,10 +61,10 @@ def error_line(text):
     return line
 
 
-def assert_equals_one_process(save, one_process):  # noqa: F811
+def assert_equals_one_process(save, one_process, world=1):  # noqa: F811
     results = json.loads((save / "results.json").read_text())
     assert results["num_updates"] == UPDATES and results["samples_trained"] == UPDATES * GLOBAL  # each sample once
-    assert results["world_size"] == 1
+    assert results["world_size"] == world
     assert_close(checkpoint(save)["model"], one_process)
 
 
@@ -118,6 +123,75 @@ def test_fsdp_full_sharding_the_restarted_workers_resume_from_the_last_checkpoin
     assert_equals_one_process(save, one_process)
 
 
+@pytest.mark.timeout(1200)
+def test_fsdp_hybrid_a_whole_node_lost_the_other_nodes_copy_is_saved_and_the_restart_goes_on(
+        data, tmp_path, one_process):  # noqa: F811
+    """hybrid over two nodes of two ranks: each node holds a whole copy
+    sharded over its two ranks. Node B dies; A's two survivors each write
+    their shards of the last completed update and one joins them into the
+    emergency checkpoint (whole tensors, DDP's format); torchrun restarts
+    A's workers, which go on from it (at most the update in flight redone)
+    and end equal to one process, each sample once."""
+    save = tmp_path / "save"
+    train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 16, "--distributed-timeout", 30,
+                 "--fsdp", "--fsdp-sharding", "hybrid", "--save-interval-updates", 1000)
+    text, k = lose_node_b(tmp_path, train, 12, nproc=2)
+    assert "sharding hybrid: over 2 ranks per node, replicated over 2 node(s)" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2 and all("lost a peer of this run" in line for line in lines), lines
+    (writer,) = [line for line in lines if re.search(r"saved update \d+ to ", line)]
+    saved = int(re.search(r"saved update (\d+) to ", writer).group(1))
+    assert any(f"another survivor saved update {saved}:" in line for line in lines), lines
+    assert "torchrun restarts the workers and they resume from it" in writer and saved >= k - 1, (k, writer)
+    (emergency,) = save.glob(f"checkpoint_*_{saved}.pt")
+    whole = checkpoint(save, emergency.stem)  # joined from the two survivors' shards: the model's own shapes
+    assert whole["train"]["num_updates"] == saved and whole["train"]["samples_trained"] == saved * GLOBAL
+    assert {n: v.shape for n, v in whole["model"].items()} == {n: v.shape for n, v in one_process.items()}
+    assert re.search(rf"resumed from {re.escape(str(emergency))}: epoch \d+, update {saved}\n", text), text[-3000:]
+    assert not list(save.glob(".emergency-*")), list(save.iterdir())  # the survivors' shard files and claim
+    assert_equals_one_process(save, one_process, world=2)
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved(data, tmp_path):
+    """hybrid over two nodes of two ranks, started as a batch system starts
+    them (env://, each rank its own process): the second rank of each node
+    dies, so no survivor holds the second half of the weights. The two
+    survivors wait for it, save nothing, name the last checkpoint to resume
+    from, exit 75, and leave no shard file or claim behind."""
+    save, port = tmp_path / "save", free_port()
+    train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 16, "--distributed-timeout", 20,
+                 "--fsdp", "--fsdp-sharding", "hybrid", "--save-interval-updates", 5)
+    ranks = []
+    for rank in range(4):
+        environ = {**env(), "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        ranks.append(subprocess.Popen([PY, "run_hetseq.py", *train], cwd=REPO, env=environ,
+                                      stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{rank}.log", "w")))
+    try:
+        deadline = time.monotonic() + 480
+        while not re.search(r"\| update (?:[7-9]|\d\d) \|", (tmp_path / "r0.log").read_text()):
+            assert ranks[0].poll() is None and time.monotonic() < deadline, (tmp_path / "r0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        for rank in (1, 3):
+            ranks[rank].kill()
+        assert [ranks[rank].wait(timeout=240) for rank in (0, 2)] == [75, 75], \
+            [(tmp_path / f"r{rank}.log").read_text()[-2000:] for rank in (0, 2)]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    lines = [error_line((tmp_path / f"r{rank}.log").read_text()) for rank in (0, 2)]
+    for line in lines:
+        assert "lost a peer of this run" in line and "so nothing is saved now" in line, line
+        found = re.search(r"rerun with --resume from the last checkpoint \((\S+)\) at update (\d+)$", line)
+        assert found and Path(found.group(1)).suffix == ".dcp" and int(found.group(2)) % 5 == 0, line
+    assert any("the lost ranks held every copy of shard 2 of 2" in line for line in lines), lines
+    assert not list(save.glob("*.pt")) and not list(save.glob(".emergency-*")), list(save.iterdir())
+    assert json.loads((save / "elastic.json").read_text())["update"] % 5 == 0
+    assert not (save / "run.lock").exists()
+
+
 MID_FORWARD_SCRIPT = '''
 import datetime
 from types import SimpleNamespace
@@ -169,3 +243,51 @@ def test_a_peer_lost_mid_forward_is_judged_by_the_mesh_not_by_the_gathered_param
     assert lines == [f"rank {r} {s} dtensors visible 0 ['{what}'] whole {whole}"
                      for r in (0, 1) for s, what, whole in (("full", "nothing saved", False),
                                                             ("none", "emergency save", True))], out
+
+
+JOIN_SCRIPT = '''
+import datetime, sys
+import torch, torch.distributed as dist
+from textbox_like import sharding
+from textbox_like.config.resolution import resolve
+from textbox_like.distributed import Placement
+from textbox_like.training import elastic
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank, out = dist.get_rank(), sys.argv[1]
+cfg, _ = resolve(["--fsdp", "--fsdp-wrap", "none"])
+torch.manual_seed(0)
+# 13 rows over two ranks: 7 and 6; one row: rank 1's shard is empty
+model = torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.ReLU(), torch.nn.Linear(13, 1))
+sharding.shard_model(model, cfg, Placement(world_size=2, local_world_size=2), "cpu", "no")
+optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+model(torch.randn(5, 9)).sum().backward()
+optimizer.step()
+state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+full = {"model": {name: value.full_tensor() for name, value in state["model"].items()},
+        "exp_avg": [s["exp_avg"].full_tensor() for s in state["optimizer"]["state"].values()]}
+torch.save(elastic.local_whole(state), f"{out}/shard{rank}.pt")
+indices = [None, None]
+dist.all_gather_object(indices, elastic.shard_index(state, None))
+if rank == 0:
+    shards = [torch.load(f"{out}/shard{r}.pt", weights_only=True)["model"] for r in (0, 1)]
+    sizes = [tuple(shard["2.weight"].shape) for shard in shards]
+    whole = elastic.join_shards(state, [torch.load(f"{out}/shard{r}.pt", weights_only=True) for r in (0, 1)])
+    same = all(torch.equal(whole["model"][name], full["model"][name]) for name in full["model"])
+    moments = all(torch.equal(s["exp_avg"], f) for s, f in zip(whole["optimizer"]["state"].values(), full["exp_avg"]))
+    plain = all(type(v) is torch.Tensor for v in whole["model"].values())
+    print(f"indices {indices} sizes {sizes} model equal {same} moments equal {moments} plain {plain} "
+          f"step {whole['optimizer']['state'][0]['step'].item()}", flush=True)
+dist.barrier()
+'''
+
+
+@pytest.mark.timeout(300)
+def test_shards_of_unlike_and_empty_sizes_join_into_the_whole_tensors(tmp_path):
+    """The join of the survivors' shards (hybrid's emergency save) on real
+    FSDP2 shards over two ranks: a 13-row weight split 7/6, a one-row weight
+    whose second shard is empty; weights and Adam moments equal the gathered
+    whole tensors, as plain tensors, and the step count is the rank's own;
+    each rank's shard index is its coordinate on the mesh."""
+    from test_fsdp_options import torchrun
+    out = torchrun(JOIN_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path))), tmp_path)
+    assert "indices [0, 1] sizes [(1, 13), (0, 13)] model equal True moments equal True plain True step 1.0" in out, out

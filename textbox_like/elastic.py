@@ -140,9 +140,14 @@ class Claim:
 
     def wait_for_writer(self):
         """Until the survivor that holds the claim has written (its claim is
-        gone), at most ``stale_after`` seconds."""
-        deadline = time.monotonic() + self.stale_after
-        while self.path.exists() and time.monotonic() < deadline:
+        gone), or its claim went stale: untouched for ``stale_after`` seconds
+        (a writer that waits for the others, hybrid's, keeps it fresh)."""
+        while True:
+            try:
+                if time.time() - self.path.stat().st_mtime > self.stale_after:
+                    return
+            except OSError:  # gone: written
+                return
             time.sleep(0.1)
 
     def __exit__(self, *exc):

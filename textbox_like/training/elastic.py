@@ -3,14 +3,20 @@ its own state (one of them writes, under a claim), writes the hand-off note
 for the restart, and exits 75 (torchrun restarts on it). The agent's side
 is :mod:`textbox_like.elastic`.
 
-Under --fsdp a survivor can save alone only where every rank holds whole
-tensors (``--fsdp-sharding none``, or hybrid with one rank per node): each
-DTensor's local part is then the whole tensor, saved as DDP saves it. Under
-full sharding the lost rank's shards exist nowhere else: the restart goes on
-from the last checkpoint, and the updates since it are lost."""
+Under --fsdp a survivor can save alone where every rank holds whole tensors
+(``--fsdp-sharding none``, or hybrid with one rank per node): each DTensor's
+local part is then the whole tensor, saved as DDP saves it. Under hybrid
+with several ranks per node every node holds a whole copy, sharded over its
+ranks: the survivors each write their shards, and one of them joins a
+complete set (one survivor per shard, of one update) into the same whole
+checkpoint (:func:`replica_save`). Under full sharding the lost rank's
+shards exist nowhere else: the restart goes on from the last checkpoint,
+and the updates since it are lost."""
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 from .. import distributed
 from ..checkpoint import rng_state
@@ -97,28 +103,30 @@ def write_once(trainer, update: str, write):
         return earlier
 
 
-def run_claim(trainer, note: str):
-    """The claim of one writer among the survivors, one for the run (named by
-    its owner token, so a claim a killed writer of an earlier run left blocks
-    nothing), not per update: a collective can complete on one survivor and
-    fail on another (gloo's ring all-reduce), so survivors may stand one
-    update apart and must still write once."""
+def run_name(trainer) -> str:
+    """This run's files among the survivors' (its claim, its replica's
+    shards), named by its owner token: what a killed writer of an earlier
+    run left blocks nothing and is never read as this run's."""
     from .. import savelock
+    return (savelock.owner_token() or "run")[:16]
+
+
+def run_claim(trainer, note: str):
+    """The claim of one writer among the survivors, one for the run, not per
+    update: a collective can complete on one survivor and fail on another
+    (gloo's ring all-reduce), so survivors may stand one update apart and
+    must still write once."""
     from ..elastic import Claim
-    run = (savelock.owner_token() or "run")[:16]
-    return Claim(trainer.checkpointer.checkpoints.dir / f".emergency-{run}.claim",
+    return Claim(trainer.checkpointer.checkpoints.dir / f".emergency-{run_name(trainer)}.claim",
                  stale_after=trainer.cfg.distributed.distributed_timeout, note=note)
 
 
-def emergency_save(trainer):
-    """A peer is lost: save the last completed update from this survivor
-    alone (the process group is broken, so no part may gather over ranks),
-    with the data position rewound to the start of the update in flight
-    and this rank's RNG as of then. One writer among the survivors (a
-    claim file, one for the run: survivors may stand one update apart);
-    (the path, or None where another survivor writes it; the update saved)."""
-    from .. import sharding
-    from ..checkpoint import FORMAT, atomic_save
+def last_update_state(trainer):
+    """The state of the last completed update, from this rank alone (the
+    process group is broken, so no part may gather over ranks): the parts
+    but the RNG, the data position rewound to the start of the update in
+    flight, this rank's RNG as of then, and the emergency checkpoint's
+    path. DTensors are left as they are."""
     t = trainer
     ck, state, start = t.checkpointer.checkpoints, t.state, t.in_flight.start
     t.step.settle()  # a host read of the last device-skipped update's norm, no collective
@@ -127,24 +135,40 @@ def emergency_save(trainer):
     rng = [None] * t.world
     rng[t.rank] = start["rng"] if start is not None else rng_state()
     parts = {name: part.state_dict() for name, part in ck.parts.items() if name != "rng"}
+    return parts, rng, ck.dir / f"checkpoint_{state.epoch}_{state.num_updates}.pt"
+
+
+def write_emergency(trainer, parts: dict, rng: list, path) -> None:
+    """The emergency checkpoint of whole tensors (DDP's file format), and the
+    hand-off note; the one writer's."""
+    from ..checkpoint import FORMAT, atomic_save
+    t = trainer
+    ck = t.checkpointer.checkpoints
+    try:
+        atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
+    except Exception as exc:
+        if not failed_writing(exc):
+            raise
+        raise SaveFailed(f"rank {t.rank}: lost a peer, and could not write the emergency checkpoint "
+                         f"{path} ({os_reason(exc)}); the newest earlier checkpoint is kept") from None
+    restart_notes(t, t.state.num_updates)
+
+
+def emergency_save(trainer):
+    """A peer is lost: save the last completed update from this survivor
+    alone (:func:`last_update_state`). One writer among the survivors (a
+    claim file, one for the run: survivors may stand one update apart);
+    (the path, or None where another survivor writes it; the update saved)."""
+    from .. import sharding
+    t = trainer
+    parts, rng, path = last_update_state(t)
     if sharding.is_sharded(t.model):  # whole tensors on every rank (peer_lost): DDP's file checkpoint
         parts = local_whole(parts)
-    path = ck.dir / f"checkpoint_{state.epoch}_{state.num_updates}.pt"
-
-    def write():
-        try:
-            atomic_save({"format": FORMAT, **ck.metadata, **parts, "rng": rng}, path, make_parents=False)
-        except Exception as exc:
-            if not failed_writing(exc):
-                raise
-            raise SaveFailed(f"rank {t.rank}: lost a peer, and could not write the emergency checkpoint "
-                             f"{path} ({os_reason(exc)}); the newest earlier checkpoint is kept") from None
-        restart_notes(t, state.num_updates)
-
-    saved_by_other = write_once(t, str(state.num_updates), write)
+    update = str(t.state.num_updates)
+    saved_by_other = write_once(t, update, lambda: write_emergency(t, parts, rng, path))
     if saved_by_other is not None:
         return None, saved_by_other
-    return path, str(state.num_updates)
+    return path, update
 
 
 def peer_lost(trainer, exc) -> int:
@@ -161,38 +185,45 @@ def peer_lost(trainer, exc) -> int:
         return PREEMPTED_EXIT_CODE
     from .. import sharding
     if sharding.is_sharded(trainer.model) and not holds_whole_tensors(trainer):
+        if replicated_over_nodes(trainer):
+            return replica_save(trainer, where)
         return shards_lost(trainer, where)
     path, update = emergency_save(trainer)
-    saved = f"saved update {update} to {path}" if path is not None else f"another survivor saved update {update}"
-    how = ("torchrun restarts the workers and they resume from it by themselves" if trainer.agent is not None
-           else "rerun with --resume, on any number of ranks (--global-batch-size keeps the global batch)")
     trainer.lifecycle.release_save_dir()
-    print(f"error: {where}; {saved}: {how}", file=sys.stderr)
+    print(saved_line(trainer, where, path, update), file=sys.stderr)
     return PREEMPTED_EXIT_CODE
 
 
-def shards_lost(trainer, where: str) -> int:
-    """A survivor of a run whose ranks hold shards (--fsdp-sharding full, or
-    hybrid with several ranks per node): the lost rank's shards exist nowhere
-    else, so nothing can be saved now; the run goes on from the last
-    checkpoint (one survivor writes the hand-off note for the restart). One
-    line, saying how for the way the run was started, and 75."""
+def saved_line(trainer, where: str, path, update) -> str:
+    """A survivor's line where the last completed update is saved (``path``:
+    None where another survivor wrote it)."""
+    saved = f"saved update {update} to {path}" if path is not None else f"another survivor saved update {update}"
+    how = ("torchrun restarts the workers and they resume from it by themselves" if trainer.agent is not None
+           else "rerun with --resume, on any number of ranks (--global-batch-size keeps the global batch)")
+    return f"error: {where}; {saved}: {how}"
+
+
+def last_checkpoint(trainer):
+    """The newest good checkpoint of the run, and its update where it can be
+    read cheaply (a courtesy of the line: the path is what counts)."""
     from ..sharded_checkpoint import is_sharded_checkpoint, read_extra_state
-    t = trainer
-    last = t.checkpointer.checkpoints.newest_good()
+    last = trainer.checkpointer.checkpoints.newest_good()
     update = None
     if last is not None:
         try:
             extra = read_extra_state(last, verify=False) if is_sharded_checkpoint(last) else None
             update = extra["train"]["num_updates"] if extra is not None else None
-        except (UserError, KeyError, TypeError):  # the update is a courtesy of the line; the path is what counts
+        except (UserError, KeyError, TypeError):
             update = None
-    write_once(t, str(update), lambda: restart_notes(t, update if update is not None else 0))
-    t.lifecycle.release_save_dir()
+    return last, update
+
+
+def nothing_saved_line(trainer, where: str, why: str) -> str:
+    """A survivor's line where nothing could be saved (``why``): the run goes
+    on from the last checkpoint, the way the run was started says how."""
+    t = trainer
+    last, update = last_checkpoint(t)
     at = f" at update {update}" if update is not None else ""
-    lost = (f"under --fsdp a rank holds only its shard of the weights (--fsdp-sharding "
-            f"{t.cfg.sharding.fsdp_sharding}), and the lost rank's shards exist nowhere else, so nothing is saved now and the updates since the last "
-            f"checkpoint are lost")
     if last is None:
         how = "no checkpoint was saved yet: " + ("torchrun restarts the workers and they start afresh"
                                                   if t.agent is not None else "rerun without --resume")
@@ -200,5 +231,177 @@ def shards_lost(trainer, where: str) -> int:
         how = f"torchrun restarts the workers and they resume by themselves from the last checkpoint ({last}){at}"
     else:
         how = f"rerun with --resume from the last checkpoint ({last}){at}"
-    print(f"error: {where}; {lost}: {how}", file=sys.stderr)
+    return f"error: {where}; {why}, so nothing is saved now and the updates since the last checkpoint are lost: {how}"
+
+
+def notes_for_last_checkpoint(trainer) -> None:
+    """The hand-off note (and the rendezvous file gone) for a restart from the
+    last checkpoint; the one writer's."""
+    _, update = last_checkpoint(trainer)
+    restart_notes(trainer, update if update is not None else 0)
+
+
+def shards_lost(trainer, where: str) -> int:
+    """A survivor of a run whose ranks hold shards that exist nowhere else
+    (--fsdp-sharding full): nothing can be saved now; the run goes on from
+    the last checkpoint (one survivor writes the hand-off note for the
+    restart). One line, saying how for the way the run was started, and 75."""
+    t = trainer
+    write_once(t, str(last_checkpoint(t)[1]), lambda: notes_for_last_checkpoint(t))
+    t.lifecycle.release_save_dir()
+    why = (f"under --fsdp a rank holds only its shard of the weights (--fsdp-sharding "
+           f"{t.cfg.sharding.fsdp_sharding}), and the lost rank's shards exist nowhere else")
+    print(nothing_saved_line(t, where, why), file=sys.stderr)
+    return PREEMPTED_EXIT_CODE
+
+
+# ------------------------------------------- hybrid: a whole copy on every node
+def replicated_over_nodes(trainer) -> bool:
+    """--fsdp-sharding hybrid over several nodes: every node holds a whole
+    copy of the weights and optimizer state, sharded over its ranks."""
+    from .. import sharding
+    return trainer.cfg.sharding.fsdp_sharding == "hybrid" and sharding.nodes(trainer.placement) > 1
+
+
+def shard_file(trainer, update: int, index="*", rank="*"):
+    """A survivor's file of its shards of ``update`` (shard ``index`` of the
+    node's copy), or with the defaults the pattern of all of them."""
+    return trainer.checkpointer.checkpoints.dir / f".emergency-{run_name(trainer)}.update-{update}.shard-{index}.rank-{rank}.pt"
+
+
+def shard_placement(dtensor):
+    """(the mesh dimension, the tensor dimension) along which a DTensor is
+    split over a node's ranks, or None where it is whole. Hybrid's DTensors
+    are (Replicate, Shard(0)) on our mesh and on Accelerate's alike, whatever
+    the dimensions are named; FSDP2 splits as torch.chunk does, in the order
+    of the ranks' coordinates on that mesh dimension."""
+    from torch.distributed.tensor import Shard
+    found = [(mesh_dim, p.dim) for mesh_dim, p in enumerate(dtensor.placements) if isinstance(p, Shard)]
+    if len(found) > 1:
+        raise ValueError(f"a tensor split over {len(found)} mesh dimensions ({dtensor.placements})")
+    return found[0] if found else None
+
+
+def shard_index(state, default: int) -> int:
+    """This rank's place among a node's ranks in the split of its DTensors
+    (its coordinate on the mesh dimension they are split over), from the
+    first one in ``state``; ``default`` where none is split."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(state, DTensor):
+        where = shard_placement(state)
+        return state.device_mesh.get_local_rank(where[0]) if where is not None else default
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    for value in values:
+        index = shard_index(value, None)
+        if index is not None:
+            return index
+    return default
+
+
+def join_shards(template, shards: list):
+    """``template`` (this rank's state, with DTensors) with every DTensor made
+    whole from ``shards``: the same state's local values of every shard
+    index, in index order. Everything else is this rank's own."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    if isinstance(template, DTensor):
+        where = shard_placement(template)
+        whole = torch.cat([piece.cpu() for piece in shards], where[1]) if where is not None else shards[0]
+        if tuple(whole.shape) != tuple(template.shape):
+            raise ValueError(f"shards joined into {tuple(whole.shape)}, not {tuple(template.shape)}")
+        return whole
+    if isinstance(template, dict):
+        return {key: join_shards(value, [shard[key] for shard in shards]) for key, value in template.items()}
+    if isinstance(template, (list, tuple)):
+        return type(template)(join_shards(value, [shard[i] for shard in shards]) for i, value in enumerate(template))
+    return template
+
+
+def wait_for_replica(trainer, update: int, degree: int, claim):
+    """The survivors' shard files of ``update``, one per shard index, once
+    they make a whole copy: ({index: path}, []); or, where none came within
+    the wait, ({}, the missing indices). A survivor may sit in a collective
+    with one that already left, up to --distributed-timeout, before it sees
+    the loss: that long, and a little more, is waited. The claim is kept
+    fresh meanwhile, so that no other survivor takes it over as stale."""
+    deadline = time.monotonic() + trainer.cfg.distributed.distributed_timeout + 10
+    while True:
+        found = {}
+        for path in sorted(shard_file(trainer, update).parent.glob(shard_file(trainer, update).name)):
+            found.setdefault(int(path.name.split(".shard-")[1].split(".")[0]), path)
+        missing = [index for index in range(degree) if index not in found]
+        if not missing:
+            return found, []
+        if time.monotonic() >= deadline:
+            return {}, missing
+        try:
+            os.utime(claim)
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def replica_save(trainer, where: str) -> int:
+    """A survivor under --fsdp-sharding hybrid with several ranks per node:
+    it writes its shards of the last completed update (weights, optimizer
+    state); the one writer waits for a whole copy among the survivors' (for
+    each shard index, a survivor that holds it, all of one update: a whole
+    node survived, or enough of several), joins it into the emergency
+    checkpoint DDP writes, and the restart goes on from it on any number
+    of ranks. Where the lost ranks held every copy of a shard, nothing is
+    saved: the run goes on from the last checkpoint. One line, and 75."""
+    from .. import sharding
+    from ..checkpoint import FORMAT, atomic_save, load_checkpoint
+    t = trainer
+    degree = sharding.shard_degree(t.cfg, t.placement)
+    parts, rng, path = last_update_state(t)
+    update = t.state.num_updates
+    sharded = {name: parts[name] for name in ("model", "optimizer") if parts.get(name) is not None}
+    mine = shard_file(t, update, shard_index(sharded, t.rank % degree), t.rank)
+    why_not = []  # the writer's reason, where it saved nothing
+    copies = "under --fsdp-sharding hybrid each node holds a whole copy sharded over its ranks"
+
+    def write():
+        try:
+            found, missing = wait_for_replica(t, update, degree, run_claim(t, "").path)
+            if missing:
+                which = ", ".join(str(index + 1) for index in missing)
+                why_not.append(f"{copies}, and the lost ranks held every copy of shard{'s' * (len(missing) > 1)} "
+                               f"{which} of {degree}")
+            else:
+                try:
+                    whole = join_shards(sharded, [load_checkpoint(found[index])["state"] for index in range(degree)])
+                except UserError as exc:  # a survivor's file damaged since it was written
+                    why_not.append(f"a survivor's shards of update {update} cannot be read ({first_line(exc, 200)})")
+                except ValueError as exc:  # a split this join does not know
+                    why_not.append(f"the survivors' shards cannot be joined ({first_line(exc, 200)})")
+            if why_not:
+                notes_for_last_checkpoint(t)
+                return
+            write_emergency(t, {**parts, **whole}, rng, path)
+        finally:
+            # unfenced: files named by this run's token, which no newer run writes or reads
+            for other in shard_file(t, update).parent.glob(f".emergency-{run_name(t)}.update-*"):
+                other.unlink(missing_ok=True)
+
+    try:
+        try:
+            atomic_save({"format": FORMAT, "update": update, "state": local_whole(sharded)}, mine, make_parents=False)
+        except Exception as exc:
+            if not failed_writing(exc):
+                raise
+            print(f"warning: rank {t.rank}: could not write its shards of update {update} ({os_reason(exc)}); "
+                  f"another survivor's copy of them may still make the emergency checkpoint", file=sys.stderr)
+        saved_by_other = write_once(t, str(update), write)
+    finally:
+        mine.unlink(missing_ok=True)  # as above
+    t.lifecycle.release_save_dir()
+    if saved_by_other is None and not why_not:
+        line = saved_line(t, where, path, update)
+    elif saved_by_other is not None and any(path.parent.glob(f"checkpoint_*_{saved_by_other}.pt")):
+        line = saved_line(t, where, None, saved_by_other)  # an emergency save: --fsdp's own are .dcp
+    else:
+        line = nothing_saved_line(t, where, why_not[0] if why_not else
+                                  f"{copies}, and another survivor found no whole copy among the survivors' shards")
+    print(line, file=sys.stderr)
     return PREEMPTED_EXIT_CODE
