@@ -381,6 +381,68 @@ def survivors_lines(tmp_path, survivors=(0, 1)):
     return lines, int(re.search(r"saved update (\d+)", writers[0]).group(1))
 
 
+HOLD_A_CLAIM = """
+import sys, time
+from pathlib import Path
+from textbox_like.elastic import Claim
+claim_path, done, seconds = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+with Claim(claim_path, stale_after=2, note="7") as claim:
+    assert claim.held
+    print("held", flush=True)
+    time.sleep(seconds)  # longer than stale_after: a writer waiting for the others' shards
+    done.write_text("written")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("holder", ["works", "is killed"])
+def test_a_survivor_waits_for_a_live_writer_past_the_claims_staleness_and_not_for_a_dead_one(tmp_path, holder):
+    """A real second process holds the claim (stale after 2 s) for 6 s, as a
+    writer that waits for the others or writes a large model does: the
+    survivor waiting for it returns only once it has written, and is not
+    taken over as stale meanwhile. Killed, it leaves a claim that goes stale,
+    and the waiter goes on."""
+    from textbox_like.elastic import Claim
+    claim, done = tmp_path / ".emergency-run.claim", tmp_path / "done"
+    writer = subprocess.Popen([PY, "-c", HOLD_A_CLAIM, str(claim), str(done), "6"], cwd=REPO, env=env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "held"
+        if holder == "is killed":
+            writer.kill()
+            writer.wait()
+        waiting = Claim(claim, stale_after=2)
+        time.sleep(3)  # past the claim's staleness since it was made
+        with waiting:
+            assert not waiting.held or holder == "is killed"  # a live writer's claim is not taken over
+            if not waiting.held:
+                waiting.wait_for_writer()
+        if holder == "works":
+            assert done.read_text() == "written" and writer.wait(timeout=60) == 0
+        else:
+            assert not done.exists()
+    finally:
+        writer.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_new_run_removes_the_claim_and_shard_files_an_earlier_runs_killed_survivors_left(data, tmp_path):
+    """Survivors of a lost peer killed mid-way (torchrun kills a worker 30 s
+    after its SIGTERM) leave their claim and shard files, named by their
+    run's token; the next run in the directory removes them and nothing else."""
+    save = tmp_path / "save"
+    save.mkdir()
+    left = [save / ".emergency-0123456789abcdef.claim", save / ".emergency-0123456789abcdef.update-7.shard-1.rank-3.pt",
+            save / "..emergency-0123456789abcdef.update-7.shard-0.rank-0.pt.x1y2.tmp"]
+    for path in left:
+        path.write_text("left by a killed survivor")
+    (save / "notes.txt").write_text("the user's")
+    done = subprocess.run([PY, "run_hetseq.py", *args(data, save, "--max-sentences", GLOBAL), "--max-update", "2"],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [path for path in left if path.exists()] and (save / "notes.txt").read_text() == "the user's"
+
+
 @pytest.mark.timeout(400)
 def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
     """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75

@@ -153,14 +153,10 @@ def test_fsdp_hybrid_a_whole_node_lost_the_other_nodes_copy_is_saved_and_the_res
     assert_equals_one_process(save, one_process, world=2)
 
 
-@pytest.mark.timeout(900)
-def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved(data, tmp_path):
-    """hybrid over two nodes of two ranks, started as a batch system starts
-    them (env://, each rank its own process): the second rank of each node
-    dies, so no survivor holds the second half of the weights. The two
-    survivors wait for it, save nothing, name the last checkpoint to resume
-    from, exit 75, and leave no shard file or claim behind."""
-    save, port = tmp_path / "save", free_port()
+def four_ranks_of_two_nodes(data, tmp_path, save):
+    """hybrid over two "nodes" of two ranks, started as a batch system starts
+    them (env://, each rank its own process), once rank 0 is past update 6."""
+    port = free_port()
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 16, "--distributed-timeout", 20,
                  "--fsdp", "--fsdp-sharding", "hybrid", "--save-interval-updates", 5)
     ranks = []
@@ -169,15 +165,35 @@ def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_
                    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         ranks.append(subprocess.Popen([PY, "run_hetseq.py", *train], cwd=REPO, env=environ,
                                       stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{rank}.log", "w")))
+    deadline = time.monotonic() + 480
     try:
-        deadline = time.monotonic() + 480
         while not re.search(r"\| update (?:[7-9]|\d\d) \|", (tmp_path / "r0.log").read_text()):
             assert ranks[0].poll() is None and time.monotonic() < deadline, (tmp_path / "r0.log").read_text()[-3000:]
             time.sleep(0.05)
+    except BaseException:
+        for rank in ranks:
+            rank.kill()
+        raise
+    return ranks, train
+
+
+def exit_codes(ranks, survivors, tmp_path):
+    codes = [ranks[rank].wait(timeout=240) for rank in survivors]
+    assert codes == [75] * len(survivors), [(tmp_path / f"r{rank}.log").read_text()[-2000:] for rank in survivors]
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved(data, tmp_path):
+    """The second rank of each node dies, so no survivor holds the second
+    half of the weights. The two survivors wait for it, save nothing, name
+    the last checkpoint to resume from, exit 75, and leave no shard file or
+    claim behind."""
+    save = tmp_path / "save"
+    ranks, _ = four_ranks_of_two_nodes(data, tmp_path, save)
+    try:
         for rank in (1, 3):
             ranks[rank].kill()
-        assert [ranks[rank].wait(timeout=240) for rank in (0, 2)] == [75, 75], \
-            [(tmp_path / f"r{rank}.log").read_text()[-2000:] for rank in (0, 2)]
+        exit_codes(ranks, (0, 2), tmp_path)
     finally:
         for rank in ranks:
             rank.kill()
@@ -188,8 +204,67 @@ def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_
         assert found and Path(found.group(1)).suffix == ".dcp" and int(found.group(2)) % 5 == 0, line
     assert any("the lost ranks held every copy of shard 2 of 2" in line for line in lines), lines
     assert not list(save.glob("*.pt")) and not list(save.glob(".emergency-*")), list(save.iterdir())
-    assert json.loads((save / "elastic.json").read_text())["update"] % 5 == 0
+    note = json.loads((save / "elastic.json").read_text())
+    assert note["update"] % 5 == 0 and note["emergency_save"] is False
     assert not (save / "run.lock").exists()
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_hybrid_survivors_of_two_nodes_make_the_whole_copy_and_resume_equals_one_process(
+        data, tmp_path, one_process):  # noqa: F811
+    """Rank 1 (node A's second) and rank 2 (node B's first) die: rank 0 holds
+    the first half of the weights, rank 3 the second, on different nodes.
+    One of them joins the two into the emergency checkpoint; --resume on one
+    process goes on from it and ends equal to one process, each sample once."""
+    save = tmp_path / "save"
+    ranks, train = four_ranks_of_two_nodes(data, tmp_path, save)
+    try:
+        for rank in (1, 2):
+            ranks[rank].kill()
+        exit_codes(ranks, (0, 3), tmp_path)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    lines = [error_line((tmp_path / f"r{rank}.log").read_text()) for rank in (0, 3)]
+    (writer,) = [line for line in lines if re.search(r"saved update \d+ to ", line)]
+    saved = int(re.search(r"saved update (\d+) to ", writer).group(1))
+    assert any(f"another survivor saved update {saved}: rerun with --resume" in line for line in lines), lines
+    (emergency,) = save.glob(f"checkpoint_*_{saved}.pt")
+    assert json.loads((save / "elastic.json").read_text())["emergency_save"] is True
+    assert not list(save.glob(".emergency-*")), list(save.iterdir())
+    done = subprocess.run([PY, "run_hetseq.py", *train, "--resume"], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {emergency}: epoch" in done.stderr + done.stdout, done.stderr[-3000:]
+    assert_equals_one_process(save, one_process)
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_hybrid_a_survivor_that_sees_the_loss_after_the_writer_left_writes_nothing(data, tmp_path):
+    """Rank 3 dies while rank 2 is held (SIGSTOP): ranks 0 and 1 make the
+    whole copy and exit 75; rank 2, continued, finds their hand-off note and
+    exits 75 without writing its shards or anything else."""
+    save = tmp_path / "save"
+    ranks, _ = four_ranks_of_two_nodes(data, tmp_path, save)
+    try:
+        os.kill(ranks[2].pid, signal.SIGSTOP)  # first: it must not see the loss before the writer has left
+        ranks[3].kill()
+        try:
+            exit_codes(ranks, (0, 1), tmp_path)
+            written = {path.name: path.stat().st_mtime_ns for path in save.glob("checkpoint_*_*.pt")}
+            note = (save / "elastic.json").read_text()
+        finally:
+            os.kill(ranks[2].pid, signal.SIGCONT)
+        exit_codes(ranks, (2,), tmp_path)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    late = error_line((tmp_path / "r2.log").read_text())
+    saved = json.loads(note)["update"]
+    assert f"another survivor saved update {saved}:" in late and "no longer owns" not in late, late
+    assert {path.name: path.stat().st_mtime_ns for path in save.glob("checkpoint_*_*.pt")} == written
+    assert (save / "elastic.json").read_text() == note and json.loads(note)["emergency_save"] is True
+    assert not list(save.glob(".emergency-*")) and not list(save.glob("..emergency-*")), list(save.iterdir())
 
 
 MID_FORWARD_SCRIPT = '''

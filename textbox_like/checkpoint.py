@@ -223,6 +223,10 @@ class CheckpointManager:
             for leftover in self.dir.glob(".checkpoint*"):
                 if leftover.suffix in (".tmp", ".lnk"):
                     remove(leftover)
+            # the claim and shard files of an earlier run's survivors of a lost peer, left where one was
+            # killed (torchrun kills a worker 30 s after its SIGTERM): that run is over
+            for leftover in [*self.dir.glob(".emergency-*"), *self.dir.glob("..emergency-*.tmp")]:
+                remove(leftover)
 
     # when --------------------------------------------------------------
     def names(self, epoch, updates, end_of_epoch, is_best, final=False, snapshot=False):

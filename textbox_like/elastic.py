@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -52,12 +53,14 @@ def joining_note(agent, environ=None):
 
 
 # ------------------------------------------------------------ the hand-off
-def write_handoff(save_dir, agent, update: int, global_batch: int, why: str) -> None:
+def write_handoff(save_dir, agent, update: int, global_batch: int, why: str, emergency_save=False) -> None:
     """Say that this run stopped mid-way for its agent to restart it. The
     note names the run that wrote it (its owner token): a survivor that comes
-    after the writer let go of the run reads there that its update is saved."""
+    after the writer let go of the run reads there that its update is saved
+    (``emergency_save``: by a survivor of a lost peer; else the restart goes
+    on from the last checkpoint)."""
     note = {"run_id": agent.run_id if agent else None, "update": int(update), "global_batch": int(global_batch),
-            "why": why, "written": time.time(), "owner": owner_token()}
+            "why": why, "written": time.time(), "owner": owner_token(), "emergency_save": bool(emergency_save)}
     try:
         atomic_write_text(Path(save_dir) / HANDOFF_NAME, json.dumps(note), make_parents=False)
     except OSError:
@@ -105,11 +108,15 @@ def kept_global_batch(cfg):
 class Claim:
     """One writer among survivors that can no longer talk to each other: the
     first to create the claim file writes; a claim older than ``stale_after``
-    seconds (its writer died) is taken over."""
+    seconds (its writer died) is taken over. The holder keeps its claim fresh
+    while it holds it: a writer that waits for the others (hybrid's shards)
+    or writes a large model may take longer than ``stale_after``, and its
+    claim must not read as a dead writer's."""
 
     def __init__(self, path, stale_after: float, note: str = ""):
         """``note``: what the holder writes into the claim, for the others to read (``holder_note``)."""
         self.path, self.stale_after, self.held, self.note = Path(path), stale_after, False, note
+        self._stop, self._thread = threading.Event(), None
 
     def __enter__(self):
         for _ in range(2):
@@ -127,8 +134,17 @@ class Claim:
             os.write(fd, f"{os.getpid()} {self.note}\n".encode())
             os.close(fd)
             self.held = True
+            self._thread = threading.Thread(target=self._keep_fresh, name="textbox_like-claim", daemon=True)
+            self._thread.start()
             return self
         return self
+
+    def _keep_fresh(self):
+        while not self._stop.wait(max(self.stale_after / 4, 0.05)):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
 
     def holder_note(self):
         """The note of the survivor holding the claim, or None (gone, or not written yet)."""
@@ -140,8 +156,8 @@ class Claim:
 
     def wait_for_writer(self):
         """Until the survivor that holds the claim has written (its claim is
-        gone), or its claim went stale: untouched for ``stale_after`` seconds
-        (a writer that waits for the others, hybrid's, keeps it fresh)."""
+        gone), or died (its claim went stale: untouched for ``stale_after``
+        seconds)."""
         while True:
             try:
                 if time.time() - self.path.stat().st_mtime > self.stale_after:
@@ -152,6 +168,9 @@ class Claim:
 
     def __exit__(self, *exc):
         if self.held:
+            self._stop.set()
+            if self._thread is not None and self._thread.is_alive():  # a signal may have cut its start short
+                self._thread.join()
             # unfenced: the claim is named by this run's token, so no newer run owns it, and a
             # writer whose lock holder has ended the run meanwhile must still not leave it behind
             self.path.unlink(missing_ok=True)

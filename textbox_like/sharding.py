@@ -134,10 +134,26 @@ def device_mesh(cfg, placement, device_type):
     over all ranks (a shard dimension of 1)."""
     from torch.distributed.device_mesh import init_device_mesh
     world, strategy = placement.world_size, cfg.sharding.fsdp_sharding
-    if strategy == "full":
+    if strategy == "full":  # the default group's ranks: the mesh uses that group, with its timeout
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     replicas = nodes(placement) if strategy == "hybrid" else world
-    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    names = ("replicate", "shard")
+    override = {name: gloo_timeout_options(cfg) for name in names} if device_type == "cpu" else None
+    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=names,
+                            backend_override=override)
+
+
+def gloo_timeout_options(cfg):
+    """A gloo group's options with --distributed-timeout, for the mesh's own
+    groups: torch gives a new group 30 minutes, so a peer that stopped
+    answering (a frozen machine) inside FSDP's collectives would hold the
+    survivors that long instead of being declared lost."""
+    import datetime
+
+    import torch.distributed as dist
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=cfg.distributed.distributed_timeout)
+    return "gloo", options
 
 
 def block_class_names(model, sharding) -> list:

@@ -37,8 +37,9 @@ def holds_whole_tensors(trainer) -> bool:
 
 def local_whole(value):
     """A state (nested dicts and lists) with each DTensor as its local tensor,
-    which :func:`holds_whole_tensors` says is the whole one (the model's
-    state_dict hooks reshard a module caught mid-forward): no collective."""
+    as a file keeps it: no collective. Where :func:`holds_whole_tensors`,
+    that is the whole tensor (the model's state_dict hooks reshard a module
+    caught mid-forward); under hybrid, this rank's shard (:func:`replica_save`)."""
     from torch.distributed.tensor import DTensor
     if isinstance(value, DTensor):
         local = value.to_local()
@@ -54,24 +55,31 @@ def local_whole(value):
     return value
 
 
-def restart_notes(trainer, update: int) -> None:
-    """The hand-off note for the restart, and the rendezvous file gone (one
-    survivor, under the claim)."""
+def restart_notes(trainer, update: int, emergency_save: bool) -> None:
+    """The hand-off note for the restart (from the emergency checkpoint of
+    ``update``, or from the last checkpoint), and the rendezvous file gone
+    (one survivor, under the claim)."""
     from .. import elastic
     t = trainer
-    elastic.write_handoff(t.cfg.checkpoint.save_dir, t.agent, update, t.global_batch.total(), "lost peer")
+    elastic.write_handoff(t.cfg.checkpoint.save_dir, t.agent, update, t.global_batch.total(), "lost peer",
+                          emergency_save=emergency_save)
     distributed.remove_rendezvous_file(t.cfg)
 
 
-def saved_by_another(trainer):
-    """The update another survivor of this run saved, read from the hand-off
-    note it wrote (naming this run's owner token), or None."""
+def this_runs_handoff(trainer):
+    """The hand-off note another survivor of this run wrote (it names this
+    run's owner token), or None."""
     from ..elastic import read_handoff
     from ..savelock import owner_token
     note, token = read_handoff(trainer.cfg.checkpoint.save_dir), owner_token()
-    if note is None or token is None or note.get("owner") != token:
-        return None
-    return str(note["update"])
+    return note if note is not None and token is not None and note.get("owner") == token else None
+
+
+def saved_by_another(trainer):
+    """The update another survivor of this run saved (or, where it could
+    save none, the last checkpoint's), from its hand-off note, or None."""
+    note = this_runs_handoff(trainer)
+    return str(note["update"]) if note is not None else None
 
 
 def write_once(trainer, update: str, write):
@@ -151,7 +159,7 @@ def write_emergency(trainer, parts: dict, rng: list, path) -> None:
             raise
         raise SaveFailed(f"rank {t.rank}: lost a peer, and could not write the emergency checkpoint "
                          f"{path} ({os_reason(exc)}); the newest earlier checkpoint is kept") from None
-    restart_notes(t, t.state.num_updates)
+    restart_notes(t, t.state.num_updates, emergency_save=True)
 
 
 def emergency_save(trainer):
@@ -238,7 +246,7 @@ def notes_for_last_checkpoint(trainer) -> None:
     """The hand-off note (and the rendezvous file gone) for a restart from the
     last checkpoint; the one writer's."""
     _, update = last_checkpoint(trainer)
-    restart_notes(trainer, update if update is not None else 0)
+    restart_notes(trainer, update if update is not None else 0, emergency_save=False)
 
 
 def shards_lost(trainer, where: str) -> int:
@@ -317,63 +325,63 @@ def join_shards(template, shards: list):
     return template
 
 
-def wait_for_replica(trainer, update: int, degree: int, claim):
+def wait_for_replica(trainer, update: int, degree: int):
     """The survivors' shard files of ``update``, one per shard index, once
     they make a whole copy: ({index: path}, []); or, where none came within
     the wait, ({}, the missing indices). A survivor may sit in a collective
     with one that already left, up to --distributed-timeout, before it sees
-    the loss: that long, and a little more, is waited. The claim is kept
-    fresh meanwhile, so that no other survivor takes it over as stale."""
+    the loss: that long, and a little more, is waited (the claim stays
+    fresh meanwhile: Claim)."""
     deadline = time.monotonic() + trainer.cfg.distributed.distributed_timeout + 10
+    pattern = shard_file(trainer, update)
     while True:
         found = {}
-        for path in sorted(shard_file(trainer, update).parent.glob(shard_file(trainer, update).name)):
+        for path in sorted(pattern.parent.glob(pattern.name)):
             found.setdefault(int(path.name.split(".shard-")[1].split(".")[0]), path)
         missing = [index for index in range(degree) if index not in found]
         if not missing:
             return found, []
         if time.monotonic() >= deadline:
             return {}, missing
-        try:
-            os.utime(claim)
-        except OSError:
-            pass
         time.sleep(0.2)
 
 
 def replica_save(trainer, where: str) -> int:
     """A survivor under --fsdp-sharding hybrid with several ranks per node:
     it writes its shards of the last completed update (weights, optimizer
-    state); the one writer waits for a whole copy among the survivors' (for
-    each shard index, a survivor that holds it, all of one update: a whole
-    node survived, or enough of several), joins it into the emergency
-    checkpoint DDP writes, and the restart goes on from it on any number
-    of ranks. Where the lost ranks held every copy of a shard, nothing is
-    saved: the run goes on from the last checkpoint. One line, and 75."""
+    state), unless another survivor's copy of them is there already; the
+    one writer waits for a whole copy among the survivors' (for each shard
+    index, a survivor that holds it, all of one update: a whole node
+    survived, or enough of several), joins it into the emergency checkpoint
+    DDP writes, and the restart goes on from it on any number of ranks.
+    Where the lost ranks held every copy of a shard, nothing is saved: the
+    run goes on from the last checkpoint. One line, and 75."""
     from .. import sharding
     from ..checkpoint import FORMAT, atomic_save, load_checkpoint
+    from ..faults import Superseded
     t = trainer
     degree = sharding.shard_degree(t.cfg, t.placement)
     parts, rng, path = last_update_state(t)
     update = t.state.num_updates
     sharded = {name: parts[name] for name in ("model", "optimizer") if parts.get(name) is not None}
-    mine = shard_file(t, update, shard_index(sharded, t.rank % degree), t.rank)
+    index = shard_index(sharded, t.rank % degree)
+    mine = shard_file(t, update, index, t.rank)
     why_not = []  # the writer's reason, where it saved nothing
     copies = "under --fsdp-sharding hybrid each node holds a whole copy sharded over its ranks"
 
     def write():
         try:
-            found, missing = wait_for_replica(t, update, degree, run_claim(t, "").path)
+            found, missing = wait_for_replica(t, update, degree)
             if missing:
-                which = ", ".join(str(index + 1) for index in missing)
+                which = ", ".join(str(i + 1) for i in missing)
                 why_not.append(f"{copies}, and the lost ranks held every copy of shard{'s' * (len(missing) > 1)} "
                                f"{which} of {degree}")
             else:
                 try:
-                    whole = join_shards(sharded, [load_checkpoint(found[index])["state"] for index in range(degree)])
+                    whole = join_shards(sharded, [load_checkpoint(found[i])["state"] for i in range(degree)])
                 except UserError as exc:  # a survivor's file damaged since it was written
                     why_not.append(f"a survivor's shards of update {update} cannot be read ({first_line(exc, 200)})")
-                except ValueError as exc:  # a split this join does not know
+                except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as exc:  # unlike states or splits
                     why_not.append(f"the survivors' shards cannot be joined ({first_line(exc, 200)})")
             if why_not:
                 notes_for_last_checkpoint(t)
@@ -381,27 +389,39 @@ def replica_save(trainer, where: str) -> int:
             write_emergency(t, {**parts, **whole}, rng, path)
         finally:
             # unfenced: files named by this run's token, which no newer run writes or reads
-            for other in shard_file(t, update).parent.glob(f".emergency-{run_name(t)}.update-*"):
+            for other in mine.parent.glob(f".emergency-{run_name(t)}.update-*"):
                 other.unlink(missing_ok=True)
 
     try:
-        try:
-            atomic_save({"format": FORMAT, "update": update, "state": local_whole(sharded)}, mine, make_parents=False)
-        except Exception as exc:
-            if not failed_writing(exc):
-                raise
-            print(f"warning: rank {t.rank}: could not write its shards of update {update} ({os_reason(exc)}); "
-                  f"another survivor's copy of them may still make the emergency checkpoint", file=sys.stderr)
-        saved_by_other = write_once(t, str(update), write)
+        # a survivor that comes after the writer has been and gone writes nothing
+        saved_by_other = saved_by_another(t)
+        if saved_by_other is None:
+            if not any(mine.parent.glob(shard_file(t, update, index).name)):  # one copy of each shard is enough
+                try:
+                    atomic_save({"format": FORMAT, "update": update, "state": local_whole(sharded)}, mine,
+                                make_parents=False)
+                except Exception as exc:
+                    if not failed_writing(exc):
+                        raise
+                    print(f"warning: rank {t.rank}: could not write its shards of update {update} "
+                          f"({os_reason(exc)}); another survivor's copy of them may still make the emergency "
+                          f"checkpoint", file=sys.stderr)
+            saved_by_other = write_once(t, str(update), write)
+    except Superseded as exc:
+        # as write_once: the run's lock is gone, its holder having ended the run after the writer's note
+        saved_by_other = saved_by_another(t) if not exc.taken_over else None
+        if saved_by_other is None:
+            raise
     finally:
         mine.unlink(missing_ok=True)  # as above
+    note = this_runs_handoff(t)  # before the release: it forgets this run's token
     t.lifecycle.release_save_dir()
     if saved_by_other is None and not why_not:
         line = saved_line(t, where, path, update)
-    elif saved_by_other is not None and any(path.parent.glob(f"checkpoint_*_{saved_by_other}.pt")):
-        line = saved_line(t, where, None, saved_by_other)  # an emergency save: --fsdp's own are .dcp
+    elif saved_by_other is not None and note is not None and note.get("emergency_save"):
+        line = saved_line(t, where, None, saved_by_other)
     else:
         line = nothing_saved_line(t, where, why_not[0] if why_not else
-                                  f"{copies}, and another survivor found no whole copy among the survivors' shards")
+                                  f"{copies}, and the survivors found no whole copy (another survivor's line says why)")
     print(line, file=sys.stderr)
     return PREEMPTED_EXIT_CODE
