@@ -60,13 +60,14 @@ def no_ray_left(cwd):
     return f"ray_tbl_test_{abs(hash(str(cwd))) % 10 ** 6}" not in out
 
 
+@pytest.mark.timeout(900)  # 84 s on a quiet machine; over 300 s beside two busy loops (a CI run's load)
 def test_ray_tpe_asha_six_trials(tmp_path, tiny_mnist):
     (tmp_path / "space.test").write_text("learning_rate loguniform (-14, -2)\noptimizer choice ['adam', 'sgd']\n")
     args = ["--backend", "ray", "--space", "space.test", "--algo", "tpe", "--max_evals", "6", "--parallel", "2",
             "--scheduler", "asha", "--grace-updates", "4", "--seed", "3", "--output", "out", "--data", tiny_mnist,
             "--metric", "loss", "--max-update", "400", "--max-epoch", "40", "--validate-interval-updates", "4",
             "--log-interval", "4", *TRAIN]
-    proc = script("run_hyper.py", args, tmp_path)
+    proc = script("run_hyper.py", args, tmp_path, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "out"
     records = [json.loads(line) for line in (out / "hyper_results.jsonl").read_text().splitlines()]
