@@ -182,6 +182,18 @@ def exit_codes(ranks, survivors, tmp_path):
     assert codes == [75] * len(survivors), [(tmp_path / f"r{rank}.log").read_text()[-2000:] for rank in survivors]
 
 
+def lose_ranks(ranks, lost, survivors, tmp_path):
+    """Kill the lost ranks as a dying node's go (SIGKILL) and wait for each
+    survivor's exit 75; whatever happens, no rank outlives the test."""
+    try:
+        for rank in lost:
+            ranks[rank].kill()
+        exit_codes(ranks, survivors, tmp_path)
+    finally:
+        for rank in ranks:
+            rank.kill()
+
+
 @pytest.mark.timeout(900)
 def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved(data, tmp_path):
     """The second rank of each node dies, so no survivor holds the second
@@ -190,13 +202,7 @@ def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_
     claim behind."""
     save = tmp_path / "save"
     ranks, _ = four_ranks_of_two_nodes(data, tmp_path, save)
-    try:
-        for rank in (1, 3):
-            ranks[rank].kill()
-        exit_codes(ranks, (0, 2), tmp_path)
-    finally:
-        for rank in ranks:
-            rank.kill()
+    lose_ranks(ranks, (1, 3), (0, 2), tmp_path)
     lines = [error_line((tmp_path / f"r{rank}.log").read_text()) for rank in (0, 2)]
     for line in lines:
         assert "lost a peer of this run" in line and "so nothing is saved now" in line, line
@@ -218,13 +224,7 @@ def test_fsdp_hybrid_survivors_of_two_nodes_make_the_whole_copy_and_resume_equal
     process goes on from it and ends equal to one process, each sample once."""
     save = tmp_path / "save"
     ranks, train = four_ranks_of_two_nodes(data, tmp_path, save)
-    try:
-        for rank in (1, 2):
-            ranks[rank].kill()
-        exit_codes(ranks, (0, 3), tmp_path)
-    finally:
-        for rank in ranks:
-            rank.kill()
+    lose_ranks(ranks, (1, 2), (0, 3), tmp_path)
     lines = [error_line((tmp_path / f"r{rank}.log").read_text()) for rank in (0, 3)]
     (writer,) = [line for line in lines if re.search(r"saved update \d+ to ", line)]
     saved = int(re.search(r"saved update (\d+) to ", writer).group(1))
