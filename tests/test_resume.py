@@ -47,17 +47,19 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def kill_after_checkpoint(cmd, save_dir, sig, min_checkpoint="checkpoint_1_5.pt", seed=0, group=False):
+def kill_after_checkpoint(cmd, save_dir, sig, min_checkpoint="checkpoint_1_5.pt", seed=0, group=False, max_delay=1.0,
+                          poll=0.02):
     """Start ``cmd``, wait for a first checkpoint, then send ``sig`` at a random
-    moment (to the whole process group, every rank at once, with ``group``)."""
+    moment up to ``max_delay`` s later (to the whole process group, every rank
+    at once, with ``group``); the checkpoint is looked for every ``poll`` s."""
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=group)
     deadline = time.monotonic() + 180
     while not (save_dir / min_checkpoint).exists():
         assert proc.poll() is None, f"run ended before its first checkpoint: {proc.stderr.read()[-2000:]}"
         assert time.monotonic() < deadline
-        time.sleep(0.02)
-    time.sleep(random.Random(seed).uniform(0.0, 1.0))
+        time.sleep(poll)
+    time.sleep(random.Random(seed).uniform(0.0, max_delay))
     if group:
         os.killpg(proc.pid, sig)
     else:
