@@ -337,10 +337,17 @@ def write_report(out, report):
 
 
 def git_commit():
+    """The commit of the checkout this script is in; None where the tree is not
+    a checkout's top level (a copy unpacked inside another repository would
+    name that repository's commit: seen on a device machine)."""
     if not shutil.which("git"):
         return None
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    done = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True)
+    lines = done.stdout.split()
+    if done.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != REPO.resolve():
+        return None
+    return lines[1]
 
 
 def probe():

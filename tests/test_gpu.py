@@ -548,6 +548,27 @@ def test_gpu_check_report_from_results(tmp_path):
     assert json.loads((tmp_path / "out" / "gpu-report.json").read_text())["tests"]["tests/test_gpu.py -m cuda"] == counts
 
 
+def test_gpu_check_names_the_commit_only_of_its_own_checkout(tmp_path):
+    """A copy of the tree unpacked inside another repository (as carried to a
+    device machine) names no commit: not the outer repository's."""
+    outer = tmp_path / "outer"
+    for where in (outer, outer / "copy"):
+        (where / "scripts").mkdir(parents=True)
+        (where / "scripts" / "gpu_check.py").write_text((REPO / "scripts" / "gpu_check.py").read_text())
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    for cmd in (["init", "-q"], ["add", "scripts"], ["commit", "-q", "-m", "x"]):
+        subprocess.run(git + cmd, cwd=outer, check=True, capture_output=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=outer, capture_output=True, text=True).stdout
+
+    def commit_seen_from(where):
+        spec = importlib.util.spec_from_file_location(f"gpu_check_{where.name}", where / "scripts" / "gpu_check.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.git_commit()
+    assert commit_seen_from(outer) == head.strip()
+    assert commit_seen_from(outer / "copy") is None
+
+
 @pytest.mark.timeout(180)
 def test_gpu_check_writes_the_test_log_as_it_goes_so_a_cut_run_leaves_it(tmp_path):
     """The device's time limit kills a check mid-run (the whole process
