@@ -842,7 +842,7 @@ def test_kept_copies_that_cannot_be_removed_at_the_end_are_one_warning(data, tmp
     kept.mkdir()
     (kept / ".metadata").write_bytes(b"shards")
     (out / ".checkpoint_last.dcp.prev").symlink_to(kept.name)
-    run = Run(mnist_args(data, out, max_update=3), preexec_fn=without_root_overrides(), delay="finish=30")
+    run = Run(mnist_args(data, out, max_update=3), preexec_fn=without_root_overrides(), delay="finish=10")
     try:
         run.wait_for(lambda: (out / "results.json").exists(), what="results.json")
         out.chmod(0o555)  # an operator, or a quota script, takes the directory away

@@ -371,7 +371,7 @@ def test_a_run_taken_over_between_a_saves_renames_removes_nothing_of_the_new_own
     before = set(data_directories_of(save)["checkpoint_1_4.dcp"])
     linked = os.readlink(save / "checkpoint_1_4.dcp")
     old_run = subprocess.Popen(mnist_args(mnist, save, "--max-update", 4, "--restore-file", "checkpoint_1_2.dcp"),
-                               env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=30"},
+                               env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=10"},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before:
