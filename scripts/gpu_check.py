@@ -344,7 +344,7 @@ def git_commit():
         return None
     done = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=REPO,
                           capture_output=True, text=True)
-    lines = done.stdout.split()
+    lines = done.stdout.splitlines()
     if done.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != REPO.resolve():
         return None
     return lines[1]

@@ -213,8 +213,9 @@ def test_sigkill_then_resume_is_bitwise_identical_on_cuda(mnist_dir, tmp_path, p
     cmd = resume_command(mnist_dir, save_dir, *extra)
     # an H200 ran the 55 updates after the first checkpoint in under the
     # second this waited on the CPU (the run had ended): here the kill comes
-    # within ~7 ms of that checkpoint (looked for every 2 ms)
-    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=24, max_delay=0.005, poll=0.002)
+    # within ~7 ms of the first checkpoint_last.pt (looked for every 2 ms)
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, min_checkpoint="checkpoint_last.pt", seed=24,
+                                      max_delay=0.005, poll=0.002)
     assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
     killed_at = load_checkpoint(save_dir / "checkpoint_last.pt")["train"]["num_updates"]
     assert 5 <= killed_at < 60
@@ -555,7 +556,7 @@ def test_gpu_check_names_the_commit_only_of_its_own_checkout(tmp_path):
     for where in (outer, outer / "copy"):
         (where / "scripts").mkdir(parents=True)
         (where / "scripts" / "gpu_check.py").write_text((REPO / "scripts" / "gpu_check.py").read_text())
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "commit.gpgsign=false"]
     for cmd in (["init", "-q"], ["add", "scripts"], ["commit", "-q", "-m", "x"]):
         subprocess.run(git + cmd, cwd=outer, check=True, capture_output=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=outer, capture_output=True, text=True).stdout
