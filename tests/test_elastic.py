@@ -70,8 +70,9 @@ class Node:
         cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--rdzv-backend",
                "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf",
                # torch's defaults: a lost node is dead after 3 missed 5 s heartbeats, then a 30 s last call
-               # for more nodes before the survivor restarts; shorter here (the same events, ~20 s sooner)
-               f"is_host={hosts_rendezvous},last_call_timeout=15,keep_alive_interval=3,keep_alive_max_attempt=3",
+               # for more nodes before the survivor restarts; shorter here (the same events, ~15 s sooner). The
+               # last call is also how long the first node waits for the second at the start: 20 s, not less
+               f"is_host={hosts_rendezvous},last_call_timeout=20,keep_alive_interval=3,keep_alive_max_attempt=3",
                "--max-restarts", "3", "--monitor-interval", "0.5",
                "run_hetseq.py", *train_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
