@@ -174,6 +174,16 @@ def run_main(args):
         _reset_accelerate()
 
 
+def refusal_in_process(args, capfd):
+    """main() in-process with its output captured, as a CompletedProcess
+    (returncode, stdout, stderr) like run_cli's: for a refusal, which a whole
+    process would reach only after ~3.5 s of imports."""
+    capfd.readouterr()
+    code = run_main(args)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([str(a) for a in args], code, out, err)
+
+
 def clean_env():
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

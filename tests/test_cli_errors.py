@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO, clean_env, run_cli, run_main
+from conftest import REPO, clean_env, refusal_in_process, run_cli
 
 
 def assert_one_line_error(proc, *needles):
@@ -111,10 +111,7 @@ def test_bad_input_one_line_exit_2(case, mnist_dir, bad_files, capfd):
     if case in IN_A_PROCESS:
         proc = run_cli(args, timeout=100)
     else:
-        capfd.readouterr()
-        code = run_main(args)
-        out, err = capfd.readouterr()
-        proc = subprocess.CompletedProcess(args, code, out, err)
+        proc = refusal_in_process(args, capfd)
     assert_one_line_error(proc, *needles)
     assert proc.stdout.strip() == ""
 

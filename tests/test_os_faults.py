@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, copy_of, run_cli, small_mnist_fixture,
-                      write_mnist)
+from conftest import (N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, copy_of, refusal_in_process, run_cli,
+                      small_mnist_fixture, write_mnist)
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
 from test_faults import mnist_args as fault_args
 from textbox_like.checkpoint import atomic_save, load_checkpoint
@@ -479,20 +479,21 @@ def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(da
 
 
 # ------------------------------------------- --resume continues the same run
-def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path):
+def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path, capfd):
     out = tmp_path / "out"
     assert run_cli(mnist_args(data, out, "--lr", "0.001", max_update=2)).returncode == 0
-    other = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", max_update=4))
+    other = refusal_in_process(mnist_args(data, out, "--lr", "0.5", "--resume", max_update=4), capfd)
     assert other.returncode == 2, other.stderr[-3000:]
     errors = error_lines(other.stderr)
     assert len(errors) == 1 and "--lr" in errors[0] and "0.001" in errors[0] and "0.5" in errors[0], errors
     assert "--reset-lr-scheduler" in errors[0], errors[0]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 2  # nothing written
-    clip = run_cli(mnist_args(data, out, "--lr", "0.001", "--clip-norm", "1.0", "--resume", max_update=4))
+    clip = refusal_in_process(mnist_args(data, out, "--lr", "0.001", "--clip-norm", "1.0", "--resume", max_update=4),
+                              capfd)
     assert clip.returncode == 2 and "--clip-norm" in clip.stderr and "--restore-file" in clip.stderr, \
         clip.stderr[-3000:]
-    betas = run_cli(mnist_args(data, out, "--lr", "0.001", "--optim_conf", "amsgrad=true", "--resume",
-                               max_update=4))
+    betas = refusal_in_process(mnist_args(data, out, "--lr", "0.001", "--optim_conf", "amsgrad=true", "--resume",
+                                          max_update=4), capfd)
     assert betas.returncode == 2 and "--optim-conf amsgrad=False" in betas.stderr, betas.stderr[-3000:]
     # the change allowed by the reset option that says so; a longer run is no change of numbers
     reset = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4))
@@ -516,11 +517,11 @@ def files_of(directory):
             if p.is_file() and p.name != "run.lock" and "tensorboard" not in p.parts}
 
 
-def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path, run_of_2_updates):
+def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path, run_of_2_updates, capfd):
     out = copy_of(run_of_2_updates, tmp_path)
     before = files_of(out)
     assert {"checkpoint_last.pt", "metrics.jsonl", "results.json", "config.yaml"} <= {p.name for p in before}
-    again = run_cli(mnist_args(data, out, "--lr", "0.5", max_update=4))  # config.yaml would change too
+    again = refusal_in_process(mnist_args(data, out, "--lr", "0.5", max_update=4), capfd)  # config.yaml changes too
     assert again.returncode == 2, again.stderr[-3000:]
     errors = error_lines(again.stderr)
     assert len(errors) == 1, errors
@@ -533,11 +534,11 @@ def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path, run
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
 
 
-def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_not(data, tmp_path):
+def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_not(data, tmp_path, capfd):
     metrics_only = tmp_path / "metrics_only"
     metrics_only.mkdir()
     (metrics_only / "metrics.jsonl").write_text('{"kind": "train", "update": 7}\n')
-    refused = run_cli(mnist_args(data, metrics_only, max_update=1))
+    refused = refusal_in_process(mnist_args(data, metrics_only, max_update=1), capfd)
     assert refused.returncode == 2 and "metrics.jsonl" in error_lines(refused.stderr)[0], refused.stderr[-3000:]
     assert (metrics_only / "metrics.jsonl").read_text() == '{"kind": "train", "update": 7}\n'
     # a run that failed before training leaves only its config.yaml: a new run may use the directory
@@ -547,11 +548,11 @@ def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_no
     assert run_cli(mnist_args(data, failed, max_update=1)).returncode == 0
 
 
-def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates):
+def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates, capfd):
     out = copy_of(run_of_2_updates, tmp_path)
     before = files_of(out)
     for flag in ("--bf16", "--fp16"):  # on CPU float16 runs as bfloat16: a change all the same
-        other = run_cli(mnist_args(data, out, flag, "--resume", max_update=4))
+        other = refusal_in_process(mnist_args(data, out, flag, "--resume", max_update=4), capfd)
         assert other.returncode == 2, other.stderr[-3000:]
         errors = error_lines(other.stderr)
         assert len(errors) == 1 and "float32" in errors[0] and "bf16" in errors[0], errors
@@ -570,7 +571,7 @@ def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates):
     assert load_checkpoint(bf16 / "checkpoint_last.pt")["train"]["num_updates"] == 3
 
 
-def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_warning(data, tmp_path):
+def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_warning(data, tmp_path, capfd):
     """fp16 needs CUDA: a GPU's --fp16 run continued on a CPU under --fp16 goes
     on in bf16 (its GPU may be gone), said in a warning; any other flag is
     still a refused change. The checkpoint is a CPU one whose precision record
@@ -583,7 +584,7 @@ def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_w
     state["precision"] = {"mixed": "fp16", "source": "--fp16"}
     atomic_save({k: v for k, v in state.items() if k != "digest"}, path)
     before = files_of(out)
-    refused = run_cli(mnist_args(data, out, "--bf16", "--resume", max_update=3))
+    refused = refusal_in_process(mnist_args(data, out, "--bf16", "--resume", max_update=3), capfd)
     assert refused.returncode == 2 and "fp16 mixed precision" in error_lines(refused.stderr)[0], refused.stderr
     assert files_of(out) == before
     resumed = run_cli(mnist_args(data, out, "--fp16", "--resume", max_update=3))
@@ -592,12 +593,12 @@ def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_w
     assert load_checkpoint(path)["train"]["num_updates"] == 3
 
 
-def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run_of_2_updates):
+def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run_of_2_updates, capfd):
     out = copy_of(run_of_2_updates, tmp_path)
     same = run_cli(mnist_args(data, out, "--model_conf", "hidden=128", "--resume", max_update=3))  # the default
     assert same.returncode == 0, same.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 3
-    other = run_cli(mnist_args(data, out, "--model_conf", "hidden=64", "--resume", max_update=4))
+    other = refusal_in_process(mnist_args(data, out, "--model_conf", "hidden=64", "--resume", max_update=4), capfd)
     assert other.returncode == 2, other.stderr[-3000:]
     errors = error_lines(other.stderr)
     assert len(errors) == 1 and "hidden=128" in errors[0] and "64" in errors[0], errors
@@ -605,12 +606,12 @@ def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run
 
 @pytest.mark.timeout(900)
 def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data, tmp_path,  # noqa: F811
-                                                                 run_of_2_updates):
+                                                                 run_of_2_updates, capfd):
     bert_out, mnist_out = tmp_path / "bert", copy_of(run_of_2_updates, tmp_path)
     assert run_cli(bert_args(bert_data, bert_out, max_update=2)).returncode == 0
     for args, saved, now in [(mnist_args(data, bert_out, "--resume", max_update=4), "bert", "mnist"),
                              (bert_args(bert_data, mnist_out, "--resume", max_update=4), "mnist", "bert")]:
-        proc = run_cli(args, timeout=240)
+        proc = refusal_in_process(args, capfd)
         assert proc.returncode == 2, proc.stderr[-3000:]
         errors = error_lines(proc.stderr)
         assert len(errors) == 1, errors

@@ -202,7 +202,9 @@ def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(mnist, tm
             mnist_args(mnist, "save", "--max-update", 4, "--distributed-world-size", 2, "--distributed-gpus", 1,
                        "--distributed-rank", rank, "--distributed-init-method", f"file://{rdzv}",
                        "--distributed-timeout", 120),
-            cwd=node, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            # ranks that never see the lock look again for 3 s, not LOCK_LOOKS (30 s): the same refusal
+            cwd=node, env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "lock_looks=3"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=600)[1] for p in procs]
     assert [p.returncode for p in procs] == [2, 2], errs[0][-3000:] + errs[1][-3000:]
     line = (f"error: --fsdp needs a --save-dir that every rank shares (each writes its shards of every checkpoint "

@@ -123,7 +123,8 @@ def test_delay(where: str) -> float:
     """Seconds to wait at ``where`` ('start': while loading the data, after
     the save directory's lock; 'save': before each save; 'finish': the main
     process at the run's end, after writing results.json, before removing
-    the kept copies and before the end's collectives) under
+    the kept copies and before the end's collectives; 'lock_looks': how long
+    a rank looks again for rank 0's lock file instead of LOCK_LOOKS) under
     ``TEXTBOX_LIKE_TEST_DELAY=start=30,save=4``, else 0. Test-only: a slow
     file system, so that a test's signal surely arrives at that moment."""
     import os

@@ -13,7 +13,7 @@ from .. import collectives, distributed, sharding
 from ..checkpoint import changes_numbers
 from ..config import to_yaml
 from ..errors import UserError, first_line
-from ..faults import SaveFailed, os_reason
+from ..faults import SaveFailed, os_reason, test_delay
 from ..fileio import atomic_write_text
 from ..preemption import PREEMPTED_EXIT_CODE
 from ..sharded_checkpoint import drop_kept_copies, full_state_dicts, refuse_rerun
@@ -90,14 +90,15 @@ class Lifecycle:
 
         from .. import savelock
         t = self.trainer
-        for look in range(LOCK_LOOKS + 1):
+        looks = max(1, int(test_delay("lock_looks"))) if test_delay("lock_looks") else LOCK_LOOKS
+        for look in range(looks + 1):
             seen = collectives.one_per_rank(sees_lock, t.world, t.host_group)
             blind = [rank for rank, sees in enumerate(seen) if not sees]
-            if not blind or look == LOCK_LOOKS:
+            if not blind or look == looks:
                 return blind, sees_lock
             if look == 0 and not sees_lock:
                 print(f"warning: rank {t.rank} does not see rank 0's lock file in {save_dir} (yet?); looking again "
-                      f"for up to {LOCK_LOOKS} s, as a shared file system may show a new file late", file=sys.stderr)
+                      f"for up to {looks} s, as a shared file system may show a new file late", file=sys.stderr)
             time.sleep(1.0)
             if not sees_lock:
                 sees_lock = savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None
