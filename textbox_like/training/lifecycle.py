@@ -90,7 +90,7 @@ class Lifecycle:
 
         from .. import savelock
         t = self.trainer
-        looks = max(1, int(test_delay("lock_looks"))) if test_delay("lock_looks") else LOCK_LOOKS
+        looks = max(1, int(test_delay("lock_looks") or LOCK_LOOKS))
         for look in range(looks + 1):
             seen = collectives.one_per_rank(sees_lock, t.world, t.host_group)
             blind = [rank for rank, sees in enumerate(seen) if not sees]
