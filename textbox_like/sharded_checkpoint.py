@@ -87,6 +87,7 @@ from .errors import UserError, first_line
 from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
 from .fileio import fsync_dir, remove
 from .savelock import check_owner
+from .storage.dcp_reading import check_metadata, safe_load
 
 FORMAT = "textbox_like-sharded-1"
 SUFFIX = ".dcp"
@@ -513,7 +514,6 @@ def load_sharded(path, model, optimizer=None, group=None, verify=True, named=Non
     returns the ``extra_state`` it was saved with. Digests are checked first
     (unless ``verify=False``: checked just before, by :func:`read_extra_state`),
     so a damaged checkpoint changes nothing. ``named``: as for :func:`read_manifest`."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                          set_model_state_dict, set_state_dict)
     path = Path(path)
@@ -523,11 +523,11 @@ def load_sharded(path, model, optimizer=None, group=None, verify=True, named=Non
         if optimizer is not None and manifest["optimizer"]:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optimizer": optimizer_state}
-            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
+            safe_load(state, path, named, process_group=group, no_dist=not distributed())
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         else:
             state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=not distributed())
+            safe_load(state, path, named, process_group=group, no_dist=not distributed())
             set_model_state_dict(model, state["model"])
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
         reason = first_line(first_failure(exc)[1] if isinstance(exc, CheckpointException) else exc, 200)
@@ -607,19 +607,17 @@ def read_full_model_state(path, verify=True, named=None) -> dict:
     building the model (nor reading the optimizer's shards): DCP reads each
     tensor whole from the shards of every rank that saved a piece of it."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     path = Path(path)
     verify_sharded(path, alone=True, named=named) if verify else read_manifest(path, named)
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = check_metadata(path, named)
     weights = {}
     for key, item in metadata.state_dict_metadata.items():
         where = metadata.planner_data[key]
         if where[0] == "model" and len(where) == 2 and isinstance(item, TensorStorageMetadata):
             weights[where[1]] = torch.empty(item.size, dtype=item.properties.dtype)
     state = {"model": weights}
-    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    safe_load(state, path, named, no_dist=True)
     return state["model"]
 
 

@@ -1,0 +1,1 @@
+"""Storage: what reads and writes checkpoints and run files."""
