@@ -5,6 +5,7 @@ The suite needs neither the internet nor /work/shared.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -33,6 +34,72 @@ def pytest_configure(config):
     # every process a test starts prints its Python threads' stacks if it dies of SIGSEGV/SIGABRT: a rare
     # crash at a two-rank run's teardown (gloo; "terminate called without an active exception") left no stack
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A CUDA test starts the trainer as a user would: it belongs to the slow tier too."""
+    for item in items:
+        if item.get_closest_marker("cuda") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+class StartsAProcess(AssertionError):
+    """A test of the fast tier started a process."""
+
+
+def _refuse_to_start(what, attempts):
+    def refused(*args, **kwargs):
+        attempts.append(what)
+        raise StartsAProcess(f"this test starts a process ({what}): the fast tier starts none; mark the test "
+                             f"@pytest.mark.slow (or its module: pytestmark = pytest.mark.slow)")
+    return refused
+
+
+@contextlib.contextmanager
+def no_process_started(item):
+    """While a test without the ``slow`` marker is set up, runs and is torn down,
+    whatever would start a process (subprocess, multiprocessing spawn and fork,
+    os.fork, os.posix_spawn) raises StartsAProcess instead, and the phase fails
+    even where the code under test caught it: the marker is what selects the
+    tiers (-m "not slow"), and this keeps it true."""
+    if item.get_closest_marker("slow"):
+        yield []
+        return
+    import _posixsubprocess
+    attempts = []
+    saved = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"), (os, "posix_spawn"),
+             (os, "posix_spawnp")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved if hasattr(owner, name)]
+    for owner, name, _ in saved:
+        setattr(owner, name, _refuse_to_start(f"{owner.__name__}.{name}", attempts))
+    try:
+        yield attempts
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _guarded(item):
+    with no_process_started(item) as attempts:
+        outcome = yield
+    if attempts and outcome.excinfo is None:
+        outcome.force_exception(StartsAProcess(f"this test tried to start a process ({attempts[0]}) and went on: "
+                                               f"mark it @pytest.mark.slow"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _guarded(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _guarded(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _guarded(item)
 
 
 def pytest_unconfigure(config):

@@ -66,6 +66,7 @@ def write_accelerate_config(path, mixed_precision, **extra):
 
 
 # ------------------------------------------------------------ precision
+@pytest.mark.slow
 def test_launch_multi_gpu_two_processes_bf16_on_cpu(data, tmp_path):
     out = tmp_path / "out"
     proc = launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",
@@ -81,6 +82,7 @@ def test_launch_multi_gpu_two_processes_bf16_on_cpu(data, tmp_path):
     assert results["world_size"] == 2 and results["num_updates"] == 3
 
 
+@pytest.mark.slow
 def test_accelerate_config_file_sets_precision(data, tmp_path):
     config = write_accelerate_config(tmp_path / "accelerate.yaml", "bf16")
     proc = launch(["--config_file", config], ours(data, tmp_path / "out"))
@@ -90,6 +92,7 @@ def test_accelerate_config_file_sets_precision(data, tmp_path):
     assert re.search(r"precision bf16 \(precision from accelerate launch / accelerate config", lines[0]), lines[0]
 
 
+@pytest.mark.slow
 def test_our_default_train_dtype_does_not_override_config(data, tmp_path):
     """--train_dtype float32 is the default: the config's bf16 stays."""
     config = write_accelerate_config(tmp_path / "accelerate.yaml", "bf16")
@@ -99,6 +102,7 @@ def test_our_default_train_dtype_does_not_override_config(data, tmp_path):
     assert len(lines) == 1 and "precision bf16 (precision from accelerate launch" in lines[0], lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--bf16", "--fp16"])
 def test_our_precision_flag_wins_over_config(data, tmp_path, flag):
     config = write_accelerate_config(tmp_path / "accelerate.yaml", "no")
@@ -110,6 +114,7 @@ def test_our_precision_flag_wins_over_config(data, tmp_path, flag):
     assert f"precision bf16 (precision from {flag}" in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_no_launcher_settings_means_float32_default(data, tmp_path):
     config = write_accelerate_config(tmp_path / "accelerate.yaml", "no")
     proc = launch(["--config_file", config], ours(data, tmp_path / "out"))

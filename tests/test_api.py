@@ -22,6 +22,7 @@ def python(code, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_from_python(small_mnist_dir, tmp_path):
     out = tmp_path / "run"
     proc = python(f"""
@@ -46,6 +47,7 @@ def test_train_and_evaluate_from_python(small_mnist_dir, tmp_path):
     assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] > 0
 
 
+@pytest.mark.slow
 def test_training_twice_into_one_save_dir_raises_and_resume_true_continues(small_mnist_dir, tmp_path):
     out = tmp_path / "run"
     proc = python(f"""
@@ -69,6 +71,7 @@ def test_training_twice_into_one_save_dir_raises_and_resume_true_continues(small
     assert "--resume" in got["refused"]
 
 
+@pytest.mark.slow
 def test_a_refused_run_of_two_processes_returns_its_exit_code_not_the_earlier_runs_results(small_mnist_dir, tmp_path):
     """Two local processes: the refusal is the children's exit 2, and the
     results.json in the directory is the earlier run's, not this one's."""
@@ -196,6 +199,7 @@ def test_no_module_of_the_package_hides_its_api_functions():
         assert getattr(textbox_like, name) is function and callable(function), name
 
 
+@pytest.mark.slow
 def test_runs_one_after_another_in_one_process_each_get_their_own_accelerate_state(small_mnist_dir, tmp_path):
     """api.train three times in one process, Accelerate's process-wide state
     not reset by the caller (no conftest here): a float32 run that ends, a
@@ -230,6 +234,7 @@ def test_runs_one_after_another_in_one_process_each_get_their_own_accelerate_sta
     assert precisions == ["float32", "float32"], proc.stderr[-3000:]  # the bf16 run failed before its start line
 
 
+@pytest.mark.slow
 def test_a_float64_deterministic_run_leaves_torch_as_it_found_it_for_the_next_run(small_mnist_dir, tmp_path):
     """api.train with --train_dtype float64 and --cudnn_deterministic, then
     a plain float32 run in the same process: the second run builds a float32
@@ -258,6 +263,7 @@ def test_a_float64_deterministic_run_leaves_torch_as_it_found_it_for_the_next_ru
     assert got["after"] == got["before"] == ["torch.float32", False], got
 
 
+@pytest.mark.slow
 def test_evaluate_and_a_callers_partial_state_leave_a_later_run_its_own_precision(small_mnist_dir, tmp_path):
     """In one process: train, evaluate() its checkpoint, then train in bf16:
     evaluate's Accelerator state is reset, so the bf16 run is not refused

@@ -565,6 +565,7 @@ def mnist_args(data, out, *extra):
     return ["--task", "mnist", "--data", str(data), "--save-dir", str(out), *COMMON, *map(str, extra)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monkeypatch, one_process_64_first):
     """Mocked CUDA memory: micro-batches above 16 run out of memory. The first
@@ -591,6 +592,7 @@ def test_out_of_memory_lowers_the_cap_and_redoes_the_update(data, tmp_path, monk
     assert_params_close(params(tmp_path / "oom"), at_update(one_process_64_first, 6))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_out_of_memory_after_the_first_updates_joins_ddps_all_reduce_empty(data, tmp_path, monkeypatch,
                                                                            one_process_64_first):
@@ -618,6 +620,7 @@ def test_out_of_memory_after_the_first_updates_joins_ddps_all_reduce_empty(data,
     assert_params_close(params(tmp_path / "oom"), at_update(one_process_64_first, 6))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch, one_process_64_first):
     """Mocked CUDA memory: 100 bytes a sample over 1000 in use, a capacity of
@@ -660,6 +663,7 @@ def test_the_measured_memory_lowers_the_cap(data, tmp_path, monkeypatch, one_pro
 
 
 # ------------------------------------------------------------------ exact maths
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_share_above_the_cap_runs_micro_batches_with_one_all_reduce(data, tmp_path, monkeypatch, one_process_64_first):
     """One process, global batch 64, cap 16: 4 micro-batches per update, 3 of
@@ -721,6 +725,7 @@ def searched_20(data, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_process_64):
     out = tmp_path / "two"
@@ -750,6 +755,7 @@ def balance_line(record, split_name="batch sizes per rank", unit="samples"):
             f"| s per update {measured} | {unit}/s per rank {record[unit + '_per_s']}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process_64):
     """Rank 1 becomes 4 ms/sample slower at update 15; with an interval of 5
@@ -793,6 +799,7 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
     assert saved["split"] == current and len(saved["search"]["tried"]) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_resume_continues_the_search(data, tmp_path, one_process_64, searched_20):
     """The search's state is a checkpoint part: a resume keeps the splits
@@ -810,6 +817,7 @@ def test_a_resume_continues_the_search(data, tmp_path, one_process_64, searched_
     assert_params_close(at_update(out, 40), at_update(one_process_64, 40))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(data, tmp_path):
     """Two ranks, rank 1 slowed, --balance, the simple log format and
@@ -838,6 +846,7 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
         assert series[f"balance/s_per_update/{name}"][0] == (r["update"], pytest.approx(seconds))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, searched_20, world):
@@ -861,6 +870,7 @@ def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one
     (["--global-batch-size", "0"], "--global-batch-size"),
     (["--max-sentences", "8", "--ddp-comm-hook", "int8"], "--ddp-comm-hook"),
 ])
+@pytest.mark.slow
 def test_bad_combinations_are_one_line_and_exit_2(argv, message, tmp_path):
     from conftest import run_cli
     proc = run_cli(["--task", "mnist", "--save-dir", str(tmp_path), "--max-update", "1", *argv], timeout=60)
@@ -892,6 +902,7 @@ def test_comm_hook_goes_to_accelerate_and_must_agree():
     assert not set(NEW_KEYS) & PER_NODE_SETTINGS  # compared across ranks before training
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])
 def test_comm_hooks_train_on_two_ranks(data, tmp_path, hook):
@@ -953,6 +964,7 @@ leave(main(sys.argv[1:]))
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64, where):
@@ -991,6 +1003,7 @@ def bert_args(root, out, *extra):
                       "--max-update", "6", "--disable-validation", *map(str, extra))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(bert_data, tmp_path):
     """Tiny BERT (at most 32 tokens a sample): --global-batch-size 256 with
@@ -1016,6 +1029,7 @@ def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(ber
     assert saved["unit"] == "tokens" and sum(saved["split"]) == 256
 
 
+@pytest.mark.slow
 def test_a_sample_above_a_ranks_token_cap_is_one_line(bert_data, tmp_path):
     from conftest import run_cli
     proc = run_cli(bert_args(bert_data, tmp_path / "out", "--global-batch-size", 256, "--max-tokens", 8), timeout=100)

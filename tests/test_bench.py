@@ -37,6 +37,7 @@ def bench_in_process(capsys, *args):
 
 
 # ---------------------------------------------------------------- trainer vs plain loop
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_benchmark_runs_for_mnist(small_mnist_dir):
     report, err = run_bench("mnist", "--data", small_mnist_dir, "--updates", 4, "--warmup", 2, "--rounds", 2,
@@ -51,6 +52,7 @@ def test_benchmark_runs_for_mnist(small_mnist_dir):
     assert err.count("round ") >= 2 and "trainer (eager) / plain loop (eager): wall" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_benchmark_runs_for_bert(bert_data):  # noqa: F811
     report, _ = run_bench("bert", "--data", bert_data / "shards", "--dict", bert_data / "vocab.txt",
@@ -102,6 +104,7 @@ def test_scaling_expansion_and_update_freq(capsys, monkeypatch):
     assert "expansion (2-process / (2 x 1-process)): 0.900" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scaling_runs_two_processes(small_mnist_dir):
     # the fewest updates that measure (one window after the first log): start-up is most of the time
@@ -134,6 +137,7 @@ def test_fsdp_rounds_alternate_and_ratios(capsys, monkeypatch):
     assert "FSDP/DDP peak memory (max over ranks): 0.500" in err and "FSDP/DDP samples/s: 0.800" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_runs_two_ranks_both_ways():
     report, err = run_bench("fsdp", "--model", "tiny", "--layers", 2, "--rounds", 1, "--updates", 1, "--warmup", 1,
@@ -150,6 +154,7 @@ def test_fsdp_runs_two_ranks_both_ways():
 
 
 # ---------------------------------------------------------------- BERT loader
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bert_loader_synthetic():
     report, err = run_bench("bert-loader", "--synthetic-samples", 64, "--batch", 8, "--steps", 1, "--rounds", 1,
@@ -162,6 +167,7 @@ def test_bert_loader_synthetic():
     assert report["loader_over_training_median"] > 0 and "loader / training (masked head)" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bert_loader_on_shards_loader_only(bert_data):  # noqa: F811
     report, _ = run_bench("bert-loader", "--data", bert_data / "shards", "--batch", 4, "--no-train", "--rounds", 2)
@@ -178,6 +184,7 @@ def test_bert_loader_on_shards_loader_only(bert_data):  # noqa: F811
     (["mnist", "--updates", "0"], "--updates"),
     (["mnist", "--peak-tflops", "0"], "--peak-tflops"),
 ])
+@pytest.mark.slow
 def test_bad_command_lines_are_one_line_errors(args, words):
     out = subprocess.run([PY, "-m", "textbox_like.bench", *args], capture_output=True, text=True, cwd=REPO,
                          timeout=120)

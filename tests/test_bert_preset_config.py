@@ -4,6 +4,9 @@ import sys
 from pathlib import Path
 
 import yaml
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,6 +14,8 @@ import torch
 from test_prepare_bert import write_corpus, write_vocab
 from textbox_like.data.prepare_bert import main as prepare
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 

@@ -8,6 +8,9 @@ import torch
 from test_bert_train import bert_data  # noqa: F401  (the module-scoped fixture)
 from textbox_like.cli import parse
 from textbox_like.tasks import TASKS
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
 
 
 def forward_backward(d, checkpointing):

@@ -104,6 +104,7 @@ CASE_NAMES = ["missing data dir", "data dir without idx files", "unknown task", 
 IN_A_PROCESS = {"unknown option", "negative lr", "save-dir is a file"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_bad_input_one_line_exit_2(case, mnist_dir, bad_files, capfd):
@@ -125,6 +126,7 @@ def test_unknown_option_names_closest_in_process(capsys):
     assert "--max_epoch" in err[0] or "--max-epoch" in err[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_help_is_fast():
     best = None
@@ -142,6 +144,7 @@ def test_help_is_fast():
         assert flag in proc.stdout, flag
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_help_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c",

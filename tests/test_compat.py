@@ -284,6 +284,7 @@ def test_espnet2_optim_conf_key_of_another_optimizer_names_it(capsys):
     assert "'rho' is an option of adadelta: add --optim adadelta" in err[0], err
 
 
+@pytest.mark.slow
 def test_espnet2_batch_size_is_over_all_processes(tmp_path, small_mnist_dir):
     """--batch_size 10 --ngpu 2 (two processes, on CPU here) trains 10 samples
     per update in all, 5 per process, as ESPnet2 does."""

@@ -31,6 +31,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compiled_mnist_losses_equal_eager_over_20_updates(small_mnist_dir, tmp_path):
     common = ["--log-interval", "1", "--threads", "1", "--disable-validation", "--max-epoch", "0", *NO_DROPOUT]
@@ -46,6 +47,7 @@ def test_compiled_mnist_losses_equal_eager_over_20_updates(small_mnist_dir, tmp_
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compiled_bert_losses_equal_eager(bert_data, tmp_path):  # noqa: F811
     common = ["--max-sentences", "8", "--max-update", "5", "--disable-validation"]
@@ -67,6 +69,7 @@ class FakeAccelerator:
         self.state = types.SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend=backend, mode="default"))
 
 
+@pytest.mark.slow
 def test_mnist_compiles_its_head_on_cpu_and_everything_on_cuda():
     from accelerate.utils import DynamoBackend
 

@@ -224,6 +224,7 @@ def test_negative_device_id_is_refused(gpus):
 
 
 # ----------------------------------------------------------- item 8
+@pytest.mark.slow
 def test_long_barrier_outlasts_the_training_timeout(tmp_path):
     """Rank 0 is slow (a large checkpoint) for longer than --distributed-timeout:
     the others wait in long_barrier() instead of failing."""
@@ -359,6 +360,7 @@ def test_no_deterministic_kernel_is_one_line(monkeypatch, capsys):
     assert len(err) == 1 and err[0].startswith("error: --cudnn_deterministic: index_add_cuda_")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cudnn_deterministic_trains_on_cpu(tmp_path):
     from conftest import write_mnist

@@ -16,6 +16,8 @@ import torch
 
 from conftest import write_mnist
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 

@@ -138,6 +138,7 @@ def resumed_updates(text) -> list:
     return [int(u) for u in re.findall(r"resumed from \S+: epoch \d+, update (\d+)", text)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_node_leaves_then_one_joins_and_the_run_equals_one_process(data, tmp_path, one_process):
     save = tmp_path / "save"
@@ -203,6 +204,7 @@ def running(pid) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_in_flight(data, tmp_path,
                                                                                           one_process):
@@ -246,6 +248,7 @@ def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_i
     assert_params_close(params(save), one_process)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(data, tmp_path, one_process):
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
@@ -279,6 +282,7 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
     assert_params_close(params(save), one_process)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data, tmp_path):
     """Rank 1 is killed (SIGKILL) once the run's last update is done and
@@ -317,6 +321,7 @@ def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data,
     assert not list(save.glob("checkpoint_*_*.pt")) and not (save / "elastic.json").exists(), list(save.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ranks_whose_save_directories_list_different_checkpoints_resume_from_rank_0s_choice(data, tmp_path):
     """--resume picks its checkpoint from a listing of the save directory;
@@ -398,6 +403,7 @@ with Claim(claim_path, stale_after=2, note="7") as claim:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("holder", ["works", "is killed"])
 def test_a_survivor_waits_for_a_live_writer_past_the_claims_staleness_and_not_for_a_dead_one(tmp_path, holder):
@@ -429,6 +435,7 @@ def test_a_survivor_waits_for_a_live_writer_past_the_claims_staleness_and_not_fo
         writer.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_new_run_removes_the_claim_and_shard_files_an_earlier_runs_killed_survivors_left(data, tmp_path):
     """Survivors of a lost peer killed mid-way (torchrun kills a worker 30 s
@@ -447,6 +454,7 @@ def test_a_new_run_removes_the_claim_and_shard_files_an_earlier_runs_killed_surv
     assert not [path for path in left if path.exists()] and (save / "notes.txt").read_text() == "the user's"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
     """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75
@@ -463,6 +471,7 @@ def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
     assert not rdzv.exists() and not (save / "run.lock").exists() and not list(save.glob(".emergency-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("late", [0, 1])
 def test_a_survivor_that_comes_after_the_writer_has_left_writes_nothing(data, tmp_path, late):
@@ -533,6 +542,7 @@ def lose_a_peer(argv, *extra_code):
     return subprocess.run([PY, "-c", script], cwd=REPO, env=env(), capture_output=True, text=True, timeout=200)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_kill_during_the_emergency_save_leaves_the_previous_checkpoint(data, tmp_path):
     """The survivor is killed (SIGKILL, delivered by the OS) half-way through
@@ -551,6 +561,7 @@ def test_a_kill_during_the_emergency_save_leaves_the_previous_checkpoint(data, t
     assert not list(save.glob(".checkpoint*.tmp"))  # the half-written file is cleaned up
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_lost_peer_saves_the_last_completed_update_and_exits_75(data, tmp_path):
     save = tmp_path / "save"

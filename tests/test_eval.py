@@ -47,6 +47,7 @@ def eval_in_process(capsys, *args):
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_eval_cli_json_matches_manual(trained, mnist_dir):
     ckpt = trained / "checkpoint_last.pt"
@@ -129,6 +130,7 @@ def test_eval_uses_the_runs_model_conf(mnist_dir, tmp_path, capsys):
     assert record["loss"] == pytest.approx(manual(ckpt, mnist_dir, "test")["loss"], rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_eval_missing_checkpoint_is_one_line_error(tmp_path):
     proc = run_cli(["--model_ckpt", tmp_path / "nope.pt", "--json"], module="textbox_like.eval")

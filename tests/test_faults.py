@@ -114,6 +114,7 @@ def record_steps(trainer, calls):
 
 
 # ------------------------------------------------------------ divergence
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [None, 3])
 def test_divergence_stops_with_65_and_keeps_finite_checkpoints(data, tmp_path, limit):
     out = tmp_path / "out"
@@ -312,6 +313,7 @@ def test_first_update_nan_under_fused_sgd_momentum_is_checked_on_the_host(data, 
         assert torch.isfinite(buffers["momentum_buffer"]).all()
 
 
+@pytest.mark.slow
 def test_device_skip_divergence_stops_with_65(data, tmp_path):
     """The lagged read still stops at the limit-th consecutive skip, and every
     checkpoint stays finite."""
@@ -390,6 +392,7 @@ def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, mon
 
 
 # ------------------------------------------------- corrupt newest checkpoint
+@pytest.mark.slow
 def test_truncated_last_checkpoint_falls_back_bitwise(data, tmp_path):
     out = tmp_path / "out"
     common = ["--save-interval-updates", "3", "--disable-validation", "--log-interval", "1"]
@@ -419,6 +422,7 @@ def test_truncated_last_checkpoint_falls_back_bitwise(data, tmp_path):
     assert_bitwise_equal(a["optimizer"], b["optimizer"], "optimizer")
 
 
+@pytest.mark.slow
 def test_explicit_restore_file_failing_digest_is_an_error(data, tmp_path):
     out = tmp_path / "out"
     assert run_main(mnist_args(data, out, "--disable-validation", "--log-format", "none", max_update=2)) == 0
@@ -457,6 +461,7 @@ def test_unwritable_save_dir_refused_before_data_loads(data, tmp_path, monkeypat
     assert touched == []
 
 
+@pytest.mark.slow
 def test_unwritable_save_dir_subprocess_one_line(data, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
@@ -495,6 +500,7 @@ def bert_args(d, out, *extra, max_update=8):
             "--disable-validation", *map(str, extra)]
 
 
+@pytest.mark.slow
 def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, tmp_path):
     shards = sorted((bert_data / "shards").glob("*train*.hdf5"))
     assert len(shards) >= 2, shards
@@ -559,6 +565,7 @@ def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, 
     assert_bitwise_equal(a["optimizer"], b["optimizer"], "optimizer")
 
 
+@pytest.mark.slow
 def test_save_dir_that_is_a_file_refused(data, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
@@ -569,6 +576,7 @@ def test_save_dir_that_is_a_file_refused(data, tmp_path):
     assert blocker.read_text() == "x"
 
 
+@pytest.mark.slow
 def test_snapshot_interval_counts_an_epochs_last_update(data, tmp_path):
     """kanachan's --snapshot-interval counts every trained sample, the last
     update of an epoch too: 256 samples per epoch at batch 8, a snapshot every

@@ -10,6 +10,8 @@ import torch
 from conftest import N_SMALL_TEST, N_SMALL_TRAIN, run_cli, write_mnist
 from textbox_like.checkpoint import load_checkpoint
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):

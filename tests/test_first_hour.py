@@ -169,6 +169,7 @@ def test_hetseq_scheduler_given_as_optimizer_points_at_lr_scheduler(capsys):
 
 
 # ------------------------------------------------------------------ frictions
+@pytest.mark.slow
 def test_threads_follow_the_cpus_this_process_may_use(small_mnist_dir, tmp_path):
     """Under taskset -c 0 the run takes 1 thread and says so (not the machine's count)."""
     import shutil
@@ -203,6 +204,7 @@ def test_accelerate_launch_without_multi_gpu_says_it_started_one_process(capsys)
     assert launcher_note({"ACCELERATE_MIXED_PRECISION": "no"}) is False          # --num_processes 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not NO_CUDA, reason="on a GPU machine the launcher may start GPU processes")
 def test_accelerate_launch_num_processes_2_on_cpu_warns(small_mnist_dir, tmp_path):
     import shutil
@@ -250,6 +252,7 @@ def test_the_last_line_of_a_stopped_run_says_stopped_and_whose_figures():
     assert Reporting.last_line(fake, "max_update").startswith("done | updates 15 | last validation: loss 0.5000")
 
 
+@pytest.mark.slow
 def test_console_command_help_names_itself():
     import subprocess
     import sys
@@ -262,6 +265,7 @@ def test_console_command_help_names_itself():
 
 
 # ------------------------------------------------------------------ kanachan's data files
+@pytest.mark.slow
 def test_kanachan_training_and_validation_data_files_are_those_files(tmp_path):
     """--training-data FILE trains on that shard only (not its directory's
     other shards); --validation-data FILE validates on that file."""
@@ -332,6 +336,7 @@ def test_another_optimizer_says_which_lr_it_uses_and_why(small_mnist_dir, tmp_pa
     assert "| adadelta lr 0.5 (command line) |" in captured.out + captured.err
 
 
+@pytest.mark.slow
 def test_slow_updates_log_by_wall_time_as_well(small_mnist_dir, tmp_path, monkeypatch):
     """Updates slowed (the test-only TEXTBOX_LIKE_SLOW_RANK) log more often
     than --log-interval alone would, and every --log-interval-th update still

@@ -104,6 +104,7 @@ def mnist_runs(mnist, tmp_path_factory):
     return root, err_ddp, err_fsdp
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_with_unlike_batches_and_accumulation_equals_one_process(mnist_runs):
     root, err_ddp, err_fsdp = mnist_runs
@@ -125,6 +126,7 @@ def test_fsdp_with_unlike_batches_and_accumulation_equals_one_process(mnist_runs
     assert_close(fsdp["model"], ddp)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_clips_by_the_global_norm_as_ddp_does(mnist_runs):
     root, _, _ = mnist_runs
@@ -144,6 +146,7 @@ def test_fsdp_clips_by_the_global_norm_as_ddp_does(mnist_runs):
 
 
 # ------------------------------------------------------------------ tiny BERT: a global batch in tokens, --balance
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data, tmp_path):  # noqa: F811
     """Tiny BERT, --global-batch-size 256 tokens with micro-batch caps of 64
@@ -167,6 +170,7 @@ def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data,
 
 
 # ------------------------------------------------------------------ tiny GPT-2 (--task hf)
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tmp_path):  # noqa: F811
     """A global batch of 120 real tokens, micro-batches of at most 50 per rank:
@@ -182,6 +186,7 @@ def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tm
 
 
 # ------------------------------------------------------------------ checkpoints
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
     """Adam (state to shard and save): every process killed with SIGKILL
@@ -254,6 +259,7 @@ def assert_each_sample_once(root, name):
         assert_close(saved["model"], ref["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_resumes_on_one_rank_and_back_on_two_each_sample_once(resumed_runs):
     root, logs = resumed_runs
@@ -268,6 +274,7 @@ def test_fsdp_resumes_on_one_rank_and_back_on_two_each_sample_once(resumed_runs)
     assert_each_sample_once(root, "ranks")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ddp_resumes_under_fsdp_and_back_each_sample_once(resumed_runs):
     """A DDP run's file checkpoint (optimizer state by parameter id) resumes
@@ -285,6 +292,7 @@ def test_ddp_resumes_under_fsdp_and_back_each_sample_once(resumed_runs):
     assert momentum and all(entry["momentum_buffer"].abs().sum() > 0 for entry in momentum.values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_survivor_of_a_lost_peer_names_the_last_checkpoint_and_it_resumes(mnist, resumed_runs, tmp_path):
     """Rank 1 of two --fsdp ranks killed (SIGKILL): the survivor holds only its
@@ -347,6 +355,7 @@ for strategy, nodes in (("none", 1), ("hybrid", 1), ("hybrid", 2), ("full", 1)):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sharding_strategies_keep_the_shards_they_say(tmp_path):
     """full and hybrid on one node split each parameter over the 2 ranks;

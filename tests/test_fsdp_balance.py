@@ -49,6 +49,7 @@ def balance_records(save_dir):
     return [r for r in read_jsonl(Path(save_dir) / "metrics.jsonl") if r["kind"] == "balance"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fsdp_balance_moves_samples_away_from_a_slow_rank(mnist, tmp_path):
     """Rank 1 sleeps SLOW s per sample: its measured speed, its compute
@@ -112,6 +113,7 @@ def test_uncompared_speeds_search_on_whole_update_time_alone(seed):
     assert max(oscillations_per_interval(trace, 50)) <= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_sharding_none_balances_on_whole_update_time_and_says_why(mnist, tmp_path):
     """--fsdp-sharding none: FSDP2's gradient all-reduce over the replicated

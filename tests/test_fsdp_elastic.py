@@ -26,6 +26,8 @@ from test_elastic import (GLOBAL, PY, REPO, UPDATES, Node, args, children, data,
                           resumed_updates, running)
 from test_fsdp import assert_close, checkpoint
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 
 def lose_node_b(tmp_path, train, after_update, nproc=1):
     """Nodes A and B train, ``nproc`` workers each; once A logged

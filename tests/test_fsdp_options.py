@@ -31,6 +31,7 @@ def torchrun(script, tmp_path, timeout=300):
 
 
 # ------------------------------------------------------------------ --compile (a model compiled whole)
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(models, text_data, tmp_path):  # noqa: F811
     """GPT-2 declares no compile regions: Accelerate wraps the whole sharded
@@ -63,6 +64,7 @@ def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(models, text_dat
     assert records[-1]["loss"] == pytest.approx(train_records(tmp_path / "eager")[-1]["loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_root_is_found_under_torch_compile_and_ddp_like_wrappers(tmp_path):
     """Unit level: the FSDP module under torch.compile's OptimizedModule and
     under a ``.module`` wrapper (as DDP's), and none in a plain model."""
@@ -84,6 +86,7 @@ open(f"{__file__}.rank{dist.get_rank()}", "w").write("found %s %s %s %s\\n" % fo
 
 
 # ------------------------------------------------------------------ hybrid on unlike nodes
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hybrid_on_nodes_with_unlike_rank_counts_is_refused_on_every_rank(tmp_path):
     """Rank 0 says its node holds 2 ranks, rank 1 that its node holds 1
@@ -139,6 +142,7 @@ open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} trained after evaluating
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sharded_model_evaluated_before_training_still_trains(tmp_path):
     """FSDP2's first forward under inference_mode makes inference tensors it
@@ -178,6 +182,7 @@ open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} error {error < 1e-6}\\n"
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_find_unused_parameters_lets_fsdp_ranks_use_different_parameters(tmp_path):
     """Each rank's forward uses another layer: with --find-unused-parameters
@@ -195,6 +200,7 @@ def test_find_unused_parameters_lets_fsdp_ranks_use_different_parameters(tmp_pat
     (["--bucket-cap-mb", "8"], "error: --bucket-cap-mb sizes DDP's gradient buckets; --fsdp reduces the gradients "
                                "one unit at a time (the units: --fsdp-wrap, --fsdp-min-params): drop --bucket-cap-mb"),
 ])
+@pytest.mark.slow
 def test_ddp_settings_that_fsdp_cannot_honour_are_refused(tmp_path, flags, message):
     data = tmp_path / "mnist"
     write_mnist(data, n_train=64, n_test=16)
@@ -291,6 +297,7 @@ print("gradients equal", error < 1e-6 or error)
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_accelerates_fsdp2_plugin_shards_transformers_bert_with_the_units_shard_model_chooses(tmp_path):
     """On CUDA Accelerate's FSDP2 plugin shards the model. transformers 5

@@ -479,6 +479,7 @@ def gpu_check(tmp_path, *args, **env):
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_3(tmp_path):
     done = gpu_check(tmp_path, tmp_path)  # a wheels folder that exists: nothing is installed all the same
@@ -506,6 +507,7 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_3(tmp_path):
     ([], {"GPU_CHECK_BATCH": "x"}, "GPU_CHECK_BATCH expects a whole number"),
     ([], {"PYTHON": "/no/such/python"}, "no Python interpreter /no/such/python"),
 ])
+@pytest.mark.slow
 def test_gpu_check_bad_input_is_one_line(tmp_path, args, env, words):
     if args[:1] == ["a"]:
         (tmp_path / "a").mkdir()
@@ -549,6 +551,7 @@ def test_gpu_check_report_from_results(tmp_path):
     assert json.loads((tmp_path / "out" / "gpu-report.json").read_text())["tests"]["tests/test_gpu.py -m cuda"] == counts
 
 
+@pytest.mark.slow
 def test_gpu_check_names_the_commit_only_of_its_own_checkout(tmp_path):
     """A copy of the tree unpacked inside another repository (as carried to a
     device machine) names no commit: not the outer repository's."""
@@ -570,6 +573,7 @@ def test_gpu_check_names_the_commit_only_of_its_own_checkout(tmp_path):
     assert commit_seen_from(outer / "copy") is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_gpu_check_writes_the_test_log_as_it_goes_so_a_cut_run_leaves_it(tmp_path):
     """The device's time limit kills a check mid-run (the whole process

@@ -18,6 +18,8 @@ import yaml
 from conftest import REPO, clean_env
 from test_hf_task import models, text_data  # noqa: F401  (module fixtures: tiny models, text files)
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 TEXTBOX = ["--model_path=facebook/bart-base", "--metrics=['rouge']", "--metrics_for_best_model=['ROUGE-1']",
            "--target_column", "target", "--max-sentences", "8", "--max-update", "2", "--generation_max_length", "6"]
 

@@ -160,6 +160,7 @@ HEAD_RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("head", list(HEAD_RUNS))
 def test_each_head_trains_validates_and_its_export_loads_to_the_same_loss(models, text_data, tmp_path, head):
@@ -210,6 +211,7 @@ def run_ok(cmd, timeout=300):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("head", ["causal_lm", "sequence_classification", "masked_lm", "seq2seq"])
 def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_path, head):
@@ -236,6 +238,7 @@ def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_
     assert train1[-1]["loss"] == pytest.approx(train2[-1]["loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("head", ["causal_lm", "sequence_classification"])
 def test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_process(models, tmp_path, head):
@@ -271,6 +274,7 @@ def test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_proces
         assert config["id2label"] == {"0": "bad", "1": "good"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path):
     from test_resume import kill_after_checkpoint
@@ -302,6 +306,7 @@ def batches_of(data):
     return [data.get_batch(np.arange(i, min(i + 5, len(data)))) for i in range(0, len(data), 5)]
 
 
+@pytest.mark.slow
 def test_tokenised_data_is_cached_beside_the_data_and_reused(models, tmp_path, monkeypatch):
     import textbox_like.data.hf_text as hf_text
 
@@ -383,6 +388,7 @@ configs:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_to_get_it(models, tmp_path):
     """--data NAME --dataset_config CONFIG: the dataset datasets.load_dataset
@@ -437,6 +443,7 @@ def one_error_line(proc):
     return lines[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_textbox_model_path_names_a_model_in_the_local_cache_or_says_how_to_get_it(models, text_data, tmp_path):
     cache = tmp_path / "hub"
@@ -485,6 +492,7 @@ def test_head_and_metric_mistakes_are_one_line(models, text_data, tmp_path, caps
         assert expected in err[-1] and "Traceback" not in "\n".join(err), (extra, err)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, tmp_path):
     """--balance moves tokens away from a slow rank 1 mid-run; every split
@@ -504,6 +512,7 @@ def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, t
         assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_benchmark_runs_for_the_hf_causal_lm(models, text_data):
     """python -m textbox_like.bench hf: the trainer against the model's own loss in a plain loop over the

@@ -119,6 +119,7 @@ def entry_points(data, run, tmp_path):
 READS_THE_OPTIMIZER = {"restore-file", "restore-file --fsdp", "resume", "resume --fsdp"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("poison", [hostile_metadata, hostile_item], ids=["metadata", "optimizer-item"])
 @pytest.mark.parametrize("entry", ["export", "eval", "restore-file", "restore-file --fsdp", "resume", "resume --fsdp"])
 def test_a_hostile_dcp_runs_nothing_and_is_one_line(fsdp_run, tmp_path, poison, entry):
@@ -137,6 +138,7 @@ def test_a_hostile_dcp_runs_nothing_and_is_one_line(fsdp_run, tmp_path, poison, 
     assert "could run code" in errors[0], errors[0]
 
 
+@pytest.mark.slow
 def test_the_genuine_checkpoint_still_loads_everywhere(fsdp_run, tmp_path):
     """The safe reading refuses only what DCP never writes: the run's own .dcp exports, evaluates and resumes."""
     data, save = fsdp_run

@@ -70,6 +70,7 @@ def test_parser_actions_and_appends():
     assert internals.appends(actions["many"]) and not internals.appends(actions["one"])
 
 
+@pytest.mark.slow
 def test_ray_init_local_puts_the_instance_under_the_given_directory():
     ray = pytest.importorskip("ray")
     import shutil

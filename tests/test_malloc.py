@@ -53,6 +53,7 @@ def faults(mode, **env):
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
 def test_updates_reuse_the_heap_instead_of_faulting_pages_in():
     applied, kept = faults("keep")
@@ -65,6 +66,7 @@ def test_updates_reuse_the_heap_instead_of_faulting_pages_in():
     assert default >= 10 * max(kept, 1), (default, kept)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
 def test_a_users_malloc_setting_is_left_alone():
     applied, count = faults("keep", MALLOC_TRIM_THRESHOLD_="131072")
@@ -110,6 +112,7 @@ print(give_back_freed_heap(), freed, resident_mb())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim")
 def test_give_back_freed_heap_returns_a_freed_model_to_the_os():
     done = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True, timeout=120,
@@ -141,6 +144,7 @@ print("returned", before - resident_mb())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
 @pytest.mark.timeout(300)
 def test_under_fsdp_the_trainer_gives_freed_megabyte_chunks_back(tmp_path):

@@ -303,6 +303,7 @@ def test_accuracy_improves(mnist_dir, tmp_path):
     assert valid[-1]["loss"] < train[0]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hetseq_documented_mnist_command(mnist_dir, tmp_path):
     out = tmp_path / "OUT"

@@ -146,6 +146,7 @@ def fill(directory: Path, leave_bytes: int) -> Path:
     return filler
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_really_full_disk_exits_74_keeps_the_last_checkpoint_and_resumes(data, tmp_path):
     out = tmp_path / "disk"
@@ -196,6 +197,7 @@ def test_torch_writer_full_disk_is_recognised():
 
 
 # ------------------------------------------------------ the save dir removed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_save_dir_removed_mid_run_exits_74_and_is_not_recreated(data, tmp_path):
     out = tmp_path / "out"
@@ -215,6 +217,7 @@ def test_save_dir_removed_mid_run_exits_74_and_is_not_recreated(data, tmp_path):
 
 
 # ------------------------------------------------ two runs, one save directory
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_second_run_on_a_save_dir_is_refused_then_a_dead_runs_lock_is_taken_over(data, tmp_path):
     out = tmp_path / "out"
@@ -345,6 +348,7 @@ def test_a_write_into_a_save_directory_taken_over_is_refused_before_it_lands(tmp
 
 
 # -------------------------------------------------------------------- signals
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [1, 2])
 def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
@@ -371,6 +375,7 @@ def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_signal_during_start_up_exits_75_at_once(data, tmp_path):
     """Loading the data takes 60 s (a slow file system, TEXTBOX_LIKE_TEST_DELAY),
@@ -405,6 +410,7 @@ def corrupt_a_chunk(shard: Path, key="input_ids"):
         handle.write(os.urandom(max(info.size // 2, 1)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_corrupt_chunk_retry_at_the_same_position_exits_65(bert_data, tmp_path):  # noqa: F811
     copy = tmp_path / "copy"
@@ -433,6 +439,7 @@ def test_corrupt_chunk_retry_at_the_same_position_exits_65(bert_data, tmp_path):
     (b"", "empty"),
     (b"\x00\x01\x02\x03", "binary data"),
 ])
+@pytest.mark.slow
 def test_bad_config_file_is_one_line(data, tmp_path, content, says):
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(content)
@@ -443,12 +450,14 @@ def test_bad_config_file_is_one_line(data, tmp_path, content, says):
     assert str(bad) in lines[0] and says in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_checkpoint_passed_as_config_is_named(data, tmp_path, run_of_2_updates):
     out = run_of_2_updates
     proc = run_cli(mnist_args(data, tmp_path / "o2", "--config", out / "checkpoint_last.pt", max_update=1))
     assert proc.returncode == 2 and "zip archive (a torch checkpoint?)" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_batch_larger_than_the_data_is_clamped_with_a_note(data, tmp_path):
     proc = run_cli(mnist_args(data, tmp_path / "out", "--max-sentences", "100000", max_update=1))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -457,6 +466,7 @@ def test_batch_larger_than_the_data_is_clamped_with_a_note(data, tmp_path):
 
 
 # ------------------------------------ checkpoint_last.pt damaged at rest
+@pytest.mark.slow
 def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(data, tmp_path):
     out = tmp_path / "out"
     common = ["--save-interval-updates", "2", "--log-interval", "1"]
@@ -479,6 +489,7 @@ def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(da
 
 
 # ------------------------------------------- --resume continues the same run
+@pytest.mark.slow
 def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path, capfd):
     out = tmp_path / "out"
     assert run_cli(mnist_args(data, out, "--lr", "0.001", max_update=2)).returncode == 0
@@ -517,6 +528,7 @@ def files_of(directory):
             if p.is_file() and p.name != "run.lock" and "tensorboard" not in p.parts}
 
 
+@pytest.mark.slow
 def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path, run_of_2_updates, capfd):
     out = copy_of(run_of_2_updates, tmp_path)
     before = files_of(out)
@@ -534,6 +546,7 @@ def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path, run
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
 
 
+@pytest.mark.slow
 def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_not(data, tmp_path, capfd):
     metrics_only = tmp_path / "metrics_only"
     metrics_only.mkdir()
@@ -548,6 +561,7 @@ def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_no
     assert run_cli(mnist_args(data, failed, max_update=1)).returncode == 0
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates, capfd):
     out = copy_of(run_of_2_updates, tmp_path)
     before = files_of(out)
@@ -571,6 +585,7 @@ def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates, 
     assert load_checkpoint(bf16 / "checkpoint_last.pt")["train"]["num_updates"] == 3
 
 
+@pytest.mark.slow
 def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_warning(data, tmp_path, capfd):
     """fp16 needs CUDA: a GPU's --fp16 run continued on a CPU under --fp16 goes
     on in bf16 (its GPU may be gone), said in a warning; any other flag is
@@ -593,6 +608,7 @@ def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_w
     assert load_checkpoint(path)["train"]["num_updates"] == 3
 
 
+@pytest.mark.slow
 def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run_of_2_updates, capfd):
     out = copy_of(run_of_2_updates, tmp_path)
     same = run_cli(mnist_args(data, out, "--model_conf", "hidden=128", "--resume", max_update=3))  # the default
@@ -604,6 +620,7 @@ def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run
     assert len(errors) == 1 and "hidden=128" in errors[0] and "64" in errors[0], errors
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data, tmp_path,  # noqa: F811
                                                                  run_of_2_updates, capfd):
@@ -643,6 +660,7 @@ def run_with_memory_limit(args, megabytes, at_update, timeout=200):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_out_of_memory_at_the_first_batch_names_the_batch_size_and_exits_2(data_1k, tmp_path):
     out = tmp_path / "out"
     proc = run_with_memory_limit(mnist_args(data_1k, out, "--max-sentences", "1024", max_update=4), 64, 0)
@@ -654,6 +672,7 @@ def test_out_of_memory_at_the_first_batch_names_the_batch_size_and_exits_2(data_
     assert not list(out.glob("checkpoint*.pt")) and not (out / "run.lock").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_out_of_memory_mid_training_saves_the_last_update_and_exits_71(data_1k, tmp_path):
     out = tmp_path / "out"
@@ -706,6 +725,7 @@ def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
     (b"", "is empty (0 bytes), not a checkpoint"),
     (b"lr: 0.1\nmax_update: 4\n", "is a text file (YAML?), first line 'lr: 0.1', not a checkpoint"),
 ])
+@pytest.mark.slow
 def test_restore_file_that_is_empty_or_yaml_is_named(data, tmp_path, content, says):
     bad = tmp_path / "model.pt"
     bad.write_bytes(content)
@@ -715,6 +735,7 @@ def test_restore_file_that_is_empty_or_yaml_is_named(data, tmp_path, content, sa
     assert len(errors) == 1 and str(bad) in errors[0] and says in errors[0], proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_resume_from_an_empty_checkpoint_last_is_named(data, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -727,6 +748,7 @@ def test_resume_from_an_empty_checkpoint_last_is_named(data, tmp_path):
 
 @pytest.mark.parametrize("content, says", [(b"", "is empty (0 bytes), not an HDF5 file"),
                                            (b"input_ids,input_mask\n1,2\n", "is a text file, first line")])
+@pytest.mark.slow
 def test_bert_shard_that_is_empty_or_text_is_named(bert_data, tmp_path, content, says):  # noqa: F811
     copy = tmp_path / "copy"
     shutil.copytree(bert_data, copy)
@@ -738,6 +760,7 @@ def test_bert_shard_that_is_empty_or_text_is_named(bert_data, tmp_path, content,
     assert len(errors) == 1 and str(shard) in errors[0] and says in errors[0], proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_mnist_file_that_is_empty_is_named(tmp_path):
     copy = tmp_path / "mnist"
     write_mnist(copy, n_train=32, n_test=8, seed=1)
@@ -750,6 +773,7 @@ def test_mnist_file_that_is_empty_is_named(tmp_path):
 
 
 # ------------------------------------------------ metrics.jsonl on a full disk
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_metrics_jsonl_on_a_really_full_disk_exits_74_with_one_line(data, tmp_path):
     out = tmp_path / "disk"
@@ -804,6 +828,7 @@ def without_root_overrides():
     return drop
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_save_dir_made_read_only_mid_run_exits_74_with_one_line(data, tmp_path):
     preexec = without_root_overrides()
@@ -830,6 +855,7 @@ def test_save_dir_made_read_only_mid_run_exits_74_with_one_line(data, tmp_path):
     assert load_checkpoint(out / "checkpoint_1_3.pt")["train"]["num_updates"] == 3  # kept, whole
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kept_copies_that_cannot_be_removed_at_the_end_are_one_warning(data, tmp_path):
     """The save directory turns read-only (chmod, in a child that mode bits
@@ -861,6 +887,7 @@ def test_kept_copies_that_cannot_be_removed_at_the_end_are_one_warning(data, tmp
 
 
 # ------------------------------------------------ a file:// rendezvous, a rank killed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank_killed_over_a_file_rendezvous_saves_and_removes_the_file(data, tmp_path):
     """Two ranks started by hand over a file:// rendezvous; rank 1 killed
@@ -899,6 +926,7 @@ def snapshot(*paths) -> dict:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_stopped_rank_woken_in_a_newer_run_writes_nothing_and_exits_77(data, tmp_path):
     """Rank 1 of a file:// run is stopped (SIGSTOP); rank 0 declares it lost,
@@ -972,6 +1000,7 @@ print(os.waitstatus_to_exitcode(status))
 """
 
 
+@pytest.mark.slow
 def test_child_of_a_parent_that_died_before_the_prctl_stops():
     """PR_SET_PDEATHSIG set after the parent died never fires: the preexec
     sees it was reparented and stops the child (143) before it starts."""

@@ -54,6 +54,7 @@ def installed(tmp_path_factory):
     return venv / "bin", work
 
 
+@pytest.mark.slow
 def test_the_wheel_is_what_runs(installed):
     bin_dir, work = installed
     proc = run([str(bin_dir / "python"), "-c",
@@ -72,6 +73,7 @@ def test_the_wheel_is_what_runs(installed):
                              for p in (ROOT / "textbox_like").rglob("*.py"))      # data/ has no __init__.py
 
 
+@pytest.mark.slow
 def test_train_print_config_has_the_mnist_defaults(installed):
     bin_dir, work = installed
     printed = run([str(bin_dir / "textbox-like"), "train", "--task", "mnist", "--print_config"], cwd=work).stdout
@@ -85,6 +87,7 @@ def test_train_print_config_has_the_mnist_defaults(installed):
     assert config["lr"] in (defaults["lr"], [defaults["lr"]])
 
 
+@pytest.mark.slow
 def test_train_print_config_with_a_model_preset(installed):
     bin_dir, work = installed
     argv = ["train", "--task", "bert", "--model-preset", "tiny", "--print_config"]
@@ -101,6 +104,7 @@ def test_train_print_config_with_a_model_preset(installed):
     assert loaded["num_hidden_layers"] == preset["num_hidden_layers"]
 
 
+@pytest.mark.slow
 def test_every_subcommand_answers_help(installed):
     bin_dir, work = installed
     proc = run([str(bin_dir / "textbox-like"), "--help"], cwd=work)
@@ -127,6 +131,7 @@ def test_top_level_scripts_stay():
         assert (ROOT / name).is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_example_project_trains_from_the_wheel_with_its_user_dir(installed):
     """examples/my_task, copied outside the repository as a user's own folder,

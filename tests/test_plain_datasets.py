@@ -170,6 +170,7 @@ def plain_runs(user_dir, tmp_path_factory):
                    if procs[task].returncode == 0 else [], root / task) for task in PLAIN_TASKS}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("task", PLAIN_TASKS)
 def test_a_plain_dataset_trains_and_its_loss_falls(plain_runs, task):
@@ -183,6 +184,7 @@ def test_a_plain_dataset_trains_and_its_loss_falls(plain_runs, task):
     assert len(valid) == 2 and valid[-1]["loss"] < valid[0]["loss"] and valid[-1]["accuracy"] > 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_eval_reads_a_plain_dataset(plain_runs, tmp_path):
     """``textbox-like eval`` (textbox_like.evaluate) of the last checkpoint of
@@ -199,6 +201,7 @@ def test_eval_reads_a_plain_dataset(plain_runs, tmp_path):
     assert record["loss"] == pytest.approx(last["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ranks_of_3_and_5_and_micro_batches_equal_one_process_of_8(user_dir, tmp_path):
     """A TensorDataset's [x, y] batches: two 'nodes' with --max-sentences 3
@@ -224,6 +227,7 @@ def test_two_ranks_of_3_and_5_and_micro_batches_equal_one_process_of_8(user_dir,
         assert_params_close(checkpoint(run)["model"], expected["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill_9_mid_epoch_then_resume_is_bitwise_identical(user_dir, tmp_path):
     """The user's own Dataset and collate, dropout on: killed (SIGKILL, from
@@ -248,6 +252,7 @@ def test_kill_9_mid_epoch_then_resume_is_bitwise_identical(user_dir, tmp_path):
         assert_bitwise_equal(final[part], whole[part], part)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_iterable_dataset_is_refused_in_one_line(user_dir, tmp_path):
     proc = start(train_args(user_dir, "plain_stream", tmp_path / "stream", "--max-update", "2"))

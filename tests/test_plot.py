@@ -141,6 +141,7 @@ def test_plot_runs_never_raises(tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path):
     """python -m textbox_like.plot and textbox-like plot, as a user runs them."""
     run = write_run(tmp_path / "r", mnist_records())

@@ -91,6 +91,7 @@ def run_user_task(tmp_path, *args):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_users_task_declares_typed_options(tmp_path):
     shown = run_user_task(tmp_path, "--help")

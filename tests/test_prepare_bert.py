@@ -103,6 +103,7 @@ def test_shard_layout(corpus):
     assert (out / "vocab.txt").read_text() == vocab.read_text()
 
 
+@pytest.mark.slow
 def test_deterministic_for_a_seed(corpus):
     tmp, vocab, text, _ = corpus
     common = ["--input", text, "--vocab", vocab, "--max-seq-length", 32, "--dupe-factor", 2]
@@ -117,6 +118,7 @@ def test_deterministic_for_a_seed(corpus):
     assert a["input_ids"].shape != c["input_ids"].shape or not np.array_equal(a["input_ids"], c["input_ids"])
 
 
+@pytest.mark.slow
 def test_masking_80_10_10(tmp_path):
     vocab = tmp_path / "vocab.txt"
     tokens = write_vocab(vocab)
@@ -210,6 +212,7 @@ def assert_one_line_error(result, fragment):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_errors(tmp_path):
     vocab = tmp_path / "vocab.txt"
     write_vocab(vocab)
@@ -294,6 +297,7 @@ def test_random_other_document_after_ten_failed_draws():
     assert all(random_other_document(2, 0, rng) == 1 for _ in range(2000))
 
 
+@pytest.mark.slow
 def test_one_document_corpus_has_no_random_next(tmp_path):
     vocab = tmp_path / "vocab.txt"
     tokens = write_vocab(vocab)
@@ -308,6 +312,7 @@ def test_one_document_corpus_has_no_random_next(tmp_path):
     assert not (tmp_path / "out" / "bert_seq24_test_0.hdf5").exists()
 
 
+@pytest.mark.slow
 def test_test_split_takes_at_least_two_documents(tmp_path):
     from textbox_like.data.prepare_bert import split_documents
 
@@ -330,6 +335,7 @@ def test_test_split_takes_at_least_two_documents(tmp_path):
     assert set(d["next_sentence_labels"].tolist()) == {0, 1}
 
 
+@pytest.mark.slow
 def test_three_document_corpus_warns_in_one_line(tmp_path):
     vocab = tmp_path / "vocab.txt"
     write_vocab(vocab)

@@ -21,6 +21,8 @@ import pytest
 
 from conftest import REPO, base_args, clean_env, read_jsonl
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 #: a sitecustomize that leaves a file per process when the interpreter tears down
 MARK_TEARDOWN = textwrap.dedent('''
     import atexit, os

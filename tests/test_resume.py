@@ -91,6 +91,7 @@ def compare_final(final, ref):
     assert final["iterator"] == ref["iterator"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("update_freq", [1, 3])
 def test_sigkill_then_resume_is_bitwise_identical(data, tmp_path, reference, update_freq):
@@ -111,6 +112,7 @@ def test_sigkill_then_resume_is_bitwise_identical(data, tmp_path, reference, upd
     compare_final(load(save_dir / "checkpoint_last.pt"), reference(update_freq))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compiled_run_killed_and_resumed_equals_the_uninterrupted_compiled_run(data, tmp_path, reference):
     # --compile (issue 12): the checkpoint holds the uncompiled module's keys and
@@ -127,6 +129,7 @@ def test_compiled_run_killed_and_resumed_equals_the_uninterrupted_compiled_run(d
     compare_final(load(save_dir / "checkpoint_last.pt"), reference(1, "--compile"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, reference):
     save_dir = tmp_path / "run"
@@ -140,6 +143,7 @@ def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, referenc
     compare_final(load(save_dir / "checkpoint_last.pt"), reference(1))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, reference):
     save_dir = tmp_path / "run"
@@ -157,6 +161,7 @@ def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, referenc
     compare_final(final, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_while_saving_never_leaves_last_checkpoint_unloadable(data, tmp_path):
     save_dir = tmp_path / "run"
@@ -189,6 +194,7 @@ def test_atomic_save_keeps_previous_file_when_write_fails(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]
 
 
+@pytest.mark.slow
 def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path):
     from textbox_like import checkpoint as ck
     from textbox_like.errors import UserError
@@ -209,6 +215,7 @@ def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error:") and "truncated.pt" in lines[0], out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_keep_interval_updates_keeps_the_two_newest(data, tmp_path):
     save_dir = tmp_path / "run"
@@ -218,6 +225,7 @@ def test_keep_interval_updates_keeps_the_two_newest(data, tmp_path):
     assert updates == [25, 30]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_after_raising_max_update_continues(data, tmp_path):
     save_dir = tmp_path / "run"
@@ -237,6 +245,7 @@ def test_resume_after_raising_max_update_continues(data, tmp_path):
     assert_bitwise_equal(second["model"], load(ref_dir / "checkpoint_last.pt")["model"], "model")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp_path):
     schedule = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4",
@@ -251,6 +260,7 @@ def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp
     assert lrs[0] == pytest.approx(0.001 * (1 - (11 - 4) / 96))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_metrics_jsonl_has_no_repeated_updates_after_kill_and_resume(data, tmp_path):
     save_dir = tmp_path / "run"
@@ -262,6 +272,7 @@ def test_metrics_jsonl_has_no_repeated_updates_after_kill_and_resume(data, tmp_p
     assert updates == list(range(1, 61))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_with_another_world_size_and_batch_continues_the_epoch(data, tmp_path):
     """1 process x 16 for 10 updates, then 2 processes x 8: the rest of the

@@ -229,6 +229,7 @@ def test_space_file_is_never_executed(tmp_path, options):
 
 
 # ---------------------------------------------------------------- algorithms
+@pytest.mark.slow
 def test_exhaustive_runs_each_combination_once_and_yaml_gives_the_same_trials(tmp_path, options):
     (tmp_path / "a.test").write_text(TEXTBOX_EXAMPLE)
     (tmp_path / "b.yaml").write_text(YAML_EXAMPLE)
@@ -246,6 +247,7 @@ def test_exhaustive_runs_each_combination_once_and_yaml_gives_the_same_trials(tm
     assert len({p["lr"] for p in ran[0]}) == 9                # continuous values sampled per trial
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["rand", "tpe", "anneal", "tpe.suggest", "hyperopt.rand.suggest", "bayes"])
 def test_algorithms_run_and_are_reproducible(tmp_path, options, algo):
     space = S.parse_textbox(TEXTBOX_EXAMPLE, "f", options)
@@ -286,6 +288,7 @@ def test_failed_trial_is_recorded_and_best_chosen(tmp_path, options):
 
 
 # ---------------------------------------------------------------- resume and parallel
+@pytest.mark.slow
 def test_resume_after_interrupt_keeps_finished_trials_and_the_same_parameters(tmp_path, options):
     space = S.parse_textbox(TEXTBOX_EXAMPLE, "f", options)
     reference = tmp_path / "ref"
@@ -303,6 +306,7 @@ def test_resume_after_interrupt_keeps_finished_trials_and_the_same_parameters(tm
     assert params_of(out) == params_of(reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pt", "dcp"])
 def test_an_interrupted_trial_with_only_interval_checkpoints_is_resumed(tmp_path, options, kind):
     """A trial run with --no-last-checkpoints (or stopped in its first save)
@@ -405,6 +409,7 @@ def test_command_line_errors_are_one_line(tmp_path, capsys):
         assert needle in cli_error(capsys, S.multi_seed_main, args + common), needle
 
 
+@pytest.mark.slow
 def test_bad_space_file_through_the_script_is_one_line_and_runs_nothing(tmp_path):
     (tmp_path / "s.test").write_text("learning_rate loguniform (-8, 0)\nlr2 choice __import__('os')\n")
     proc = subprocess.run([sys.executable, str(REPO / "run_hyper.py"), "--space", "s.test", "--output", "out",
@@ -417,6 +422,7 @@ def test_bad_space_file_through_the_script_is_one_line_and_runs_nothing(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["run_hyper.py", "run_multi_seed.py"])
 def test_help_is_fast_and_imports_no_torch(name):
     start = time.time()

@@ -15,6 +15,8 @@ import pytest
 from conftest import REPO, clean_env, write_mnist
 from textbox_like import search as S
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 TRAIN = ["--task", "mnist", "--log-format", "none", "--valid-subset", "test", "--warmup-updates", "0"]
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from conftest import REPO, clean_env, write_mnist
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
 
 TRAIN = ["--task", "mnist", "--log-format", "none", "--valid-subset", "test", "--warmup-updates", "0",

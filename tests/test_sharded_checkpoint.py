@@ -150,6 +150,7 @@ def two_rank_loads(two_rank_save, one_process_save, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- (a) same world size
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MODELS)
 def test_two_ranks_resume_bitwise(two_rank_save, two_rank_loads, kind):
     """Each rank's shards of the parameters and of Adam's state after the load
@@ -164,6 +165,7 @@ def test_two_ranks_resume_bitwise(two_rank_save, two_rank_loads, kind):
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_save_is_published_whole_under_each_name(two_rank_save):
     """Every name is a published checkpoint of its own data (copies, not one
     directory), both verify, and nothing half-written is left."""
@@ -179,6 +181,7 @@ def test_save_is_published_whole_under_each_name(two_rank_save):
 
 
 # ---------------------------------------------------------------- (b) other world sizes, DDP <-> FSDP
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MODELS)
 def test_one_process_loads_a_two_rank_save(two_rank_save, kind):
     model, optimizer = worker.build(kind, shard=False)
@@ -187,6 +190,7 @@ def test_one_process_loads_a_two_rank_save(two_rank_save, kind):
     assert_same(full_state(model, optimizer), dumped(two_rank_save / "out", f"{kind}.saved.full"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MODELS)
 def test_two_ranks_load_a_one_process_save_and_a_ddp_state(one_process_save, two_rank_loads, kind):
     """Two sharded ranks load what one process saved (DCP reshards), and a DDP
@@ -196,6 +200,7 @@ def test_two_ranks_load_a_one_process_save_and_a_ddp_state(one_process_save, two
     assert_same(dumped(two_rank_loads / "out", f"{kind}.from_ddp.full"), states[kind])
 
 
+@pytest.mark.slow
 def test_three_sharded_ranks_load_a_two_rank_save(two_rank_save, tmp_path):
     """From two shards per tensor to three, uneven (16 rows over 3 ranks): the full state gathered back is the one saved."""
     spec = {"out": str(tmp_path / "out"), "models": MODELS, "steps": [
@@ -210,6 +215,7 @@ def test_three_sharded_ranks_load_a_two_rank_save(two_rank_save, tmp_path):
 
 
 # ---------------------------------------------------------------- (c) kill -9 mid-save
+@pytest.mark.slow
 def test_save_killed_midway_leaves_the_previous_checkpoint_newest(tmp_path):
     """Two ranks save at update 2, then at update 4 rank 0 stops (test hook)
     after every file is written and before the rename: both are killed with
@@ -267,6 +273,7 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_newest(tmp_path):
 
 
 # ---------------------------------------------------------------- (d) damage
+@pytest.mark.slow
 def test_damaged_shard_is_one_line_and_changes_nothing(two_rank_save, tmp_path):
     """A byte flipped in one rank's shard: the load refuses it naming the file
     and the fix, before touching the model; the other name's copy still loads.
@@ -309,6 +316,7 @@ def test_damaged_shard_is_one_line_and_changes_nothing(two_rank_save, tmp_path):
         load_sharded(damaged, model, optimizer)
 
 
+@pytest.mark.slow
 def test_not_a_sharded_checkpoint_is_one_line(tmp_path):
     (tmp_path / "empty.dcp").mkdir()
     with pytest.raises(UserError, match=r"is not a textbox_like sharded checkpoint \(no manifest.json\)"):
@@ -325,6 +333,7 @@ def test_not_a_sharded_checkpoint_is_one_line(tmp_path):
 
 
 # ---------------------------------------------------------------- (e) export
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MODELS)
 def test_export_equals_the_full_state_dict(two_rank_save, tmp_path, kind):
     """The exported weights are the model's full state dict as the sharded
@@ -339,6 +348,7 @@ def test_export_equals_the_full_state_dict(two_rank_save, tmp_path, kind):
     assert state["train"] == {"num_updates": 3}
 
 
+@pytest.mark.slow
 def test_export_command_takes_a_sharded_mnist_checkpoint(two_rank_save, tmp_path):
     """``python -m textbox_like.export CKPT.dcp --to DIR``: the mnist run's
     weights as model.safetensors for the model the task builds."""
@@ -452,6 +462,7 @@ def test_sharded_pruning_counts_an_emergency_file_checkpoint_with_the_interval_c
     assert not list(tmp_path.glob("*.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MODELS)
 def test_manager_of_two_sharded_ranks_resumes_in_one_process(two_rank_loads, tmp_path, kind):
     """Two FSDP ranks save every update through the manager (each rank's own
@@ -467,6 +478,7 @@ def test_manager_of_two_sharded_ranks_resumes_in_one_process(two_rank_loads, tmp
     assert_same(full_state(model, optimizer), dumped(two_rank_loads / "out", f"{kind}.managed.full"))
 
 
+@pytest.mark.slow
 def test_evaluate_takes_a_sharded_checkpoint(two_rank_save, small_mnist_dir, tmp_path):
     """``textbox_like.evaluate`` (``textbox-like eval``) of a sharded checkpoint
     gives what it gives for a file checkpoint of the same run state."""
@@ -520,6 +532,7 @@ def test_failed_write_publishes_nothing_and_a_superseded_process_writes_nothing(
         lock.release()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_ddp_run_prunes_the_interval_checkpoints_an_fsdp_run_left(small_mnist_dir, tmp_path):
     """A 2-rank --fsdp run saving every update leaves sharded interval

@@ -32,6 +32,8 @@ from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every
 
 from conftest import clean_env, free_port, write_mnist
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 

@@ -5,6 +5,9 @@ checkpoint does not repeat the training run's notes."""
 from __future__ import annotations
 
 from conftest import run_cli
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
 
 
 def test_start_and_done_lines_name_lr_source_precision_and_save_dir(small_mnist_dir, tmp_path):

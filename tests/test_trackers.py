@@ -54,6 +54,7 @@ def scalar_series(logdir: Path) -> dict:
     return {tag: sorted(points) for tag, points in series.items()}
 
 
+@pytest.mark.slow
 def test_tensorboard_events_hold_train_loss_and_valid_accuracy(tb_run):
     out, _ = tb_run
     logdir = out / "tensorboard"
@@ -76,6 +77,7 @@ def test_tensorboard_events_hold_train_loss_and_valid_accuracy(tb_run):
     assert [s for s, _ in series["train/gnorm"]] == [5, 10, 15, 20, 25, 30]
 
 
+@pytest.mark.slow
 def test_curves_png_written(tb_run):
     out, _ = tb_run
     png = out / "curves.png"
@@ -83,6 +85,7 @@ def test_curves_png_written(tb_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_throughput_fields_in_log_lines_and_metrics(tb_run):
     out, proc = tb_run
     train_lines = [line for line in proc.stderr.splitlines() if line.startswith("train |")]
@@ -107,6 +110,7 @@ def _one_error_line(proc):
     return errors[0]
 
 
+@pytest.mark.slow
 def test_report_to_wandb_not_installed_is_one_line(small_mnist_dir, tmp_path):
     if importlib.util.find_spec("wandb") is not None:
         # wandb installed: hide it from the subprocess with a shadowing package that fails to import
@@ -144,6 +148,7 @@ def test_use_wandb_true_not_installed_is_one_line(small_mnist_dir, tmp_path, mon
     assert "pip install wandb" in lines[0]
 
 
+@pytest.mark.slow
 def test_report_to_bogus_is_one_line(small_mnist_dir, tmp_path):
     proc = run_cli(args(small_mnist_dir, tmp_path / "out", "--report_to", "bogus", max_update=2))
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -115,6 +115,7 @@ def test_other_log_formats_run(small_mnist_dir, tmp_path, capsys, fmt):
     assert len(records(out, "train")) == 2  # metrics.jsonl whatever the format
 
 
+@pytest.mark.slow
 def test_log_interval(small_mnist_dir, tmp_path):
     out = train(small_mnist_dir, tmp_path / "o", "--log-interval", "3", "--disable-validation", max_update=7)
     assert [r["update"] for r in records(out, "train")] == [3, 6]

@@ -89,6 +89,7 @@ def finish(procs):
 LAUNCHERS = ["torchrun", "accelerate", "srun", "file_nodes"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_every_launchers_processes_import_the_user_dir(project, tmp_path, launcher):
@@ -126,6 +127,7 @@ def test_every_launchers_processes_import_the_user_dir(project, tmp_path, launch
     assert saved["user_dir"] == str(project / "proj" / "toytask")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_multi_seed_runs_each_seed_with_the_user_dir(project, tmp_path):
     imports = tmp_path / "imports"
@@ -145,6 +147,7 @@ def test_multi_seed_runs_each_seed_with_the_user_dir(project, tmp_path):
     assert len(importers(imports)) >= 2        # the command, and each seed's trainer
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_ray_search_over_the_user_tasks_own_options_trains_each_trial_with_its_values(project, tmp_path):
     """run_hyper.py --backend ray --algo tpe: each trial's process imports
@@ -183,6 +186,7 @@ def test_a_ray_search_over_the_user_tasks_own_options_trains_each_trial_with_its
     assert len(importers(imports)) >= 3        # the command and each trial's trainer
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_textbox_like_eval_and_export_read_a_user_task_checkpoint(project, tmp_path):
     save = tmp_path / "one"
@@ -226,6 +230,7 @@ print(json.dumps({"results": results,
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_task_class_from_a_module_trains_in_two_ranks_from_python_and_its_config_yaml_finds_it(project,
                                                                                                   tmp_path):
@@ -287,6 +292,7 @@ print(json.dumps([first, second]))
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_task_class_from_main_trains_in_one_process_and_two_are_refused_in_one_line(project, tmp_path):
     script = tmp_path / "notebook.py"
@@ -345,6 +351,7 @@ class BadStyle(Task):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_task_with_fairseqs_add_args_gets_a_real_parser_and_its_values(tmp_path):
     folder = tmp_path / "old_style"

@@ -100,6 +100,7 @@ def train_records(save_dir):
     return [r for r in read_jsonl(save_dir / "metrics.jsonl") if r.get("kind") == "train"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_help_and_print_config_show_the_user_dirs_typed_options(project):
     package, work = project
@@ -115,6 +116,7 @@ def test_help_and_print_config_show_the_user_dirs_typed_options(project):
     assert config["user_dir"] == str(package) and (config["toy_width"], config["toy_samples"]) == (16, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_process_trains_then_config_yaml_reruns_it_resume_continues_it_and_eval_reads_it(project, tmp_path):
     package, work = project
@@ -144,6 +146,7 @@ def test_one_process_trains_then_config_yaml_reruns_it_resume_continues_it_and_e
     assert record["num_updates"] == 3 and record["samples"] == 64 and 0 <= record["accuracy"] <= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_spawned_ranks_import_the_user_dir(project, tmp_path):
     _, work = project
@@ -225,6 +228,7 @@ def test_a_folder_named_like_another_module_is_one_line(tmp_path, capsys):
     assert line.endswith("), which it would hide; rename the folder")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_exception_in_the_users_code_shows_their_traceback(tmp_path):
     folder = tmp_path / "buggy"
@@ -237,6 +241,7 @@ def test_an_exception_in_the_users_code_shows_their_traceback(tmp_path):
     assert "ValueError: my own mistake" in failed.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_installed_package_registers_through_the_entry_point_group(tmp_path):
     """A distribution on sys.path whose entry_points.txt names a module in
@@ -257,6 +262,7 @@ def test_an_installed_package_registers_through_the_entry_point_group(tmp_path):
     assert yaml.safe_load(printed.stdout)["lr_scheduler"] == "my_flat"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_public_names_are_the_registries_and_import_no_torch(project):
     """``textbox_like.Task`` and the decorators come on first use; neither
@@ -279,6 +285,7 @@ def test_the_public_names_are_the_registries_and_import_no_torch(project):
     assert "task toy:" in proc.stdout and proc.stderr.split() == ["False"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_search_over_the_user_dirs_option_runs_each_trial_with_it(project, tmp_path):
     """run_hyper.py passes --user-dir on: the space names the user task's
