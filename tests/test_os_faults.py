@@ -377,6 +377,33 @@ def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_sigterm_under_fsdp_names_the_dcp_it_saved_and_the_resume_goes_on_from_it(data, tmp_path):
+    """A real SIGTERM mid-run under --fsdp: the stop's line names the file the save wrote, checkpoint_last.dcp
+    (it said checkpoint_last.pt, which an --fsdp run never writes), and --resume continues from that update."""
+    out = tmp_path / "out"
+    run = Run(mnist_args(data, out, "--log-interval", "1", "--fsdp", *LONG, max_update=1000000))
+    try:
+        run.wait_for_update(3)
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish()
+    finally:
+        run.kill()
+    assert rc == 75, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    stop = [line for line in run.stderr.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert stop == ["stopped by SIGTERM; checkpoint_last.dcp saved: rerun the same command with --resume"], \
+        run.stderr[-3000:]
+    assert (out / "checkpoint_last.dcp").is_dir() and not (out / "checkpoint_last.pt").exists()
+    from textbox_like.sharded_checkpoint import read_extra_state
+    saved = read_extra_state(out / "checkpoint_last.dcp")["train"]["num_updates"]
+    assert saved >= 3
+    resumed = run_cli(mnist_args(data, out, "--fsdp", "--resume", max_update=saved + 2))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["num_updates"] == saved + 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_signal_during_start_up_exits_75_at_once(data, tmp_path):
     """Loading the data takes 60 s (a slow file system, TEXTBOX_LIKE_TEST_DELAY),
     after the save directory's lock is taken: the signal surely arrives during

@@ -228,6 +228,10 @@ class CheckpointManager:
             for leftover in [*self.dir.glob(".emergency-*"), *self.dir.glob("..emergency-*.tmp")]:
                 remove(leftover)
 
+    def file_name(self, name: str) -> str:
+        """What a save under ``name`` (``checkpoint_last.pt``) is called on disk by this manager."""
+        return name
+
     # when --------------------------------------------------------------
     def names(self, epoch, updates, end_of_epoch, is_best, final=False, snapshot=False):
         """``snapshot``: kanachan's --snapshot-interval was crossed (an interval checkpoint)."""

@@ -7,6 +7,37 @@ Python that moves one fails there, by name, not deep inside a run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+
+
+# ---------------------------------------------------------------- torch.optim
+DYNAMO_DISABLE = "__dynamo_disable"   # where torch._compile._disable_dynamo caches its wrapped function
+
+
+@contextlib.contextmanager
+def optimizers_built_without_dynamo():
+    """While it lasts, building a torch optimizer does not import torch._dynamo.
+
+    ``Optimizer.add_param_group`` is wrapped by ``torch._disable_dynamo``, which
+    imports torch._dynamo (about 1 s) on its first call only to mark the method
+    as not to be traced. A launcher that builds an optimizer on a dummy
+    parameter to check its values, and trains nothing itself, need not pay
+    that before its ranks start: the cache is filled with the plain method
+    (nothing is compiled here, so not tracing it changes nothing) and emptied
+    again on the way out, so a later call wraps it as torch does."""
+    import sys
+
+    import torch
+    plain = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if plain is None or "torch._dynamo" in sys.modules or hasattr(plain, DYNAMO_DISABLE):
+        yield
+        return
+    setattr(plain, DYNAMO_DISABLE, plain)
+    try:
+        yield
+    finally:
+        if getattr(plain, DYNAMO_DISABLE, None) is plain:
+            delattr(plain, DYNAMO_DISABLE)
 
 
 # ---------------------------------------------------------------- torch.compile

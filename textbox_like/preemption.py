@@ -113,8 +113,9 @@ class Preemption:
             self._pending[0].wait()
             self._pending = None
 
-    def message(self, saved: bool) -> str:
+    def message(self, saved: bool, last_name: str = "checkpoint_last.pt") -> str:
+        """The stop's line; ``last_name``: the file the save wrote (``checkpoint_last.dcp`` under --fsdp)."""
         return (f"stopped by {self.signal or 'a signal'}"
                 + (f" ({self.absorbed} more signal(s) during the stop, absorbed)" if self.absorbed else "")
-                + ("; checkpoint_last.pt saved: rerun the same command with --resume" if saved
+                + (f"; {last_name} saved: rerun the same command with --resume" if saved
                    else "; nothing was saved (--no-save or --no-last-checkpoints)"))

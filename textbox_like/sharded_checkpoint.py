@@ -661,6 +661,9 @@ class ShardedCheckpointManager(CheckpointManager):
         if self.enabled and is_main and self.dir.is_dir():
             remove_leftovers(self.dir)
 
+    def file_name(self, name: str) -> str:
+        return sharded_name(name) if self.saves_sharded else name
+
     def model_and_optimizer(self):
         model = self.parts["model"].module()
         part = self.parts.get("optimizer")

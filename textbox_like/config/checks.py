@@ -70,9 +70,12 @@ def _check_optimizer_values(optim):
     """Let torch judge the values (lr < 0, rho > 1, betas of the wrong length)
     on one dummy parameter, before any data is read."""
     import torch
+
+    from ..internals import optimizers_built_without_dynamo
     from ..optim import build_optimizer
     try:
-        build_optimizer(optim, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+        with optimizers_built_without_dynamo():  # a launcher trains nothing: its ranks import dynamo
+            build_optimizer(optim, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
     except IndexError:
         raise UserError(f"optimizer {optim.optimizer}: betas must be two numbers, like '(0.9, 0.999)'") from None
     except (ValueError, TypeError) as exc:

@@ -266,8 +266,9 @@ class Lifecycle:
         """The exit code of the run that finish() ends, with the line of a preempted one."""
         t = self.trainer
         if self.finishing == "preempted":
-            print(t.preemption.message(t.checkpointer.checkpoints.enabled and not t.cfg.checkpoint.no_last_checkpoints),
-                  file=sys.stderr)
+            checkpoints = t.checkpointer.checkpoints
+            print(t.preemption.message(checkpoints.enabled and not t.cfg.checkpoint.no_last_checkpoints,
+                                       checkpoints.file_name("checkpoint_last.pt")), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         return 0
 
