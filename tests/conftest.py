@@ -34,6 +34,9 @@ def pytest_configure(config):
     # every process a test starts prints its Python threads' stacks if it dies of SIGSEGV/SIGABRT: a rare
     # crash at a two-rank run's teardown (gloo; "terminate called without an active exception") left no stack
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    # torch's first import runs ldconfig (ctypes.util.find_library, for CUDA's libraries): done here, before any
+    # test, so that a fast-tier test that is the first to import torch is not taken for one starting a process
+    import torch  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):

@@ -199,3 +199,35 @@ def test_the_safe_reader_refuses_both_poisons_in_process(tmp_path):
     with pytest.raises(Exception, match="could run code"):
         safe_load({"model": model_state, "optimizer": optimizer_state}, tmp_path / "item", no_dist=True)
     assert not marker.exists()
+
+
+def test_the_metadata_unpickler_admits_dcps_classes_only():
+    """What a .metadata may name: DCP's metadata classes, torch dtypes and Size, paths as pure paths (Python
+    3.13 pickles them from pathlib._local; a WindowsPath cannot be built on Linux); nothing that runs code."""
+    import pathlib
+
+    import torch
+    from textbox_like.storage.dcp_reading import admitted
+    assert admitted("torch", "float32") is torch.float32 and admitted("torch", "Size") is torch.Size
+    assert admitted("torch.distributed.checkpoint.metadata", "Metadata").__name__ == "Metadata"
+    assert admitted("pathlib._local", "PosixPath") is pathlib.PurePosixPath
+    assert admitted("pathlib", "WindowsPath") is pathlib.PureWindowsPath
+    for module, name in [("os", "system"), ("builtins", "eval"), ("torch", "load"), ("torch", "compile"),
+                         ("torch.distributed.checkpoint.metadata", "dataclass"), ("pathlib", "Path.write_text"),
+                         ("subprocess", "Popen"), ("torch.serialization", "load")]:
+        assert admitted(module, name) is None, (module, name)
+
+
+def test_a_metadata_pointing_outside_its_directory_is_refused(tmp_path):
+    """A storage entry's file must be a plain name inside the checkpoint: '../x' would read another file's bytes
+    into the weights, past the manifest's digests."""
+    import dataclasses
+    from torch.distributed.checkpoint import FileSystemReader
+    from textbox_like.storage.dcp_reading import UnsafeCheckpoint, check_metadata
+    small_dcp(tmp_path / "ck")
+    metadata = FileSystemReader(str(tmp_path / "ck")).read_metadata()   # our own genuine file
+    key = next(iter(metadata.storage_data))
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path="../outside.distcp")
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpoint, match="outside its directory"):
+        check_metadata(tmp_path / "ck")

@@ -6,9 +6,10 @@ item of the shards (an optimizer's ``lr``, ``betas``...) with
 ``torch.load(weights_only=False)``: a copied checkpoint whose files were
 replaced (and whose manifest digests were updated to match: a digest is not a
 signature) would run code on export, eval, ``--restore-file`` and ``--resume``.
-Here ``.metadata`` is read by an unpickler that admits only the classes DCP
-writes into it, and the bytes items by ``torch.load(weights_only=True)``;
-anything else is refused in one line (:class:`UnsafeCheckpoint`, a
+Here ``.metadata`` is read once, by an unpickler that admits only the classes
+DCP writes into it, and that checked object is what the load plans with; the
+bytes items are read by ``torch.load(weights_only=True)`` alone. Anything else
+is refused in one line (:class:`UnsafeCheckpoint`, a
 :class:`~textbox_like.errors.UserError`: exit 2).
 
     check_metadata(path)                     # the Metadata, or one line (exit 2)
@@ -19,21 +20,24 @@ from __future__ import annotations
 import functools
 import io
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ..errors import UserError, first_line
 
 METADATA = ".metadata"
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-# what DCP (torch 2.1 .. 2.14) writes into .metadata besides the classes of DCP_METADATA_MODULE
+# what DCP writes into .metadata besides the classes of DCP_METADATA_MODULE (read from torch 2.14's writer)
 ADMITTED = {
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),      # a layout by its name ("torch.strided")
+    ("torch.serialization", "_get_layout"),      # a layout by its name ("torch.strided"): a dict lookup
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
+# StorageMeta.checkpoint_id is a path; Python 3.13 pickles it from pathlib._local. A pure path is built on any
+# OS (a WindowsPath is not, on Linux) and touches no file
+PATH_MODULES = ("pathlib", "pathlib._local")
+PURE_PATHS = {"PosixPath": PurePosixPath, "PurePosixPath": PurePosixPath,
+              "WindowsPath": PureWindowsPath, "PureWindowsPath": PureWindowsPath}
 
 
 class UnsafeCheckpoint(UserError):
@@ -45,8 +49,12 @@ def admitted(module: str, name: str):
     import importlib
 
     import torch
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
+    if module == "torch":
+        found = vars(torch).get(name)   # not getattr: torch's module __getattr__ imports on a name
+        if isinstance(found, torch.dtype):
+            return found
+    if module in PATH_MODULES:
+        return PURE_PATHS.get(name)
     if (module, name) not in ADMITTED and module != DCP_METADATA_MODULE:
         return None
     found = getattr(importlib.import_module(module), name, None)
@@ -66,6 +74,13 @@ class MetadataUnpickler(pickle.Unpickler):
         return found
 
 
+def outside_files(metadata) -> list:
+    """The file names the metadata's storage entries point to that are not plain
+    names inside the checkpoint's directory (``../x``, ``/etc/x``)."""
+    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    return sorted(str(n) for n in names if not isinstance(n, str) or not n or Path(n).name != n or n in (".", ".."))
+
+
 def load_metadata(handle, path):
     """The ``Metadata`` pickled in the open file ``handle`` (of checkpoint ``path``)."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -81,6 +96,10 @@ def load_metadata(handle, path):
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"checkpoint {path}: its {METADATA} holds {type(metadata).__name__}, not DCP's "
                                f"metadata; use another checkpoint")
+    outside = outside_files(metadata)
+    if outside:
+        raise UnsafeCheckpoint(f"checkpoint {path}: its {METADATA} points to files outside its directory "
+                               f"({', '.join(outside[:3])}); it was not read: use another checkpoint")
     return metadata
 
 
@@ -94,40 +113,50 @@ def check_metadata(path, named=None):
 
 @functools.lru_cache(maxsize=None)
 def reader_class():
-    """torch's ``FileSystemReader``, whose ``.metadata`` is read by :class:`MetadataUnpickler`
-    (a class made on first use: torch is imported lazily)."""
+    """torch's ``FileSystemReader`` that plans with a ``Metadata`` already read
+    by :func:`check_metadata` (a class made on first use: torch is imported lazily)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    class SafeFileSystemReader(FileSystemReader):
+    class CheckedMetadataReader(FileSystemReader):
+        def __init__(self, path, metadata):
+            super().__init__(str(path))
+            self.checked_metadata = metadata
+
         def read_metadata(self, *args, **kwargs):
             from torch.distributed.checkpoint.metadata import StorageMeta
-            path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as handle:
-                metadata = load_metadata(handle, self.path)
+            metadata = self.checked_metadata
             if getattr(metadata, "storage_meta", None) is None:   # as torch's own read_metadata
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
-    return SafeFileSystemReader
+    return CheckedMetadataReader
 
 
 @functools.lru_cache(maxsize=None)
 def planner_class():
-    """torch's ``DefaultLoadPlanner``, whose non-tensor items must pass ``torch.load(weights_only=True)``
-    before torch's own (unrestricted) load of the same bytes in memory builds them."""
+    """torch's ``DefaultLoadPlanner``, whose non-tensor items are read by
+    ``torch.load(weights_only=True)`` and nothing else (torch's reads them
+    with ``weights_only=False``)."""
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
             try:
-                torch.load(value, weights_only=True)
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise UnsafeCheckpoint(f"its item {fqn} holds a Python object besides plain values "
+                                       f"({first_line(exc, 120)}), which the safe load refuses because loading it "
+                                       f"could run code; it was not read") from None
             except Exception as exc:
-                raise UnsafeCheckpoint(f"a checkpoint's item {read_item.dest_index.fqn} holds a Python object "
-                                       f"besides plain values ({first_line(exc, 120)}), which the safe load "
-                                       f"refuses because loading it could run code; it was not read") from None
-            value.seek(0)
-            super().load_bytes(read_item, value)
+                raise UnsafeCheckpoint(f"its item {fqn} cannot be read ({first_line(exc, 120)}); it is damaged: "
+                                       f"use another checkpoint") from None
+            if self.flatten_state_dict:   # as DefaultLoadPlanner.load_bytes
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
     return SafeLoadPlanner
 
 
@@ -140,15 +169,15 @@ def safe_load(state: dict, path, named=None, **kwargs) -> None:
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    check_metadata(path, named)
+    metadata = check_metadata(path, named)
     try:
         with warnings.catch_warnings():
             # one process reading a checkpoint (export, eval, a one-rank run) is what no_dist says: not news
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader_class()(str(path)), planner=planner_class()(), **kwargs)
-    except CheckpointException as exc:
-        unsafe = [f[0] if isinstance(f, tuple) else f for f in (getattr(exc, "failures", None) or {}).values()]
-        unsafe = [f for f in unsafe if isinstance(f, UnsafeCheckpoint)]
-        if unsafe:
+            dcp.load(state, storage_reader=reader_class()(path, metadata), planner=planner_class()(), **kwargs)
+    except (CheckpointException, UnsafeCheckpoint) as exc:
+        failures = (getattr(exc, "failures", None) or {}).values() if isinstance(exc, CheckpointException) else [exc]
+        unsafe = [f for f in (f[0] if isinstance(f, tuple) else f for f in failures) if isinstance(f, UnsafeCheckpoint)]
+        if unsafe:   # DCP wraps what a rank's planner raised
             raise UnsafeCheckpoint(f"checkpoint {named or path}: {unsafe[0]}") from None
         raise
