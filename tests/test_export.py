@@ -3,6 +3,8 @@ with ``python -m textbox_like.export``, loads with ``from_pretrained`` and
 gives our own eval's MLM loss; a new run starts from the exported directory."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -12,11 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import base_args
+from conftest import base_args, refusal_in_process, run_main
 from test_prepare_bert import write_corpus, write_vocab
 from textbox_like.data.prepare_bert import main as prepare
-
-pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+from textbox_like.export import main as export_main
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -24,6 +25,15 @@ PY = sys.executable
 
 def run(argv, timeout=300):
     return subprocess.run([PY, *map(str, argv)], capture_output=True, text=True, cwd=REPO, timeout=timeout)
+
+
+def export_in_process(argv, capfd):
+    """``python -m textbox_like.export ARGV`` in-process, as a CompletedProcess
+    (its main is what the module's process runs: one line and 2 on a mistake)."""
+    capfd.readouterr()
+    code = export_main([str(a) for a in argv])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def assert_one_line_error(out, *fragments):
@@ -37,22 +47,23 @@ def assert_one_line_error(out, *fragments):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """Tiny BERT (--model-preset tiny) pre-trained 30 updates on synthetic
+    """Tiny BERT (--model-preset tiny) pre-trained 8 updates on synthetic
     shards, and its export."""
     root = tmp_path_factory.mktemp("export")
     write_vocab(root / "vocab.txt")
     write_corpus(root / "corpus.txt", n_docs=60)
     assert prepare(["--input", str(root / "corpus.txt"), "--vocab", str(root / "vocab.txt"),
                     "--output", str(root / "shards"), "--max-seq-length", "32", "--max-predictions-per-seq", "5",
-                    "--dupe-factor", "2", "--valid-fraction", "0.1", "--no-progress-bar"]) == 0
-    out = run(["run_hetseq.py", "--task", "bert", "--model-preset", "tiny", "--data", root / "shards",
-               "--dict", root / "vocab.txt", "--max-sentences", "8", "--max-update", "30", "--lr", "0.001",
-               "--warmup-updates", "5", "--save-dir", root / "run", "--log-format", "none", "--threads", "1"])
-    assert out.returncode == 0, out.stderr[-3000:]
+                    "--dupe-factor", "2", "--valid-fraction", "0.1", "--no-progress-bar", "--num-proc", "1"]) == 0
+    # in-process: what is tested here is the export, not a process (test_console_command_exports starts one)
+    assert run_main(["--task", "bert", "--model-preset", "tiny", "--data", root / "shards",
+                     "--dict", root / "vocab.txt", "--max-sentences", "8", "--max-update", "8", "--lr", "0.001",
+                     "--warmup-updates", "2", "--save-dir", root / "run", "--log-format", "none"]) == 0
     checkpoint = root / "run" / "checkpoint_last.pt"
-    out = run(["-m", "textbox_like.export", checkpoint, "--to", root / "hf"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("\n") == 1 and "from_pretrained" in out.stdout
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert export_main([str(checkpoint), "--to", str(root / "hf")]) == 0
+    assert said.getvalue().count("\n") == 1 and "from_pretrained" in said.getvalue()
     return root, checkpoint, root / "hf"
 
 
@@ -153,10 +164,9 @@ def test_new_run_starts_from_the_exported_directory(exported, tmp_path):
         assert torch.equal(own[key], value), key
     assert own["cls.predictions.decoder.weight"].data_ptr() == own["bert.embeddings.word_embeddings.weight"].data_ptr()
 
-    out = run(["run_hetseq.py", "--task", "bert", "--data", root / "shards", "--init-checkpoint", target,
-               "--max-sentences", "8", "--max-update", "2", "--save-dir", tmp_path / "again", "--threads", "1",
-               "--log-format", "none"])
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert run_main(["--task", "bert", "--data", root / "shards", "--init-checkpoint", target,
+                     "--max-sentences", "8", "--max-update", "2", "--save-dir", tmp_path / "again",
+                     "--log-format", "none"]) == 0
     assert json.loads((tmp_path / "again" / "results.json").read_text())["num_updates"] == 2
     # its checkpoints evaluate (the model's sizes come from the exported directory again)
     from textbox_like import evaluate
@@ -164,6 +174,7 @@ def test_new_run_starts_from_the_exported_directory(exported, tmp_path):
     assert metrics["num_updates"] == 2 and metrics["mlm_loss"] > 0
 
 
+@pytest.mark.slow  # real processes: the console command, and a mistake's exit code and one line from a process
 @pytest.mark.timeout(300)
 def test_console_command_exports(exported, tmp_path):
     _, checkpoint, target = exported
@@ -173,14 +184,22 @@ def test_console_command_exports(exported, tmp_path):
     assert (tmp_path / "empty" / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
     out = run(["-m", "textbox_like", "--help"])
     assert "\n  export " in out.stdout
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    assert_one_line_error(run(["-m", "textbox_like.export", junk, "--to", tmp_path / "a"]), "junk.pt")
 
 
 @pytest.mark.timeout(300)
-def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir):
+def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir, capfd):
+    """In-process (export's main, which its process runs; test_console_command_exports has a process's)."""
     root, checkpoint, target = exported
-    export = ["-m", "textbox_like.export"]
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
+
+    def run(argv):
+        return export_in_process(argv[1:], capfd)
+
+    export = ["export"]
     assert_one_line_error(run([*export, junk, "--to", tmp_path / "a"]), "junk.pt")
     assert_one_line_error(run([*export, tmp_path / "missing.pt", "--to", tmp_path / "a"]), "does not exist")
     assert_one_line_error(run([*export, root / "run", "--to", tmp_path / "a"]),
@@ -195,8 +214,7 @@ def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir):
                           "has 5 tokens", "vocab_size 38")
     assert not (tmp_path / "a").exists() and (tmp_path / "file").read_text() == "x"
 
-    out = run(["run_hetseq.py", *base_args(small_mnist_dir, tmp_path / "mnist", "--threads", "1", max_update=2)])
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert run_main(base_args(small_mnist_dir, tmp_path / "mnist", max_update=2)) == 0
     # any other task: its model's weights, as safetensors, with the run's config.yaml
     done = run([*export, tmp_path / "mnist" / "checkpoint_last.pt", "--to", tmp_path / "mnist_weights"])
     assert done.returncode == 0 and "task mnist, MNISTNet" in done.stdout, done.stderr[-3000:]
@@ -210,8 +228,12 @@ def test_bad_input_is_one_line(exported, tmp_path, small_mnist_dir):
 
 
 @pytest.mark.timeout(300)
-def test_init_checkpoint_that_is_no_local_path_is_one_line(exported, tmp_path):
+def test_init_checkpoint_that_is_no_local_path_is_one_line(exported, tmp_path, capfd):
     root, _, _ = exported
+
+    def run(argv):
+        return refusal_in_process(argv[1:], capfd)
+
     common = ["run_hetseq.py", "--task", "bert", "--data", root / "shards", "--max-sentences", "8",
               "--max-update", "1", "--save-dir", tmp_path / "out"]
     assert_one_line_error(run([*common, "--init-checkpoint", "bert-base-uncased"]),
@@ -232,7 +254,7 @@ def bad_weights(tmp_path_factory):
     write_corpus(root / "corpus.txt", n_docs=20)
     assert prepare(["--input", str(root / "corpus.txt"), "--vocab", str(root / "vocab.txt"),
                     "--output", str(root / "shards"), "--max-seq-length", "32", "--max-predictions-per-seq", "5",
-                    "--dupe-factor", "1", "--valid-fraction", "0.1", "--no-progress-bar"]) == 0
+                    "--dupe-factor", "1", "--valid-fraction", "0.1", "--no-progress-bar", "--num-proc", "1"]) == 0
     model = BertForPreTraining(BertConfig(vocab_size=len(tokens), hidden_size=32, num_hidden_layers=1,
                                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=64))
     model.config.to_json_file(str(root / "config.json"))
@@ -262,14 +284,14 @@ def bad_weights(tmp_path_factory):
     ("--initial-encoder", "code", "the safe (weights-only) load refuses"),
     ("--init-checkpoint", "garbage", "not a valid safetensors file"),
 ])
-def test_bad_weights_file_in_a_save_directory_is_one_line(bad_weights, tmp_path, flag, bad, problem):
+def test_bad_weights_file_in_a_save_directory_is_one_line(bad_weights, tmp_path, flag, bad, problem, capfd):
     """Each spelling of the initial weights, each kind of bad weights file:
     one line naming the file and its problem, exit 2; torch's advice to load
     with weights_only=False is never passed on, and the code never runs."""
     root, files = bad_weights
-    out = run(["run_hetseq.py", "--task", "bert", "--data", root / "shards", "--dict", root / "vocab.txt",
+    out = refusal_in_process(["--task", "bert", "--data", root / "shards", "--dict", root / "vocab.txt",
                "--max-sentences", "4", "--max-update", "1", "--save-dir", tmp_path / "out", "--log-format", "none",
-               flag, root / bad])
+               flag, root / bad], capfd)
     assert_one_line_error(out, str(root / bad / files[bad]), problem)
     assert "weights_only=False" not in out.stderr and "weights_only` set to `False" not in out.stderr
     assert "code ran" not in out.stdout + out.stderr
