@@ -25,6 +25,16 @@ def run_ok(args, timeout=300):
     return out.stderr
 
 
+def eager_in_process(args):
+    """The eager reference run in this process (a process's ~3 s of imports saved); torch's thread
+    count (--threads) restored after it."""
+    threads = torch.get_num_threads()
+    try:
+        assert run_main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     yield
@@ -35,7 +45,7 @@ def fresh_dynamo():
 @pytest.mark.timeout(600)
 def test_compiled_mnist_losses_equal_eager_over_20_updates(small_mnist_dir, tmp_path):
     common = ["--log-interval", "1", "--threads", "1", "--disable-validation", "--max-epoch", "0", *NO_DROPOUT]
-    run_ok(base_args(small_mnist_dir, tmp_path / "eager", *common, max_update=20))
+    eager_in_process(base_args(small_mnist_dir, tmp_path / "eager", *common, max_update=20))
     err = run_ok(base_args(small_mnist_dir, tmp_path / "compiled", *common, "--log-format", "simple", "--compile",
                            max_update=20))
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
@@ -51,7 +61,7 @@ def test_compiled_mnist_losses_equal_eager_over_20_updates(small_mnist_dir, tmp_
 @pytest.mark.timeout(600)
 def test_compiled_bert_losses_equal_eager(bert_data, tmp_path):  # noqa: F811
     common = ["--max-sentences", "8", "--max-update", "5", "--disable-validation"]
-    run_ok(train_args(bert_data, tmp_path / "eager", *common))
+    eager_in_process(train_args(bert_data, tmp_path / "eager", *common))
     err = run_ok(train_args(bert_data, tmp_path / "compiled", *common, "--compile"))
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert len(eager) == len(compiled) == 5
