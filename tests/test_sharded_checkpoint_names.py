@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,12 @@ import torch
 from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every_rank, read_extra_state,
                                             read_full_model_state, read_manifest)
 
-from conftest import clean_env, free_port, write_mnist
+from conftest import clean_env, free_port, refusal_in_process, run_main, write_mnist
+from textbox_like.export import main as export_main
 
-pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+# the tests that start processes (ranks, a killed or held run, a second reader) carry the marker; the rest
+# run the trainer in-process: what they test is the names a run leaves, not a process
+slow = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -52,6 +56,13 @@ def run(cmd, expect=0, **kwargs):
     return out
 
 
+def run_in_process(cmd, capfd, expect=0):
+    """mnist_args' command run by the trainer's main in this process."""
+    out = refusal_in_process(cmd[2:], capfd)
+    assert out.returncode == expect, out.stderr[-4000:]
+    return out
+
+
 def error_lines(text):
     return [line for line in text.splitlines() if line.startswith("error:")]
 
@@ -67,7 +78,11 @@ def mnist(tmp_path_factory):
 def four_updates(mnist, tmp_path_factory):
     """A --fsdp run to update 4: checkpoint_1_2.dcp, checkpoint_1_4.dcp, checkpoint_last.dcp."""
     save = tmp_path_factory.mktemp("four") / "save"
-    run(mnist_args(mnist, save, "--max-update", 4))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert run_main(mnist_args(mnist, save, "--max-update", 4)[2:]) == 0
+    # one process saving sharded is what it asked for: DCP's "torch.distributed is disabled" is not printed
+    assert not [w for w in said if "torch.distributed is disabled" in str(w.message)]
     assert sorted(p.name for p in save.glob("checkpoint*")) == [
         "checkpoint_1_2.dcp", "checkpoint_1_4.dcp", "checkpoint_last.dcp"]
     return save
@@ -95,8 +110,8 @@ def copy_run(save, target):
 
 
 # ------------------------------------------------------------------ item 9: the run a directory holds
-def test_new_run_in_a_sharded_runs_directory_names_its_newest_checkpoint(mnist, four_updates):
-    out = run(mnist_args(mnist, four_updates, "--max-update", 6), expect=2)
+def test_new_run_in_a_sharded_runs_directory_names_its_newest_checkpoint(mnist, four_updates, capfd):
+    out = run_in_process(mnist_args(mnist, four_updates, "--max-update", 6), capfd, expect=2)
     assert error_lines(out.stderr) == [
         f"error: --save-dir {four_updates} already holds a run (checkpoint_last.dcp at update 4 and 2 other "
         f"checkpoint(s)); continue it with --resume, or start a new run in another --save-dir"], out.stderr[-3000:]
@@ -104,17 +119,18 @@ def test_new_run_in_a_sharded_runs_directory_names_its_newest_checkpoint(mnist, 
 
 
 # ------------------------------------------------------------------ item 8: --restore-file of its own .dcp
-def test_restore_file_of_the_runs_own_sharded_checkpoint_goes_on_from_it(mnist, four_updates, tmp_path):
+def test_restore_file_of_the_runs_own_sharded_checkpoint_goes_on_from_it(mnist, four_updates, tmp_path, capfd):
     """fairseq's way to go on from an earlier point of the same run, as with a .pt."""
     save = copy_run(four_updates, tmp_path / "save")
-    out = run(mnist_args(mnist, save, "--max-update", 6, "--restore-file", "checkpoint_1_2.dcp"))
+    out = run_in_process(mnist_args(mnist, save, "--max-update", 6, "--restore-file", "checkpoint_1_2.dcp"), capfd)
     assert f"resumed from {save / 'checkpoint_1_2.dcp'}: epoch 1, update 2" in out.stderr
     assert read_extra_state(save / "checkpoint_last.dcp")["train"]["num_updates"] == 6
     assert read_extra_state(save / "checkpoint_1_6.dcp")["train"]["num_updates"] == 6
 
 
 # ------------------------------------------------------------------ item 10: copies and readers of a name
-def test_cp_rL_copies_a_sharded_checkpoint_whole(mnist, four_updates, tmp_path):
+@slow  # the README's cp -rL, as a user runs it
+def test_cp_rL_copies_a_sharded_checkpoint_whole(mnist, four_updates, tmp_path, capfd):
     """The README's copy: the copy is a directory of plain files that verifies
     and exports after the run's own directory is gone."""
     save = copy_run(four_updates, tmp_path / "save")
@@ -126,8 +142,9 @@ def test_cp_rL_copies_a_sharded_checkpoint_whole(mnist, four_updates, tmp_path):
     copied = consolidated_state(copy)  # every file's digest checked first
     assert copied["train"]["num_updates"] == 4
     assert all(torch.equal(copied["model"][k], expected["model"][k]) for k in expected["model"])
-    out = run([PY, "-m", "textbox_like.export", str(copy), "--to", str(tmp_path / "export")], cwd=REPO)
-    assert "update 4: task mnist" in out.stdout and (tmp_path / "export" / "model.safetensors").is_file()
+    capfd.readouterr()
+    assert export_main([str(copy), "--to", str(tmp_path / "export")]) == 0
+    assert "update 4: task mnist" in capfd.readouterr().out and (tmp_path / "export" / "model.safetensors").is_file()
 
 
 READER = '''
@@ -151,6 +168,7 @@ out.write_text(json.dumps({"update": state["train"]["num_updates"],
 '''
 
 
+@slow
 def test_reader_of_a_name_reads_the_checkpoint_it_began_with_across_a_save(mnist, four_updates, tmp_path):
     """``textbox-like export``/``eval``'s read of checkpoint_last.dcp, a second
     process, has verified the update-4 checkpoint when the training run
@@ -191,6 +209,7 @@ def test_reader_of_a_name_reads_the_checkpoint_it_began_with_across_a_save(mnist
 
 
 # ------------------------------------------------------------------ item 11: a save directory not shared
+@slow
 def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(mnist, tmp_path):
     """Two ranks whose --save-dir is the same relative path from different
     working directories, as two nodes without a shared disk: both stop with
@@ -224,6 +243,7 @@ def rank_args(mnist, save_dir, rank, rdzv, *extra):
                       rank, "--distributed-init-method", f"file://{rdzv}", "--distributed-timeout", 120, *extra)
 
 
+@slow
 def test_fsdp_rank_that_sees_rank_0s_lock_late_goes_on(mnist, tmp_path):
     """A shared file system whose client shows a fresh file late (NFS's
     lookup cache): rank 1's --save-dir appears only after its first look
@@ -277,6 +297,7 @@ def own_mount_namespace(real, seen_as):
     return [*unshare, "sh", "-c", script, str(real), str(seen_as)]
 
 
+@slow
 def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_and_save(mnist, four_updates,
                                                                                         tmp_path):
     """Rank 1's node mounts the shared file system elsewhere: rank 0's path
@@ -303,6 +324,7 @@ def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_a
         assert read_manifest(save / name)["world_size"] == 2 and (save / name / "__1_0.distcp").is_file()
 
 
+@slow
 def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(four_updates, tmp_path):
     """What crosses to the other ranks is a name beside the path each rank
     gives: a published name's data directory, a copy itself, and the
@@ -329,6 +351,7 @@ def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(fo
 
 
 # ------------------------------------------------------------------ kept data directories
+@slow
 def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist, four_updates, tmp_path):
     """A finished run keeps one data directory per name and no kept link. A
     run killed (SIGKILL) between its save's renames, after checkpoint_1_4's
@@ -365,6 +388,7 @@ def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist,
     assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
 
 
+@slow
 def test_a_run_taken_over_between_a_saves_renames_removes_nothing_of_the_new_owner(mnist, four_updates, tmp_path):
     """A run held between its save's renames (TEXTBOX_LIKE_TEST_DELAY=renamed)
     while a newer run takes the directory over (run.lock now holds another
@@ -398,16 +422,17 @@ def test_a_run_taken_over_between_a_saves_renames_removes_nothing_of_the_new_own
     assert os.readlink(save / "checkpoint_1_4.dcp") == linked
 
 
-def test_users_mv_and_ln_of_a_sharded_checkpoint_survive_the_next_start_and_saves(mnist, four_updates, tmp_path):
+def test_users_mv_and_ln_of_a_sharded_checkpoint_survive_the_next_start_and_saves(mnist, four_updates, tmp_path,
+                                                                                   capfd):
     """``mv checkpoint_1_2.dcp keep2.dcp`` and ``ln -s`` of checkpoint_last's
     data directory as ``at4.dcp``: after --resume to update 8 (a start, saves
     of checkpoint_last at 6 and 8, the run's end) both still hold their
     checkpoints whole; the run's own kept copies are gone."""
     save = copy_run(four_updates, tmp_path / "save")
-    subprocess.run(["mv", "checkpoint_1_2.dcp", "keep2.dcp"], cwd=save, check=True)
+    os.rename(save / "checkpoint_1_2.dcp", save / "keep2.dcp")  # mv: the link itself moves
     data4 = os.readlink(save / "checkpoint_last.dcp")
-    subprocess.run(["ln", "-s", data4, "at4.dcp"], cwd=save, check=True)
-    out = run(mnist_args(mnist, save, "--resume", "--max-update", 8))
+    os.symlink(data4, save / "at4.dcp")  # ln -s
+    out = run_in_process(mnist_args(mnist, save, "--resume", "--max-update", 8), capfd)
     assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in out.stderr
     assert read_extra_state(save / "keep2.dcp")["train"]["num_updates"] == 2  # every file's digest checked
     assert read_extra_state(save / "at4.dcp")["train"]["num_updates"] == 4
@@ -444,6 +469,7 @@ dist.destroy_process_group()
 '''
 
 
+@slow
 def test_non_finite_check_before_a_save_is_one_collective_and_gathers_no_weight(tmp_path):
     """Two FSDP ranks: every rank learns that one rank's shard holds a NaN,
     through one collective (no all-gather of a weight per parameter)."""

@@ -87,7 +87,7 @@ from .errors import UserError, first_line
 from .faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
 from .fileio import fsync_dir, remove
 from .savelock import check_owner
-from .storage.dcp_reading import check_metadata, safe_load
+from .storage.dcp_reading import check_metadata, one_process_is_no_news, safe_load
 
 FORMAT = "textbox_like-sharded-1"
 SUFFIX = ".dcp"
@@ -283,7 +283,8 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
 
         from torch.distributed.checkpoint.api import CheckpointException
         try:  # DCP's own collectives carry a failing rank's exception to every rank
-            dcp.save(state, checkpoint_id=str(partials[0]), process_group=group, no_dist=not distributed())
+            with one_process_is_no_news():
+                dcp.save(state, checkpoint_id=str(partials[0]), process_group=group, no_dist=not distributed())
         except CheckpointException as exc:
             failed_rank, inner = first_failure(exc)
             if failed_writing(inner):

@@ -17,6 +17,8 @@ is refused in one line (:class:`UnsafeCheckpoint`, a
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import io
 import pickle
@@ -160,20 +162,27 @@ def planner_class():
     return SafeLoadPlanner
 
 
+@contextlib.contextmanager
+def one_process_is_no_news():
+    """DCP's warning that torch.distributed is not initialised, silenced: one
+    process saving or reading a checkpoint (export, eval, a one-rank --fsdp
+    run) is what ``no_dist`` says, not news to the user."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def safe_load(state: dict, path, named=None, **kwargs) -> None:
     """``dcp.load(state, ...)`` from the DCP directory ``path``, reading it as
     data only: its ``.metadata`` is checked first, on every rank before any
     collective, so a hostile one is refused alike on each; a hostile item is
     refused as :class:`UnsafeCheckpoint`, not wrapped in DCP's exception."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     metadata = check_metadata(path, named)
     try:
-        with warnings.catch_warnings():
-            # one process reading a checkpoint (export, eval, a one-rank run) is what no_dist says: not news
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with one_process_is_no_news():
             dcp.load(state, storage_reader=reader_class()(path, metadata), planner=planner_class()(), **kwargs)
     except (CheckpointException, UnsafeCheckpoint) as exc:
         failures = (getattr(exc, "failures", None) or {}).values() if isinstance(exc, CheckpointException) else [exc]
