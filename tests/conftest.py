@@ -236,11 +236,15 @@ def base_args(data, save_dir, *extra, max_update=4):
 
 def run_main(args):
     """Run the CLI in-process; returns the exit code."""
+    import torch
+
     from textbox_like.cli import main
     _reset_accelerate()
+    threads = torch.get_num_threads()   # --threads (or its default) is the run's, not the session's
     try:
         return main([str(a) for a in args])
     finally:
+        torch.set_num_threads(threads)
         _reset_accelerate()
 
 

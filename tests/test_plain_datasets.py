@@ -2,7 +2,8 @@
 may return a map-style ``torch.utils.data.Dataset`` (with the task's own
 collate) or a ``datasets.Dataset``; data/plain.py wraps it in the
 batch-read protocol. The user's package is written into tmp_path and found
-with --user-dir, as a user would; every run is a process of its own."""
+with --user-dir, as a user would; the runs that test ranks and a kill are
+processes of their own, the others run the trainer's main in-process."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, clean_env, read_jsonl
+from conftest import REPO, assert_bitwise_equal, clean_env, read_jsonl, refusal_in_process, run_main
+from textbox_like.eval import main as eval_main
 
 USER_TASKS = textwrap.dedent('''
     import os
@@ -162,15 +164,13 @@ PLAIN_TASKS = ("plain_tensors", "plain_collate", "plain_hf")
 @pytest.fixture(scope="module")
 def plain_runs(user_dir, tmp_path_factory):
     """One run of 14 updates (two epochs, validated at the first's end and
-    at the last update) per kind of dataset, the three at once."""
+    at the last update) per kind of dataset, in-process."""
     root = tmp_path_factory.mktemp("plain_runs")
-    procs = {task: start(train_args(user_dir, task, root / task, "--max-update", "14")) for task in PLAIN_TASKS}
-    errors = {task: proc.communicate(timeout=300)[1] for task, proc in procs.items()}
-    return {task: (procs[task].returncode, errors[task], read_jsonl(root / task / "metrics.jsonl")
-                   if procs[task].returncode == 0 else [], root / task) for task in PLAIN_TASKS}
+    codes = {task: run_main(train_args(user_dir, task, root / task, "--max-update", "14")) for task in PLAIN_TASKS}
+    return {task: (codes[task], f"exit {codes[task]}", read_jsonl(root / task / "metrics.jsonl")
+                   if codes[task] == 0 else [], root / task) for task in PLAIN_TASKS}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("task", PLAIN_TASKS)
 def test_a_plain_dataset_trains_and_its_loss_falls(plain_runs, task):
@@ -184,43 +184,42 @@ def test_a_plain_dataset_trains_and_its_loss_falls(plain_runs, task):
     assert len(valid) == 2 and valid[-1]["loss"] < valid[0]["loss"] and valid[-1]["accuracy"] > 0.9
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_eval_reads_a_plain_dataset(plain_runs, tmp_path):
+def test_eval_reads_a_plain_dataset(plain_runs, tmp_path, capfd):
     """``textbox-like eval`` (textbox_like.evaluate) of the last checkpoint of
     the user's Dataset and collate gives the run's last validation."""
     code, err, records, save_dir = plain_runs["plain_collate"]
     assert code == 0, err[-3000:]
-    evaluated = subprocess.run([sys.executable, "-m", "textbox_like.eval", "--model_ckpt",
-                                str(save_dir / "checkpoint_last.pt"), "--json", "--batch-size", "5"],
-                               cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                               timeout=300)
-    assert evaluated.returncode == 0, evaluated.stderr
-    record, last = json.loads(evaluated.stdout), [r for r in records if r.get("kind") == "valid"][-1]
+    capfd.readouterr()
+    assert eval_main(["--model_ckpt", str(save_dir / "checkpoint_last.pt"), "--json", "--batch-size", "5"]) == 0
+    evaluated = capfd.readouterr()
+    record, last = json.loads(evaluated.out), [r for r in records if r.get("kind") == "valid"][-1]
     assert record["samples"] == 57 and record["accuracy"] == last["accuracy"]
     assert record["loss"] == pytest.approx(last["loss"], rel=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_ranks_of_3_and_5_and_micro_batches_equal_one_process_of_8(user_dir, tmp_path):
+def test_two_ranks_of_3_and_5_and_micro_batches_equal_one_process_of_8(user_dir, tmp_path, capfd):
     """A TensorDataset's [x, y] batches: two 'nodes' with --max-sentences 3
     and 5, and one process cutting a global batch of 8 into micro-batches of
     at most 3, each equal one process of 8 after 9 updates. 57 samples: the
     epoch's last step holds one sample, which rank 0 gets none of."""
     one, het, cut = tmp_path / "one", tmp_path / "het", tmp_path / "cut"
     common = ["--max-update", "9", "--disable-validation"]
-    reference = start(train_args(user_dir, "plain_tensors", one, *common))
-    split = start(train_args(user_dir, "plain_tensors", cut, *common, "--global-batch-size", "8",
-                             "--max-sentences", "3"))
     ranks = ["--distributed-init-method", f"file://{tmp_path / 'rdzv'}", "--distributed-world-size", "2",
              "--distributed-gpus", "1", "--distributed-timeout", "120"]
     nodes = [start(train_args(user_dir, "plain_tensors", het, *common, *ranks, "--max-sentences", size,
                               "--distributed-rank", rank)) for size, rank in (("3", "0"), ("5", "1"))]
-    errors = [proc.communicate(timeout=300)[1] for proc in (reference, split, *nodes)]
-    assert [proc.returncode for proc in (reference, split, *nodes)] == [0] * 4, "\n".join(e[-2000:] for e in errors)
-    assert "batch sizes per rank [3, 5]" in errors[2]
-    assert "micro-batch caps [3]" in errors[1]
+    # the one-process runs in-process while the ranks start: a process is what the ranks test, not these
+    reference = refusal_in_process(train_args(user_dir, "plain_tensors", one, *common), capfd)
+    split = refusal_in_process(train_args(user_dir, "plain_tensors", cut, *common, "--global-batch-size", "8",
+                                          "--max-sentences", "3"), capfd)
+    errors = [proc.communicate(timeout=300)[1] for proc in nodes]
+    assert [reference.returncode, split.returncode] == [0, 0], reference.stderr[-2000:] + split.stderr[-2000:]
+    assert [proc.returncode for proc in nodes] == [0] * 2, "\n".join(e[-2000:] for e in errors)
+    assert "batch sizes per rank [3, 5]" in errors[0]
+    assert "micro-batch caps [3]" in split.stderr
     expected = checkpoint(one)
     assert expected["train"]["num_updates"] == 9 and expected["iterator"]["epoch"] == 2
     for run in (het, cut):
@@ -252,11 +251,10 @@ def test_kill_9_mid_epoch_then_resume_is_bitwise_identical(user_dir, tmp_path):
         assert_bitwise_equal(final[part], whole[part], part)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_iterable_dataset_is_refused_in_one_line(user_dir, tmp_path):
-    proc = start(train_args(user_dir, "plain_stream", tmp_path / "stream", "--max-update", "2"))
-    _, err = proc.communicate(timeout=300)
+def test_an_iterable_dataset_is_refused_in_one_line(user_dir, tmp_path, capfd):
+    proc = refusal_in_process(train_args(user_dir, "plain_stream", tmp_path / "stream", "--max-update", "2"), capfd)
+    err = proc.stderr
     assert proc.returncode == 2 and "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert lines == [
