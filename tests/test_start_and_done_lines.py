@@ -1,20 +1,28 @@
 """What the start and done lines say (issue 29, item 11): the lr given by
 --optim_conf lr= is the command line's, the precision without mixed
 precision is float32, both lines say where the run is saved; evaluating a
-checkpoint does not repeat the training run's notes."""
+checkpoint does not repeat the training run's notes. In-process: what is
+tested is what the lines say (a process's exit and lines: test_cli_errors)."""
 from __future__ import annotations
 
-from conftest import run_cli
-import pytest
+import subprocess
 
-pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+from conftest import refusal_in_process
+from textbox_like.eval import main as eval_main
 
 
-def test_start_and_done_lines_name_lr_source_precision_and_save_dir(small_mnist_dir, tmp_path):
+def eval_in_process(args, capfd):
+    capfd.readouterr()
+    code = eval_main([str(a) for a in args])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_start_and_done_lines_name_lr_source_precision_and_save_dir(small_mnist_dir, tmp_path, capfd):
     save = tmp_path / "run"
-    out = run_cli(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", "16", "--max-update", "2",
-                   "--optim_conf", "lr=0.01", "--fast-stat-sync", "--log-format", "simple", "--threads", "1",
-                   "--save-dir", save])
+    out = refusal_in_process(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", "16",
+                              "--max-update", "2", "--optim_conf", "lr=0.01", "--fast-stat-sync", "--log-format",
+                              "simple", "--threads", "1", "--save-dir", save], capfd)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stderr.splitlines()
     start = [line for line in lines if line.startswith("task mnist |")]
@@ -28,15 +36,16 @@ def test_start_and_done_lines_name_lr_source_precision_and_save_dir(small_mnist_
 
     # the checkpoint's evaluation: its result, not the training run's notes again
     assert "note: --fast-stat-sync" in out.stderr
-    ev = run_cli(["--model_ckpt", save / "checkpoint_last.pt", "--subset", "test"], module="textbox_like.eval")
+    ev = eval_in_process(["--model_ckpt", save / "checkpoint_last.pt", "--subset", "test"], capfd)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert "note:" not in ev.stderr, ev.stderr
     assert len(ev.stdout.strip().splitlines()) == 1 and "num_updates 2" in ev.stdout, ev.stdout
 
 
-def test_no_save_says_so_on_both_lines(small_mnist_dir, tmp_path):
-    out = run_cli(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", "16", "--max-update", "1",
-                   "--no-save", "--log-format", "simple", "--threads", "1", "--save-dir", tmp_path / "run"])
+def test_no_save_says_so_on_both_lines(small_mnist_dir, tmp_path, capfd):
+    out = refusal_in_process(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", "16", "--max-update",
+                              "1", "--no-save", "--log-format", "simple", "--threads", "1", "--save-dir",
+                              tmp_path / "run"], capfd)
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stderr.splitlines() if line.startswith(("task mnist |", "done |"))]
     assert len(said) == 2 and all("| not saved (--no-save)" in line for line in said), said

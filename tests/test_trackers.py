@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, read_jsonl, run_cli
+from conftest import read_jsonl, refusal_in_process
 
 THROUGHPUT = ("samples_per_s", "data_s_per_update", "compute_s_per_update", "eta_s")
 
@@ -28,15 +28,27 @@ def args(data, out, *extra, max_update=30):
 
 @pytest.fixture(scope="module")
 def tb_run(tmp_path_factory):
-    """One 30-update run with the default trackers (TensorBoard), shared by the tests below."""
-    from conftest import N_SMALL_TEST, N_SMALL_TRAIN, write_mnist
+    """One 30-update run with the default trackers (TensorBoard), shared by
+    the tests below; in-process (what they test is what the run wrote), its
+    stderr kept as a process's would be."""
+    import contextlib
+    import io
+    import subprocess
+
+    from conftest import N_SMALL_TEST, N_SMALL_TRAIN, run_main, write_mnist
     root = tmp_path_factory.mktemp("trackers")
     write_mnist(root / "mnist", n_train=N_SMALL_TRAIN, n_test=N_SMALL_TEST, seed=10)
     out = root / "out"
-    env = {k: v for k, v in clean_env().items() if k != "TEXTBOX_LIKE_CURVES"}   # a user's run: curves.png drawn
-    proc = run_cli(args(root / "mnist", out, "--log-interval", "5", "--validate-interval-updates", "10"), env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
+    curves = os.environ.pop("TEXTBOX_LIKE_CURVES", None)   # a user's run: curves.png drawn
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = run_main(args(root / "mnist", out, "--log-interval", "5", "--validate-interval-updates", "10"))
+    finally:
+        if curves is not None:
+            os.environ["TEXTBOX_LIKE_CURVES"] = curves
+    assert code == 0, err.getvalue()[-3000:]
+    return out, subprocess.CompletedProcess([], code, "", err.getvalue())
 
 
 def scalar_series(logdir: Path) -> dict:
@@ -54,7 +66,6 @@ def scalar_series(logdir: Path) -> dict:
     return {tag: sorted(points) for tag, points in series.items()}
 
 
-@pytest.mark.slow
 def test_tensorboard_events_hold_train_loss_and_valid_accuracy(tb_run):
     out, _ = tb_run
     logdir = out / "tensorboard"
@@ -77,7 +88,6 @@ def test_tensorboard_events_hold_train_loss_and_valid_accuracy(tb_run):
     assert [s for s, _ in series["train/gnorm"]] == [5, 10, 15, 20, 25, 30]
 
 
-@pytest.mark.slow
 def test_curves_png_written(tb_run):
     out, _ = tb_run
     png = out / "curves.png"
@@ -85,7 +95,6 @@ def test_curves_png_written(tb_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
 def test_throughput_fields_in_log_lines_and_metrics(tb_run):
     out, proc = tb_run
     train_lines = [line for line in proc.stderr.splitlines() if line.startswith("train |")]
@@ -110,19 +119,14 @@ def _one_error_line(proc):
     return errors[0]
 
 
-@pytest.mark.slow
-def test_report_to_wandb_not_installed_is_one_line(small_mnist_dir, tmp_path):
-    if importlib.util.find_spec("wandb") is not None:
-        # wandb installed: hide it from the subprocess with a shadowing package that fails to import
-        # is not the same as "not installed" (find_spec would still see it); make find_spec miss it
-        shadow = tmp_path / "shadow"
-        shadow.mkdir()
-        (shadow / "sitecustomize.py").write_text(
-            "import importlib.util as u\n_f = u.find_spec\n"
-            "u.find_spec = lambda name, *a, **k: None if name.split('.')[0] == 'wandb' else _f(name, *a, **k)\n")
-        os.environ["PYTHONPATH"] = str(shadow) + os.pathsep + os.environ.get("PYTHONPATH", "")
+def test_report_to_wandb_not_installed_is_one_line(small_mnist_dir, tmp_path, monkeypatch, capfd):
+    """In-process: find_spec sees no wandb (whether or not this machine has it)."""
+    import textbox_like.trackers as trackers
+    real = importlib.util.find_spec
+    monkeypatch.setattr(trackers.importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name.split(".")[0] == "wandb" else real(name, *a, **k))
     out = tmp_path / "out"
-    proc = run_cli(args(small_mnist_dir, out, "--report_to", "wandb", max_update=2))
+    proc = refusal_in_process(args(small_mnist_dir, out, "--report_to", "wandb", max_update=2), capfd)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = _one_error_line(proc)
     assert "wandb" in line and "pip install wandb" in line, line
@@ -148,9 +152,8 @@ def test_use_wandb_true_not_installed_is_one_line(small_mnist_dir, tmp_path, mon
     assert "pip install wandb" in lines[0]
 
 
-@pytest.mark.slow
-def test_report_to_bogus_is_one_line(small_mnist_dir, tmp_path):
-    proc = run_cli(args(small_mnist_dir, tmp_path / "out", "--report_to", "bogus", max_update=2))
+def test_report_to_bogus_is_one_line(small_mnist_dir, tmp_path, capfd):
+    proc = refusal_in_process(args(small_mnist_dir, tmp_path / "out", "--report_to", "bogus", max_update=2), capfd)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = _one_error_line(proc)
     assert "bogus" in line and "tensorboard" in line, line
