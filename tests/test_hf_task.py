@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, clean_env, read_jsonl, run_cli, run_main
+from conftest import REPO, assert_bitwise_equal, clean_env, read_jsonl, refusal_in_process, run_cli, run_main
 
 PY = sys.executable
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -211,6 +211,17 @@ def run_ok(cmd, timeout=300):
     return out
 
 
+def one_process(cmd):
+    """The one-process reference of a command run_ok would start ([PY, run_hetseq.py, *args]): the same
+    run in this process (no ~3 s of imports), torch's thread count restored after it (--threads)."""
+    assert [str(c) for c in cmd[:2]] in ([PY, "run_hetseq.py"], [PY, str(REPO / "run_hetseq.py")]), cmd[:2]
+    threads = torch.get_num_threads()
+    try:
+        assert run_main(cmd[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("head", ["causal_lm", "sequence_classification", "masked_lm", "seq2seq"])
@@ -219,7 +230,7 @@ def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_
     loss's denominator (tokens; samples for classification) summed over both:
     the update of one process over the same global batch."""
     columns = ("--target_column", "target") if head == "seq2seq" else ()
-    run_ok(exactness_args(models[head], text_data, tmp_path / "one", *columns))
+    one_process(exactness_args(models[head], text_data, tmp_path / "one", *columns))
     two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", *columns, "--distributed-world-size", "2"))
     assert "tokens per rank [60, 60]" in two.stderr
     # the plan the two ranks ran: their slices of an update hold unlike numbers of samples
@@ -260,7 +271,7 @@ def test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_proces
         datasets.DatasetDict(splits).save_to_disk(str(data))
     common = ["--optimizer", "sgd", "--lr", "0.5", "--max-update", "5", "--threads", "1", "--log-format", "simple",
               "--max-sentences-valid", "8", "--validate-interval-updates", "5"]
-    run_ok([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "one", *common, "--max-sentences", "10")])
+    one_process([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "one", *common, "--max-sentences", "10")])
     run_ok([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "two", *common, "--max-sentences", "5",
                                           "--distributed-world-size", "2")])
     one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
@@ -281,7 +292,7 @@ def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path):
     cmd = lambda out: [PY, str(REPO / "run_hetseq.py"), *hf_args(  # noqa: E731
         models["causal_lm"], text_data, out, "--max-update", "40", "--max-epoch", "0", "--save-interval-updates", "5",
         "--threads", "1", "--max-sentences", "4")]
-    run_ok(cmd(tmp_path / "ref"))
+    one_process(cmd(tmp_path / "ref"))   # the uninterrupted run: in this process, bitwise a process's
     code, err = kill_after_checkpoint(cmd(tmp_path / "run"), tmp_path / "run", signal.SIGKILL, seed=1)
     assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
     killed_at = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["train"]["num_updates"]
@@ -390,7 +401,7 @@ configs:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_to_get_it(models, tmp_path):
+def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_to_get_it(models, tmp_path, capfd):
     """--data NAME --dataset_config CONFIG: the dataset datasets.load_dataset
     left in the local cache (here from a Hub-style repository folder of parquet
     files, deleted afterwards), read offline; it trains on exactly the rows of
@@ -416,7 +427,7 @@ def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_t
     named = subprocess.run([str(a) for a in args("tiny_reviews", tmp_path / "named", "--dataset_config", "small")],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert named.returncode == 0, named.stderr[-3000:]
-    run_ok(args(files, tmp_path / "from_files"))
+    one_process(args(files, tmp_path / "from_files"))   # the same rows as files: no cache, no process needed
     train, valid = records(tmp_path / "named", "train"), records(tmp_path / "named", "valid")
     assert valid[-1]["loss"] < train[0]["loss"] - 0.05, (train[0], valid[-1])
     assert_bitwise_equal(params(tmp_path / "named"), params(tmp_path / "from_files"), "model")  # the same rows
@@ -428,8 +439,16 @@ def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_t
               "error: --data tiny_reviews --dataset_config large: the local Hugging Face datasets cache"),
              (["./not_here"], "error: --data './not_here' does not exist; check the path")]
     for (data, *extra), start in cases:
-        line = one_error_line(subprocess.run([str(a) for a in args(data, tmp_path / "refused", *extra)], cwd=REPO,
-                                             env=env, capture_output=True, text=True, timeout=200))
+        if data == "./not_here":   # a path, not a name: the cache is not asked, and this process says it as one
+            threads = torch.get_num_threads()
+            try:
+                proc = refusal_in_process(args(data, tmp_path / "refused", *extra)[2:], capfd)
+            finally:
+                torch.set_num_threads(threads)
+        else:   # the cache of HF_DATASETS_CACHE, which datasets reads when imported: a process of its own
+            proc = subprocess.run([str(a) for a in args(data, tmp_path / "refused", *extra)], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=200)
+        line = one_error_line(proc)
         assert line.startswith(start), line
         if data != "./not_here":
             assert "datasets.load_dataset(" in line and "save_to_disk" in line, line
@@ -499,7 +518,7 @@ def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, t
     tried gives the causal LM the update of one process."""
     from textbox_like import balance
     extra = ("--max-update", "12", "--balance-interval", "2")
-    run_ok(exactness_args(models["causal_lm"], text_data, tmp_path / "one", *extra))
+    one_process(exactness_args(models["causal_lm"], text_data, tmp_path / "one", *extra))
     cmd = exactness_args(models["causal_lm"], text_data, tmp_path / "two", *extra, "--balance",
                          "--distributed-world-size", "2")
     out = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=300,
