@@ -83,6 +83,15 @@ def assert_same(a, b, where="state"):
         assert a == b, (where, a, b)
 
 
+def export_in_process(argv, capfd):
+    """``python -m textbox_like.export ARGV`` by the main its process runs, in-process."""
+    from textbox_like.export import main
+    capfd.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
 def dumped(out: Path, name: str):
     return torch.load(out / f"{name}.pt", weights_only=True)
 
@@ -274,7 +283,7 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_newest(tmp_path):
 
 # ---------------------------------------------------------------- (d) damage
 @pytest.mark.slow
-def test_damaged_shard_is_one_line_and_changes_nothing(two_rank_save, tmp_path):
+def test_damaged_shard_is_one_line_and_changes_nothing(two_rank_save, tmp_path, capfd):
     """A byte flipped in one rank's shard: the load refuses it naming the file
     and the fix, before touching the model; the other name's copy still loads.
     A truncated or missing file likewise; the export command says it in one line, exit 2."""
@@ -301,8 +310,7 @@ def test_damaged_shard_is_one_line_and_changes_nothing(two_rank_save, tmp_path):
     load_sharded(directory / "checkpoint_1_3.dcp", model, optimizer)
     assert_same(full_state(model, optimizer), dumped(two_rank_save / "out", "mlp.saved.full"))
 
-    out = subprocess.run([sys.executable, "-m", "textbox_like.export", str(damaged), "--to", str(tmp_path / "x")],
-                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = export_in_process([damaged, "--to", tmp_path / "x"], capfd)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines == [f"error: {refused.value}"], out.stderr[-3000:]
@@ -316,8 +324,7 @@ def test_damaged_shard_is_one_line_and_changes_nothing(two_rank_save, tmp_path):
         load_sharded(damaged, model, optimizer)
 
 
-@pytest.mark.slow
-def test_not_a_sharded_checkpoint_is_one_line(tmp_path):
+def test_not_a_sharded_checkpoint_is_one_line(tmp_path, capfd):
     (tmp_path / "empty.dcp").mkdir()
     with pytest.raises(UserError, match=r"is not a textbox_like sharded checkpoint \(no manifest.json\)"):
         load_sharded(tmp_path / "empty.dcp", *worker.build("mlp", shard=False))
@@ -325,9 +332,7 @@ def test_not_a_sharded_checkpoint_is_one_line(tmp_path):
         read_manifest(tmp_path / "missing.dcp")
     assert not is_sharded_checkpoint(tmp_path / "empty.dcp")
     (tmp_path / "empty.dcp" / "manifest.json").write_text("{not json")
-    out = subprocess.run([sys.executable, "-m", "textbox_like.export", str(tmp_path / "empty.dcp"), "--to",
-                          str(tmp_path / "x")], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = export_in_process([tmp_path / "empty.dcp", "--to", tmp_path / "x"], capfd)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
     assert f"checkpoint {tmp_path / 'empty.dcp'}: its manifest.json cannot be read" in out.stderr
 
@@ -349,13 +354,12 @@ def test_export_equals_the_full_state_dict(two_rank_save, tmp_path, kind):
 
 
 @pytest.mark.slow
-def test_export_command_takes_a_sharded_mnist_checkpoint(two_rank_save, tmp_path):
+def test_export_command_takes_a_sharded_mnist_checkpoint(two_rank_save, tmp_path, capfd):
     """``python -m textbox_like.export CKPT.dcp --to DIR``: the mnist run's
     weights as model.safetensors for the model the task builds."""
     from safetensors.torch import load_file
     path = two_rank_save / "save" / "mnist" / "checkpoint_last.dcp"
-    out = subprocess.run([sys.executable, "-m", "textbox_like.export", str(path), "--to", str(tmp_path / "x")],
-                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = export_in_process([path, "--to", tmp_path / "x"], capfd)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "update 3: task mnist, MNISTNet" in out.stdout
     assert_same({k: v.contiguous() for k, v in load_file(tmp_path / "x" / "model.safetensors").items()},
