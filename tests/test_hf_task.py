@@ -424,8 +424,15 @@ def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_t
     args = lambda data, out, *extra: [  # noqa: E731
         PY, "run_hetseq.py", *hf_args(models["sequence_classification"], data, out, "--threads", "1",
                                       "--max-update", "10", *extra)]
-    named = subprocess.run([str(a) for a in args("tiny_reviews", tmp_path / "named", "--dataset_config", "small")],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    # the named run and the two refusals that ask the cache: one process with HF_DATASETS_CACHE set (datasets
+    # reads it when imported), main() run in it for each in turn, each with its own exit code and stderr
+    not_cached = [(["someone/not_cached"], "error: --data someone/not_cached: no such file or directory, and no "
+                                           "dataset 'someone/not_cached' in the local Hugging Face datasets cache"),
+                  (["tiny_reviews", "--dataset_config", "large"],
+                   "error: --data tiny_reviews --dataset_config large: the local Hugging Face datasets cache")]
+    named, *refused = runs_in_one_process(
+        [args("tiny_reviews", tmp_path / "named", "--dataset_config", "small")[2:]]
+        + [args(data, tmp_path / "refused", *extra)[2:] for (data, *extra), _ in not_cached], env)
     assert named.returncode == 0, named.stderr[-3000:]
     one_process(args(files, tmp_path / "from_files"))   # the same rows as files: no cache, no process needed
     train, valid = records(tmp_path / "named", "train"), records(tmp_path / "named", "valid")
@@ -433,26 +440,43 @@ def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_t
     assert_bitwise_equal(params(tmp_path / "named"), params(tmp_path / "from_files"), "model")  # the same rows
     assert list((tmp_path / "datasets_cache").rglob("tokenized-*.arrow"))   # tokenised beside the cached dataset
     # not in the cache, another config only, a path that is not there: one line each
-    cases = [(["someone/not_cached"], "error: --data someone/not_cached: no such file or directory, and no "
-                                      "dataset 'someone/not_cached' in the local Hugging Face datasets cache"),
-             (["tiny_reviews", "--dataset_config", "large"],
-              "error: --data tiny_reviews --dataset_config large: the local Hugging Face datasets cache"),
-             (["./not_here"], "error: --data './not_here' does not exist; check the path")]
-    for (data, *extra), start in cases:
-        if data == "./not_here":   # a path, not a name: the cache is not asked, and this process says it as one
-            threads = torch.get_num_threads()
-            try:
-                proc = refusal_in_process(args(data, tmp_path / "refused", *extra)[2:], capfd)
-            finally:
-                torch.set_num_threads(threads)
-        else:   # the cache of HF_DATASETS_CACHE, which datasets reads when imported: a process of its own
-            proc = subprocess.run([str(a) for a in args(data, tmp_path / "refused", *extra)], cwd=REPO, env=env,
-                                  capture_output=True, text=True, timeout=200)
+    threads = torch.get_num_threads()
+    try:   # a path, not a name: the cache is not asked, and this process says it as well as another
+        not_here = refusal_in_process(args("./not_here", tmp_path / "refused")[2:], capfd)
+    finally:
+        torch.set_num_threads(threads)
+    cases = not_cached + [(["./not_here"], "error: --data './not_here' does not exist; check the path")]
+    for ((data, *extra), start), proc in zip(cases, refused + [not_here]):
         line = one_error_line(proc)
         assert line.startswith(start), line
         if data != "./not_here":
             assert "datasets.load_dataset(" in line and "save_to_disk" in line, line
     assert not (tmp_path / "refused").exists()
+
+
+RUNS_IN_ONE_PROCESS = '''
+import json, sys
+sys.path.insert(0, {tests!r})
+from conftest import run_main   # main() with Accelerate's state reset before and after
+for i, args in enumerate(json.loads(sys.argv[1])):
+    print(f"--- run {{i}}", file=sys.stderr, flush=True)
+    code = run_main(args)
+    print(f"--- exit {{i}} {{0 if code is None else code}}", file=sys.stderr, flush=True)
+'''
+
+
+def runs_in_one_process(argvs, env, timeout=300):
+    """main(argv) for each argv in turn in one child process with ``env`` (one process's imports instead of
+    one per run): a CompletedProcess per run, its exit code and its own stderr."""
+    proc = subprocess.run([PY, "-c", RUNS_IN_ONE_PROCESS.format(tests=str(Path(__file__).resolve().parent)),
+                           json.dumps([[str(a) for a in argv] for argv in argvs])], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]   # an exception out of main() ends the process
+    results = []
+    for i, argv in enumerate(argvs):
+        err, rest = proc.stderr.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)
+        results.append(subprocess.CompletedProcess(argv, int(rest.split("\n", 1)[0]), "", err))
+    return results
 
 
 # ---------------------------------------------------------------- models: hub names, heads, metrics
