@@ -7,7 +7,11 @@ the command's marker file is never created.
 
 Two hostile files: `.metadata` replaced (torch's FileSystemReader unpickles it
 without restriction), and a non-tensor item of the shards (the optimizer's
-`lr`, which torch's DefaultLoadPlanner reads with `weights_only=False`)."""
+`lr`, which torch's DefaultLoadPlanner reads with `weights_only=False`).
+
+Every case runs the entry point's main in-process (what its process runs);
+two cases also run as real processes started from a directory outside the
+repository, as a user would."""
 from __future__ import annotations
 
 import json
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, write_mnist
+from conftest import REPO, clean_env, run_main, write_mnist
 
 PY = sys.executable
 
@@ -84,10 +88,8 @@ def fsdp_run(tmp_path_factory):
     data = root / "mnist"
     write_mnist(data, n_train=256, n_test=32, seed=3)
     save = root / "run"
-    proc = subprocess.run([PY, "run_hetseq.py", "--task", "mnist", "--data", str(data), "--max-sentences", "32",
-                           "--max-update", "3", "--fsdp", "--log-format", "none", "--save-dir", str(save)],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_main(["--task", "mnist", "--data", str(data), "--max-sentences", "32", "--max-update", "3", "--fsdp",
+                     "--log-format", "none", "--save-dir", str(save)]) == 0
     assert (save / "checkpoint_last.dcp" / ".metadata").is_file()
     return data, save
 
@@ -119,13 +121,46 @@ def entry_points(data, run, tmp_path):
 READS_THE_OPTIMIZER = {"restore-file", "restore-file --fsdp", "resume", "resume --fsdp"}
 
 
-@pytest.mark.slow
+def in_process(argv, capfd):
+    """An entry point's command line run by its main in this process, as a
+    CompletedProcess: ``-m textbox_like CMD ...`` through the console
+    command's dispatch, the trainer's through cli.main."""
+    from textbox_like.commands import main as console_main
+    capfd.readouterr()
+    if argv[:2] == ["-m", "textbox_like"]:
+        program = sys.argv[0]
+        try:
+            code = console_main(argv[2:])
+        finally:
+            sys.argv[0] = program   # the dispatch names the tool there, for its --help
+    else:
+        code = run_main(argv[1:])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def as_process(argv, cwd):
+    return subprocess.run([PY, *argv], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("poison", [hostile_metadata, hostile_item], ids=["metadata", "optimizer-item"])
 @pytest.mark.parametrize("entry", ["export", "eval", "restore-file", "restore-file --fsdp", "resume", "resume --fsdp"])
-def test_a_hostile_dcp_runs_nothing_and_is_one_line(fsdp_run, tmp_path, poison, entry):
+def test_a_hostile_dcp_runs_nothing_and_is_one_line(fsdp_run, tmp_path, poison, entry, capfd):
     data, run, marker = poisoned_run(fsdp_run, tmp_path, poison)
-    proc = subprocess.run([PY, *entry_points(data, run, tmp_path)[entry]], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = in_process(entry_points(data, run, tmp_path)[entry], capfd)
+    assert_refused_and_nothing_ran(proc, marker, poison, entry)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("poison, entry", [(hostile_metadata, "export"), (hostile_item, "resume --fsdp")],
+                         ids=["metadata-export", "optimizer-item-resume-fsdp"])
+def test_a_hostile_dcp_given_to_a_process_outside_the_repository_runs_nothing(fsdp_run, tmp_path, poison, entry):
+    data, run, marker = poisoned_run(fsdp_run, tmp_path, poison)
+    proc = as_process(entry_points(data, run, tmp_path)[entry], cwd=tmp_path)
+    assert_refused_and_nothing_ran(proc, marker, poison, entry)
+
+
+def assert_refused_and_nothing_ran(proc, marker, poison, entry):
     assert not marker.exists(), f"the checkpoint ran code through {entry}"
     if poison is hostile_item and entry not in READS_THE_OPTIMIZER:
         # export and eval read the model's weights only: the poisoned optimizer item is never read
@@ -138,15 +173,13 @@ def test_a_hostile_dcp_runs_nothing_and_is_one_line(fsdp_run, tmp_path, poison, 
     assert "could run code" in errors[0], errors[0]
 
 
-@pytest.mark.slow
-def test_the_genuine_checkpoint_still_loads_everywhere(fsdp_run, tmp_path):
+def test_the_genuine_checkpoint_still_loads_everywhere(fsdp_run, tmp_path, capfd):
     """The safe reading refuses only what DCP never writes: the run's own .dcp exports, evaluates and resumes."""
     data, save = fsdp_run
     run = Path(shutil.copytree(save, tmp_path / "run", symlinks=True))
     commands = entry_points(data, run, tmp_path)
     for entry in ("export", "eval", "resume --fsdp"):
-        proc = subprocess.run([PY, *commands[entry]], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                              timeout=300)
+        proc = in_process(commands[entry], capfd)
         assert proc.returncode == 0, (entry, proc.stderr[-3000:])
     assert (tmp_path / "exported").is_dir()
     assert json.loads((run / "results.json").read_text())["num_updates"] == 5
