@@ -37,6 +37,9 @@ def pytest_configure(config):
     # torch's first import runs ldconfig (ctypes.util.find_library, for CUDA's libraries): done here, before any
     # test, so that a fast-tier test that is the first to import torch is not taken for one starting a process
     import torch  # noqa: F401
+    # likewise platform.processor() runs `uname -p` once and caches it: h5py's first import asks it
+    import platform
+    platform.processor()
 
 
 def pytest_collection_modifyitems(config, items):
