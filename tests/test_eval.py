@@ -130,14 +130,13 @@ def test_eval_uses_the_runs_model_conf(mnist_dir, tmp_path, capsys):
     assert record["loss"] == pytest.approx(manual(ckpt, mnist_dir, "test")["loss"], rel=1e-4, abs=1e-5)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_eval_missing_checkpoint_is_one_line_error(tmp_path):
-    proc = run_cli(["--model_ckpt", tmp_path / "nope.pt", "--json"], module="textbox_like.eval")
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+def test_eval_missing_checkpoint_is_one_line_error(tmp_path, capsys):
+    rc, _, err = eval_in_process(capsys, "--model_ckpt", tmp_path / "nope.pt", "--json")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
 
 
 def test_eval_garbage_checkpoint_is_an_error(tmp_path, capsys):
