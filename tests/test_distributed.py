@@ -59,8 +59,13 @@ NO_DROPOUT = ["--model_conf", "dropout1=0", "--model_conf", "dropout2=0"]
 @pytest.fixture(scope="module")
 def one(data, tmp_path_factory):
     """The reference both exactness tests compare with: one process, batch 64, 20 updates."""
+    from conftest import run_main
     save = tmp_path_factory.mktemp("one")
-    run([PY, "run_hetseq.py", *base(data, save, "--max-sentences", "64", *NO_DROPOUT)])
+    threads = torch.get_num_threads()
+    try:   # in this process: a process's ~3 s of imports saved; --threads 1 undone after it
+        assert run_main(base(data, save, "--max-sentences", "64", *NO_DROPOUT)) == 0
+    finally:
+        torch.set_num_threads(threads)
     return save
 
 
@@ -274,11 +279,11 @@ def test_per_node_settings_stay_allowed(nodes_with_per_node_settings):
 
 
 @pytest.mark.timeout(60)
-def test_missing_rendezvous_directory_is_one_line(data, tmp_path):
-    out = subprocess.run([PY, "run_hetseq.py", *base(data, tmp_path / "out", "--max-sentences", "8",
-                                                     "--distributed-init-method", f"file://{tmp_path}/no/rdzv",
-                                                     "--distributed-world-size", "2", "--distributed-gpus", "1")],
-                         capture_output=True, text=True, cwd=REPO, timeout=50)
+def test_missing_rendezvous_directory_is_one_line(data, tmp_path, capfd):
+    from conftest import refusal_in_process   # refused while the ranks are planned, before any starts: in this process
+    out = refusal_in_process(base(data, tmp_path / "out", "--max-sentences", "8",
+                                  "--distributed-init-method", f"file://{tmp_path}/no/rdzv",
+                                  "--distributed-world-size", "2", "--distributed-gpus", "1"), capfd)
     assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
