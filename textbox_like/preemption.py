@@ -8,6 +8,16 @@ flag again: the save completes. A signal before training starts (loading
 data, building the model) stops at once with 75: there is nothing to save yet
 (:func:`guard_startup` covers the moments before the trainer exists).
 
+Ctrl-C (SIGINT) in training stops the same way, with Ctrl-C's exit code
+(130): the update under way finishes and is saved, and the line says how to
+resume. A Ctrl-C reaches a rank twice, from the terminal (the whole
+foreground process group) and from its launcher (which forwards it), within
+moments: a second SIGINT within ``SAME_CTRL_C_S`` of the first is that same
+one; a later one aborts at once, without saving (Python's KeyboardInterrupt).
+Where SIGINT was not Python's default (ignored, or the user's own handler),
+it is left alone; and the run hands it back when it ends (a notebook's
+interrupt is the notebook's again).
+
 Every rank must stop at the same update, whichever got the signal. The flags
 are summed on the host (a CPU tensor over a gloo group, never a CUDA tensor,
 so a CUDA step never waits for it), asynchronously, every ``every`` updates,
@@ -20,7 +30,9 @@ import signal
 from .faults import StoppedEarly
 
 PREEMPTED_EXIT_CODE = 75
+INTERRUPTED_EXIT_CODE = 130   # the shell's code for death by SIGINT, kept for a Ctrl-C that saved
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SAME_CTRL_C_S = 1.0
 
 
 def leaving(code):
@@ -58,21 +70,29 @@ def guard_startup():
 
 
 class Preemption:
-    def __init__(self, host_group=None, world_size: int = 1, every: int = 10):
+    def __init__(self, host_group=None, world_size: int = 1, every: int = 10, announce: bool = True):
         self.requested = False   # this process got a signal
         self.agreed = False      # all ranks know some rank got one
         self.signal = None
         self.group = host_group
         self.world_size = world_size
         self.every = max(1, every)
+        self.announce = announce  # this rank says that a Ctrl-C was heard (the main one)
         self._pending = None
         self.started = False     # set when training begins
         self.absorbed = 0        # signals that arrived while the stop was under way
+        self._first_ctrl_c = None
         for sig in SIGNALS:
             try:
                 signal.signal(sig, self._handler)
             except ValueError:  # not the main thread
                 pass
+        self._interrupt_handler = None   # SIGINT's handler before this run, while this run holds it
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._interrupt_handler = signal.signal(signal.SIGINT, self._on_ctrl_c)
+        except ValueError:  # not the main thread
+            pass
 
     def _handler(self, signum, frame):
         if not self.started:
@@ -82,6 +102,42 @@ class Preemption:
         else:
             self.requested = True
             self.signal = signal.Signals(signum).name
+
+    def _on_ctrl_c(self, signum, frame):
+        import sys
+        import time
+        now = time.monotonic()
+        if not self.started:
+            raise KeyboardInterrupt  # nothing trained yet: stop at once, as Python does
+        if self._first_ctrl_c is None:
+            self._first_ctrl_c = now
+            if not self.requested:
+                self.requested, self.signal = True, "SIGINT"
+                if self.announce:
+                    print("interrupted (Ctrl-C): finishing this update, saving it and stopping; Ctrl-C again to "
+                          "abort at once without saving", file=sys.stderr, flush=True)
+            else:
+                self.absorbed += 1
+        elif now - self._first_ctrl_c < SAME_CTRL_C_S:
+            pass  # the same Ctrl-C, forwarded by the launcher
+        else:
+            self.hand_back_interrupt()
+            raise KeyboardInterrupt
+
+    def hand_back_interrupt(self):
+        """SIGINT's handler as it was before this run (the run has ended, or a
+        second Ctrl-C aborts it)."""
+        if self._interrupt_handler is not None:
+            try:
+                signal.signal(signal.SIGINT, self._interrupt_handler)
+            except ValueError:
+                pass
+            self._interrupt_handler = None
+
+    @property
+    def exit_code(self) -> int:
+        """A stop's exit code: 130 for a Ctrl-C (as the shell reports one), 75 for the batch system's signals."""
+        return INTERRUPTED_EXIT_CODE if self.signal == "SIGINT" else PREEMPTED_EXIT_CODE
 
     def poll(self, num_updates: int) -> bool:
         """Called once after every update on every rank; True once all ranks agree to stop."""
@@ -115,7 +171,7 @@ class Preemption:
 
     def message(self, saved: bool, last_name: str = "checkpoint_last.pt") -> str:
         """The stop's line; ``last_name``: the file the save wrote (``checkpoint_last.dcp`` under --fsdp)."""
-        return (f"stopped by {self.signal or 'a signal'}"
+        return (f"stopped by {'Ctrl-C (SIGINT)' if self.signal == 'SIGINT' else self.signal or 'a signal'}"
                 + (f" ({self.absorbed} more signal(s) during the stop, absorbed)" if self.absorbed else "")
                 + (f"; {last_name} saved: rerun the same command with --resume" if saved
                    else "; nothing was saved (--no-save or --no-last-checkpoints)"))

@@ -15,7 +15,6 @@ from ..config import to_yaml
 from ..errors import UserError, first_line
 from ..faults import SaveFailed, os_reason, test_delay
 from ..fileio import atomic_write_text
-from ..preemption import PREEMPTED_EXIT_CODE
 from ..sharded_checkpoint import drop_kept_copies, full_state_dicts, refuse_rerun
 
 
@@ -269,7 +268,7 @@ class Lifecycle:
             checkpoints = t.checkpointer.checkpoints
             print(t.preemption.message(checkpoints.enabled and not t.cfg.checkpoint.no_last_checkpoints,
                                        checkpoints.file_name("checkpoint_last.pt")), file=sys.stderr)
-            return PREEMPTED_EXIT_CODE
+            return t.preemption.exit_code
         return 0
 
     def lost_peer_at_end(self, exc) -> int:

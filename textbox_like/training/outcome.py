@@ -52,6 +52,7 @@ def run(trainer) -> int:
             return trainer.lifecycle.lost_peer_at_end(exc)
         return peer_lost(trainer, exc)
     finally:
+        trainer.preemption.hand_back_interrupt()
         trainer.lifecycle.release_save_dir()
 
 

@@ -94,7 +94,7 @@ class Trainer:
         acc = self.accelerator
         self.rank, self.world, self.is_main = acc.process_index, acc.num_processes, acc.is_main_process
         self.host_group = distributed.host_group()
-        self.preemption = Preemption(self.host_group, self.world)
+        self.preemption = Preemption(self.host_group, self.world, announce=self.is_main)
         self.log = Logger(cfg, self.is_main, acc)
         torch.set_num_threads(threads)
         self.threads = threads
