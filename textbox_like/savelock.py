@@ -134,11 +134,14 @@ def _earlier_worker_group(holder, agent, save_dir):
 
 
 class SaveDirLock:
-    """The lock of one save directory, held by this process until :meth:`release`."""
+    """The lock of one save directory, held by this process until :meth:`release`.
+    A search's ``--output`` is locked the same way (``option``, ``kind``,
+    ``name``: how its lines name the directory, its owner and the file)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, option="--save-dir", kind="run", name=LOCK_NAME):
         self.dir = Path(directory)
-        self.path = self.dir / LOCK_NAME
+        self.option, self.kind, self.name = option, kind, name
+        self.path = self.dir / name
         self.token = uuid.uuid4().hex
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                        "proc_start": _process_start(os.getpid()), "token": self.token}
@@ -176,19 +179,19 @@ class SaveDirLock:
             holder, mtime = found
             why = stale_reason(holder, mtime, agent=self.agent, save_dir=self.dir)
             if why is None:
-                raise UserError(f"--save-dir {self.dir} is in use by another run ({describe(holder)}; lock file "
-                                f"{self.path}); choose another --save-dir, or wait for that run to end (a lock "
-                                f"not refreshed for {STALE_AFTER_S:.0f}s is taken over)")
+                raise UserError(f"{self.option} {self.dir} is in use by another {self.kind} ({describe(holder)}; "
+                                f"lock file {self.path}); choose another {self.option}, or wait for that "
+                                f"{self.kind} to end (a lock not refreshed for {STALE_AFTER_S:.0f}s is taken over)")
             if self._break(holder, mtime) and holder and holder.get("pid") != os.getpid():
-                note(f"took over the lock of --save-dir {self.dir} from {describe(holder)}: {why}")
-        raise UserError(f"--save-dir {self.dir}: could not take its lock file {self.path} (other runs keep "
-                        f"taking it); choose another --save-dir")
+                note(f"took over the lock of {self.option} {self.dir} from {describe(holder)}: {why}")
+        raise UserError(f"{self.option} {self.dir}: could not take its lock file {self.path} (other "
+                        f"{self.kind}s keep taking it); choose another {self.option}")
 
     def _create(self) -> bool:
         """Make the lock file with our content, atomically; False if it exists.
         A hard link is atomic on NFS; its reply may be lost, so the link count
         of our own temporary file says whether it took."""
-        tmp = self.dir / f".{LOCK_NAME}.{self.holder['host']}.{os.getpid()}.{self.token[:8]}"
+        tmp = self.dir / f".{self.name}.{self.holder['host']}.{os.getpid()}.{self.token[:8]}"
         try:
             with open(tmp, "w", encoding="utf-8") as handle:
                 json.dump(self.holder, handle)
@@ -196,8 +199,8 @@ class SaveDirLock:
                 os.fsync(handle.fileno())
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise UserError(f"--save-dir {self.dir} cannot be written ({exc.strerror or exc}); choose a writable "
-                            f"directory or pass --no-save") from None
+            raise UserError(f"{self.option} {self.dir} cannot be written ({exc.strerror or exc}); choose a writable "
+                            f"directory" + (" or pass --no-save" if self.kind == "run" else "")) from None
         try:
             try:
                 os.link(tmp, self.path)
@@ -213,7 +216,7 @@ class SaveDirLock:
     def _break(self, holder, mtime) -> bool:
         """Remove a stale lock file, unless another taker was faster (then the
         file moved aside is not the one judged stale, and goes back)."""
-        aside = self.dir / f".{LOCK_NAME}.stale.{os.getpid()}.{self.token[:8]}"
+        aside = self.dir / f".{self.name}.stale.{os.getpid()}.{self.token[:8]}"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:

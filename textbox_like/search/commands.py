@@ -118,13 +118,15 @@ def _hyper(argv):
     from .space import load_space
     import_plugins(rest)      # the trainer's options of a --user-dir's components are in the space's reach
     space = load_space(search.space, cli.build_options())
-    if search.backend == "ray":
-        from .ray_backend import ray_search
-        code, _ = ray_search(space, search, rest)
+    from .trials import output_locked
+    with output_locked(search.output):
+        if search.backend == "ray":
+            from .ray_backend import ray_search
+            code, _ = ray_search(space, search, rest)
+            return code
+        from .hyper import search_locally
+        code, _ = search_locally(space, search, rest)
         return code
-    from .hyper import search_locally
-    code, _ = search_locally(space, search, rest)
-    return code
 
 
 # ====================================================================== run_multi_seed.py
@@ -134,10 +136,12 @@ def multi_seed_main(argv=None):
 
 def _multi_seed(argv):
     search, rest = parse_search("run_multi_seed.py", argv)
-    if search.backend == "ray":
-        from .ray_backend import ray_multi_seed
-        code, _ = ray_multi_seed(search, rest)
+    from .trials import output_locked
+    with output_locked(search.output):
+        if search.backend == "ray":
+            from .ray_backend import ray_multi_seed
+            code, _ = ray_multi_seed(search, rest)
+            return code
+        from .multi_seed import seeds_locally
+        code, _ = seeds_locally(search, rest)
         return code
-    from .multi_seed import seeds_locally
-    code, _ = seeds_locally(search, rest)
-    return code

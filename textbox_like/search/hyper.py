@@ -391,7 +391,9 @@ def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), outpu
     search = SearchConfig.for_command("run_hyper.py", algo=algo, max_evals=max_evals, seed=seed, output=str(output),
                                       metric=metric, maximize=maximize, parallel=parallel,
                                       gpus_per_trial=gpus_per_trial, resume=resume)
-    return search_locally(space, search, base_argv, runner, out)
+    from .trials import output_locked
+    with output_locked(search.output):
+        return search_locally(space, search, base_argv, runner, out)
 
 
 def search_locally(space, search, base_argv=(), runner=None, out=print):

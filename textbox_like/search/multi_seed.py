@@ -71,7 +71,9 @@ def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=
     from ..config.schema import SearchConfig
     search = SearchConfig.for_command("run_multi_seed.py", seeds=list(seeds), output=str(output), metric=metric,
                                       maximize=maximize, parallel=parallel, gpus_per_trial=gpus_per_trial)
-    return seeds_locally(search, base_argv, runner, out)
+    from .trials import output_locked
+    with output_locked(search.output):
+        return seeds_locally(search, base_argv, runner, out)
 
 
 def seeds_locally(search, base_argv=(), runner=None, out=print):

@@ -13,6 +13,7 @@ search leaves no orphan training on.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -32,6 +33,7 @@ from ..fileio import atomic_write_text
 ROOT = Path(__file__).resolve().parent.parent.parent
 TRAINER = "import sys; from textbox_like.cli import leave, run_resolved; leave(run_resolved(sys.argv[1]))"
 TRIAL_CONFIG = "trial_config.yaml"
+SEARCH_LOCK = "search.lock"
 PREEMPTED = 75
 
 
@@ -119,6 +121,28 @@ def as_flags(settings):
 
 def quote_command(argv):
     return " ".join(shlex.quote(str(a)) for a in ["python", "run_hetseq.py", *argv])
+
+
+@contextlib.contextmanager
+def output_locked(output):
+    """This search holds its ``--output`` (``search.lock``, made and kept
+    fresh as ``run.lock`` holds a save directory) while it runs: a second
+    search on it, a second ``--resume`` too, is refused in one line instead
+    of running the same trials and recording the other's running trials as
+    failed. A lock whose search died is taken over (savelock's rules)."""
+    from ..savelock import SaveDirLock
+    directory = Path(output)
+    made = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = SaveDirLock(directory, option="--output", kind="search", name=SEARCH_LOCK)
+    try:
+        lock.take()
+        yield
+    finally:
+        lock.release()
+        if made:   # a search refused before it wrote anything leaves no empty --output behind
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def read_json(path):
