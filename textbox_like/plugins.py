@@ -55,10 +55,32 @@ def load_installed():
             point.load()
         except UserError:
             raise
+        except ModuleNotFoundError as exc:
+            if not names_a_missing_module(point, exc):
+                add_note(exc, f"(raised while importing the installed plugin {point.name} = {point.value}, entry "
+                              f"point group {ENTRY_POINT_GROUP}: the traceback above ends in that package's code)")
+                raise
+            # a dangling entry point (its package removed or renamed) is no reason to refuse every
+            # command: it is named, and skipped; a component it would have given is then unknown
+            dist = getattr(point, "dist", None)
+            owner = f"{dist.name} {dist.version}" if dist is not None else "an installed package"
+            print(f"warning: the installed plugin {point.name} = {point.value} (entry point group "
+                  f"{ENTRY_POINT_GROUP}, from {owner}) names a module that does not exist; skipped: fix that "
+                  f"package's entry point, or uninstall it"
+                  + (f" (pip uninstall {dist.name})" if dist is not None else ""), file=sys.stderr)
         except Exception as exc:
             add_note(exc, f"(raised while importing the installed plugin {point.name} = {point.value}, entry point "
                           f"group {ENTRY_POINT_GROUP}: the traceback above ends in that package's code)")
             raise
+
+
+def names_a_missing_module(point, exc) -> bool:
+    """Whether ``exc`` (a ModuleNotFoundError of ``point.load()``) is the entry
+    point's own module (or a package above it) not existing, rather than an
+    import inside that module's code failing."""
+    missing = getattr(exc, "name", None)
+    module = point.value.split(":", 1)[0].strip()
+    return bool(missing) and (module == missing or module.startswith(missing + "."))
 
 
 def add_note(exc, text):
