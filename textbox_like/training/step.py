@@ -10,7 +10,7 @@ import math
 import time
 
 from .. import sharding
-from ..errors import first_line
+from ..errors import UserError, first_line
 from ..faults import Diverged, HostCopy
 
 
@@ -127,6 +127,8 @@ class UpdateStep:
                 if not isinstance(terms, dict):
                     terms = {"nsamples": terms}
                 loss = sum(term * (t.world / totals[name]) for name, term in terms.items())
+                if getattr(loss, "ndim", 0):
+                    refuse_loss_shape(task, terms)
                 flight.all_reducing = last
                 acc.backward(loss)
                 flight.all_reducing = False
@@ -249,3 +251,16 @@ class UpdateStep:
                            f"had a non-finite loss or gradient norm; the learning rate is likely too high (or "
                            f"float16 overflows: try --bf16); "
                            + (f"the last finite checkpoint is {last}" if last else "no checkpoint was saved"))
+
+
+def refuse_loss_shape(task, terms):
+    """A task's loss() must return one number per term (a sum over its
+    batch): a tensor of another shape (``reduction="none"``, a loss per
+    sample or token) would end in autograd's traceback. One line naming the
+    task's loss() and the shape it returned."""
+    shapes = ", ".join(f"{list(getattr(term, 'shape', ()))}" + (f" (term {name!r})" if len(terms) > 1 else "")
+                       for name, term in terms.items() if getattr(term, "ndim", 0))
+    cls = type(task)
+    raise UserError(f"{cls.__module__}.{cls.__qualname__}.loss() returned a loss of shape {shapes}, not one number: "
+                    f"return the sum over the batch (e.g. reduction='sum', or .sum() of a per-sample loss) and the "
+                    f"samples or tokens it covers in its stats, which the trainer divides by")
