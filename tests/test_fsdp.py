@@ -20,7 +20,7 @@ import torch
 
 from textbox_like.sharded_checkpoint import read_extra_state, read_manifest
 
-from conftest import assert_bitwise_equal, clean_env, read_jsonl, write_mnist
+from conftest import assert_bitwise_equal, clean_env, read_jsonl, run_main, write_mnist
 from test_bert_train import bert_data  # noqa: F401 (a fixture)
 from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
 from test_resume import kill_after_checkpoint
@@ -35,6 +35,23 @@ def run(cmd, env=None, timeout=400):
                          env=env or clean_env())
     assert out.returncode == 0, out.stderr[-4000:]
     return out
+
+
+def in_process(cmd):
+    """A one-process run of ``cmd`` ([PY, run_hetseq.py, *args]) in this process: the same run without a
+    process's ~3 s of imports; torch's thread count (--threads) restored after it. Returns what it wrote
+    to sys.stderr (its log), as run's .stderr."""
+    import contextlib
+    import io
+    assert [str(c) for c in cmd[:2]] == [PY, "run_hetseq.py"], cmd[:2]
+    threads, err = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = run_main([str(c) for c in cmd[2:]])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err.getvalue()[-4000:]
+    return err.getvalue()
 
 
 def checkpoint(save_dir, name="checkpoint_last"):
@@ -98,7 +115,7 @@ def two_nodes(data, save_dir, rdzv, *extra):
 def mnist_runs(mnist, tmp_path_factory):
     """One process (64 a micro-batch), and DDP and FSDP over 48 + 16."""
     root = tmp_path_factory.mktemp("mnist_runs")
-    run([PY, *mnist_args(mnist, root / "one", "--max-sentences", "64")])
+    in_process([PY, *mnist_args(mnist, root / "one", "--max-sentences", "64")])
     err_ddp = two_nodes(mnist, root / "ddp", root / "rdzv_ddp")
     err_fsdp = two_nodes(mnist, root / "fsdp", root / "rdzv_fsdp", "--fsdp")
     return root, err_ddp, err_fsdp
@@ -154,7 +171,7 @@ def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data,
     joins with empty ones), rank 1 slowed so that --balance re-splits."""
     from textbox_like import balance
     from test_balance import bert_args
-    run([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
+    in_process([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
                                          "--max-tokens", 256, "--max-update", 20)])
     out = tmp_path / "two"
     proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
@@ -175,7 +192,7 @@ def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data,
 def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tmp_path):  # noqa: F811
     """A global batch of 120 real tokens, micro-batches of at most 50 per rank:
     the ranks' shares hold unlike numbers of samples and micro-batches."""
-    run(exactness_args(models["causal_lm"], text_data, tmp_path / "one", "--max-update", 20))
+    in_process(exactness_args(models["causal_lm"], text_data, tmp_path / "one", "--max-update", 20))
     two = run(exactness_args(models["causal_lm"], text_data, tmp_path / "two", "--max-update", 20,
                              "--distributed-world-size", 2, "--fsdp"))
     start = next(line for line in two.stderr.splitlines() if line.startswith("task hf"))
@@ -237,11 +254,12 @@ def resumed_runs(mnist, tmp_path_factory):
     """One process over 3 legs uninterrupted, and two runs resumed twice:
     --fsdp on 2, then 1, then 2 ranks; DDP, then --fsdp, then DDP on 2 ranks."""
     root = tmp_path_factory.mktemp("fsdp_resumed")
-    run(leg_args(mnist, root / "one", 1, 3))
+    in_process(leg_args(mnist, root / "one", 1, 3))
     chains = {"ranks": [(2, "--fsdp"), (1, "--fsdp"), (2, "--fsdp")], "ddp": [(2,), (2, "--fsdp"), (2,)]}
     logs = {}
-    for name, legs in chains.items():
-        logs[name] = [run(leg_args(mnist, root / name, world, leg, *extra)).stderr
+    for name, legs in chains.items():   # a leg on one rank runs in this process
+        logs[name] = [(in_process if world == 1 else lambda cmd: run(cmd).stderr)(
+                          leg_args(mnist, root / name, world, leg, *extra))
                       for leg, (world, *extra) in enumerate(legs, 1)]
     return root, logs
 
@@ -324,8 +342,8 @@ def test_fsdp_survivor_of_a_lost_peer_names_the_last_checkpoint_and_it_resumes(m
     assert named.is_dir() and named.suffix == ".dcp" and not list(save.glob("*.pt"))  # no emergency save
     update = read_extra_state(named)["train"]["num_updates"]
     assert update in (6, 12)
-    done = run(leg_args(mnist, save, 1, 3, "--fsdp"))
-    assert f"epoch 1, update {update}\n" in done.stderr
+    done = in_process(leg_args(mnist, save, 1, 3, "--fsdp"))   # the resume on one rank: in this process
+    assert f"epoch 1, update {update}\n" in done
     assert checkpoint(save)["train"]["samples_trained"] == 64 * 18
     assert_close(checkpoint(save)["model"], checkpoint(root / "one", "checkpoint_1_18")["model"])
 
@@ -355,24 +373,8 @@ for strategy, nodes in (("none", 1), ("hybrid", 1), ("hybrid", 2), ("full", 1)):
 '''
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_sharding_strategies_keep_the_shards_they_say(tmp_path):
-    """full and hybrid on one node split each parameter over the 2 ranks;
-    none, and hybrid over 2 nodes of one rank, keep whole copies; every
-    strategy's gradient is the one-process gradient."""
-    script = tmp_path / "strategies.py"
-    script.write_text(STRATEGIES_SCRIPT)
-    out = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", script])
-    rows = [line.split(" ", 2) for line in out.stdout.splitlines() if line.split(" ")[0] in ("none", "hybrid", "full")]
-    assert [(r[0], r[1]) for r in rows] == [("none", "1"), ("hybrid", "1"), ("hybrid", "2"), ("full", "1")]
-    shapes = {(r[0], r[1]): r[2] for r in rows}
-    assert shapes[("none", "1")].startswith("[13, 13, 10, 10] 0.0 sharding none (replicated over 2 ranks)")
-    assert shapes[("hybrid", "1")].startswith(
-        "[7, 7, 5, 5] 0.0 sharding hybrid: over 2 ranks per node, replicated over 1 node(s)")
-    assert shapes[("hybrid", "2")].startswith(
-        "[13, 13, 10, 10] 0.0 sharding hybrid: over 1 ranks per node, replicated over 2 node(s)")
-    assert shapes[("full", "1")].startswith("[7, 7, 5, 5] 0.0 sharding full over 2 ranks")
+# test_sharding_strategies_keep_the_shards_they_say: in test_fsdp_options.py, where one torchrun of two
+# ranks runs this script with that file's other two-rank unit checks
 
 
 def test_accelerate_launch_fsdp_flags_are_the_runs_settings():

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import clean_env, read_jsonl, write_mnist
 from test_balance import oscillations_per_interval, simulate
-from test_fsdp import assert_close, checkpoint, run
+from test_fsdp import assert_close, checkpoint, in_process, run
 from textbox_like import balance
 from textbox_like.balance import Balancer, RankTimer
 
@@ -57,7 +57,7 @@ def test_fsdp_balance_moves_samples_away_from_a_slow_rank(mnist, tmp_path):
     first exchange moves to the proportional split and says why, the slowed
     rank ends with under 0.4 of the global batch (as under DDP), and the
     weights are one process's over the same 128 samples an update."""
-    run([PY, *map(str, mnist_args(mnist, tmp_path / "one", "--max-update", "12"))])
+    in_process([PY, *map(str, mnist_args(mnist, tmp_path / "one", "--max-update", "12"))])   # the reference
     out = tmp_path / "fsdp"
     proc = run([PY, *map(str, mnist_args(mnist, out, "--distributed-world-size", "2", "--fsdp", "--balance",
                                          "--balance-interval", "4", "--max-update", "12"))],

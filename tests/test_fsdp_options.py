@@ -64,11 +64,7 @@ def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(models, text_dat
     assert records[-1]["loss"] == pytest.approx(train_records(tmp_path / "eager")[-1]["loss"], abs=1e-5)
 
 
-@pytest.mark.slow
-def test_sharded_root_is_found_under_torch_compile_and_ddp_like_wrappers(tmp_path):
-    """Unit level: the FSDP module under torch.compile's OptimizedModule and
-    under a ``.module`` wrapper (as DDP's), and none in a plain model."""
-    out = torchrun('''
+SHARDED_ROOT_SCRIPT = '''
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from textbox_like import sharding
@@ -81,7 +77,73 @@ plain = torch.nn.Linear(4, 4)
 found = (sharding.sharded_root(torch.compile(m)) is m, sharding.sharded_root(Wrapper(torch.compile(m))) is m,
          sharding.is_sharded(plain), sharding.is_sharded(torch.compile(plain)))
 open(f"{__file__}.rank{dist.get_rank()}", "w").write("found %s %s %s %s\\n" % found)
-''', tmp_path)
+'''
+
+
+# the unit-level two-rank checks of this file and test_fsdp.py's sharding strategies: one torchrun of
+# two ranks runs each check's script in turn (its own namespace, its own verdict files), instead of one
+# torchrun (three processes, a rendezvous) per check. The process group the first script starts is the
+# one every later script works in (Accelerator(cpu=True) takes it as it is).
+DRIVER_SCRIPT = '''
+import sys, torch.distributed as dist
+real_init = dist.init_process_group
+def init_once(*args, **kwargs):
+    if not dist.is_initialized():
+        real_init(*args, **kwargs)
+dist.init_process_group = init_once
+for path in sys.argv[1:]:
+    print("--- part", path, flush=True)
+    exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__", "__file__": path})
+    dist.barrier()
+print("--- all parts ran", flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def two_rank_checks(tmp_path_factory):
+    """{check: what rank 0 printed during it, then each rank's verdict file}, from one torchrun of 2."""
+    from test_fsdp import STRATEGIES_SCRIPT
+    root = tmp_path_factory.mktemp("two_rank_checks")
+    parts = {"strategies": STRATEGIES_SCRIPT, "sharded_root": SHARDED_ROOT_SCRIPT, "eval_first": EVAL_FIRST_SCRIPT,
+             "unused": UNUSED_SCRIPT.replace("sys.argv[1:]", '["--find-unused-parameters"]')}
+    for name, text in parts.items():
+        (root / f"{name}.py").write_text(text)
+    (root / "driver.py").write_text(DRIVER_SCRIPT)
+    out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(root / "driver.py"),
+                          *(str(root / f"{name}.py") for name in parts)], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "--- all parts ran" in out.stdout, out.stdout[-3000:]
+    printed = {}
+    for chunk in out.stdout.split("--- part ")[1:]:
+        path, _, text = chunk.partition("\n")
+        printed[Path(path).stem] = printed.get(Path(path).stem, "") + text
+    return {name: printed.get(name, "") + "".join(p.read_text() for p in sorted(root.glob(f"{name}.py.rank*")))
+            for name in parts}
+
+
+@pytest.mark.slow
+def test_sharding_strategies_keep_the_shards_they_say(two_rank_checks):
+    """full and hybrid on one node split each parameter over the 2 ranks;
+    none, and hybrid over 2 nodes of one rank, keep whole copies; every
+    strategy's gradient is the one-process gradient."""
+    out = two_rank_checks["strategies"]   # test_fsdp.STRATEGIES_SCRIPT: what rank 0 printed
+    rows = [line.split(" ", 2) for line in out.splitlines() if line.split(" ")[0] in ("none", "hybrid", "full")]
+    assert [(r[0], r[1]) for r in rows] == [("none", "1"), ("hybrid", "1"), ("hybrid", "2"), ("full", "1")]
+    shapes = {(r[0], r[1]): r[2] for r in rows}
+    assert shapes[("none", "1")].startswith("[13, 13, 10, 10] 0.0 sharding none (replicated over 2 ranks)")
+    assert shapes[("hybrid", "1")].startswith(
+        "[7, 7, 5, 5] 0.0 sharding hybrid: over 2 ranks per node, replicated over 1 node(s)")
+    assert shapes[("hybrid", "2")].startswith(
+        "[13, 13, 10, 10] 0.0 sharding hybrid: over 1 ranks per node, replicated over 2 node(s)")
+    assert shapes[("full", "1")].startswith("[7, 7, 5, 5] 0.0 sharding full over 2 ranks")
+
+
+@pytest.mark.slow
+def test_sharded_root_is_found_under_torch_compile_and_ddp_like_wrappers(two_rank_checks):
+    """Unit level: the FSDP module under torch.compile's OptimizedModule and
+    under a ``.module`` wrapper (as DDP's), and none in a plain model."""
+    out = two_rank_checks["sharded_root"]
     assert [line for line in out.splitlines() if line.startswith("found")] == ["found True True False False"] * 2, out
 
 
@@ -144,11 +206,11 @@ open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} trained after evaluating
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_sharded_model_evaluated_before_training_still_trains(tmp_path):
+def test_a_sharded_model_evaluated_before_training_still_trains(two_rank_checks):
     """FSDP2's first forward under inference_mode makes inference tensors it
     keeps: a backward afterwards fails ("Inplace update to inference tensor
     outside InferenceMode"). Evaluating a sharded model uses no_grad."""
-    out = torchrun(EVAL_FIRST_SCRIPT, tmp_path)
+    out = two_rank_checks["eval_first"]
     assert sorted(line for line in out.splitlines() if line.startswith("rank")) == \
         ["rank 0 trained after evaluating True", "rank 1 trained after evaluating True"], out
 
@@ -184,11 +246,11 @@ open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} error {error < 1e-6}\\n"
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_find_unused_parameters_lets_fsdp_ranks_use_different_parameters(tmp_path):
+def test_find_unused_parameters_lets_fsdp_ranks_use_different_parameters(two_rank_checks):
     """Each rank's forward uses another layer: with --find-unused-parameters
     the unused layer's zero gradient joins the reduce-scatter on both ranks,
     and every gradient is the mean over the ranks, as DDP's."""
-    out = torchrun(UNUSED_SCRIPT.replace("sys.argv[1:]", '["--find-unused-parameters"]'), tmp_path)
+    out = two_rank_checks["unused"]
     assert sorted(line for line in out.splitlines() if line.startswith("rank")) == \
         ["rank 0 error True", "rank 1 error True"], out
 
@@ -200,13 +262,12 @@ def test_find_unused_parameters_lets_fsdp_ranks_use_different_parameters(tmp_pat
     (["--bucket-cap-mb", "8"], "error: --bucket-cap-mb sizes DDP's gradient buckets; --fsdp reduces the gradients "
                                "one unit at a time (the units: --fsdp-wrap, --fsdp-min-params): drop --bucket-cap-mb"),
 ])
-@pytest.mark.slow
-def test_ddp_settings_that_fsdp_cannot_honour_are_refused(tmp_path, flags, message):
+def test_ddp_settings_that_fsdp_cannot_honour_are_refused(tmp_path, flags, message, capfd):
+    from conftest import refusal_in_process   # refused before any process group: in this process
     data = tmp_path / "mnist"
     write_mnist(data, n_train=64, n_test=16)
-    out = subprocess.run([PY, "run_hetseq.py", "--task", "mnist", "--data", str(data), "--save-dir",
-                          str(tmp_path / "save"), "--max-sentences", "16", "--max-update", "1", "--fsdp", *flags],
-                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    out = refusal_in_process(["--task", "mnist", "--data", str(data), "--save-dir", str(tmp_path / "save"),
+                              "--max-sentences", "16", "--max-update", "1", "--fsdp", *flags], capfd)
     assert out.returncode == 2, out.stderr[-2000:]
     assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [message]
     assert "Traceback" not in out.stderr and not (tmp_path / "save").exists()
@@ -308,17 +369,35 @@ def test_accelerates_fsdp2_plugin_shards_transformers_bert_with_the_units_shard_
     shards, the tie holds, and the gradients equal the unsharded model's."""
     script = tmp_path / "plugin.py"
     script.write_text(ACCELERATE_PLUGIN_SCRIPT)
-
-    def run(*args):
-        out = subprocess.run([PY, str(script), str(tmp_path / "rdzv"), *args], cwd=REPO, env=clean_env(),
-                             capture_output=True, text=True, timeout=240)
-        assert out.returncode == 0, out.stderr[-3000:]
-        (tmp_path / "rdzv").unlink(missing_ok=True)
-        return out.stdout.splitlines()
-
-    assert run("fitted") == ["units ['FSDPBertLayer', 'FSDPBertLayer']", "tied True True", "gradients equal True"]
-    assert run("fitted", "--fsdp-wrap", "none") == ["units []", "tied True True", "gradients equal True"]
-    assert run("as built") == ["failed: TypeError"]
+    # the three cases in one process (one import of torch, transformers and accelerate, not three): each
+    # runs the script afresh with its own arguments, in the one-rank process group the first started
+    driver = tmp_path / "cases.py"
+    driver.write_text('''
+import sys, torch.distributed as dist
+real_init = dist.init_process_group
+def init_once(*args, **kwargs):
+    if not dist.is_initialized():
+        real_init(*args, **kwargs)
+dist.init_process_group = init_once
+script, rdzv = sys.argv[1:3]
+for case in sys.argv[3:]:
+    print("--- case", case, flush=True)
+    sys.argv = [script, rdzv, *case.split("|")]
+    try:
+        exec(compile(open(script).read(), script, "exec"), {"__name__": "__main__", "__file__": script})
+    except SystemExit as exc:
+        assert exc.code in (0, None), exc.code
+    sys.stdout.flush()
+''')
+    cases = ["fitted", "fitted|--fsdp-wrap|none", "as built"]
+    out = subprocess.run([PY, str(driver), str(script), str(tmp_path / "rdzv"), *cases], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = [chunk.splitlines()[1:] for chunk in out.stdout.split("--- case ")[1:]]
+    assert len(printed) == 3, out.stdout
+    assert printed[0] == ["units ['FSDPBertLayer', 'FSDPBertLayer']", "tied True True", "gradients equal True"]
+    assert printed[1] == ["units []", "tied True True", "gradients equal True"]
+    assert printed[2] == ["failed: TypeError"]
 
 
 def test_a_tied_layer_that_accelerates_plugin_would_shard_alone_is_refused_in_one_line():
