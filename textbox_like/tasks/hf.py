@@ -87,8 +87,10 @@ class HFOptions(Section):
     text_pair_column: str | None = setting(None, "a second input text per sample (sentence pairs)")
     label_column: str = setting("label", "sequence_classification: the column of class labels (0..K-1 or names)")
     target_column: str | None = setting(None, "seq2seq: the column of the texts to generate")
-    max_length: int = setting(512, "inputs are truncated to this many tokens", type=positive_int)
-    max_target_length: int = setting(128, "seq2seq: targets are truncated to this many tokens", type=positive_int)
+    max_length: int | None = setting(None, "inputs are truncated to this many tokens (default: the model's "
+                                           "position limit, at most 512)", type=positive_int)
+    max_target_length: int | None = setting(None, "seq2seq: targets are truncated to this many tokens (default: "
+                                                  "the model's position limit, at most 128)", type=positive_int)
     mlm_probability: float = setting(0.15, "masked_lm: the share of tokens predicted", type=_probability)
     generation_max_length: int = setting(64, "seq2seq validation: the most new tokens generated",
                                          type=positive_int)
@@ -135,6 +137,41 @@ def read_model_config(directory) -> dict:
         raise UserError(f"{str(path)!r} is not valid JSON ({exc})") from None
 
 
+#: config.json's names of the most positions a model embeds (the first found counts)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_source_positions")
+#: models whose position ids start after the padding id (RoBERTa's family): that many fewer usable positions
+POSITION_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer", "xlm-roberta-xl", "data2vec-text")
+
+
+def position_limit(config: dict):
+    """(the most tokens the model's positions take, the config.json key that
+    says so), or (None, None) for a model without a fixed limit (T5's
+    relative positions)."""
+    for where in (config, config.get("text_config") or {}):
+        for key in POSITION_KEYS:
+            value = where.get(key)
+            if isinstance(value, int) and value > 0:
+                offset = int(where.get("pad_token_id") or 0) + 1 if where.get("model_type") in POSITION_OFFSET_TYPES \
+                    else 0
+                return value - offset, key
+    return None, None
+
+
+def fit_lengths_to_the_model(ns, config: dict):
+    """--max_length (and seq2seq's --max_target_length) default to the
+    model's position limit (at most 512 and 128); a larger value given is one
+    line naming both sizes, instead of an index error at the first long text."""
+    limit, key = position_limit(config)
+    for option, default in (("max_length", 512), ("max_target_length", 128)):
+        given = getattr(ns, option, None)
+        if given is None:
+            setattr(ns, option, min(default, limit) if limit else default)
+        elif limit and given > limit:
+            raise UserError(f"--{option} {given} is more than the model takes: it embeds {limit} positions "
+                            f"({key} in {Path(ns.model_name_or_path) / 'config.json'}); give --{option} {limit} or "
+                            f"less (by default it is the model's limit)")
+
+
 def requested_generation(metrics) -> tuple:
     """TextBox's --metrics as generation families (rouge, bleu): all where none is named."""
     if not metrics:
@@ -173,8 +210,9 @@ class HFTask(Task):
             return
         given = "--model_path" if getattr(ns, "model_path", None) == ns.model_name_or_path else "--model_name_or_path"
         ns.model_name_or_path = local_model_dir(ns.model_name_or_path, given)
+        config = read_model_config(ns.model_name_or_path)
+        fit_lengths_to_the_model(ns, config)
         if ns.hf_head is None:
-            config = read_model_config(ns.model_name_or_path)
             head = architecture_head(config.get("architectures"))
             if head is None:
                 named = ", ".join(config.get("architectures") or []) or "none"
@@ -367,9 +405,21 @@ class HFTask(Task):
             except ValueError as exc:
                 raise UserError(f"{type(config).__name__} has no {self.head} model: "
                                 f"{str(exc).splitlines()[0]}") from None
+        self.check_vocabulary(model)
         if self.cfg.model.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
+
+    def check_vocabulary(self, model):
+        """Every token id the tokenizer gives has a row in the model's embedding;
+        else one line naming both sizes (not an index error at the first batch)."""
+        rows = model.get_input_embeddings().num_embeddings
+        tokens = len(self.tokenizer())
+        if tokens > rows:
+            raise UserError(f"the tokenizer in {self.model_dir} has {tokens:,} tokens but the model's embedding has "
+                            f"{rows:,} rows (vocab_size in its config.json): ids from {rows:,} on have no embedding; "
+                            f"save the tokenizer the model was trained with there, or resize the model's embedding "
+                            f"(model.resize_token_embeddings(len(tokenizer)), then save_pretrained)")
 
     def param_groups(self, model, weight_decay):
         decay, plain = [], []
