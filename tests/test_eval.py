@@ -153,3 +153,23 @@ def test_eval_unknown_subset_is_an_error(trained, mnist_dir, capsys):
                                  "--subset", "valid")
     assert rc == 2
     assert err.strip().startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_eval_takes_the_checkpoint_positionally_as_export_does(trained, mnist_dir, capsys):
+    """``textbox-like eval CKPT`` (export's spelling) is ``--model_ckpt CKPT``;
+    two different checkpoints, or none, is one line."""
+    ckpt = trained / "checkpoint_last.pt"
+    rc, named, _ = eval_in_process(capsys, "--model_ckpt", ckpt, "--data", mnist_dir, "--json")
+    assert rc == 0
+    rc, positional, _ = eval_in_process(capsys, ckpt, "--data", mnist_dir, "--json")
+    assert rc == 0 and json.loads(positional) == json.loads(named)
+    with pytest.raises(SystemExit) as refused:
+        eval_in_process(capsys, ckpt, "--model_ckpt", trained / "checkpoint1.pt")
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"error: two checkpoints: {ckpt} and --model_ckpt "
+                                               f"{trained / 'checkpoint1.pt'}; give one")
+    with pytest.raises(SystemExit) as refused:
+        eval_in_process(capsys, "--json")
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: name the checkpoint to evaluate: textbox-like eval CHECKPOINT "
+                                               "(or --model_ckpt CHECKPOINT)")

@@ -15,7 +15,9 @@ from .config.value_types import positive_int, switch
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m textbox_like.eval", allow_abbrev=False,
                                      description="Evaluate a textbox_like checkpoint on a data split.")
-    parser.add_argument("--model_ckpt", "--model-ckpt", required=True, help="checkpoint file (any kind we save)")
+    parser.add_argument("checkpoint", nargs="?", default=None, metavar="CHECKPOINT",
+                        help="checkpoint file or .dcp directory, as `textbox-like export` takes it (or --model_ckpt)")
+    parser.add_argument("--model_ckpt", "--model-ckpt", default=None, help="checkpoint file (any kind we save)")
     parser.add_argument("--data", "--mnist_dir", "--mnist-dir", default=None,
                         help="data directory (default: the one the run trained on); --mnist_dir is "
                              "HetSeq's eval_mnist.py name for it")
@@ -34,6 +36,11 @@ def main(argv=None):
 
     parser.error = one_line_error
     args = parser.parse_args(argv)
+    if args.checkpoint and args.model_ckpt and args.checkpoint != args.model_ckpt:
+        one_line_error(f"two checkpoints: {args.checkpoint} and --model_ckpt {args.model_ckpt}; give one")
+    args.model_ckpt = args.model_ckpt or args.checkpoint
+    if not args.model_ckpt:
+        one_line_error("name the checkpoint to evaluate: textbox-like eval CHECKPOINT (or --model_ckpt CHECKPOINT)")
 
     from .api import evaluate
     from .errors import UserError
