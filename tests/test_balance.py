@@ -685,13 +685,23 @@ def test_share_above_the_cap_runs_micro_batches_with_one_all_reduce(data, tmp_pa
     assert_params_close(params(tmp_path / "micro"), at_update(one_process_64_first, 5))
 
 
+def in_process(argv):
+    """A one-process reference run in this process (no ~3 s of a process's imports); torch's thread
+    count (--threads) restored after it."""
+    from conftest import run_main
+    threads = torch.get_num_threads()
+    try:
+        assert run_main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_process_64_first(data, tmp_path_factory):
     """The reference of the one-process tests above: one process, batch 64, 6
     updates, a checkpoint after each (one run instead of one per test)."""
     out = tmp_path_factory.mktemp("one64_first")
-    run([PY, "run_hetseq.py", *mnist_args(data, out, "--max-sentences", "64", "--max-update", "6",
-                                          "--save-interval-updates", "1")])
+    in_process(mnist_args(data, out, "--max-sentences", "64", "--max-update", "6", "--save-interval-updates", "1"))
     return out
 
 
@@ -699,8 +709,7 @@ def one_process_64_first(data, tmp_path_factory):
 def one_process_64(data, tmp_path_factory):
     """The reference: one process, batch 64, 40 updates, a checkpoint every 10."""
     out = tmp_path_factory.mktemp("one64")
-    run([PY, "run_hetseq.py", *mnist_args(data, out, "--max-sentences", "64", "--max-update", "40",
-                                          "--save-interval-updates", "10")])
+    in_process(mnist_args(data, out, "--max-sentences", "64", "--max-update", "40", "--save-interval-updates", "10"))
     return out
 
 
@@ -849,14 +858,24 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, searched_20, world):
+def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, searched_20, world,
+                                                             capfd):
     out = copy_of(searched_20, tmp_path)
     saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
     assert saved["split"][0] > saved["split"][1]
-    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32",
-                                                 "--balance", "--balance-interval", "5",
-                                                 "--distributed-world-size", str(world), "--max-update", "30",
-                                                 "--save-interval-updates", "10", "--resume")])
+    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--balance",
+                      "--balance-interval", "5", "--distributed-world-size", str(world), "--max-update", "30",
+                      "--save-interval-updates", "10", "--resume")
+    if world == 1:   # one process: in this one, its output captured
+        from conftest import refusal_in_process
+        threads = torch.get_num_threads()
+        try:
+            proc = refusal_in_process(argv, capfd)
+        finally:
+            torch.set_num_threads(threads)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    else:
+        proc = run([PY, "run_hetseq.py", *argv])
     assert f"batch sizes per rank {even_split(64, world)}" in proc.stderr
     assert_params_close(at_update(out, 30), at_update(one_process_64, 30))
     split = load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"]
@@ -870,10 +889,9 @@ def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one
     (["--global-batch-size", "0"], "--global-batch-size"),
     (["--max-sentences", "8", "--ddp-comm-hook", "int8"], "--ddp-comm-hook"),
 ])
-@pytest.mark.slow
-def test_bad_combinations_are_one_line_and_exit_2(argv, message, tmp_path):
-    from conftest import run_cli
-    proc = run_cli(["--task", "mnist", "--save-dir", str(tmp_path), "--max-update", "1", *argv], timeout=60)
+def test_bad_combinations_are_one_line_and_exit_2(argv, message, tmp_path, capfd):
+    from conftest import refusal_in_process   # the refusal comes before any process is started: in this one
+    proc = refusal_in_process(["--task", "mnist", "--save-dir", str(tmp_path), "--max-update", "1", *argv], capfd)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
@@ -1011,8 +1029,7 @@ def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(ber
     rank 1 slowed and re-split by --balance every 2 updates, reach the
     parameters of one process training each 256-token update in one pass."""
     from test_bert_train import assert_close, model_state
-    run([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
-                                         "--max-tokens", 256)])
+    in_process(bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256, "--max-tokens", 256))
     out = tmp_path / "two"
     proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
                                                 "--distributed-world-size", 2, "--balance",
@@ -1030,9 +1047,14 @@ def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(ber
 
 
 @pytest.mark.slow
-def test_a_sample_above_a_ranks_token_cap_is_one_line(bert_data, tmp_path):
-    from conftest import run_cli
-    proc = run_cli(bert_args(bert_data, tmp_path / "out", "--global-batch-size", 256, "--max-tokens", 8), timeout=100)
+def test_a_sample_above_a_ranks_token_cap_is_one_line(bert_data, tmp_path, capfd):
+    from conftest import refusal_in_process   # one process's refusal: in this one
+    threads = torch.get_num_threads()
+    try:
+        proc = refusal_in_process(bert_args(bert_data, tmp_path / "out", "--global-batch-size", 256,
+                                            "--max-tokens", 8), capfd)
+    finally:
+        torch.set_num_threads(threads)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: a sample has ")
     assert "more than --max-tokens 8 of rank 0" in proc.stderr and "Traceback" not in proc.stderr
