@@ -82,44 +82,81 @@ def test_launch_multi_gpu_two_processes_bf16_on_cpu(data, tmp_path):
     assert results["world_size"] == 2 and results["num_updates"] == 3
 
 
+# The runs of one accelerate config file: one ``accelerate launch --config_file`` of a script that runs
+# the trainer's main() for each test's arguments in turn (the variables the launcher set, read by each),
+# instead of one launch (the launcher and a run, two processes) per test. Each run's stderr is its own.
+LAUNCHED_RUNS = '''
+import json, sys
+sys.path.insert(0, {tests!r})
+from conftest import run_main   # main() with Accelerate's state reset before and after
+for i, args in enumerate(json.loads(sys.argv[1])):
+    print(f"--- run {{i}}", file=sys.stderr, flush=True)
+    code = run_main(args)
+    print(f"--- exit {{i}} {{0 if code is None else code}}", file=sys.stderr, flush=True)
+'''
+
+CONFIG_RUNS = {  # the accelerate config's mixed_precision: {test: its own arguments}
+    "bf16": {"config sets precision": (), "default train_dtype": ("--train_dtype", "float32")},
+    "no": {"--bf16": ("--bf16",), "--fp16": ("--fp16",), "no launcher settings": ()},
+}
+
+
+@pytest.fixture(scope="module")
+def config_runs(data, tmp_path_factory):
+    """{test: (exit code, stderr)} of each test's run under its accelerate config."""
+    root = tmp_path_factory.mktemp("config_runs")
+    script = root / "runs.py"
+    script.write_text(LAUNCHED_RUNS.format(tests=str(Path(__file__).resolve().parent)))
+    results = {}
+    for precision, runs in CONFIG_RUNS.items():
+        config = write_accelerate_config(root / f"accelerate_{precision}.yaml", precision)
+        argvs = [ours(data, root / precision / str(i), *extra) for i, extra in enumerate(runs.values())]
+        env = clean_env()
+        env["HF_HOME"] = str(Path(env.get("TEXTBOX_LIKE_CACHE", "/tmp")) / "hf_home")  # no user accelerate config
+        env = {k: v for k, v in env.items() if not k.startswith("ACCELERATE_")}
+        proc = subprocess.run([ACCELERATE, "launch", "--config_file", str(config), str(script), json.dumps(argvs)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        for i, name in enumerate(runs):
+            part = proc.stderr.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)
+            results[name] = (int(part[1].split("\n", 1)[0]), part[0])
+    return results
+
+
 @pytest.mark.slow
-def test_accelerate_config_file_sets_precision(data, tmp_path):
-    config = write_accelerate_config(tmp_path / "accelerate.yaml", "bf16")
-    proc = launch(["--config_file", config], ours(data, tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = start_lines(proc.stderr)
-    assert len(lines) == 1 and "world size 1" in lines[0], proc.stderr[-3000:]
+def test_accelerate_config_file_sets_precision(config_runs):
+    code, stderr = config_runs["config sets precision"]
+    assert code == 0, stderr[-4000:]
+    lines = start_lines(stderr)
+    assert len(lines) == 1 and "world size 1" in lines[0], stderr[-3000:]
     assert re.search(r"precision bf16 \(precision from accelerate launch / accelerate config", lines[0]), lines[0]
 
 
 @pytest.mark.slow
-def test_our_default_train_dtype_does_not_override_config(data, tmp_path):
+def test_our_default_train_dtype_does_not_override_config(config_runs):
     """--train_dtype float32 is the default: the config's bf16 stays."""
-    config = write_accelerate_config(tmp_path / "accelerate.yaml", "bf16")
-    proc = launch(["--config_file", config], ours(data, tmp_path / "out", "--train_dtype", "float32"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = start_lines(proc.stderr)
+    code, stderr = config_runs["default train_dtype"]
+    assert code == 0, stderr[-4000:]
+    lines = start_lines(stderr)
     assert len(lines) == 1 and "precision bf16 (precision from accelerate launch" in lines[0], lines
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--bf16", "--fp16"])
-def test_our_precision_flag_wins_over_config(data, tmp_path, flag):
-    config = write_accelerate_config(tmp_path / "accelerate.yaml", "no")
-    proc = launch(["--config_file", config], ours(data, tmp_path / "out", flag))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = start_lines(proc.stderr)
-    assert len(lines) == 1, proc.stderr[-3000:]
+def test_our_precision_flag_wins_over_config(config_runs, flag):
+    code, stderr = config_runs[flag]
+    assert code == 0, stderr[-4000:]
+    lines = start_lines(stderr)
+    assert len(lines) == 1, stderr[-3000:]
     # on CPU float16 runs as bfloat16 (with a warning); the source is our flag either way
     assert f"precision bf16 (precision from {flag}" in lines[0], lines[0]
 
 
 @pytest.mark.slow
-def test_no_launcher_settings_means_float32_default(data, tmp_path):
-    config = write_accelerate_config(tmp_path / "accelerate.yaml", "no")
-    proc = launch(["--config_file", config], ours(data, tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = start_lines(proc.stderr)
+def test_no_launcher_settings_means_float32_default(config_runs):
+    code, stderr = config_runs["no launcher settings"]
+    assert code == 0, stderr[-4000:]
+    lines = start_lines(stderr)
     assert len(lines) == 1 and "precision float32 |" in lines[0], lines
 
 
