@@ -318,7 +318,7 @@ class CheckpointManager:
             if not path.is_absolute() and not path.exists() and (self.dir / path).exists():
                 path = self.dir / path
             if not self.is_checkpoint(path):
-                raise UserError(f"--restore-file {cfg.restore_file}: no such checkpoint")
+                raise UserError(f"--restore-file {cfg.restore_file}: {self.why_not_a_checkpoint(path)}")
             return path
         if cfg.resume:
             found = self.candidates()  # newest first, checkpoint_last first among equals
@@ -333,6 +333,12 @@ class CheckpointManager:
     def is_checkpoint(self, path) -> bool:
         """Whether ``path`` is a checkpoint this manager reads (a file; the sharded manager's directories too)."""
         return Path(path).is_file()
+
+    def why_not_a_checkpoint(self, path) -> str:
+        """What ``path``, which :meth:`is_checkpoint` refused, is instead."""
+        if Path(path).is_dir():
+            return "is a directory, not a checkpoint (a checkpoint_*.pt file, or a --fsdp run's checkpoint_*.dcp)"
+        return "no such checkpoint"
 
     def read(self, path) -> dict:
         """A checkpoint's state, verified (sharded_checkpoint.py's manager reads its directories too)."""

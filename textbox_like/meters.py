@@ -112,18 +112,21 @@ class Logger:
             fmt = "tqdm" if sys.stderr.isatty() else "simple"
         self.format = fmt
         self.bar = None
-        self.jsonl = None
+        self.jsonl = None          # metrics.jsonl, opened at the first record: a run refused before leaves none
+        self.jsonl_path = None
         if is_main and not cfg.checkpoint.no_save and cfg.checkpoint.save_dir:
             Path(cfg.checkpoint.save_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(cfg.checkpoint.save_dir) / "metrics.jsonl", "a", buffering=1)
+            self.jsonl_path = Path(cfg.checkpoint.save_dir) / "metrics.jsonl"
 
     def forget_after(self, update):
         """On resume: drop the records of updates after the checkpoint, which
         the resumed run is about to log again."""
-        if self.jsonl is None:
+        path = self.jsonl_path
+        if path is None or not path.exists():
             return
-        path = Path(self.jsonl.name)
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
         kept = [line for line in path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("update", 0) <= update]
         try:
@@ -131,7 +134,6 @@ class Logger:
         except OSError as exc:
             self.jsonl = open(path, "a", buffering=1)
             self.jsonl_failed(exc)
-        self.jsonl = open(path, "a", buffering=1)
 
     def jsonl_failed(self, exc):
         """metrics.jsonl could not be written: one line (SaveFailed, exit 74);
@@ -195,9 +197,11 @@ class Logger:
 
     def record(self, kind, record: dict):
         """One record to metrics.jsonl and the trackers."""
-        if self.jsonl is not None:
-            check_owner(self.jsonl.name)  # a process woken after its run was taken over appends nothing
+        if self.jsonl_path is not None:
+            check_owner(self.jsonl_path)  # a process woken after its run was taken over appends nothing
             try:
+                if self.jsonl is None:
+                    self.jsonl = open(self.jsonl_path, "a", buffering=1)
                 self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
             except OSError as exc:  # a full disk, a file size limit: a fault like a checkpoint's
                 self.jsonl_failed(exc)

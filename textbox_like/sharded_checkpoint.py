@@ -731,6 +731,14 @@ class ShardedCheckpointManager(CheckpointManager):
     def is_checkpoint(self, path) -> bool:
         return Path(path).is_file() or is_sharded_checkpoint(path)
 
+    def why_not_a_checkpoint(self, path) -> str:
+        if claims_to_be_sharded(path):
+            try:
+                read_manifest(path)   # what is wrong with its manifest
+            except UserError as exc:
+                return str(exc)
+        return super().why_not_a_checkpoint(path)
+
     def resume_path(self):
         """Under --resume, the checkpoint rank 0 finds newest, on every rank:
         each rank listing the save directory itself could choose another (a

@@ -28,6 +28,7 @@ class Lifecycle:
     def __init__(self, trainer):
         self.trainer = trainer
         self.save_lock = None           # savelock.SaveDirLock, on the main process while it holds it
+        self.made_save_dir = None       # the save directory, where this run made it (removed again while empty)
         self.updates_at_start = None    # num_updates when this start's first update began (out_of_memory)
         # from finish()'s start, why the run ends: its last update is done (and
         # saved), and a peer lost from here loses nothing (lost_peer_at_end)
@@ -108,6 +109,14 @@ class Lifecycle:
         lock, self.save_lock = self.save_lock, None
         if lock is not None:
             lock.release()
+        if self.made_save_dir is not None:
+            # a run that made its save directory and ended before writing into it
+            # (refused: a bad --restore-file, a setting): the empty directory goes
+            # again; rmdir removes nothing that is in it
+            try:
+                self.made_save_dir.rmdir()
+            except OSError:
+                pass
 
     def restore(self):
         """Continue from --restore-file, or checkpoint_last.pt under --resume."""

@@ -23,6 +23,7 @@ each owning its state and its own "is it due" check:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .. import distributed, sharding
 from ..errors import UserError
@@ -49,6 +50,7 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg  # a settings.RunConfig
         placement = distributed.placement_from_env(cfg)
+        made = None if cfg.checkpoint.no_save or Path(cfg.checkpoint.save_dir).exists() else cfg.checkpoint.save_dir
         if not cfg.checkpoint.no_save:
             # before minutes of data loading, not at the first save; only the writer
             # creates the directory (on another node it would stay empty)
@@ -57,6 +59,8 @@ class Trainer:
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
         self.lifecycle = Lifecycle(self)
+        if made is not None and (placement is None or placement.rank == 0):
+            self.lifecycle.made_save_dir = Path(made)
         try:
             self.lifecycle.claim_save_dir()  # inside: a signal during it ends here, where the lock is released
             self.hooks = TestHooks(self.rank)
