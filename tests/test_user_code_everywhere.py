@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, clean_env, free_port, run_main
+from conftest import REPO, clean_env, free_port, refusal_in_process, run_main
 from test_user_dir import USER_TASK, refusal
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -129,7 +129,11 @@ def test_every_launchers_processes_import_the_user_dir(project, tmp_path, launch
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_multi_seed_runs_each_seed_with_the_user_dir(project, tmp_path):
+def test_multi_seed_runs_each_seed_with_the_user_dir_and_eval_and_export_read_a_seeds_checkpoint(project, tmp_path):
+    """run_multi_seed.py: each seed's trainer imports the user dir; then
+    ``textbox-like eval`` and ``export``, each a fresh interpreter, read a
+    seed's checkpoint of the user's task (one run of the toy task, as a
+    training of its own would be: the seeds' runs are TOY with --seed)."""
     imports = tmp_path / "imports"
     imports.mkdir()
     out = tmp_path / "seeds"
@@ -145,6 +149,31 @@ def test_multi_seed_runs_each_seed_with_the_user_dir(project, tmp_path):
         assert (saved["seed"], saved["task"]) == (seed, "toy")
         assert json.loads((run / "results.json").read_text())["num_updates"] == 2
     assert len(importers(imports)) >= 2        # the command, and each seed's trainer
+
+    # textbox-like eval and export on a seed's checkpoint (was test_textbox_like_eval_and_export_read_a_user_task_
+    # checkpoint, which trained the same 2-update toy run for it)
+    save = out / f"seed_{summary['ok_seeds'][0]}"
+    checkpoint = save / "checkpoint_last.pt"
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    env = environment(where)
+    evaluated = subprocess.run([sys.executable, "-m", "textbox_like", "eval", "--model_ckpt", str(checkpoint),
+                                "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    record = json.loads(evaluated.stdout)
+    assert (record["num_updates"], record["samples"]) == (2, 64)
+    valid = [r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "valid"]
+    assert record["loss"] == pytest.approx(valid[-1]["loss"], rel=1e-6)
+    exported = subprocess.run([sys.executable, "-m", "textbox_like", "export", str(checkpoint), "--to",
+                               str(tmp_path / "hf")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "task toy, Sequential" in exported.stdout and "safetensors.torch.load_model" in exported.stdout
+    import torch
+    from safetensors.torch import load_file
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]
+    assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
 
 
 @pytest.mark.slow
@@ -186,34 +215,6 @@ def test_a_ray_search_over_the_user_tasks_own_options_trains_each_trial_with_its
     assert len(importers(imports)) >= 3        # the command and each trial's trainer
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_textbox_like_eval_and_export_read_a_user_task_checkpoint(project, tmp_path):
-    save = tmp_path / "one"
-    env = environment(tmp_path)
-    trained = subprocess.run([sys.executable, str(REPO / "run_hetseq.py"), *TOY, "--save-dir", str(save)],
-                             cwd=project / "work", env=env, capture_output=True, text=True, timeout=300)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    checkpoint = save / "checkpoint_last.pt"
-    evaluated = subprocess.run([sys.executable, "-m", "textbox_like", "eval", "--model_ckpt", str(checkpoint),
-                                "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    record = json.loads(evaluated.stdout)
-    assert (record["num_updates"], record["samples"]) == (2, 64)
-    valid = [r for r in map(json.loads, (save / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "valid"]
-    assert record["loss"] == pytest.approx(valid[-1]["loss"], rel=1e-6)
-    exported = subprocess.run([sys.executable, "-m", "textbox_like", "export", str(checkpoint), "--to",
-                               str(tmp_path / "hf")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
-    assert exported.returncode == 0, exported.stderr[-3000:]
-    assert "task toy, Sequential" in exported.stdout and "safetensors.torch.load_model" in exported.stdout
-    import torch
-    from safetensors.torch import load_file
-    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]
-    assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
-
-
 # -- textbox_like.train(config, task=MyTask) --------------------------------
 
 API_MODULE = '''
@@ -233,7 +234,8 @@ print(json.dumps({"results": results,
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_task_class_from_a_module_trains_in_two_ranks_from_python_and_its_config_yaml_finds_it(project,
-                                                                                                  tmp_path):
+                                                                                                  tmp_path, capfd,
+                                                                                                  monkeypatch):
     save = tmp_path / "api"
     script = tmp_path / "train_it.py"
     script.write_text(API_MODULE)
@@ -254,10 +256,10 @@ def test_a_task_class_from_a_module_trains_in_two_ranks_from_python_and_its_conf
     assert printed.returncode == 0, printed.stderr[-3000:]
     again = yaml.safe_load(printed.stdout)
     assert {k: v for k, v in again.items() if k != "config"} == {k: v for k, v in saved.items() if k != "config"}
-    # ... and says in one line where it is not
-    lost = subprocess.run([sys.executable, str(REPO / "run_hetseq.py"), "--config", str(save / "config.yaml"),
-                           "--save-dir", str(tmp_path / "lost")], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    # ... and says in one line where it is not (in-process: a refusal, and my_toy is on no path of this one)
+    monkeypatch.chdir(tmp_path)
+    assert "my_toy" not in sys.modules
+    lost = refusal_in_process(["--config", save / "config.yaml", "--save-dir", tmp_path / "lost"], capfd)
     assert lost.returncode == 2 and lost.stderr.strip().splitlines() == [
         "error: task_class my_toy:ToyTask: no module named 'my_toy' here; put the folder holding it on PYTHONPATH, "
         "or the module in a --user-dir package"]
