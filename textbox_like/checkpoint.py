@@ -12,6 +12,7 @@ damage at rest to one file leaves the others readable. On restore it applies the
 """
 from __future__ import annotations
 
+import os
 import random
 import re
 from pathlib import Path
@@ -321,14 +322,42 @@ class CheckpointManager:
                 raise UserError(f"--restore-file {cfg.restore_file}: {self.why_not_a_checkpoint(path)}")
             return path
         if cfg.resume:
-            found = self.candidates()  # newest first, checkpoint_last first among equals
-            last = next((p for p in found if p.stem == "checkpoint_last"), None)
-            # checkpoint_last is copied from the save's first name: a run
-            # killed in between leaves that one newer (or last missing)
-            if found and not cfg.no_last_checkpoints and found[0] != last:
-                return found[0]
-            return last
+            return self.newest_to_resume(self.candidates())
         return None
+
+    def newest_to_resume(self, found):
+        """Of a save directory's checkpoints (``found``: newest first), the
+        one --resume continues: checkpoint_last (of the highest update
+        recorded inside, where both formats hold one), unless a checkpoint
+        written after it records a later update (checkpoint_last is copied
+        from a save's first name: a run killed in between leaves that one
+        newer). By update, not by time alone: a stale checkpoint touched
+        later (copied back, restored from a backup) does not win; by time
+        too: after --restore-file of an earlier checkpoint, the later
+        updates of the abandoned branch do not win either."""
+        if not found:
+            return None
+        updates = {p: self.recorded_update(p) for p in found}
+
+        def newest(p):
+            return updates[p], os.lstat(p).st_mtime_ns, p.stem == "checkpoint_last"
+        lasts = [p for p in found if p.stem == "checkpoint_last"]
+        last = max(lasts, key=newest) if lasts else None
+        if self.cfg.no_last_checkpoints:
+            return last
+        written_after = [p for p in found if last is None or os.lstat(p).st_mtime_ns >= os.lstat(last).st_mtime_ns]
+        return max(written_after, key=newest)
+
+    def recorded_update(self, path) -> int:
+        """The update a checkpoint file records (its small train state read
+        through a memory map, not the weights); -1 where it cannot be read
+        (the load that follows says why)."""
+        import torch
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return int(state["train"]["num_updates"])
+        except Exception:
+            return -1
 
     def is_checkpoint(self, path) -> bool:
         """Whether ``path`` is a checkpoint this manager reads (a file; the sharded manager's directories too)."""

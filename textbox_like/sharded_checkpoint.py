@@ -731,6 +731,14 @@ class ShardedCheckpointManager(CheckpointManager):
     def is_checkpoint(self, path) -> bool:
         return Path(path).is_file() or is_sharded_checkpoint(path)
 
+    def recorded_update(self, path) -> int:
+        if not Path(path).is_dir():
+            return super().recorded_update(path)
+        try:
+            return int(read_extra_state(path, verify=False)["train"]["num_updates"])
+        except (UserError, KeyError, TypeError, ValueError):
+            return -1
+
     def why_not_a_checkpoint(self, path) -> str:
         if claims_to_be_sharded(path):
             try:
