@@ -184,11 +184,20 @@ def test_bert_loader_on_shards_loader_only(bert_data):  # noqa: F811
     (["mnist", "--updates", "0"], "--updates"),
     (["mnist", "--peak-tflops", "0"], "--peak-tflops"),
 ])
-@pytest.mark.slow
-def test_bad_command_lines_are_one_line_errors(args, words):
-    out = subprocess.run([PY, "-m", "textbox_like.bench", *args], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
-    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+def test_bad_command_lines_are_one_line_errors(args, words, capfd, monkeypatch):
+    """In-process (each is refused before anything runs): bench.main's exit
+    code (argparse's SystemExit for a bad mode or option) and its stderr."""
+    monkeypatch.chdir(REPO)
+    threads = torch.get_num_threads()
+    capfd.readouterr()
+    try:
+        code = bench.main(args)
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        torch.set_num_threads(threads)
+    err = capfd.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------- GPU figures (pure arithmetic)
