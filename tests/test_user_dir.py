@@ -100,14 +100,34 @@ def train_records(save_dir):
     return [r for r in read_jsonl(save_dir / "metrics.jsonl") if r.get("kind") == "train"]
 
 
+#: the public names are the registries' and neither they nor a user dir's --help import torch (its task
+#: imports it in its methods, as ours do); the --help it prints is the trainer's (cli.main, run_hetseq.py's)
+NO_TORCH_PROBE = ("import sys, textbox_like\n"
+                  "from textbox_like.lr_scheduler import SCHEDULERS\n"
+                  "from textbox_like.optim import OPTIMIZERS\n"
+                  "from textbox_like.tasks import TASKS, base\n"
+                  "assert textbox_like.Task is base.Task and textbox_like.register_task == TASKS.register\n"
+                  "assert textbox_like.register_optimizer == OPTIMIZERS.register\n"
+                  "assert textbox_like.register_scheduler == SCHEDULERS.register\n"
+                  "from textbox_like.cli import main\n"
+                  "try:\n    main(['--user-dir', '../proj/toytask', '--help'])\nexcept SystemExit:\n    pass\n"
+                  "print('torch' in sys.modules, file=sys.stderr)\n")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_help_and_print_config_show_the_user_dirs_typed_options(project):
+    """The --help of a user dir (printed by the process of
+    test_the_public_names_are_the_registries_and_import_no_torch, now here:
+    the same cli.main as run_hetseq.py's) and --print_config."""
     package, work = project
-    shown = trainer("--user-dir", "../proj/toytask", "--help", cwd=work)
+    shown = subprocess.run([sys.executable, "-c", NO_TORCH_PROBE], cwd=work, env=clean_env(), capture_output=True,
+                           text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert "task toy:" in shown.stdout and "--toy-width TOY_WIDTH, --toy_width TOY_WIDTH" in shown.stdout
     assert "hidden width of the toy model (default: 8)" in shown.stdout
+    # textbox_like.Task and the decorators come on first use; neither they nor the --help imported torch
+    assert shown.stderr.split() == ["False"]
 
     printed = trainer("--user-dir", "../proj/toytask", "--task", "toy", "--toy_width", "16", "--print_config",
                       cwd=work)
@@ -260,29 +280,6 @@ def test_an_installed_package_registers_through_the_entry_point_group(tmp_path):
     printed = trainer("--task", "mnist", "--lr_scheduler", "my_flat", "--print_config", cwd=tmp_path, env=env)
     assert printed.returncode == 0, printed.stderr
     assert yaml.safe_load(printed.stdout)["lr_scheduler"] == "my_flat"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_public_names_are_the_registries_and_import_no_torch(project):
-    """``textbox_like.Task`` and the decorators come on first use; neither
-    they nor a user dir's --help import torch (its task imports it in its
-    methods, as ours do)."""
-    _, work = project
-    probe = ("import sys, textbox_like\n"
-             "from textbox_like.lr_scheduler import SCHEDULERS\n"
-             "from textbox_like.optim import OPTIMIZERS\n"
-             "from textbox_like.tasks import TASKS, base\n"
-             "assert textbox_like.Task is base.Task and textbox_like.register_task == TASKS.register\n"
-             "assert textbox_like.register_optimizer == OPTIMIZERS.register\n"
-             "assert textbox_like.register_scheduler == SCHEDULERS.register\n"
-             "from textbox_like.cli import main\n"
-             "try:\n    main(['--user-dir', '../proj/toytask', '--help'])\nexcept SystemExit:\n    pass\n"
-             "print('torch' in sys.modules, file=sys.stderr)\n")
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=work, env=clean_env(), capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "task toy:" in proc.stdout and proc.stderr.split() == ["False"]
 
 
 @pytest.mark.slow
