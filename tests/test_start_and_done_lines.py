@@ -49,3 +49,29 @@ def test_no_save_says_so_on_both_lines(small_mnist_dir, tmp_path, capfd):
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stderr.splitlines() if line.startswith(("task mnist |", "done |"))]
     assert len(said) == 2 and all("| not saved (--no-save)" in line for line in said), said
+
+
+def test_the_start_line_says_how_the_lr_moves(small_mnist_dir, tmp_path, capfd):
+    """mnist's properties decay the LR linearly to 0 by default: the start line says so (issue 51, item 11)."""
+    def start_line(*extra):
+        out = refusal_in_process(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", "16",
+                                  "--max-update", "3", "--no-save", "--log-format", "simple", *extra], capfd)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return next(line for line in out.stderr.splitlines() if line.startswith("task mnist |"))
+
+    assert ("| adam lr 0.003 (properties/task/mnist.yaml) | lr schedule: warm-up 100 updates, then linear decay to 0 "
+            "at update 3 (--end-learning-rate) |") in start_line()
+    assert "| lr schedule: constant |" in start_line("--lr-scheduler", "constant", "--warmup-updates", "0")
+    assert "| lr schedule: warm-up 2 updates, then cosine decay to 0.001 at update 3 (--min-lr) |" in start_line(
+        "--lr-scheduler", "cosine", "--warmup-updates", "2", "--min-lr", "0.001")
+
+
+def test_a_setting_from_config_is_named_beside_its_own_name_not_the_precisions(small_mnist_dir, tmp_path, capfd):
+    config = tmp_path / "run.yaml"
+    config.write_text("update_freq: 2\n")
+    out = refusal_in_process(["--config", config, "--task", "mnist", "--data", small_mnist_dir, "--max-sentences",
+                              "16", "--max-update", "1", "--no-save", "--log-format", "simple"], capfd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    start = next(line for line in out.stderr.splitlines() if line.startswith("task mnist |"))
+    assert "| precision float32 | update-freq from " in start and str(config) in start, start
+    assert "precision float32 (" not in start, start

@@ -92,6 +92,17 @@ class Scheduler:
     def get_lr(self):
         return self.optimizer.param_groups[0]["lr"]
 
+    def describe(self) -> str:
+        """The schedule in a few words, for the start line: the warm-up, then
+        :meth:`curve` (a user reading only --lr would not expect a decay)."""
+        warmup = self.cfg.schedule.warmup_updates
+        curve = self.curve()
+        return (f"warm-up {warmup} updates, then {curve}" if warmup > 0 else curve)
+
+    def curve(self) -> str:
+        """What the LR does after the warm-up."""
+        return f"the {self.cfg.schedule.lr_scheduler} schedule"
+
     def state_dict(self):
         return {"num_updates": self.num_updates, "epoch": self.epoch}
 
@@ -134,6 +145,13 @@ class PolynomialDecay(Scheduler):
         remaining = 1.0 - (n - warmup) / max(total - warmup, 1)
         return (lr - end) * remaining ** self.cfg.scheduler_options.power + end
 
+    def curve(self):
+        total = _total_updates(self.cfg, self.planned_updates)
+        options = self.cfg.scheduler_options
+        shape = "linear" if options.power == 1 else f"power {options.power:g}"
+        return (f"{shape} decay to {options.end_learning_rate:g} at update {total:,} (--end-learning-rate)"
+                if total > 0 else "constant (no --max-update or --total-num-update to decay over)")
+
 
 @register_scheduler("constant", "fixed")
 class Constant(Scheduler):
@@ -141,6 +159,9 @@ class Constant(Scheduler):
 
     def after_warmup(self, n):
         return self.base_lr()
+
+    def curve(self):
+        return "constant"
 
 
 @dataclass(frozen=True)
@@ -157,6 +178,9 @@ class InverseSqrt(Scheduler):
 
     def after_warmup(self, n):
         return self.base_lr() * math.sqrt(max(self.cfg.schedule.warmup_updates, 1) / max(n, 1))
+
+    def curve(self):
+        return "1/sqrt(update) decay"
 
 
 @dataclass(frozen=True)
@@ -175,6 +199,11 @@ class Cosine(Scheduler):
             return lr
         progress = min(1.0, (n - warmup) / (total - warmup))
         return low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress))
+
+    def curve(self):
+        total = _total_updates(self.cfg, self.planned_updates)
+        return (f"cosine decay to {self.cfg.scheduler_options.min_lr:g} at update {total:,} (--min-lr)" if total > 0
+                else "constant (no --max-update or --total-num-update to decay over)")
 
 
 # ------------------------------------------------------------ torch.optim.lr_scheduler

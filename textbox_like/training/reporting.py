@@ -166,12 +166,16 @@ class Reporting:
         from ..optim import lr_explained
         t = self.trainer
         cfg, acc = t.cfg, t.accelerator
-        sources = ", ".join(f"{k} from {v}" for k, v in t.sources.items() if v != "default")
+        precision_source = t.sources.get("precision", "default")
+        # each setting Accelerate honours where it did not come from our default: its own field, so that
+        # the precision's parenthesis names the precision's source only
+        others = "".join(f" | {k} from {v}" for k, v in t.sources.items() if k != "precision" and v != "default")
         return (f"task {cfg.data.task} | {t.n_params:,} parameters | world size {t.world} | "
                 f"device {acc.device}" + (f" ({t.threads} thread{'s' if t.threads > 1 else ''})"
                                           if acc.device.type == "cpu" else "")
-                + f" | precision {self.precision_name()}" + (f" ({sources})" if sources else "")
-                + f" | {cfg.optim.optimizer} {lr_explained(cfg)}"
+                + f" | precision {self.precision_name()}"
+                + (f" (precision from {precision_source})" if precision_source != "default" else "") + others
+                + f" | {cfg.optim.optimizer} {lr_explained(cfg)} | lr schedule: {t.scheduler.describe()}"
                 + (f" | {t.sharding_line}" if t.sharding_line else "")
                 + f" | {t.global_batch.describe()} | train {len(t.train_data):,} samples"
                 + ("" if cfg.validation.disable_validation else
