@@ -56,3 +56,17 @@ def test_a_loss_per_sample_is_one_line_naming_the_tasks_loss_and_its_shape(tmp_p
             f"covers in its stats, which the trainer divides by"), out.stderr[-3000:]
         assert [line for line in lines if line.startswith("error:")] == [lines[-1]]
         assert "Traceback" not in out.stderr
+
+
+def test_an_empty_dataset_of_a_task_without_data_names_the_task_not_data_none(tmp_path, capfd):
+    package = tmp_path / "empty_task"
+    package.mkdir()
+    (package / "__init__.py").write_text(TASK.replace("REDUCTION", "'sum'")
+                                         .replace('"per_sample_loss"', '"empty_data"')
+                                         .replace("torch.randn(24, 3,", "torch.randn(0, 3,"))
+    out = refusal_in_process(["--user-dir", package, "--task", "empty_data", "--max-sentences", 8, "--max-update", 2,
+                              "--save-dir", tmp_path / "run", "--log-format", "none", "--cpu"], capfd)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: the 'train' split of task empty_data (PerSampleLoss.build_dataset('train') returned an empty "
+        "dataset) holds no samples"), out.stderr[-3000:]

@@ -113,7 +113,10 @@ class Trainer:
             task.prepare_data()
         self.train_data = task.batch_dataset(cfg.data.train_subset)
         if len(self.train_data) == 0:
-            raise UserError(f"the {cfg.data.train_subset!r} split of --data {cfg.data.data} holds no samples")
+            where = (f"--data {cfg.data.data}" if cfg.data.data else
+                     f"task {cfg.data.task} ({type(task).__qualname__}.build_dataset({cfg.data.train_subset!r}) returned "
+                     f"an empty dataset)")
+            raise UserError(f"the {cfg.data.train_subset!r} split of {where} holds no samples")
         self.valid_data = {} if cfg.validation.disable_validation else {s: task.batch_dataset(s) for s in cfg.data.valid_subset}
 
     def build_model(self):
