@@ -22,19 +22,55 @@ def python(code, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
-def test_train_and_evaluate_from_python(small_mnist_dir, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def three_api_runs(small_mnist_dir, tmp_path_factory):
+    """One fresh Python process for the three tests below (their own
+    processes before): train + evaluate; train, train again into the same
+    save_dir (refused), resume=True; train, then two processes into that
+    save_dir (refused by the children). Each part's stderr follows a marker
+    line, so each test reads its own."""
+    tmp = tmp_path_factory.mktemp("api_runs")
+    out1, out2, out3 = tmp / "one" / "run", tmp / "two" / "run", tmp / "three" / "run"
     proc = python(f"""
-        import json, textbox_like
+        import json, sys, textbox_like
+        from textbox_like.errors import UserError
+        print("=== part 1", file=sys.stderr, flush=True)
         results = textbox_like.train({{"task": "mnist", "data": {str(small_mnist_dir)!r}, "max_update": 6,
-                                       "batch_size": 16, "valid_subset": "test", "save_dir": {str(out)!r},
+                                       "batch_size": 16, "valid_subset": "test", "save_dir": {str(out1)!r},
                                        "threads": 1, "report_to": "none", "log_format": "none"}})
-        metrics = textbox_like.evaluate({str(out / "checkpoint_last.pt")!r}, subset="test")
-        print(json.dumps({{"results": results, "metrics": metrics}}))
+        metrics = textbox_like.evaluate({str(out1 / "checkpoint_last.pt")!r}, subset="test")
+        print(json.dumps({{"results": results, "metrics": metrics}}), flush=True)
+
+        print("=== part 2", file=sys.stderr, flush=True)
+        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "save_dir": {str(out2)!r},
+                "threads": 1, "report_to": "none", "log_format": "none", "disable_validation": True}}
+        first = textbox_like.train(base, max_update=2)
+        try:
+            textbox_like.train(base, max_update=4)
+            refused = None
+        except UserError as exc:
+            refused = str(exc)
+        resumed = textbox_like.train(base, max_update=4, resume=True)
+        print(json.dumps({{"first": first["num_updates"], "refused": refused, "resumed": resumed["num_updates"]}}),
+              flush=True)
+
+        print("=== part 3", file=sys.stderr, flush=True)
+        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "save_dir": {str(out3)!r},
+                "threads": 1, "report_to": "none", "log_format": "none", "disable_validation": True}}
+        first = textbox_like.train(base, max_update=2)
+        again = textbox_like.train(base, max_update=4, distributed_world_size=2)
+        print(json.dumps({{"first": first, "again": again}}), flush=True)
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()[-3:]
+    stderr = proc.stderr.split("=== part ")
+    return {k: (json.loads(lines[k - 1]), stderr[k]) for k in (1, 2, 3)} | {"dirs": (out1, out2, out3)}
+
+
+@pytest.mark.slow
+def test_train_and_evaluate_from_python(small_mnist_dir, three_api_runs):
+    out = three_api_runs["dirs"][0]
+    got, _ = three_api_runs[1]
     results, metrics = got["results"], got["metrics"]
     assert results["exit_code"] == 0 and results["num_updates"] == 6
     assert results == json.loads((out / "results.json").read_text()) | {"exit_code": 0}
@@ -48,47 +84,21 @@ def test_train_and_evaluate_from_python(small_mnist_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_training_twice_into_one_save_dir_raises_and_resume_true_continues(small_mnist_dir, tmp_path):
-    out = tmp_path / "run"
-    proc = python(f"""
-        import json, textbox_like
-        from textbox_like.errors import UserError
-        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "save_dir": {str(out)!r},
-                "threads": 1, "report_to": "none", "log_format": "none", "disable_validation": True}}
-        first = textbox_like.train(base, max_update=2)
-        try:
-            textbox_like.train(base, max_update=4)
-            refused = None
-        except UserError as exc:
-            refused = str(exc)
-        resumed = textbox_like.train(base, max_update=4, resume=True)
-        print(json.dumps({{"first": first["num_updates"], "refused": refused, "resumed": resumed["num_updates"]}}))
-    """)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_training_twice_into_one_save_dir_raises_and_resume_true_continues(three_api_runs):
+    got, _ = three_api_runs[2]
     assert got["first"] == 2 and got["resumed"] == 4
     assert "already holds a run (checkpoint_last.pt at update 2" in got["refused"], got
     assert "--resume" in got["refused"]
 
 
 @pytest.mark.slow
-def test_a_refused_run_of_two_processes_returns_its_exit_code_not_the_earlier_runs_results(small_mnist_dir, tmp_path):
+def test_a_refused_run_of_two_processes_returns_its_exit_code_not_the_earlier_runs_results(three_api_runs):
     """Two local processes: the refusal is the children's exit 2, and the
     results.json in the directory is the earlier run's, not this one's."""
-    out = tmp_path / "run"
-    proc = python(f"""
-        import json, textbox_like
-        base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "save_dir": {str(out)!r},
-                "threads": 1, "report_to": "none", "log_format": "none", "disable_validation": True}}
-        first = textbox_like.train(base, max_update=2)
-        again = textbox_like.train(base, max_update=4, distributed_world_size=2)
-        print(json.dumps({{"first": first, "again": again}}))
-    """)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got, stderr = three_api_runs[3]
     assert got["first"]["num_updates"] == 2
     assert got["again"] == {"exit_code": 2}, got
-    assert "already holds a run" in proc.stderr
+    assert "already holds a run" in stderr
 
 
 def test_a_bad_key_raises_the_command_lines_one_line_error():
