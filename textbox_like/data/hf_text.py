@@ -219,18 +219,31 @@ def check_columns(raw, columns: TextColumns, where: str):
             raise UserError(f"{where} has no column {name!r} ({flag}); its columns: {', '.join(raw.column_names)}")
 
 
-def label_names(raw, columns: TextColumns):
+def label_names(raw, columns: TextColumns, where="the data"):
     """The class names of a classification split: its ClassLabel names, the
-    sorted distinct strings, or None where the labels are already 0..K-1."""
+    sorted distinct strings, or None where the labels are already 0..K-1. A
+    sample without a label (an empty csv cell: a NaN) is one line naming it,
+    not a class named 'None' or 'nan'."""
     feature = raw.features[columns.label]
     if hasattr(feature, "names"):
         return list(feature.names)
     values = raw.unique(columns.label)
+    if any(v is None or isinstance(v, float) and v != v for v in values):
+        row = first_row(raw, columns.label, lambda v: v is None or isinstance(v, float) and v != v)
+        raise UserError(f"sample {row} of {where} has no label (--label_column {columns.label!r} is empty there); "
+                        f"give every sample a label, or remove that one")
+    if values and all(isinstance(v, float) and v.is_integer() for v in values):
+        values = [int(v) for v in values]   # a csv column read as floats: 0.0 and 1.0 are classes 0 and 1
     if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
         if any(v < 0 for v in values):
             raise UserError(f"--label_column {columns.label!r} holds negative class numbers; classes are 0..K-1")
         return None
     return sorted(str(v) for v in values)
+
+
+def first_row(raw, column, wrong) -> int:
+    """The index of the first sample of ``raw`` whose ``column`` value is ``wrong``."""
+    return next(i for i, value in enumerate(raw[column]) if wrong(value))
 
 
 def tokenize_rows(rows, *, tokenizer, columns, label_ids):

@@ -80,6 +80,11 @@ class Task:
         """Fill options whose values follow from others (a preset's sizes), so
         that --print_config and config.yaml show what the run will use."""
 
+    def start_notes(self) -> list:
+        """Short notes for the run's start line (e.g. a classification head
+        trained anew); none by default."""
+        return []
+
     @classmethod
     def check_config(cls, cfg) -> None:
         """Cheap checks of the task's options before any process starts

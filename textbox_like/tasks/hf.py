@@ -95,6 +95,8 @@ class HFOptions(Section):
     generation_max_length: int = setting(64, "seq2seq validation: the most new tokens generated",
                                          type=positive_int)
     num_beams: int = setting(1, "seq2seq validation: beams of generation (1: greedy)", type=positive_int)
+    new_head: bool = setting(False, "sequence_classification: train a new head of the data's classes where the "
+                                    "model was trained with one of other classes (its head is dropped)", switch=True)
 
 
 def architecture_head(architectures):
@@ -263,6 +265,7 @@ class HFTask(Task):
         self.denominators = () if self.head == "sequence_classification" else ("tokens",)
         self.generation = requested_generation(cfg.validation.metrics) if self.head == "seq2seq" else ()
         self._tokenizer = self._classes = None
+        self.head_note = None   # a classification head trained anew, for the start line
 
     # -- tokenizer and data -------------------------------------------------
     @property
@@ -305,14 +308,74 @@ class HFTask(Task):
         return raw, cache
 
     def classes(self):
-        """(class names or None, number of classes), from the training split."""
+        """(class names or None, number of classes), from the training split;
+        where the model was trained with a classification head, that head's
+        classes, which every label must be one of (else one line), unless
+        --new_head."""
         if self._classes is None:
             from ..data.hf_text import label_names
-            raw, _ = self.raw_split(self.cfg.data.train_subset)
-            names = label_names(raw, self.columns())
+            split = self.cfg.data.train_subset
+            raw, _ = self.raw_split(split)
+            names = label_names(raw, self.columns(), f"the {split!r} split")
             count = len(names) if names is not None else int(max(raw.unique(self.columns().label), default=0)) + 1
-            self._classes = (names, count)
+            self._classes = self.fit_to_the_trained_head(raw, split, names, count)
         return self._classes
+
+    def trained_head(self):
+        """(its classes, their names or None) of the classification head the
+        model was trained with, or None where its weights hold none."""
+        config = read_model_config(self.model_dir)
+        if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or ()) or \
+                not any((Path(self.model_dir) / name).is_file() for name in WEIGHT_FILES):
+            return None
+        id2label = config.get("id2label") or {}
+        count = int(config.get("num_labels") or len(id2label) or 2)
+        names = [str(id2label.get(str(i), id2label.get(i, ""))) for i in range(count)] if id2label else None
+        if names is not None and all(name == f"LABEL_{i}" for i, name in enumerate(names)):
+            names = None   # transformers' placeholders: a head of numbered classes
+        return count, names
+
+    def fit_to_the_trained_head(self, raw, split, names, count):
+        """The training split's classes on the model's trained head: its size
+        and its names' order kept (a label outside it is one line naming the
+        sample); with --new_head, or a model without such a head, the data's
+        own, and the start line says a new head is trained."""
+        from ..data.hf_text import first_row
+        head = self.trained_head()
+        label = self.columns().label
+        if head is None or self.cfg.task_options.new_head:
+            same = head is not None and head[0] == count and (head[1] or None) == (names if head[1] else None)
+            self.head_note = (f"--new_head: the model's trained head already has the data's {count} classes; kept"
+                              if same else f"new classification head: {count} classes"
+                              + (f" (the model's trained head of {head[0]} dropped: --new_head)" if head else ""))
+            return names, count
+        trained, trained_names = head
+        if names is None:   # class numbers
+            allowed = range(trained)
+            outside = count > trained
+        else:
+            allowed = trained_names or [str(i) for i in range(trained)]
+            outside = (set(names) - set(allowed)) if trained_names else len(names) > trained
+        if outside:
+            if names is None:
+                wrong = first_row(raw, label, lambda v: int(v) not in allowed)
+            elif trained_names:
+                wrong = first_row(raw, label, lambda v: str(v) not in allowed)
+            else:
+                wrong = first_row(raw, label, lambda v: sorted(names).index(str(v)) >= trained)
+            shown = ", ".join(map(str, allowed[:6])) + (", ..." if len(allowed) > 6 else "")
+            raise UserError(f"sample {wrong} of the {split!r} split has label {raw[wrong][label]!r}, not one of the "
+                            f"{trained} classes the model's trained head has ({shown}; {self.model_dir}/config.json); "
+                            f"fix the label, or pass --new_head to train a new head of the data's classes")
+        self.head_note = None
+        if trained_names:
+            return list(trained_names), trained
+        if names is not None:   # names on a head of numbered classes: its size kept
+            return names + [f"LABEL_{i}" for i in range(len(names), trained)], trained
+        return None, trained
+
+    def start_notes(self):
+        return [self.head_note] if self.head_note else []
 
     def prepare_data(self):
         """Tokenise every split the run reads into the cache, once per file
@@ -341,7 +404,7 @@ class HFTask(Task):
         label_ids = None
         if self.head == "sequence_classification":
             names, count = self.classes()
-            here = label_names(raw, self.columns())
+            here = label_names(raw, self.columns(), f"the {split!r} split")
             if names is not None and here is None:
                 raise UserError(f"the {split!r} split's labels are class numbers, the training split's are names "
                                 f"({', '.join(names[:3])}, ...); give every split the same kind of label")

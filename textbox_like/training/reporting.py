@@ -183,7 +183,7 @@ class Reporting:
                 + (" (in memory: read inline, --num-workers not needed)"
                    if cfg.data.num_workers and not t.iterator.num_workers else "")
                 + f" | {self.saved_where()}"
-                + "".join(f" | {line}" for line in default_notes(cfg)))
+                + "".join(f" | {line}" for line in [*t.task.start_notes(), *default_notes(cfg)]))
 
     def precision_name(self) -> str:
         """Accelerate's mixed precision (fp16, bf16), or where it has none
