@@ -176,19 +176,39 @@ def load_file(path):
 
 def writable_cache(directory) -> Path:
     """``directory``, created, or the user's cache where the data's own
-    directory is read-only."""
+    directory cannot be written (a line says where, once); neither writable:
+    one line naming both and the variable that chooses the cache."""
     directory = Path(directory)
+    why = cannot_write(directory)
+    if why is None:
+        return directory
+    base = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
+    fallback = base / "textbox_like" / hashlib.sha1(str(directory.resolve()).encode()).hexdigest()[:16]
+    why_not_there = cannot_write(fallback)
+    if why_not_there is not None:
+        raise UserError(f"no writable place for the tokenised data: {directory} ({why}), nor {fallback} "
+                        f"({why_not_there}); set HF_DATASETS_CACHE to a writable directory")
+    if directory not in _MOVED_CACHES:
+        _MOVED_CACHES.add(directory)
+        from ..errors import note
+        note(f"{directory} cannot be written ({why}): the tokenised data is cached in {fallback} instead "
+             f"(HF_DATASETS_CACHE chooses where)")
+    return fallback
+
+
+_MOVED_CACHES = set()
+
+
+def cannot_write(directory: Path):
+    """None where files can be made in ``directory`` (created if need be), else why not."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".probe-{os.getpid()}"
         probe.touch()
         probe.unlink()
-        return directory
-    except OSError:
-        fallback = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
-        fallback = fallback / "textbox_like" / hashlib.sha1(str(directory.resolve()).encode()).hexdigest()[:16]
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 @dataclass(frozen=True)
@@ -293,9 +313,61 @@ def tokenize(raw, tokenizer, columns: TextColumns, cache_dir, label_ids=None, nu
         num_proc = min(8, os.cpu_count() or 1) if len(raw) >= 20000 else 1
     num_proc = max(1, min(num_proc, len(raw)))
     fn = functools.partial(tokenize_rows, tokenizer=tokenizer, columns=columns, label_ids=label_ids)
-    return raw.map(fn, batched=True, num_proc=num_proc if num_proc > 1 else None,
-                   remove_columns=raw.column_names, cache_file_name=str(cache_dir / f"tokenized-{key}.arrow"),
-                   load_from_cache_file=True, new_fingerprint=key, desc="tokenizing")
+    drop_damaged_cache(cache_dir, key)
+    tokenized = raw.map(fn, batched=True, num_proc=num_proc if num_proc > 1 else None,
+                        remove_columns=raw.column_names, cache_file_name=str(cache_dir / f"tokenized-{key}.arrow"),
+                        load_from_cache_file=True, new_fingerprint=key, desc="tokenizing")
+    record_cache_digests(cache_dir, key, tokenized)
+    return tokenized
+
+
+def cache_files(cache_dir: Path, key: str) -> list:
+    """The Arrow files of a tokenised cache: one, or one per worker process."""
+    return sorted([*cache_dir.glob(f"tokenized-{key}.arrow"), *cache_dir.glob(f"tokenized-{key}_*_of_*.arrow")])
+
+
+def digests_path(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"tokenized-{key}.digests.json"
+
+
+def file_digest(path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "blake2b").hexdigest()
+
+
+def drop_damaged_cache(cache_dir: Path, key: str) -> None:
+    """A tokenised cache is read only where its files are whole: their
+    digests, written with them, match. A truncated or overwritten file (or
+    one no digest was written for: a run killed while writing it) is
+    removed, with a line, and the data tokenised again: never trained on."""
+    files = cache_files(cache_dir, key)
+    if not files:
+        return
+    record = digests_path(cache_dir, key)
+    try:
+        expected = json.loads(record.read_text())
+    except (OSError, ValueError):
+        expected = {}
+    damaged = [f.name for f in files if expected.get(f.name) != file_digest(f)]
+    if not damaged and set(expected) == {f.name for f in files}:
+        return
+    from ..errors import note
+    note(f"the tokenised cache {cache_dir / damaged[0] if damaged else record} is damaged or incomplete (its digest "
+         f"does not match what was written); tokenising again")
+    for path in [*files, record]:
+        path.unlink(missing_ok=True)
+
+
+def record_cache_digests(cache_dir: Path, key: str, tokenized) -> None:
+    """The digests of the cache files ``tokenized`` was written to or read from, once."""
+    record = digests_path(cache_dir, key)
+    if record.exists():
+        return
+    files = [Path(f["filename"]) for f in tokenized.cache_files
+             if Path(f["filename"]).resolve().parent == cache_dir.resolve()]
+    if files:
+        from ..fileio import atomic_write_text
+        atomic_write_text(record, json.dumps({f.name: file_digest(f) for f in files}, sort_keys=True))
 
 
 class FlatColumn:

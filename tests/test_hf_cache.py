@@ -1,0 +1,73 @@
+"""The tokenised cache (issue 51, items 3, 4 and 10): a truncated cache file,
+or one with bytes overwritten inside, is found by the digests written with
+it, removed with a line and tokenised again (never trained on); where the
+data's directory cannot hold the cache, a line says where it goes instead;
+where no place can, one line names the variable that chooses it, exit 2.
+Real files: truncated and overwritten on disk; an unwritable place is a path
+under a regular file (ENOTDIR, whatever the user's rights: root ignores
+permission bits). The trainer's main in-process."""
+from __future__ import annotations
+
+import json
+
+from conftest import refusal_in_process
+from test_hf_task import write_model, write_text_data
+
+
+def run(model, data, save, capfd, *extra):
+    return refusal_in_process(["--task", "hf", "--model_name_or_path", model, "--data", data, "--save-dir", save,
+                               "--max-sentences", 4, "--max-update", 2, "--log-format", "simple", "--cpu", *extra],
+                              capfd)
+
+
+def notes(out):
+    return [line for line in out.stderr.splitlines() if line.startswith("note:")]
+
+
+def test_a_damaged_cache_is_found_removed_and_tokenised_again(tmp_path, capfd):
+    model = write_model(tmp_path / "model", "causal_lm")
+    data = write_text_data(tmp_path / "data")
+    first = run(model, data, tmp_path / "a", capfd)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cache = data / ".hf_cache"
+    arrow = sorted(cache.glob("tokenized-*.arrow"))
+    digests = {p.name: json.loads(p.read_text()) for p in cache.glob("tokenized-*.digests.json")}
+    assert arrow and len(digests) == len(arrow)
+    whole = {p: p.read_bytes() for p in arrow}
+
+    arrow[0].write_bytes(whole[arrow[0]][: len(whole[arrow[0]]) // 2])          # truncated
+    middle = len(whole[arrow[-1]]) // 2
+    arrow[-1].write_bytes(whole[arrow[-1]][:middle] + bytes(8) + whole[arrow[-1]][middle + 8:])  # overwritten inside
+    again = run(model, data, tmp_path / "b", capfd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = notes(again)
+    assert len([n for n in said if "is damaged or incomplete" in n and "tokenising again" in n]) == 2, said
+    assert {p: p.read_bytes() for p in arrow} == whole      # tokenised again, the same bytes
+    third = run(model, data, tmp_path / "c", capfd)        # whole now: read, no line
+    assert third.returncode == 0 and not [n for n in notes(third) if "damaged" in n], third.stderr[-3000:]
+
+
+def test_an_unwritable_data_directory_moves_the_cache_and_says_where(tmp_path, capfd, monkeypatch):
+    model = write_model(tmp_path / "model", "sequence_classification")
+    data = write_text_data(tmp_path / "data")
+    (data / ".hf_cache").write_text("a file where the cache directory would be")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "user_cache"))
+    out = run(model, data, tmp_path / "run", capfd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    moved = [n for n in notes(out) if "cannot be written" in n]
+    assert moved and all(f"the tokenised data is cached in {tmp_path / 'user_cache' / 'textbox_like'}" in n
+                         and "(HF_DATASETS_CACHE chooses where)" in n for n in moved), notes(out)
+    assert list((tmp_path / "user_cache" / "textbox_like").rglob("tokenized-*.arrow"))
+
+
+def test_no_writable_place_for_the_cache_is_one_line_naming_the_variable(tmp_path, capfd, monkeypatch):
+    model = write_model(tmp_path / "model", "sequence_classification")
+    data = write_text_data(tmp_path / "data")
+    (data / ".hf_cache").write_text("not a directory")
+    (tmp_path / "home_file").write_text("not a directory either")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "home_file" / "datasets"))
+    out = run(model, data, tmp_path / "run", capfd)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: no writable place for the tokenised data: {data / '.hf_cache'} (")
+    assert lines[0].endswith("; set HF_DATASETS_CACHE to a writable directory"), lines[0]
