@@ -26,14 +26,17 @@ from test_distributed import NO_DROPOUT, assert_params_close, params
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-UPDATES, GLOBAL = 60, 64
+UPDATES, GLOBAL = 30, 64
+_SHARED = {}  # the data and the reference, made once for this module and test_fsdp_elastic (which imports them)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mnist_elastic")
-    write_mnist(directory, n_train=640, n_test=64)
-    return directory
+    if "data" not in _SHARED:
+        directory = tmp_path_factory.mktemp("mnist_elastic")
+        write_mnist(directory, n_train=640, n_test=64)
+        _SHARED["data"] = directory
+    return _SHARED["data"]
 
 
 def args(data, save_dir, *extra):
@@ -46,11 +49,13 @@ def args(data, save_dir, *extra):
 @pytest.fixture(scope="module")
 def one_process(data, tmp_path_factory):
     """The reference: one process, batch 64, no interruption."""
-    out = tmp_path_factory.mktemp("elastic_one")
-    done = subprocess.run([PY, "run_hetseq.py", *args(data, out, "--max-sentences", GLOBAL)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return params(out)
+    if "one_process" not in _SHARED:
+        out = tmp_path_factory.mktemp("elastic_one")
+        done = subprocess.run([PY, "run_hetseq.py", *args(data, out, "--max-sentences", GLOBAL)], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        _SHARED["one_process"] = params(out)
+    return _SHARED["one_process"]
 
 
 def env():
@@ -61,18 +66,36 @@ def env():
     return e
 
 
+# torchrun's own main(), entered once every node of the test is ready: the agents' imports (seconds apart on a
+# loaded machine) are behind them, so the nodes join the first rendezvous together and a short last call holds
+AGENT = """
+import os, sys, time
+import torch.distributed.run as torchrun
+ready, go = sys.argv[1:3]
+open(ready, "w").close()
+while not os.path.exists(go):
+    time.sleep(0.01)
+sys.argv = ["torchrun", *sys.argv[3:]]
+torchrun.main()
+"""
+
+
 class Node:
-    """One torchrun agent (a "node") in a session of its own, logging to a file."""
+    """One torchrun agent (a "node") in a session of its own, logging to a
+    file. Its agent waits, imported, for ``start`` (every node started
+    together); a node started later (``start`` done before) goes at once."""
 
     def __init__(self, port, log: Path, train_args, hosts_rendezvous=False, nproc=1):
         self.log = log
+        self.ready, self.go = log.with_name(log.name + ".ready"), log.parent / "nodes.go"
         # every "node" is on this host: only A may host the rendezvous store (a real cluster's --rdzv-endpoint node)
-        cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--rdzv-backend",
-               "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf",
+        cmd = [PY, "-c", AGENT, str(self.ready), str(self.go), "--nnodes", "1:2", "--nproc-per-node", str(nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf",
                # torch's defaults: a lost node is dead after 3 missed 5 s heartbeats, then a 30 s last call
-               # for more nodes before the survivor restarts; shorter here (the same events, ~15 s sooner). The
-               # last call is also how long the first node waits for the second at the start: 20 s, not less
-               f"is_host={hosts_rendezvous},last_call_timeout=20,keep_alive_interval=3,keep_alive_max_attempt=3",
+               # for more nodes before the survivor restarts alone; shorter here (the same events, ~35 s
+               # sooner): the nodes join the first rendezvous together (start), and a node joining a run
+               # polls the rendezvous every second
+               f"is_host={hosts_rendezvous},last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
                "--max-restarts", "3", "--monitor-interval", "0.5",
                "run_hetseq.py", *train_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -108,6 +131,16 @@ class Node:
         except subprocess.TimeoutExpired:
             self.die()
             pytest.fail(f"node still running {timeout}s later:\n{self.text()[-3000:]}")
+
+
+def start(*nodes, timeout=240):
+    """Let the agents of ``nodes`` go at once, each imported and waiting."""
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        while not node.ready.exists():
+            assert node.proc.poll() is None and time.monotonic() < deadline, node.text()[-3000:]
+            time.sleep(0.01)
+    nodes[0].go.touch()
 
 
 def children(pid) -> list:
@@ -150,6 +183,7 @@ def test_a_node_leaves_then_one_joins_and_the_run_equals_one_process(data, tmp_p
         nodes.append(a)
         b = Node(port, tmp_path / "b.log", train)
         nodes.append(b)
+        start(a, b)
         a.wait_for_update(15)
         k = a.last_update()
         b.die()
@@ -219,6 +253,7 @@ def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_i
     a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True)
     b = Node(port, tmp_path / "b.log", train)
     try:
+        start(a, b)
         a.wait_for_update(15)
         (worker,) = children(b.proc.pid)
         k = a.last_update()

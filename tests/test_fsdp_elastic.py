@@ -23,7 +23,7 @@ import pytest
 
 from conftest import free_port
 from test_elastic import (GLOBAL, PY, REPO, UPDATES, Node, args, children, data, env, one_process,  # noqa: F401
-                          resumed_updates, running)
+                          resumed_updates, running, start)
 from test_fsdp import assert_close, checkpoint
 
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
@@ -38,6 +38,7 @@ def lose_node_b(tmp_path, train, after_update, nproc=1):
     a = Node(port, tmp_path / "a.log", train, hosts_rendezvous=True, nproc=nproc)
     b = Node(port, tmp_path / "b.log", train, nproc=nproc)
     try:
+        start(a, b)
         a.wait_for_update(after_update, timeout=480)
         workers = children(b.proc.pid)
         assert len(workers) == nproc, workers
