@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, copy_of, refusal_in_process, run_cli,
+from conftest import (N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, copy_of, refusal_in_process, run_main,
                       small_mnist_fixture, write_mnist)
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
 from test_faults import mnist_args as fault_args
@@ -43,6 +43,13 @@ def mnist_args(data, out, *extra, max_update=6):
 
 
 LONG = ["--max-epoch", "100000"]  # with --max-update 1000000: runs until stopped
+
+
+def in_process(args, capfd):
+    """main() in this process, its output captured, as run_cli's
+    CompletedProcess: for a run around a fault whose process is not what is
+    tested (the run before a fault, the resume after it)."""
+    return refusal_in_process(args, capfd)
 
 
 def error_lines(stderr):
@@ -148,11 +155,11 @@ def fill(directory: Path, leave_bytes: int) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_really_full_disk_exits_74_keeps_the_last_checkpoint_and_resumes(data, tmp_path):
+def test_really_full_disk_exits_74_keeps_the_last_checkpoint_and_resumes(data, tmp_path, capfd):
     out = tmp_path / "disk"
     common = ["--save-interval-updates", "2", "--log-interval", "1"]
     with small_disk(out, 64) as kind:
-        first = run_cli(mnist_args(data, out, *common, max_update=2), timeout=200)
+        first = in_process(mnist_args(data, out, *common, max_update=2), capfd)
         assert first.returncode == 0, first.stderr[-3000:]
         size = (out / "checkpoint_1_2.pt").stat().st_size
         assert size > 4 << 20  # the room left below is less than one checkpoint
@@ -176,7 +183,7 @@ def test_really_full_disk_exits_74_keeps_the_last_checkpoint_and_resumes(data, t
         assert not (out / "run.lock").exists()  # released on the way out
         if filler is not None:
             filler.unlink()  # space freed
-        resumed = run_cli(mnist_args(data, out, *common, "--resume", max_update=4), timeout=200)
+        resumed = in_process(mnist_args(data, out, *common, "--resume", max_update=4), capfd)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "update 2" in resumed.stderr
         assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
@@ -219,14 +226,14 @@ def test_save_dir_removed_mid_run_exits_74_and_is_not_recreated(data, tmp_path):
 # ------------------------------------------------ two runs, one save directory
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_second_run_on_a_save_dir_is_refused_then_a_dead_runs_lock_is_taken_over(data, tmp_path):
+def test_second_run_on_a_save_dir_is_refused_then_a_dead_runs_lock_is_taken_over(data, tmp_path, capfd):
     out = tmp_path / "out"
     first = Run(mnist_args(data, out, "--save-interval-updates", "4", "--log-interval", "1", "--lr", "0.001",
                            *LONG, max_update=1000000))
     try:
         first.wait_for_update(2)
         config_before = (out / "config.yaml").read_text()
-        second = run_cli(mnist_args(data, out, "--lr", "0.5", max_update=4), timeout=200)
+        second = refusal_in_process(mnist_args(data, out, "--lr", "0.5", max_update=4), capfd)
         assert second.returncode == 2, second.stderr[-3000:]
         errors = error_lines(second.stderr)
         assert len(errors) == 1, second.stderr[-3000:]
@@ -240,8 +247,8 @@ def test_second_run_on_a_save_dir_is_refused_then_a_dead_runs_lock_is_taken_over
         first.kill()
     lock = json.loads((out / "run.lock").read_text())
     assert lock["pid"] == first.proc.pid
-    third = run_cli(mnist_args(data, out, "--resume", "--reset-dataloader", "--lr", "0.001", max_update=4),
-                    timeout=200)
+    third = in_process(mnist_args(data, out, "--resume", "--reset-dataloader", "--lr", "0.001", max_update=4),
+                       capfd)
     assert third.returncode == 0, third.stderr[-3000:]
     notes = [line for line in third.stderr.splitlines() if "took over" in line]
     assert len(notes) == 1 and f"pid {first.proc.pid}" in notes[0] and "no longer running" in notes[0], \
@@ -377,7 +384,7 @@ def test_two_signals_one_second_apart_save_and_exit_75(data, tmp_path, world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sigterm_under_fsdp_names_the_dcp_it_saved_and_the_resume_goes_on_from_it(data, tmp_path):
+def test_sigterm_under_fsdp_names_the_dcp_it_saved_and_the_resume_goes_on_from_it(data, tmp_path, capfd):
     """A real SIGTERM mid-run under --fsdp: the stop's line names the file the save wrote, checkpoint_last.dcp
     (it said checkpoint_last.pt, which an --fsdp run never writes), and --resume continues from that update."""
     out = tmp_path / "out"
@@ -397,7 +404,7 @@ def test_sigterm_under_fsdp_names_the_dcp_it_saved_and_the_resume_goes_on_from_i
     from textbox_like.sharded_checkpoint import read_extra_state
     saved = read_extra_state(out / "checkpoint_last.dcp")["train"]["num_updates"]
     assert saved >= 3
-    resumed = run_cli(mnist_args(data, out, "--fsdp", "--resume", max_update=saved + 2))
+    resumed = in_process(mnist_args(data, out, "--fsdp", "--resume", max_update=saved + 2), capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((out / "results.json").read_text())["num_updates"] == saved + 2
 
@@ -439,18 +446,18 @@ def corrupt_a_chunk(shard: Path, key="input_ids"):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_corrupt_chunk_retry_at_the_same_position_exits_65(bert_data, tmp_path):  # noqa: F811
+def test_corrupt_chunk_retry_at_the_same_position_exits_65(bert_data, tmp_path, capfd):  # noqa: F811
     copy = tmp_path / "copy"
     shutil.copytree(bert_data, copy)
     for shard in sorted((copy / "shards").glob("*train*.hdf5")):
         corrupt_a_chunk(shard)
     out = tmp_path / "out"
-    first = run_cli(bert_args(copy, out, max_update=40), timeout=300)
+    first = in_process(bert_args(copy, out, max_update=40), capfd)
     assert first.returncode == 75, first.stderr[-3000:]
     line = error_lines(first.stderr)[0]
     assert ".hdf5" in line and "rows" in line, line
     saved = load_checkpoint(out / "checkpoint_last.pt")
-    again = run_cli(bert_args(copy, out, "--resume", max_update=40), timeout=300)
+    again = in_process(bert_args(copy, out, "--resume", max_update=40), capfd)
     assert again.returncode == 65, again.stderr[-3000:]
     errors = error_lines(again.stderr)
     assert len(errors) == 1, again.stderr[-3000:]
@@ -466,11 +473,10 @@ def test_corrupt_chunk_retry_at_the_same_position_exits_65(bert_data, tmp_path):
     (b"", "empty"),
     (b"\x00\x01\x02\x03", "binary data"),
 ])
-@pytest.mark.slow
-def test_bad_config_file_is_one_line(data, tmp_path, content, says):
+def test_bad_config_file_is_one_line(data, tmp_path, content, says, capfd):
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(content)
-    proc = run_cli(mnist_args(data, tmp_path / "out", "--config", bad, max_update=2))
+    proc = refusal_in_process(mnist_args(data, tmp_path / "out", "--config", bad, max_update=2), capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-3000:]
@@ -478,15 +484,16 @@ def test_bad_config_file_is_one_line(data, tmp_path, content, says):
 
 
 @pytest.mark.slow
-def test_checkpoint_passed_as_config_is_named(data, tmp_path, run_of_2_updates):
+def test_checkpoint_passed_as_config_is_named(data, tmp_path, run_of_2_updates, capfd):
     out = run_of_2_updates
-    proc = run_cli(mnist_args(data, tmp_path / "o2", "--config", out / "checkpoint_last.pt", max_update=1))
+    proc = refusal_in_process(mnist_args(data, tmp_path / "o2", "--config", out / "checkpoint_last.pt", max_update=1),
+                              capfd)
     assert proc.returncode == 2 and "zip archive (a torch checkpoint?)" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_batch_larger_than_the_data_is_clamped_with_a_note(data, tmp_path):
-    proc = run_cli(mnist_args(data, tmp_path / "out", "--max-sentences", "100000", max_update=1))
+def test_batch_larger_than_the_data_is_clamped_with_a_note(data, tmp_path, capfd):
+    proc = in_process(mnist_args(data, tmp_path / "out", "--max-sentences", "100000", max_update=1), capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"--max-sentences 100000 is larger than the {N_SMALL_TRAIN} samples" in proc.stderr, proc.stderr
     assert f"batch sizes per rank [{N_SMALL_TRAIN}]" in proc.stderr
@@ -494,17 +501,17 @@ def test_batch_larger_than_the_data_is_clamped_with_a_note(data, tmp_path):
 
 # ------------------------------------ checkpoint_last.pt damaged at rest
 @pytest.mark.slow
-def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(data, tmp_path):
+def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(data, tmp_path, capfd):
     out = tmp_path / "out"
     common = ["--save-interval-updates", "2", "--log-interval", "1"]
-    assert run_cli(mnist_args(data, out, *common, max_update=6)).returncode == 0
+    assert in_process(mnist_args(data, out, *common, max_update=6), capfd).returncode == 0
     # copies, not hard links: one file's damage is not the other's
     assert (out / "checkpoint_last.pt").stat().st_ino != (out / "checkpoint_1_6.pt").stat().st_ino
     for name in ("checkpoint_last.pt", "checkpoint_1_6.pt"):
         path = out / name
         with open(path, "r+b") as handle:
             handle.truncate(path.stat().st_size // 2)
-    resumed = run_cli(mnist_args(data, out, *common, "--resume", max_update=8))
+    resumed = in_process(mnist_args(data, out, *common, "--resume", max_update=8), capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, resumed.stderr[-3000:]
@@ -519,7 +526,7 @@ def test_damaged_last_and_newest_checkpoint_fallback_names_every_skipped_file(da
 @pytest.mark.slow
 def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path, capfd):
     out = tmp_path / "out"
-    assert run_cli(mnist_args(data, out, "--lr", "0.001", max_update=2)).returncode == 0
+    assert in_process(mnist_args(data, out, "--lr", "0.001", max_update=2), capfd).returncode == 0
     other = refusal_in_process(mnist_args(data, out, "--lr", "0.5", "--resume", max_update=4), capfd)
     assert other.returncode == 2, other.stderr[-3000:]
     errors = error_lines(other.stderr)
@@ -534,7 +541,7 @@ def test_resume_refuses_a_numbers_changing_setting_unless_reset(data, tmp_path, 
                                           max_update=4), capfd)
     assert betas.returncode == 2 and "--optim-conf amsgrad=False" in betas.stderr, betas.stderr[-3000:]
     # the change allowed by the reset option that says so; a longer run is no change of numbers
-    reset = run_cli(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4))
+    reset = in_process(mnist_args(data, out, "--lr", "0.5", "--resume", "--reset-lr-scheduler", max_update=4), capfd)
     assert reset.returncode == 0, reset.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
 
@@ -544,8 +551,7 @@ def run_of_2_updates(data, tmp_path_factory):
     """A finished run of 2 updates with mnist_args' defaults: the run that the
     resume and rerun tests below start from, each in a copy of its own."""
     out = tmp_path_factory.mktemp("run_of_2") / "out"
-    done = run_cli(mnist_args(data, out, max_update=2))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_main(mnist_args(data, out, max_update=2)) == 0
     return out
 
 
@@ -568,7 +574,7 @@ def test_rerun_without_resume_is_refused_and_changes_nothing(data, tmp_path, run
     assert "--resume" in errors[0] and "another --save-dir" in errors[0], errors[0]
     assert files_of(out) == before  # not a byte overwritten or appended
     # the same command with --resume continues it
-    resumed = run_cli(mnist_args(data, out, "--resume", max_update=4))
+    resumed = in_process(mnist_args(data, out, "--resume", max_update=4), capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 4
 
@@ -585,11 +591,11 @@ def test_a_directory_with_only_metrics_is_a_run_and_one_with_only_a_config_is_no
     failed = tmp_path / "failed"
     failed.mkdir()
     (failed / "config.yaml").write_text("task: mnist\n")
-    assert run_cli(mnist_args(data, failed, max_update=1)).returncode == 0
+    assert in_process(mnist_args(data, failed, max_update=1), capfd).returncode == 0
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates, capfd):
+def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates, capfd, monkeypatch):
     out = copy_of(run_of_2_updates, tmp_path)
     before = files_of(out)
     for flag in ("--bf16", "--fp16"):  # on CPU float16 runs as bfloat16: a change all the same
@@ -599,16 +605,16 @@ def test_resume_refuses_a_change_of_precision(data, tmp_path, run_of_2_updates, 
         assert len(errors) == 1 and "float32" in errors[0] and "bf16" in errors[0], errors
         assert flag in errors[0] and "--restore-file" in errors[0], errors[0]
     # Accelerate's --mixed_precision (accelerate launch / accelerate config) reaches the run by the environment
-    env = {**clean_env(), "ACCELERATE_MIXED_PRECISION": "bf16"}
-    launched = subprocess.run([sys.executable, "run_hetseq.py", *mnist_args(data, out, "--resume", max_update=4)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    launched = refusal_in_process(mnist_args(data, out, "--resume", max_update=4), capfd)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     assert launched.returncode == 2, launched.stderr[-3000:]
     assert "accelerate" in error_lines(launched.stderr)[0], launched.stderr[-3000:]
     assert files_of(out) == before
     # a run trained in bf16 resumes in bf16
     bf16 = tmp_path / "bf16"
-    assert run_cli(mnist_args(data, bf16, "--bf16", max_update=2)).returncode == 0
-    assert run_cli(mnist_args(data, bf16, "--bf16", "--resume", max_update=3)).returncode == 0
+    assert in_process(mnist_args(data, bf16, "--bf16", max_update=2), capfd).returncode == 0
+    assert in_process(mnist_args(data, bf16, "--bf16", "--resume", max_update=3), capfd).returncode == 0
     assert load_checkpoint(bf16 / "checkpoint_last.pt")["train"]["num_updates"] == 3
 
 
@@ -619,7 +625,7 @@ def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_w
     still a refused change. The checkpoint is a CPU one whose precision record
     says what a GPU's would (the CUDA round trip is tests/test_gpu.py's)."""
     out = tmp_path / "out"
-    assert run_cli(mnist_args(data, out, "--fp16", max_update=2)).returncode == 0
+    assert in_process(mnist_args(data, out, "--fp16", max_update=2), capfd).returncode == 0
     path = out / "checkpoint_last.pt"
     state = load_checkpoint(path)
     assert state["precision"] == {"mixed": "bf16", "source": "--fp16"}
@@ -629,7 +635,7 @@ def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_w
     refused = refusal_in_process(mnist_args(data, out, "--bf16", "--resume", max_update=3), capfd)
     assert refused.returncode == 2 and "fp16 mixed precision" in error_lines(refused.stderr)[0], refused.stderr
     assert files_of(out) == before
-    resumed = run_cli(mnist_args(data, out, "--fp16", "--resume", max_update=3))
+    resumed = in_process(mnist_args(data, out, "--fp16", "--resume", max_update=3), capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "this run has bf16 mixed precision (from --fp16): the same flags on another device" in resumed.stderr
     assert load_checkpoint(path)["train"]["num_updates"] == 3
@@ -638,7 +644,8 @@ def test_an_fp16_checkpoint_of_a_gpu_resumes_on_cpu_under_the_same_flag_with_a_w
 @pytest.mark.slow
 def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run_of_2_updates, capfd):
     out = copy_of(run_of_2_updates, tmp_path)
-    same = run_cli(mnist_args(data, out, "--model_conf", "hidden=128", "--resume", max_update=3))  # the default
+    # hidden=128: the default
+    same = in_process(mnist_args(data, out, "--model_conf", "hidden=128", "--resume", max_update=3), capfd)
     assert same.returncode == 0, same.stderr[-3000:]
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 3
     other = refusal_in_process(mnist_args(data, out, "--model_conf", "hidden=64", "--resume", max_update=4), capfd)
@@ -652,7 +659,7 @@ def test_resume_compares_model_conf_with_its_defaults_filled(data, tmp_path, run
 def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data, tmp_path,  # noqa: F811
                                                                  run_of_2_updates, capfd):
     bert_out, mnist_out = tmp_path / "bert", copy_of(run_of_2_updates, tmp_path)
-    assert run_cli(bert_args(bert_data, bert_out, max_update=2)).returncode == 0
+    assert in_process(bert_args(bert_data, bert_out, max_update=2), capfd).returncode == 0
     for args, saved, now in [(mnist_args(data, bert_out, "--resume", max_update=4), "bert", "mnist"),
                              (bert_args(bert_data, mnist_out, "--resume", max_update=4), "mnist", "bert")]:
         proc = refusal_in_process(args, capfd)
@@ -663,7 +670,8 @@ def test_resume_of_another_tasks_checkpoint_names_the_task_first(data, bert_data
         assert now in errors[0], errors[0]
     # bert's --model_conf too is compared with what the model had: its config file's width is no change
     width = json.loads((bert_data / "bert_config.json").read_text())["hidden_size"]
-    same = run_cli(bert_args(bert_data, bert_out, "--model_conf", f"hidden_size={width}", "--resume", max_update=3))
+    same = in_process(bert_args(bert_data, bert_out, "--model_conf", f"hidden_size={width}", "--resume", max_update=3),
+                      capfd)
     assert same.returncode == 0, same.stderr[-3000:]
     assert load_checkpoint(bert_out / "checkpoint_last.pt")["train"]["num_updates"] == 3
 
@@ -701,7 +709,7 @@ def test_out_of_memory_at_the_first_batch_names_the_batch_size_and_exits_2(data_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_out_of_memory_mid_training_saves_the_last_update_and_exits_71(data_1k, tmp_path):
+def test_out_of_memory_mid_training_saves_the_last_update_and_exits_71(data_1k, tmp_path, capfd):
     out = tmp_path / "out"
     common = ["--max-sentences", "256", "--log-interval", "1"]
     proc = run_with_memory_limit(mnist_args(data_1k, out, *common, max_update=10), 32, 3)
@@ -714,8 +722,8 @@ def test_out_of_memory_mid_training_saves_the_last_update_and_exits_71(data_1k, 
     assert saved["train"]["num_updates"] == 3 and saved["iterator"]["offset"] == 3 * 256  # the 4th is redone
     assert not (out / "run.lock").exists()
     # as the line says: a smaller batch continues from there
-    resumed = run_cli(mnist_args(data_1k, out, "--max-sentences", "128", "--log-interval", "1", "--resume",
-                                 max_update=5), timeout=200)
+    resumed = in_process(mnist_args(data_1k, out, "--max-sentences", "128", "--log-interval", "1", "--resume",
+                                    max_update=5), capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "| update 4 |" in resumed.stderr
     assert load_checkpoint(out / "checkpoint_last.pt")["train"]["num_updates"] == 5
@@ -752,22 +760,20 @@ def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
     (b"", "is empty (0 bytes), not a checkpoint"),
     (b"lr: 0.1\nmax_update: 4\n", "is a text file (YAML?), first line 'lr: 0.1', not a checkpoint"),
 ])
-@pytest.mark.slow
-def test_restore_file_that_is_empty_or_yaml_is_named(data, tmp_path, content, says):
+def test_restore_file_that_is_empty_or_yaml_is_named(data, tmp_path, content, says, capfd):
     bad = tmp_path / "model.pt"
     bad.write_bytes(content)
-    proc = run_cli(mnist_args(data, tmp_path / "out", "--restore-file", bad, max_update=2))
+    proc = refusal_in_process(mnist_args(data, tmp_path / "out", "--restore-file", bad, max_update=2), capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and str(bad) in errors[0] and says in errors[0], proc.stderr[-3000:]
 
 
-@pytest.mark.slow
-def test_resume_from_an_empty_checkpoint_last_is_named(data, tmp_path):
+def test_resume_from_an_empty_checkpoint_last_is_named(data, tmp_path, capfd):
     out = tmp_path / "out"
     out.mkdir()
     (out / "checkpoint_last.pt").write_bytes(b"")  # a run killed as the file system filled, say
-    proc = run_cli(mnist_args(data, out, "--resume", max_update=2))
+    proc = refusal_in_process(mnist_args(data, out, "--resume", max_update=2), capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and f"{out / 'checkpoint_last.pt'} is empty (0 bytes)" in errors[0], errors
@@ -776,24 +782,23 @@ def test_resume_from_an_empty_checkpoint_last_is_named(data, tmp_path):
 @pytest.mark.parametrize("content, says", [(b"", "is empty (0 bytes), not an HDF5 file"),
                                            (b"input_ids,input_mask\n1,2\n", "is a text file, first line")])
 @pytest.mark.slow
-def test_bert_shard_that_is_empty_or_text_is_named(bert_data, tmp_path, content, says):  # noqa: F811
+def test_bert_shard_that_is_empty_or_text_is_named(bert_data, tmp_path, content, says, capfd):  # noqa: F811
     copy = tmp_path / "copy"
     shutil.copytree(bert_data, copy)
     shard = sorted((copy / "shards").glob("*train*.hdf5"))[0]
     shard.write_bytes(content)
-    proc = run_cli(bert_args(copy, tmp_path / "out", max_update=2), timeout=200)
+    proc = refusal_in_process(bert_args(copy, tmp_path / "out", max_update=2), capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and str(shard) in errors[0] and says in errors[0], proc.stderr[-3000:]
 
 
-@pytest.mark.slow
-def test_mnist_file_that_is_empty_is_named(tmp_path):
+def test_mnist_file_that_is_empty_is_named(tmp_path, capfd):
     copy = tmp_path / "mnist"
     write_mnist(copy, n_train=32, n_test=8, seed=1)
     images = copy / "train-images-idx3-ubyte.gz"
     images.write_bytes(b"")
-    proc = run_cli(mnist_args(copy, tmp_path / "out", max_update=1))
+    proc = refusal_in_process(mnist_args(copy, tmp_path / "out", max_update=1), capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and f"{images} is empty (0 bytes)" in errors[0], proc.stderr[-3000:]
