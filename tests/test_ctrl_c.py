@@ -49,6 +49,21 @@ def wait_for_updates(proc, save_dir, n, timeout=180):
         time.sleep(0.05)
 
 
+def asleep_in_update_7(proc, timeout=120):
+    """Until the run's main thread has slept for a second on end: inside
+    update 7's hour (the hook's sleep), past update 6's end and its check
+    for a stop (a Ctrl-C before that check stops at update 6, on a loaded
+    machine too)."""
+    deadline, since = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        state = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        since = (since or time.monotonic()) if state == "S" else None
+        if since is not None and time.monotonic() - since >= 1.0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the run never settled into update 7's sleep")
+
+
 def updates_in(checkpoint):
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["train"]["num_updates"]
 
@@ -97,6 +112,7 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(data, tmp_path):
     save = tmp_path / "run"
     run = start_in_a_terminals_group(command(data, save, "--max-update", 100), TEXTBOX_LIKE_SLOW_RANK="0:1000@7")
     wait_for_updates(run, save, 6)
+    asleep_in_update_7(run)
     os.killpg(run.pid, signal.SIGINT)
     time.sleep(1.5)   # a person's second Ctrl-C (within a second it is the first one, forwarded)
     assert run.poll() is None   # still in update 7: the first one waits for it
