@@ -191,6 +191,10 @@ def main():
         dist.barrier()
         dist.destroy_process_group()
     (out / f"done{rank}").write_text("ok")
+    if world > 1:  # as conftest.RANK_LEAVES: the interpreter's teardown of gloo's threads can abort a rank
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, write_mnist
+from conftest import RANK_LEAVES, clean_env, write_mnist
 from test_fsdp import assert_close, checkpoint, train_records
 from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
 
@@ -21,7 +21,7 @@ PY = sys.executable
 
 def torchrun(script, tmp_path, timeout=300):
     path = tmp_path / "script.py"
-    path.write_text(script)
+    path.write_text(script + RANK_LEAVES)
     out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(path)], cwd=REPO,
                          env=clean_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -85,17 +85,20 @@ open(f"{__file__}.rank{dist.get_rank()}", "w").write("found %s %s %s %s\\n" % fo
 # torchrun (three processes, a rendezvous) per check. The process group the first script starts is the
 # one every later script works in (Accelerator(cpu=True) takes it as it is).
 DRIVER_SCRIPT = '''
-import sys, torch.distributed as dist
+import os, sys, torch.distributed as dist
 real_init = dist.init_process_group
 def init_once(*args, **kwargs):
     if not dist.is_initialized():
         real_init(*args, **kwargs)
 dist.init_process_group = init_once
+first = os.environ["RANK"] == "0"  # one writer of the part lines: two ranks' lines in one pipe interleave
 for path in sys.argv[1:]:
-    print("--- part", path, flush=True)
+    if first:
+        print("--- part", path, flush=True)
     exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__", "__file__": path})
     dist.barrier()
-print("--- all parts ran", flush=True)
+if first:
+    print("--- all parts ran", flush=True)
 '''
 
 
@@ -108,7 +111,7 @@ def two_rank_checks(tmp_path_factory):
              "unused": UNUSED_SCRIPT.replace("sys.argv[1:]", '["--find-unused-parameters"]')}
     for name, text in parts.items():
         (root / f"{name}.py").write_text(text)
-    (root / "driver.py").write_text(DRIVER_SCRIPT)
+    (root / "driver.py").write_text(DRIVER_SCRIPT + RANK_LEAVES)
     out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(root / "driver.py"),
                           *(str(root / f"{name}.py") for name in parts)], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=400)
@@ -388,7 +391,7 @@ for case in sys.argv[3:]:
     except SystemExit as exc:
         assert exc.code in (0, None), exc.code
     sys.stdout.flush()
-''')
+''' + RANK_LEAVES)
     cases = ["fitted", "fitted|--fsdp-wrap|none", "as built"]
     out = subprocess.run([PY, str(driver), str(script), str(tmp_path / "rdzv"), *cases], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=400)

@@ -31,7 +31,7 @@ import torch
 from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every_rank, read_extra_state,
                                             read_full_model_state, read_manifest)
 
-from conftest import clean_env, free_port, refusal_in_process, run_main, write_mnist
+from conftest import RANK_LEAVES, clean_env, free_port, refusal_in_process, run_main, write_mnist
 from textbox_like.export import main as export_main
 
 # the tests that start processes (ranks, a killed or held run, a second reader) carry the marker; the rest
@@ -474,7 +474,7 @@ def test_non_finite_check_before_a_save_is_one_collective_and_gathers_no_weight(
     """Two FSDP ranks: every rank learns that one rank's shard holds a NaN,
     through one collective (no all-gather of a weight per parameter)."""
     script = tmp_path / "check.py"
-    script.write_text(CHECK_SCRIPT)
+    script.write_text(CHECK_SCRIPT + RANK_LEAVES)
     port = free_port()
     procs = [subprocess.Popen([PY, str(script), str(tmp_path / "said")], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
