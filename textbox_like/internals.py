@@ -1,7 +1,7 @@
 """The few places where we reach into another library's private parts.
 
 Each is version-dependent, so each lives here as one small function with a
-test of its own (tests/test_internals.py): an upgrade of torch, hyperopt or
+test of its own (tests/unit/test_internals.py): an upgrade of torch, hyperopt or
 Python that moves one fails there, by name, not deep inside a run.
 """
 from __future__ import annotations

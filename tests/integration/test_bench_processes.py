@@ -1,0 +1,89 @@
+"""The tests of test_bench.py (tests/unit) that start processes: the slow tier.
+
+python -m textbox_like.bench, every mode on tiny settings. Nothing here is
+timed: the tests check that each mode runs and reports what it promises
+(medians, per-round figures, ratios), never the figures themselves.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from test_bert_train import bert_data  # noqa: F401  (fixture)
+from test_bench import run_bench
+
+
+# ---------------------------------------------------------------- trainer vs plain loop
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_benchmark_runs_for_mnist(small_mnist_dir):
+    report, err = run_bench("mnist", "--data", small_mnist_dir, "--updates", 4, "--warmup", 2, "--rounds", 2,
+                            "--threads", 1)
+    assert report["mode"] == report["task"] == "mnist" and report["rounds"] == 2
+    assert report["trainer_compiled"] is False and report["plain_compiled"] is False
+    for key in ("ratios_wall", "ratios_cpu", "plain_samples_per_s_rounds", "trainer_samples_per_s_rounds"):
+        # a steady state measured by differencing two runs can come out at
+        # any value on a loaded machine: the shape is checked, not the speed
+        assert len(report[key]) == 2 and all(math.isfinite(x) for x in report[key])
+    assert math.isfinite(report["ratio_wall_median"]) and math.isfinite(report["ratio_cpu_median"])
+    assert err.count("round ") >= 2 and "trainer (eager) / plain loop (eager): wall" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_benchmark_runs_for_bert(bert_data):  # noqa: F811
+    report, _ = run_bench("bert", "--data", bert_data / "shards", "--dict", bert_data / "vocab.txt",
+                          "--config_file", bert_data / "bert_config.json", "--max-sentences", 8,
+                          "--updates", 3, "--warmup", 1, "--rounds", 1, "--threads", 1)
+    assert report["task"] == "bert" and math.isfinite(report["ratio_wall_median"]) and len(report["ratios_cpu"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scaling_runs_two_processes(small_mnist_dir):
+    # the fewest updates that measure (one window after the first log): start-up is most of the time
+    report, err = run_bench("scaling", "--data", small_mnist_dir, "--updates", 1, "--warmup", 1, "--rounds", 1,
+                            "--update-freq", 2, "--max-sentences", 32)
+    assert report["processes"] == 2 and report["update_freq"] == 2 and report["batch_per_process"] == 32
+    assert report["one_process_samples_per_s"] > 0 and report["n_processes_samples_per_s"] > 0
+    assert len(report["expansions"]) == 1 and report["expansion_median"] > 0
+    assert "expansion (2-process / (2 x 1-process))" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp_runs_two_ranks_both_ways():
+    report, err = run_bench("fsdp", "--model", "tiny", "--layers", 2, "--rounds", 1, "--updates", 1, "--warmup", 1,
+                            "--synthetic-samples", 64, "--seq-length", 32, timeout=580)
+    assert report["mode"] == "fsdp" and report["processes"] == 2 and report["memory_key"] == "peak_rss_gib"
+    for side in ("ddp", "fsdp"):
+        (per_rank,) = report[f"{side}_peak_gib_per_rank_rounds"]
+        # the log's figure per rank: each rank is a whole Python process with torch, well above 0.1 GiB
+        assert len(per_rank) == 2 and all(0.1 < gib < 64 for gib in per_rank), report
+        assert report[f"{side}_samples_per_s"] > 0
+    assert len(report["memory_ratios"]) == 1 and report["memory_ratio_median"] > 0
+    assert len(report["samples_per_s_ratios"]) == 1 and report["samples_per_s_ratio_median"] > 0
+    assert "FSDP/DDP peak memory (max over ranks)" in err
+
+
+# ---------------------------------------------------------------- BERT loader
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bert_loader_synthetic():
+    report, err = run_bench("bert-loader", "--synthetic-samples", 64, "--batch", 8, "--steps", 1, "--rounds", 1,
+                            "--threads", 1)
+    assert report["mode"] == "bert-loader" and report["synthetic"] and report["samples"] == 64
+    assert report["seq_length"] == 128 and report["predictions"] == 20
+    for key in ("loader_samples_per_s_rounds", "train_masked_samples_per_s_rounds",
+                "train_full_samples_per_s_rounds", "loader_over_training", "masked_head_speedups"):
+        assert len(report[key]) == 1 and all(x > 0 for x in report[key])
+    assert report["loader_over_training_median"] > 0 and "loader / training (masked head)" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bert_loader_on_shards_loader_only(bert_data):  # noqa: F811
+    report, _ = run_bench("bert-loader", "--data", bert_data / "shards", "--batch", 4, "--no-train", "--rounds", 2)
+    assert len(report["loader_samples_per_s_rounds"]) == 2 and report["synthetic"] is False and report["seq_length"] == 32 and report["loader_samples_per_s"] > 0
+    assert "train_masked_samples_per_s" not in report

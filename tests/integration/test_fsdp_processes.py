@@ -1,0 +1,297 @@
+"""The tests of test_fsdp.py (tests/unit) that start processes: the slow tier.
+
+--fsdp (issue 32): FSDP2 sharding on CPU over gloo, two real processes.
+
+An update under --fsdp equals the single-process update over the union of
+its samples (and DDP's), with unlike per-rank batches, --balance,
+accumulation and clipping; its checkpoints are sharded (.dcp): a run killed
+with SIGKILL resumes from its last one bitwise, a run resumes on another
+number of ranks and between DDP and --fsdp with each sample once, and the
+survivor of a lost peer names the checkpoint to resume from.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from textbox_like.sharded_checkpoint import read_extra_state, read_manifest
+
+from conftest import assert_bitwise_equal, clean_env, read_jsonl, write_mnist
+from test_bert_train import bert_data  # noqa: F401 (a fixture)
+from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
+from test_resume import kill_after_checkpoint
+from test_fsdp import PY, REPO, assert_close, checkpoint, in_process, run, train_records
+
+
+SHARDED_ON_CPU = "(fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
+
+
+# ------------------------------------------------------------------ MNIST: unlike batches, accumulation, clipping
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mnist_fsdp")
+    write_mnist(directory, n_train=1280, n_test=64)
+    return directory
+
+
+def mnist_args(data, save_dir, *extra):
+    # --clip-norm 0.5 clips every update (the norms here are 1-3); two
+    # micro-batches per update (--update-freq 2); a record per update, so that
+    # runs compare update by update (a slow run adds records on the wall clock)
+    return ["run_hetseq.py", "--task", "mnist", "--data", data, "--save-dir", save_dir, "--optimizer", "sgd",
+            "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0", "--max-update", "20",
+            "--update-freq", "2", "--clip-norm", "0.5", "--log-format", "simple", "--log-interval", "1",
+            "--threads", "1", "--distributed-timeout", "120", "--disable-validation",
+            "--model_conf", "dropout1=0", "--model_conf", "dropout2=0", *extra]
+
+
+def two_nodes(data, save_dir, rdzv, *extra):
+    """Rank 0 with batch 48 and rank 1 with batch 16 (each its own --max-sentences), as two 'nodes'."""
+    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+              "--distributed-gpus", "1", *extra]
+    procs = [subprocess.Popen([PY, *map(str, mnist_args(data, save_dir, "--max-sentences", batch, *common,
+                                                        "--distributed-rank", rank))],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+             for batch, rank in (("48", "0"), ("16", "1"))]
+    errs = [p.communicate(timeout=400)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs[0][-3000:] + errs[1][-3000:]
+    return errs[0]
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(mnist, tmp_path_factory):
+    """One process (64 a micro-batch), and DDP and FSDP over 48 + 16."""
+    root = tmp_path_factory.mktemp("mnist_runs")
+    in_process([PY, *mnist_args(mnist, root / "one", "--max-sentences", "64")])
+    err_ddp = two_nodes(mnist, root / "ddp", root / "rdzv_ddp")
+    err_fsdp = two_nodes(mnist, root / "fsdp", root / "rdzv_fsdp", "--fsdp")
+    return root, err_ddp, err_fsdp
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_with_unlike_batches_and_accumulation_equals_one_process(mnist_runs):
+    root, err_ddp, err_fsdp = mnist_runs
+    start = next(line for line in err_fsdp.splitlines() if line.startswith("task mnist"))
+    assert "batch sizes per rank [48, 16]" in start
+    assert "sharding from --fsdp" in start and "sharding full over 2 ranks " + SHARDED_ON_CPU in start
+    # 1,199,882 float32 parameters over 2 ranks; SGD without momentum keeps no state
+    assert ("expected per rank: parameters 2.29 MiB, gradients 2.29 MiB, optimizer states 0.00 MiB "
+            "(DDP: 9.15 MiB in all)") in start
+    assert "sharding" not in next(line for line in err_ddp.splitlines() if line.startswith("task mnist"))
+    # saved sharded: a checkpoint directory, no file checkpoint
+    assert (root / "fsdp" / "checkpoint_last.dcp").is_dir() and not list((root / "fsdp").glob("*.pt"))
+    fsdp = checkpoint(root / "fsdp")
+    assert fsdp["train"]["num_updates"] == 20
+    assert_close(fsdp["model"], checkpoint(root / "one")["model"])
+    # the saved weights are whole tensors with the model's own names, as DDP saves them
+    ddp = checkpoint(root / "ddp")["model"]
+    assert {k: v.shape for k, v in fsdp["model"].items()} == {k: v.shape for k, v in ddp.items()}
+    assert_close(fsdp["model"], ddp)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_clips_by_the_global_norm_as_ddp_does(mnist_runs):
+    root, _, _ = mnist_runs
+    fsdp, ddp, one = ({r["update"]: r for r in train_records(root / name)} for name in ("fsdp", "ddp", "one"))
+    assert set(fsdp) == set(ddp) == set(one) == set(range(1, 21))
+    common = range(1, 21)
+    # the norm over both ranks' shards, before clipping: DDP's and one process's. Within 1e-4: torch's
+    # float32 norm of fc1's 1.2M-element gradient rounds differently over a half (measured: 3e-5)
+    for a, b, c in ((fsdp[u], ddp[u], one[u]) for u in common):
+        assert a["gnorm"] == pytest.approx(b["gnorm"], rel=1e-4)
+        assert b["gnorm"] == pytest.approx(c["gnorm"], rel=1e-5)
+        assert a["gnorm"] > 0.5  # clipped: a shard clipped by its own norm would not match
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    # clipped by the same global norm: the weights agree far inside 1e-5 (a shard clipped by its
+    # own, smaller norm would move further)
+    assert_close(checkpoint(root / "fsdp")["model"], checkpoint(root / "ddp")["model"], atol=1e-6)
+
+
+# ------------------------------------------------------------------ tiny BERT: a global batch in tokens, --balance
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data, tmp_path):  # noqa: F811
+    """Tiny BERT, --global-batch-size 256 tokens with micro-batch caps of 64
+    (several micro-batches per rank, their counts unlike: a rank with fewer
+    joins with empty ones), rank 1 slowed so that --balance re-splits."""
+    from textbox_like import balance
+    from test_balance import bert_args
+    in_process([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
+                                         "--max-tokens", 256, "--max-update", 20)])
+    out = tmp_path / "two"
+    proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
+                                                "--distributed-world-size", 2, "--balance", "--balance-interval", 2,
+                                                "--max-update", 20, "--fsdp")],
+               env={**clean_env(), balance.SLOW_RANK_ENV: "1:0.01@0"})
+    start = next(line for line in proc.stderr.splitlines() if line.startswith("task bert"))
+    assert "units: 2 BertLayer + the root" in start, start
+    splits = [r["batch_sizes"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
+    assert any(split != [128, 128] for split in splits), (splits, proc.stderr[-2000:])
+    assert checkpoint(out)["train"]["num_updates"] == 20
+    assert_close(checkpoint(out)["model"], checkpoint(tmp_path / "one")["model"])
+
+
+# ------------------------------------------------------------------ tiny GPT-2 (--task hf)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tmp_path):  # noqa: F811
+    """A global batch of 120 real tokens, micro-batches of at most 50 per rank:
+    the ranks' shares hold unlike numbers of samples and micro-batches."""
+    in_process(exactness_args(models["causal_lm"], text_data, tmp_path / "one", "--max-update", 20))
+    two = run(exactness_args(models["causal_lm"], text_data, tmp_path / "two", "--max-update", 20,
+                             "--distributed-world-size", 2, "--fsdp"))
+    start = next(line for line in two.stderr.splitlines() if line.startswith("task hf"))
+    assert "units: 2 GPT2Block + the root" in start, start
+    assert_close(checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"])
+    assert train_records(tmp_path / "two")[-1]["loss"] == pytest.approx(train_records(tmp_path / "one")[-1]["loss"],
+                                                                         abs=1e-5)
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
+    """Adam (state to shard and save): every process killed with SIGKILL
+    after a sharded checkpoint, then --resume from it: the final weights and
+    optimizer state are bitwise those of the run that was never interrupted."""
+    def cmd(save_dir):
+        return [PY, *map(str, mnist_args(mnist, save_dir, "--max-sentences", "16", "--optimizer", "adam",
+                                         "--lr", "0.001", "--max-update", "24", "--update-freq", "1",
+                                         "--save-interval-updates", "6", "--distributed-world-size", "2",
+                                         "--fsdp"))]
+    run(cmd(tmp_path / "ref"))
+    save_dir = tmp_path / "run"
+    code, err = kill_after_checkpoint(cmd(save_dir), save_dir, signal.SIGKILL, min_checkpoint="checkpoint_1_6.dcp",
+                                      seed=1, group=True)
+    assert code == -signal.SIGKILL, err[-1000:]
+    killed_at = checkpoint(save_dir)["train"]["num_updates"]
+    assert killed_at % 6 == 0 and killed_at < 24
+    out = run(cmd(save_dir) + ["--resume"])
+    assert f"resumed from {save_dir / 'checkpoint_last.dcp'}: epoch 1, update {killed_at}" in out.stderr
+    assert not list(save_dir.glob(".*.partial"))  # what a save killed midway left is gone
+    final, ref = checkpoint(save_dir), checkpoint(tmp_path / "ref")
+    assert final["train"]["num_updates"] == ref["train"]["num_updates"] == 24
+    assert_bitwise_equal(final["model"], ref["model"], "model")
+    assert_bitwise_equal(final["optimizer"], ref["optimizer"], "optimizer")
+    # the optimizer state is whole (Adam's two moments per parameter), not one rank's shard
+    state = final["optimizer"]["state"]
+    assert state and all(state[name]["exp_avg"].shape == final["model"][name].shape for name in state)
+
+UPDATES_PER_LEG = 6
+
+
+def leg_args(data, save_dir, world, leg, *extra):
+    """A global batch of 64 on any number of ranks (micro-batches of at most
+    32), SGD with momentum (a state to carry across the resumes), a save at
+    the end of each leg of UPDATES_PER_LEG updates."""
+    return [PY, "run_hetseq.py", "--task", "mnist", "--data", data, "--save-dir", save_dir, "--optimizer", "sgd",
+            "--momentum", "0.9", "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0",
+            "--max-update", UPDATES_PER_LEG * leg, "--save-interval-updates", UPDATES_PER_LEG,
+            "--global-batch-size", "64", "--max-sentences", "32", "--log-format", "simple", "--log-interval", "3",
+            "--threads", "1", "--distributed-timeout", "120", "--disable-validation", "--model_conf", "dropout1=0",
+            "--model_conf", "dropout2=0", "--distributed-world-size", world, *extra,
+            *(["--resume"] if leg > 1 else [])]
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(mnist, tmp_path_factory):
+    """One process over 3 legs uninterrupted, and two runs resumed twice:
+    --fsdp on 2, then 1, then 2 ranks; DDP, then --fsdp, then DDP on 2 ranks."""
+    root = tmp_path_factory.mktemp("fsdp_resumed")
+    in_process(leg_args(mnist, root / "one", 1, 3))
+    chains = {"ranks": [(2, "--fsdp"), (1, "--fsdp"), (2, "--fsdp")], "ddp": [(2,), (2, "--fsdp"), (2,)]}
+    logs = {}
+    for name, legs in chains.items():   # a leg on one rank runs in this process
+        logs[name] = [(in_process if world == 1 else lambda cmd: run(cmd).stderr)(
+                          leg_args(mnist, root / name, world, leg, *extra))
+                      for leg, (world, *extra) in enumerate(legs, 1)]
+    return root, logs
+
+
+def assert_each_sample_once(root, name):
+    """Every leg's end equals the uninterrupted one process's update over the
+    same global batches (within 1e-5), and 64 samples were trained per
+    update: no sample skipped or repeated across the resumes."""
+    for leg in (1, 2, 3):
+        update = UPDATES_PER_LEG * leg
+        saved = checkpoint(root / name, f"checkpoint_1_{update}")
+        ref = checkpoint(root / "one", f"checkpoint_1_{update}")
+        assert saved["train"]["num_updates"] == update and saved["train"]["samples_trained"] == 64 * update
+        assert [saved["iterator"][k] for k in ("epoch", "offset")] == [ref["iterator"][k] for k in ("epoch", "offset")]
+        assert_close(saved["model"], ref["model"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_resumes_on_one_rank_and_back_on_two_each_sample_once(resumed_runs):
+    root, logs = resumed_runs
+    save = root / "ranks"
+    assert "sharding full over 2 ranks" in logs["ranks"][0]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 6" in logs["ranks"][1]
+    assert "sharding none (--fsdp with one process: nothing to shard)" in logs["ranks"][1]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 12" in logs["ranks"][2]
+    # each leg saved sharded, by the ranks it ran on
+    assert [read_manifest(save / f"checkpoint_1_{u}.dcp")["world_size"] for u in (6, 12, 18)] == [2, 1, 2]
+    assert not list(save.glob("*.pt"))
+    assert_each_sample_once(root, "ranks")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ddp_resumes_under_fsdp_and_back_each_sample_once(resumed_runs):
+    """A DDP run's file checkpoint (optimizer state by parameter id) resumes
+    under --fsdp, whose sharded checkpoint resumes without it: the momentum
+    carried both ways (else the weights would part from the one process's)."""
+    root, logs = resumed_runs
+    save = root / "ddp"
+    assert f"resumed from {save / 'checkpoint_last.pt'}: epoch 1, update 6" in logs["ddp"][1]
+    assert "sharding full over 2 ranks" in logs["ddp"][1]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 12" in logs["ddp"][2]
+    assert (save / "checkpoint_1_6.pt").is_file() and (save / "checkpoint_1_12.dcp").is_dir()
+    assert (save / "checkpoint_1_18.pt").is_file()
+    assert_each_sample_once(root, "ddp")
+    momentum = checkpoint(save, "checkpoint_1_18")["optimizer"]["state"]
+    assert momentum and all(entry["momentum_buffer"].abs().sum() > 0 for entry in momentum.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp_survivor_of_a_lost_peer_names_the_last_checkpoint_and_it_resumes(mnist, resumed_runs, tmp_path):
+    """Rank 1 of two --fsdp ranks killed (SIGKILL): the survivor holds only its
+    shards, so it saves nothing, says which checkpoint to resume from and
+    exits 75; the run resumed on one rank from there ends equal to the
+    uninterrupted one process."""
+    import re
+    import time
+    root, _ = resumed_runs
+    save, rdzv = tmp_path / "save", tmp_path / "rdzv"
+    ranks = [subprocess.Popen(list(map(str, leg_args(mnist, save, 2, 3, "--fsdp", "--distributed-timeout", "30",
+                                                     "--distributed-init-method", f"file://{rdzv}",
+                                                     "--distributed-rank", r, "--distributed-no-spawn"))),
+                              cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / f"r{r}.log", "w"), text=True) for r in (0, 1)]
+    log0 = tmp_path / "r0.log"
+    deadline = time.monotonic() + 300
+    while not re.search(r"\| update (9|1[0-7]) \|", log0.read_text()):  # past the save at update 6
+        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+        time.sleep(0.05)
+    ranks[1].kill()
+    assert ranks[0].wait(timeout=200) == 75
+    ranks[1].wait(timeout=60)
+    text = log0.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert "lost a peer of this run" in lines[0] and "under --fsdp a rank holds only its shard" in lines[0], lines
+    named = Path(re.search(r"rerun with --resume from the last checkpoint \((\S+)\)", lines[0]).group(1))
+    assert named.is_dir() and named.suffix == ".dcp" and not list(save.glob("*.pt"))  # no emergency save
+    update = read_extra_state(named)["train"]["num_updates"]
+    assert update in (6, 12)
+    done = in_process(leg_args(mnist, save, 1, 3, "--fsdp"))   # the resume on one rank: in this process
+    assert f"epoch 1, update {update}\n" in done
+    assert checkpoint(save)["train"]["samples_trained"] == 64 * 18
+    assert_close(checkpoint(save)["model"], checkpoint(root / "one", "checkpoint_1_18")["model"])

@@ -1,0 +1,222 @@
+"""The tests of test_resume.py (tests/unit) that start processes: the slow tier.
+
+Exact, crash-safe checkpoints and resume (issue 3).
+
+A run killed at a random update and resumed with --resume must end with model
+and optimizer state bitwise identical to an uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from conftest import assert_bitwise_equal
+from test_resume import REPO, command, compare_final, data, kill_after_checkpoint, load  # noqa: F401 (fixtures)
+
+
+def run(cmd, timeout=240):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """Uninterrupted runs, by --update-freq."""
+    refs = {}
+
+    def get(update_freq, *extra):
+        key = (update_freq, extra)
+        if key not in refs:
+            out = tmp_path_factory.mktemp(f"ref{update_freq}")
+            run(command(data, out, "--update-freq", str(update_freq), *extra))
+            refs[key] = load(out / "checkpoint_last.pt")
+        return refs[key]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("update_freq", [1, 3])
+def test_sigkill_then_resume_is_bitwise_identical(data, tmp_path, reference, update_freq):
+    # dropout stays on (the MNIST CNN's defaults): the RNG state must be restored too
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir, "--update-freq", str(update_freq))
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=update_freq)
+    assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
+    out = subprocess.run(cmd + ["--log-format", "simple", "--resume"], capture_output=True, text=True, cwd=REPO,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the newest save the kill left: a kill between a save's first name and its
+    # copy to checkpoint_last.pt leaves an earlier name of that save the newest
+    # (checkpoint_1_15.pt, checkpoint_best.pt, an epoch's checkpoint1.pt)
+    resumed = re.search(r"resumed from \S*checkpoint\w*\.pt: epoch \d+, update (\d+)\b", out.stderr)
+    assert resumed, out.stderr[:3000]  # the resume line comes before training's lines
+    assert 5 <= int(resumed.group(1)) < 60
+    compare_final(load(save_dir / "checkpoint_last.pt"), reference(update_freq))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_run_killed_and_resumed_equals_the_uninterrupted_compiled_run(data, tmp_path, reference):
+    # --compile (issue 12): the checkpoint holds the uncompiled module's keys and
+    # the resumed process compiles again; dropout on, in eager and compiled code
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir, "--compile")
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=5)
+    assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
+    out = run(cmd + ["--log-format", "simple", "--resume"])
+    resumed = re.search(r"resumed from \S*checkpoint\w*\.pt: epoch \d+, update (\d+)\b", out.stderr)
+    # the start of stderr: the resume line comes before training's lines
+    assert resumed and 5 <= int(resumed.group(1)) < 60, out.stderr[:3000]
+    assert "compiled: the first update took" in out.stderr
+    compare_final(load(save_dir / "checkpoint_last.pt"), reference(1, "--compile"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, reference):
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir)
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGTERM, seed=7)
+    assert code == 75, err[-2000:]
+    assert "--resume" in err
+    state = load(save_dir / "checkpoint_last.pt")
+    assert 5 <= state["train"]["num_updates"] < 60
+    run(cmd + ["--resume"])
+    compare_final(load(save_dir / "checkpoint_last.pt"), reference(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, reference):
+    save_dir = tmp_path / "run"
+    ref_dir = tmp_path / "ref"
+    cmd = command(data, save_dir, "--distributed-world-size", "2", "--max-sentences", "8")
+    run(command(data, ref_dir, "--distributed-world-size", "2", "--max-sentences", "8"))
+    # kill -9 every process of the run at once: no rank gets to save
+    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=3, group=True)
+    assert code == -signal.SIGKILL, err[-1000:]
+    killed_at = load(save_dir / "checkpoint_last.pt")["train"]["num_updates"]
+    assert killed_at % 5 == 0 and killed_at < 60  # an interval checkpoint, not a save on the way out
+    run(cmd + ["--resume"])
+    final, ref = load(save_dir / "checkpoint_last.pt"), load(ref_dir / "checkpoint_last.pt")
+    assert len(final["rng"]) == 2
+    compare_final(final, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kill_while_saving_never_leaves_last_checkpoint_unloadable(data, tmp_path):
+    save_dir = tmp_path / "run"
+    # a checkpoint at every update: most of the run is spent writing them
+    cmd = command(data, save_dir, "--save-interval-updates", "1")
+    for attempt in range(4):
+        code, _ = kill_after_checkpoint(cmd + (["--resume"] if attempt else []), save_dir, signal.SIGKILL,
+                                        min_checkpoint="checkpoint_last.pt", seed=attempt)
+        state = load(save_dir / "checkpoint_last.pt")  # must always load
+        assert state["format"].startswith("textbox_like")
+    leftovers = [p for p in save_dir.iterdir() if p.name.startswith(".")]
+    # temporary files of a killed writer may remain, but never under a checkpoint name
+    assert all(p.name.endswith((".tmp", ".lnk")) for p in leftovers)
+
+
+@pytest.mark.slow
+def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path):
+    from textbox_like import checkpoint as ck
+    from textbox_like.errors import UserError
+    good = tmp_path / "good.pt"
+    ck.atomic_save({"format": ck.FORMAT, "x": torch.ones(1000)}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:500])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    for path in (truncated, foreign):
+        with pytest.raises(UserError, match=path.name):
+            ck.load_checkpoint(path)
+    # and from the command line: one line, exit 2
+    out = subprocess.run(command(data, tmp_path / "out", "--restore-file", str(truncated)),
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "truncated.pt" in lines[0], out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keep_interval_updates_keeps_the_two_newest(data, tmp_path):
+    save_dir = tmp_path / "run"
+    run(command(data, save_dir, "--max-update", "30", "--keep-interval-updates", "2"))
+    names = [p.name for p in save_dir.glob("checkpoint_*_*.pt")]
+    updates = sorted(int(n.split("_")[2][:-3]) for n in names)
+    assert updates == [25, 30]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_after_raising_max_update_continues(data, tmp_path):
+    save_dir = tmp_path / "run"
+    schedule = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4"]
+    run(command(data, save_dir, "--max-update", "10", *schedule))
+    first = load(save_dir / "checkpoint_last.pt")
+    assert first["train"]["num_updates"] == 10
+    run(command(data, save_dir, "--max-update", "20", "--resume", *schedule))
+    second = load(save_dir / "checkpoint_last.pt")
+    assert second["train"]["num_updates"] == 20
+    assert second["scheduler"]["num_updates"] == 20
+    # the LR at update 20 of a 100-update linear decay after 4 warm-up updates
+    assert second["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.001 * (1 - 16 / 96))
+    # and it equals the uninterrupted 20-update run
+    ref_dir = tmp_path / "ref"
+    run(command(data, ref_dir, "--max-update", "20", *schedule))
+    assert_bitwise_equal(second["model"], load(ref_dir / "checkpoint_last.pt")["model"], "model")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp_path):
+    schedule = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4",
+                "--log-format", "json", "--log-interval", "1"]
+    run(command(data, tmp_path / "a", "--max-update", "10", *schedule))
+    out = subprocess.run(command(data, tmp_path / "b", "--max-update", "12", "--restore-file",
+                                 str(tmp_path / "a" / "checkpoint_last.pt"), "--reset-lr-scheduler", *schedule),
+                         capture_output=True, text=True, cwd=REPO, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lrs = [json.loads(x)["lr"] for x in out.stderr.splitlines() if x.startswith("{") and '"train"' in x]
+    # update 11 trained with the LR of update 10 -> logged after the step as lr_at(11)
+    assert lrs[0] == pytest.approx(0.001 * (1 - (11 - 4) / 96))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_metrics_jsonl_has_no_repeated_updates_after_kill_and_resume(data, tmp_path):
+    save_dir = tmp_path / "run"
+    cmd = command(data, save_dir, "--log-interval", "1")
+    code, _ = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=11)
+    assert code == -signal.SIGKILL
+    run(cmd + ["--resume"])
+    updates = [json.loads(x)["update"] for x in open(save_dir / "metrics.jsonl") if '"kind": "train"' in x]
+    assert updates == list(range(1, 61))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_with_another_world_size_and_batch_continues_the_epoch(data, tmp_path):
+    """1 process x 16 for 10 updates, then 2 processes x 8: the rest of the
+    epoch is re-planned from the same offset, nothing skipped or repeated."""
+    save_dir = tmp_path / "run"
+    run(command(data, save_dir, "--max-update", "10"))
+    first = load(save_dir / "checkpoint_last.pt")
+    assert (first["iterator"]["epoch"], first["iterator"]["offset"]) == (1, 160)
+    run(command(data, save_dir, "--max-update", "20", "--resume", "--distributed-world-size", "2",
+                "--max-sentences", "8"))
+    second = load(save_dir / "checkpoint_last.pt")
+    assert second["train"]["num_updates"] == 20 and second["world_size"] == 2
+    # 10 more updates of 2 x 8 samples: 160 + 160 samples into the 384-sample epoch
+    assert (second["iterator"]["epoch"], second["iterator"]["offset"]) == (1, 320)
+    assert len(second["rng"]) == 2

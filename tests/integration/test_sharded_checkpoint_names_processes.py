@@ -1,0 +1,383 @@
+"""The tests of test_sharded_checkpoint_names.py (tests/unit) that start processes: the slow tier.
+
+The names of sharded (--fsdp, ``.dcp``) checkpoints in a save directory
+(review of issue 32): --restore-file of the run's own ``.dcp`` continues the
+run; a new run there is refused naming the newest checkpoint and its update;
+a name's replaced data stays until its next save, so a reader (export, eval)
+that began before a save reads the checkpoint it began with, whole; ``cp -rL``
+copies a checkpoint whole (README); a --fsdp run whose ranks do not share the
+save directory stops at start in one line, and one that sees rank 0's lock
+late (a shared file system's cache) goes on; two ranks that reach the save
+directory through different paths (another mount point) resume and save; the
+non-finite check before a save gathers no weights; what a kill between a
+save's renames leaves goes at the next start, a finished run keeps one copy
+of each checkpoint, and the data a user's ``mv`` or ``ln -s`` of a ``.dcp``
+points to stays. Real processes: the trainer, two ranks over gloo, a rank in
+a mount namespace of its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every_rank, read_extra_state,
+                                            read_full_model_state, read_manifest)
+from textbox_like.export import main as export_main
+
+from conftest import RANK_LEAVES, clean_env, free_port
+from test_sharded_checkpoint_names import (  # noqa: F401 (fixtures)
+    PY, copy_run, data_directories_of, error_lines, four_updates, kept_links, mnist, mnist_args)
+
+
+# the tests that start processes (ranks, a killed or held run, a second reader) carry the marker; the rest
+# run the trainer in-process: what they test is the names a run leaves, not a process
+slow = pytest.mark.slow
+
+
+def run(cmd, expect=0, **kwargs):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), **kwargs)
+    assert out.returncode == expect, out.stderr[-4000:]
+    return out
+
+
+# ------------------------------------------------------------------ item 10: copies and readers of a name
+@slow  # the README's cp -rL, as a user runs it
+def test_cp_rL_copies_a_sharded_checkpoint_whole(mnist, four_updates, tmp_path, capfd):
+    """The README's copy: the copy is a directory of plain files that verifies
+    and exports after the run's own directory is gone."""
+    save = copy_run(four_updates, tmp_path / "save")
+    expected = consolidated_state(save / "checkpoint_last.dcp")
+    subprocess.run(["cp", "-rL", str(save / "checkpoint_last.dcp"), str(tmp_path / "keep.dcp")], check=True)
+    shutil.rmtree(save)
+    copy = tmp_path / "keep.dcp"
+    assert copy.is_dir() and not copy.is_symlink() and not any(p.is_symlink() for p in copy.iterdir())
+    copied = consolidated_state(copy)  # every file's digest checked first
+    assert copied["train"]["num_updates"] == 4
+    assert all(torch.equal(copied["model"][k], expected["model"][k]) for k in expected["model"])
+    capfd.readouterr()
+    assert export_main([str(copy), "--to", str(tmp_path / "export")]) == 0
+    assert "update 4: task mnist" in capfd.readouterr().out and (tmp_path / "export" / "model.safetensors").is_file()
+
+READER = '''
+import json, sys, time
+from pathlib import Path
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from textbox_like.sharded_checkpoint import consolidated_state
+name, reading, go, out = map(Path, sys.argv[1:])
+read_data = FileSystemReader.read_data
+
+def paused_read_data(self, *args, **kwargs):  # verified and planned: the shards are read next
+    reading.write_text("reading")
+    while not go.exists():
+        time.sleep(0.05)
+    return read_data(self, *args, **kwargs)
+
+FileSystemReader.read_data = paused_read_data
+state = consolidated_state(name)
+out.write_text(json.dumps({"update": state["train"]["num_updates"],
+                           "model": {k: v.double().sum().item() for k, v in state["model"].items()}}))
+'''
+
+
+@slow
+def test_reader_of_a_name_reads_the_checkpoint_it_began_with_across_a_save(mnist, four_updates, tmp_path):
+    """``textbox-like export``/``eval``'s read of checkpoint_last.dcp, a second
+    process, has verified the update-4 checkpoint when the training run
+    (resumed) saves update 6 under that name and goes on (held in update 7 by
+    the slow-rank hook: the run's end drops the replaced data); it goes on
+    reading: weights and train state of update 4, whole, not files of the new save."""
+    save = copy_run(four_updates, tmp_path / "save")
+    expected = read_full_model_state(save / "checkpoint_1_4.dcp")
+    (tmp_path / "reader.py").write_text(READER)
+    files = [tmp_path / name for name in ("reading", "go", "out.json")]
+    reader = subprocess.Popen([PY, str(tmp_path / "reader.py"), str(save / "checkpoint_last.dcp"), *map(str, files)],
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    training = None
+    try:
+        while not files[0].exists():
+            assert reader.poll() is None, reader.communicate()[1][-3000:]
+            time.sleep(0.05)
+        data4 = os.readlink(save / "checkpoint_last.dcp")
+        training = subprocess.Popen(mnist_args(mnist, save, "--max-update", 8, "--resume"),
+                                    env={**clean_env(), "TEXTBOX_LIKE_SLOW_RANK": "0:1000@7"},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        while os.readlink(save / "checkpoint_last.dcp") == data4:  # published: the run goes on to update 7
+            assert training.poll() is None, training.communicate()[1][-3000:]
+            time.sleep(0.05)
+        assert read_extra_state(save / "checkpoint_last.dcp")["train"]["num_updates"] == 6
+        files[1].write_text("go")
+        _, err = reader.communicate(timeout=300)
+        assert training.poll() is None  # still in update 7: not finished
+    finally:
+        for proc in (reader, training):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert reader.returncode == 0, err[-3000:]
+    got = json.loads(files[2].read_text())
+    assert got["update"] == 4
+    assert got["model"] == {k: v.double().sum().item() for k, v in expected.items()}
+
+
+# ------------------------------------------------------------------ item 11: a save directory not shared
+@slow
+def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(mnist, tmp_path):
+    """Two ranks whose --save-dir is the same relative path from different
+    working directories, as two nodes without a shared disk: both stop with
+    one line before training, rank 0's lock released, nothing saved."""
+    rdzv = tmp_path / "rdzv"
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    procs = []
+    for rank, node in enumerate(nodes):
+        node.mkdir()
+        procs.append(subprocess.Popen(
+            mnist_args(mnist, "save", "--max-update", 4, "--distributed-world-size", 2, "--distributed-gpus", 1,
+                       "--distributed-rank", rank, "--distributed-init-method", f"file://{rdzv}",
+                       "--distributed-timeout", 120),
+            # ranks that never see the lock look again for 3 s, not LOCK_LOOKS (30 s): the same refusal
+            cwd=node, env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "lock_looks=3"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs[0][-3000:] + errs[1][-3000:]
+    line = (f"error: --fsdp needs a --save-dir that every rank shares (each writes its shards of every checkpoint "
+            f"there): rank(s) 1 do not see rank 0's lock file in save; give every node the same directory on a "
+            f"shared file system, or pass --no-save")
+    for err in errs:
+        assert error_lines(err) == [line] and "Traceback" not in err, err[-3000:]
+    saved = nodes[0] / "save"
+    assert not list(saved.glob("checkpoint*")) and not (saved / "run.lock").exists()
+    assert not any("| update" in err for err in errs)  # stopped before the first update
+
+
+def rank_args(mnist, save_dir, rank, rdzv, *extra):
+    return mnist_args(mnist, save_dir, "--distributed-world-size", 2, "--distributed-gpus", 1, "--distributed-rank",
+                      rank, "--distributed-init-method", f"file://{rdzv}", "--distributed-timeout", 120, *extra)
+
+
+@slow
+def test_fsdp_rank_that_sees_rank_0s_lock_late_goes_on(mnist, tmp_path):
+    """A shared file system whose client shows a fresh file late (NFS's
+    lookup cache): rank 1's --save-dir appears only after its first look
+    (the test links it to rank 0's directory once rank 1 says it looks
+    again); both ranks train and save, each its own shards."""
+    shared, late = tmp_path / "shared" / "save", tmp_path / "late"
+    rdzv, log1 = tmp_path / "rdzv", tmp_path / "rank1.err"
+    with open(log1, "w") as err1:
+        procs = [subprocess.Popen(rank_args(mnist, shared, 0, rdzv, "--max-update", 4), env=clean_env(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+                 subprocess.Popen(rank_args(mnist, late / "save", 1, rdzv, "--max-update", 4), env=clean_env(),
+                                  stdout=subprocess.DEVNULL, stderr=err1, text=True)]
+        try:
+            while "looking again" not in log1.read_text():
+                assert procs[1].poll() is None, log1.read_text()[-3000:]
+                time.sleep(0.1)
+            late.symlink_to(shared.parent)  # the lock shows up on rank 1's node
+            err0 = procs[0].communicate(timeout=600)[1]
+            procs[1].wait(timeout=600)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    err1 = log1.read_text()
+    assert [p.returncode for p in procs] == [0, 0], err0[-3000:] + err1[-3000:]
+    assert [line for line in err1.splitlines() if line.startswith("warning: rank 1")] == [
+        f"warning: rank 1 does not see rank 0's lock file in {late / 'save'} (yet?); looking again for up to 30 s, "
+        f"as a shared file system may show a new file late"]
+    last = shared / "checkpoint_last.dcp"
+    assert read_extra_state(last)["train"]["num_updates"] == 4
+    assert read_manifest(last)["world_size"] == 2 and (last / "__1_0.distcp").is_file()
+
+
+def own_mount_namespace(real, seen_as):
+    """The command prefix of a process that sees the directory ``real`` only
+    at ``seen_as`` (a node that mounts the shared file system elsewhere):
+    ``real`` bind-mounted there in a mount namespace of its own, an empty
+    tmpfs over ``real`` itself."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) (util-linux) to give a rank a mount namespace of its own")
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-Urm"]  # the latter: user namespaces
+    seen_as.mkdir()
+    # a machine or container without user namespaces (or without the right to
+    # mount in one) cannot run this test: a skip that says so, not a failure
+    probe = subprocess.run([*unshare, "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0"', str(seen_as)],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs a mount namespace (root, or user namespaces): {' '.join(unshare)} failed: "
+                    f"{probe.stderr.strip()}")
+    script = 'mount --bind "$0" "$1" && mount -t tmpfs -o size=1m tmpfs "$0" && shift && exec "$@"'
+    return [*unshare, "sh", "-c", script, str(real), str(seen_as)]
+
+
+@slow
+def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_and_save(mnist, four_updates,
+                                                                                        tmp_path):
+    """Rank 1's node mounts the shared file system elsewhere: rank 0's path
+    of the save directory (and of the data directory checkpoint_last.dcp
+    points to) does not exist there. --resume on two ranks reads the
+    update-4 checkpoint on both and saves updates 6 with both ranks' shards."""
+    shared, mount1, rdzv = tmp_path / "shared", tmp_path / "mnt1", tmp_path / "rdzv"
+    save = copy_run(four_updates, shared / "save")
+    prefix = own_mount_namespace(shared, mount1)
+    procs = [subprocess.Popen(rank_args(mnist, save, 0, rdzv, "--resume", "--max-update", 6), env=clean_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(prefix + rank_args(mnist, mount1 / "save", 1, rdzv, "--resume", "--max-update", 6),
+                              env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    try:
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in errs[0]
+    for name in ("checkpoint_1_6.dcp", "checkpoint_last.dcp"):
+        assert read_extra_state(save / name)["train"]["num_updates"] == 6
+        assert read_manifest(save / name)["world_size"] == 2 and (save / name / "__1_0.distcp").is_file()
+
+
+@slow
+def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(four_updates, tmp_path):
+    """What crosses to the other ranks is a name beside the path each rank
+    gives: a published name's data directory, a copy itself, and the
+    directory a link of the user's to elsewhere points to when rank 0 looks,
+    reached through each rank's own path."""
+    save = copy_run(four_updates, tmp_path / "save")
+    alias = tmp_path / "alias"
+    alias.symlink_to(save)  # another path to the same directory
+    name = os.readlink(save / "checkpoint_last.dcp")
+    assert pinned_on_every_rank(alias / "checkpoint_last.dcp") == alias / name
+    copy = tmp_path / "copy.dcp"
+    subprocess.run(["cp", "-rL", str(save / "checkpoint_last.dcp"), str(copy)], check=True)
+    assert pinned_on_every_rank(copy) == copy
+    (save / "elsewhere.dcp").symlink_to(copy)
+    read = pinned_on_every_rank(alias / "elsewhere.dcp")
+    assert read.resolve() == copy.resolve() and str(read).startswith(f"{alias}{os.sep}")
+    # the link repointed after rank 0 pinned it (another run saving its published name anew):
+    # the path every rank reads is still the pinned checkpoint
+    later = tmp_path / "later.dcp"
+    later.mkdir()
+    (save / "elsewhere.dcp").unlink()
+    (save / "elsewhere.dcp").symlink_to(later)
+    assert read.resolve() == copy.resolve()
+
+
+# ------------------------------------------------------------------ kept data directories
+@slow
+def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist, four_updates, tmp_path):
+    """A finished run keeps one data directory per name and no kept link. A
+    run killed (SIGKILL) between its save's renames, after checkpoint_1_4's
+    new data is in place and before the name points to it: the name keeps
+    its update-4 checkpoint, and the next start removes the new data (no
+    link points to it) although checkpoint_1_4.dcp is never saved again."""
+    assert kept_links(four_updates) == []
+    assert {name: len(dirs) for name, dirs in data_directories_of(four_updates).items()} == {
+        "checkpoint_1_2.dcp": 1, "checkpoint_1_4.dcp": 1, "checkpoint_last.dcp": 1}
+    save = copy_run(four_updates, tmp_path / "save")
+    before = set(data_directories_of(save)["checkpoint_1_4.dcp"])
+    run_to_4 = subprocess.Popen(mnist_args(mnist, save, "--max-update", 4, "--restore-file", "checkpoint_1_2.dcp"),
+                                env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=3600"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before:
+            assert run_to_4.poll() is None, run_to_4.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.kill(run_to_4.pid, signal.SIGKILL)
+    finally:
+        if run_to_4.poll() is None:
+            run_to_4.kill()
+        run_to_4.communicate(timeout=60)
+    assert run_to_4.returncode == -signal.SIGKILL
+    orphan, = set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before
+    assert [save / os.readlink(save / "checkpoint_1_4.dcp")] == sorted(before)
+    assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
+
+    out = run(mnist_args(mnist, save, "--resume", "--max-update", 4))  # at update 4 already: no save
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in out.stderr
+    assert not orphan.exists()
+    assert not list(save.glob(".checkpoint*.partial")) and not list(save.glob(".checkpoint*.link"))
+    assert data_directories_of(save)["checkpoint_1_4.dcp"] == sorted(before)
+    assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
+
+
+@slow
+def test_a_run_taken_over_between_a_saves_renames_removes_nothing_of_the_new_owner(mnist, four_updates, tmp_path):
+    """A run held between its save's renames (TEXTBOX_LIKE_TEST_DELAY=renamed)
+    while a newer run takes the directory over (run.lock now holds another
+    token) and renames its own data directory of checkpoint_1_4.dcp into
+    place, not linked yet: the old run wakes and exits 77 without removing
+    that directory, and without repointing the name."""
+    save = copy_run(four_updates, tmp_path / "save")
+    before = set(data_directories_of(save)["checkpoint_1_4.dcp"])
+    linked = os.readlink(save / "checkpoint_1_4.dcp")
+    old_run = subprocess.Popen(mnist_args(mnist, save, "--max-update", 4, "--restore-file", "checkpoint_1_2.dcp"),
+                               env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=10"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before:
+            assert old_run.poll() is None, old_run.communicate()[1][-3000:]
+            time.sleep(0.1)
+        lock = json.loads((save / "run.lock").read_text())
+        (save / ".run.lock.newer").write_text(json.dumps({**lock, "token": "f" * len(lock["token"]), "pid": 1}))
+        os.replace(save / ".run.lock.newer", save / "run.lock")  # the newer run's lock
+        newer = save / ".checkpoint_1_4.dcp.feedf00d"
+        newer.mkdir()
+        (newer / ".metadata").write_bytes(b"the newer run's shards")
+        _, stderr = old_run.communicate(timeout=200)
+    finally:
+        if old_run.poll() is None:
+            old_run.kill()
+            old_run.communicate(timeout=60)
+    assert old_run.returncode == 77, stderr[-3000:]
+    assert "no longer owns the run" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert (newer / ".metadata").read_bytes() == b"the newer run's shards"
+    assert os.readlink(save / "checkpoint_1_4.dcp") == linked
+
+# ------------------------------------------------------------------ item 16: the check before a save
+CHECK_SCRIPT = '''
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
+from textbox_like.training.checkpointer import weights_finite
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+said = {}
+for case in ("finite", "nan in rank 1's shard"):
+    if case != "finite" and rank == 1:
+        with torch.no_grad():
+            model[2].weight.to_local()[0, 0] = float("nan")
+    with CommDebugMode() as comm:
+        said[case] = [weights_finite(list(model.parameters()), 2), comm.get_total_counts()]
+open(sys.argv[1] + str(rank), "w").write(json.dumps(said))
+dist.destroy_process_group()
+'''
+
+
+@slow
+def test_non_finite_check_before_a_save_is_one_collective_and_gathers_no_weight(tmp_path):
+    """Two FSDP ranks: every rank learns that one rank's shard holds a NaN,
+    through one collective (no all-gather of a weight per parameter)."""
+    script = tmp_path / "check.py"
+    script.write_text(CHECK_SCRIPT + RANK_LEAVES)
+    port = free_port()
+    procs = [subprocess.Popen([PY, str(script), str(tmp_path / "said")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**clean_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for rank in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for rank in (0, 1):
+        said = json.loads((tmp_path / f"said{rank}").read_text())
+        assert said == {"finite": [True, 1], "nan in rank 1's shard": [False, 1]}, (rank, said)
