@@ -71,3 +71,24 @@ def test_no_writable_place_for_the_cache_is_one_line_naming_the_variable(tmp_pat
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert lines[0].startswith(f"error: no writable place for the tokenised data: {data / '.hf_cache'} (")
     assert lines[0].endswith("; set HF_DATASETS_CACHE to a writable directory"), lines[0]
+
+
+def test_a_first_run_tokenises_each_split_once_saying_so_and_the_next_run_reads_them_silently(tmp_path, capfd):
+    """A fast tokenizer's serialisation holds the truncation and padding its
+    last call set: keyed on it, a first run tokenised train twice (once
+    before its tokenizer had been called, once after) and a second run
+    tokenised valid again. Each split is one cache file, written once."""
+    model = write_model(tmp_path / "model", "sequence_classification")
+    data = write_text_data(tmp_path / "data", n_train=48, n_valid=16)
+    first = run(model, data, tmp_path / "a", capfd)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cache = data / ".hf_cache"
+    written = {p.name: p.stat().st_mtime_ns for p in cache.glob("tokenized-*.arrow")}
+    assert len(written) == 2, sorted(written)     # train and valid, once each
+    assert [n for n in notes(first) if n.startswith("note: tokenizing")] == [
+        f"note: tokenizing 48 rows into {cache} (once: later runs read them from there)",
+        f"note: tokenizing 16 rows into {cache} (once: later runs read them from there)"], notes(first)
+    second = run(model, data, tmp_path / "b", capfd)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert not [n for n in notes(second) if "tokenizing" in n], notes(second)
+    assert {p.name: p.stat().st_mtime_ns for p in cache.glob("tokenized-*.arrow")} == written

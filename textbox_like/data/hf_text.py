@@ -291,11 +291,23 @@ def tokenize_rows(rows, *, tokenizer, columns, label_ids):
     return out
 
 
+#: the parts of a fast tokenizer's serialisation that its last call left there, not what it is: a call with
+#: truncation or padding sets them on the backend, so a tokenizer that had tokenised one split serialised
+#: otherwise and the next split's cache key changed (a first run tokenised train twice, a second re-tokenised
+#: valid). Each call sets its own, from the columns the key holds.
+CALL_STATE = ("truncation", "padding")
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """What identifies a tokenizer's output: its full serialisation where it
-    has one (fast tokenizers), else its vocabulary."""
+    has one (fast tokenizers; without the state a call leaves, CALL_STATE),
+    else its vocabulary."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    if backend is not None:
+        serialised = json.loads(backend.to_str())
+        text = json.dumps({k: v for k, v in serialised.items() if k not in CALL_STATE}, sort_keys=True)
+    else:
+        text = json.dumps(tokenizer.get_vocab(), sort_keys=True)
     special = json.dumps({k: str(v) for k, v in tokenizer.special_tokens_map.items()}, sort_keys=True)
     return hashlib.sha1((text + special).encode()).hexdigest()
 
@@ -314,6 +326,9 @@ def tokenize(raw, tokenizer, columns: TextColumns, cache_dir, label_ids=None, nu
     num_proc = max(1, min(num_proc, len(raw)))
     fn = functools.partial(tokenize_rows, tokenizer=tokenizer, columns=columns, label_ids=label_ids)
     drop_damaged_cache(cache_dir, key)
+    if not cache_files(cache_dir, key):  # the one wait before the start line that grows with the data
+        from ..errors import note
+        note(f"tokenizing {len(raw):,} rows into {cache_dir} (once: later runs read them from there)")
     tokenized = raw.map(fn, batched=True, num_proc=num_proc if num_proc > 1 else None,
                         remove_columns=raw.column_names, cache_file_name=str(cache_dir / f"tokenized-{key}.arrow"),
                         load_from_cache_file=True, new_fingerprint=key, desc="tokenizing")
