@@ -77,3 +77,16 @@ def test_labels_within_the_trained_head_keep_it_and_a_model_without_one_says_its
     untrained = write_model(tmp_path / "config_only", "sequence_classification", weights=False)
     said = start_line(run(untrained, data, tmp_path, capfd, "--save-dir", tmp_path / "run2"))
     assert "| new classification head: 2 classes |" in said + " |"
+
+
+def test_a_csv_row_with_too_many_fields_is_our_one_line_alone(tmp_path, capfd):
+    """datasets' csv builder logs "Failed to read file ... with error ..."
+    before it raises: that line came first, then ours with the same words.
+    The whole of stderr is now the one error line."""
+    model = write_model(tmp_path / "model", "sequence_classification")
+    data = csv_data(tmp_path, [0, 1, 0, 1], [0, 1])
+    (data / "train.csv").write_text('text,label\n"the cat sees a dog",1\n"a big red fish",0,3,4,5\n')
+    out = run(model, data, tmp_path, capfd)
+    assert error_line(out) == (f"error: {str(data / 'train.csv')!r} could not be read as csv: Error tokenizing "
+                               f"data. C error: Expected 2 fields in line 3, saw 5")
+    assert out.stderr.strip().splitlines() == [error_line(out)], out.stderr

@@ -166,12 +166,18 @@ def load_file(path):
         raise UserError(f"{str(path)!r}: unknown file type {path.suffix!r}; use one of "
                         f"{', '.join(BUILDERS)}")
     extra = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+    # a file that does not parse is one line, ours, below: datasets' own builders log it first ("Failed to
+    # read file ... with error ...") before they raise, so their logging is kept to what is critical meanwhile
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return datasets.load_dataset(builder, data_files={"rows": str(path)}, split="rows",
                                      cache_dir=str(writable_cache(path.parent / CACHE_DIR)), **extra)
     except (ValueError, datasets.exceptions.DatasetGenerationError) as exc:
         cause = exc.__cause__ or exc
         raise UserError(f"{str(path)!r} could not be read as {builder}: {str(cause).splitlines()[0]}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def writable_cache(directory) -> Path:
