@@ -246,11 +246,26 @@ class UpdateStep:
         t.log.info(f"update {update}: gradient norm {gnorm} is not finite; update skipped "
                    f"({self.nonfinite_in_a_row} in a row)")
         if self.nonfinite_in_a_row >= t.cfg.runtime.max_nonfinite_updates:
-            last = t.checkpointer.checkpoints.newest_good()
-            raise Diverged(f"training diverged at update {update}: {self.nonfinite_in_a_row} updates in a row "
-                           f"had a non-finite loss or gradient norm; the learning rate is likely too high (or "
-                           f"float16 overflows: try --bf16); "
-                           + (f"the last finite checkpoint is {last}" if last else "no checkpoint was saved"))
+            raise self.diverged(f"training diverged at update {update}: {self.nonfinite_in_a_row} updates in a row "
+                                f"had a non-finite loss or gradient norm")
+
+    def refuse_a_run_of_skips(self):
+        """At the end of the run: a run whose every update was skipped (a
+        loss that is never finite) trained nothing, however few it tried
+        (an epoch shorter than --max-nonfinite-updates ended it "done", its
+        epoch checkpoint holding the untrained weights of update 0)."""
+        t = self.trainer
+        if t.state.num_updates == 0 and t.state.skipped_updates:
+            raise self.diverged(f"training diverged: none of the {t.state.skipped_updates} updates tried had a finite "
+                                f"loss and gradient norm")
+
+    def diverged(self, what: str) -> Diverged:
+        t = self.trainer
+        last = t.checkpointer.checkpoints.newest_good() if t.state.num_updates else None
+        where = (f"the last finite checkpoint is {last}" if last else "no checkpoint was saved" if t.state.num_updates
+                 else "no update was made, so no checkpoint holds a trained one")
+        return Diverged(f"{what}; the learning rate is likely too high (or float16 overflows: try --bf16), or the "
+                        f"task's loss is not finite on any batch; {where}")
 
 
 def refuse_loss_shape(task, terms):

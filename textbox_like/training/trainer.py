@@ -203,6 +203,7 @@ class Trainer:
             self.log.end_epoch()
             if self.feed.end_of_epoch():
                 self.end_epoch()
+        self.step.refuse_a_run_of_skips()
         return self.lifecycle.finish()
 
     def after_update(self) -> bool:
