@@ -298,6 +298,28 @@ def usable_cpus() -> int:
     return max(1, min(count, quota) if quota else count)
 
 
+def ranks_on_this_machine(group=None) -> int:
+    """How many ranks of the run share this machine's cores: what torchrun's
+    LOCAL_WORLD_SIZE says, also where each process was started alone (by
+    hand, by HetSeq's flags with --distributed-gpus 1, two agents on one
+    machine), which each see a local world of one. A machine is known by its
+    boot id (containers on one machine share its cores and its boot id),
+    else its host name. 1 without a process group."""
+    import socket
+
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return 1
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            machine = handle.read().strip()
+    except OSError:
+        machine = socket.gethostname()
+    machines = [None] * dist.get_world_size(group)
+    dist.all_gather_object(machines, machine, group=group)
+    return max(1, machines.count(machine))
+
+
 def _cgroup_cpu_quota():
     """CPUs the cgroup's quota allows (rounded up), or None where unlimited."""
     import math

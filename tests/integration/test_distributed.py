@@ -106,6 +106,26 @@ def test_unequal_ranks_match_one_process(data, tmp_path, one):
     assert valid(save)["accuracy"] == valid(one)["accuracy"]
 
 
+@pytest.mark.timeout(300)
+def test_ranks_started_one_by_one_on_one_machine_share_its_cores(data, tmp_path):
+    """Two ranks started by hand with HetSeq's flags, one process each
+    (--distributed-gpus 1): each saw a local world of one and took every
+    core of the machine (2 threads each on 2 cores). They count the ranks on
+    their machine and split its cores, as torchrun's ranks do."""
+    from textbox_like.distributed import usable_cpus
+    common = ["--distributed-init-method", f"file://{tmp_path / 'rdzv'}", "--distributed-world-size", "2",
+              "--distributed-gpus", "1", "--max-sentences", "16"]
+    args = base(data, tmp_path / "out", *common)
+    del args[args.index("--threads"):args.index("--threads") + 2]   # the threads are the run's to choose
+    procs = [subprocess.Popen([PY, "run_hetseq.py", *args, "--max-update", "2", "--distributed-rank", str(rank)],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    threads = max(1, usable_cpus() // 2)
+    start = next(line for line in errs[0].splitlines() if line.startswith("task mnist"))
+    assert f"device cpu:0 ({threads} thread{'s' if threads > 1 else ''})" in start, start
+
+
 @pytest.mark.timeout(400)
 def test_two_nodes_file_rendezvous_world_size_3(data, tmp_path):
     rdzv = tmp_path / "rdzv"

@@ -98,6 +98,9 @@ class Trainer:
         acc = self.accelerator
         self.rank, self.world, self.is_main = acc.process_index, acc.num_processes, acc.is_main_process
         self.host_group = distributed.host_group()
+        if not cfg.runtime.threads and self.world > 1:  # ranks started one by one share a machine's cores too
+            sharing = max(placement.local_world_size, distributed.ranks_on_this_machine(self.host_group))
+            threads = max(1, distributed.usable_cpus() // sharing)
         self.preemption = Preemption(self.host_group, self.world, announce=self.is_main)
         self.log = Logger(cfg, self.is_main, acc)
         torch.set_num_threads(threads)
