@@ -331,6 +331,7 @@ def tokenize(raw, tokenizer, columns: TextColumns, cache_dir, label_ids=None, nu
         num_proc = min(8, os.cpu_count() or 1) if len(raw) >= 20000 else 1
     num_proc = max(1, min(num_proc, len(raw)))
     fn = functools.partial(tokenize_rows, tokenizer=tokenizer, columns=columns, label_ids=label_ids)
+    drop_abandoned_writes(cache_dir)
     drop_damaged_cache(cache_dir, key)
     if not cache_files(cache_dir, key):  # the one wait before the start line that grows with the data
         from ..errors import note
@@ -354,6 +355,31 @@ def digests_path(cache_dir: Path, key: str) -> Path:
 def file_digest(path) -> str:
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "blake2b").hexdigest()
+
+
+#: a temporary file of datasets' map (tempfile's tmpXXXXXXXX, renamed to its cache file when whole) not written
+#: to for this long was left by a run killed while tokenising, not one tokenising now (it writes as it goes)
+ABANDONED_AFTER_S = 3600
+
+
+def drop_abandoned_writes(cache_dir: Path) -> None:
+    """Remove the partial tokenised files of runs killed while they wrote
+    them (as large as the data, never read again), with a line."""
+    import time
+    now = time.time()
+    left = []
+    for path in cache_dir.glob("tmp*"):
+        try:
+            if path.is_file() and now - path.stat().st_mtime > ABANDONED_AFTER_S:
+                size = path.stat().st_size
+                path.unlink()
+                left.append((path.name, size))
+        except OSError:   # another run removed it first, or it cannot be: it stays
+            continue
+    if left:
+        from ..errors import note
+        note(f"removed {len(left)} partial tokenised file(s) of a run killed while tokenising "
+             f"({sum(size for _, size in left) / 2 ** 20:.1f} MiB in {cache_dir}: {', '.join(n for n, _ in left)})")
 
 
 def drop_damaged_cache(cache_dir: Path, key: str) -> None:
