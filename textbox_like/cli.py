@@ -133,8 +133,8 @@ def run(cfg):
         stale = (f"; if the rendezvous file {init[len('file://'):]} was left by an earlier run, delete it and "
                  f"rerun") if init.startswith("file://") else ""
         print(f"error: rank {os.environ.get('RANK', '?')}: another process of this run died or is "
-              f"unreachable ({first}){stale}; stopping", file=sys.stderr)
-        return 1
+              f"unreachable ({first}){stale}; stopping (exit 75: the same command can be run again)", file=sys.stderr)
+        return StoppedEarly.exit_code   # lost outside training (setting up, tokenising): a retry may go on
     finally:
         # on every way out, also an exception re-raised: leave the process
         # group (a group torn down by the interpreter at exit, with its peer

@@ -405,9 +405,12 @@ def _supervise(placements, argv, timeout, environment=None):
         alive = [c for c in children if c.poll() is None]
         for child in children:
             rc = child.returncode
-            if rc not in (None, 0) and code == 0:
+            if rc not in (None, 0) and (code == 0 or code > 128 and 0 < rc < 128):
+                # the node's code is the first a child chose (an error, 75 from a survivor of a lost peer)
+                # rather than a signal's (128 + N): a rank killed as a node dies leaves its survivors to say
+                # what the run can do (a requeue script retries 75)
                 code = rc if rc > 0 else 128 - rc
-                failed_at = time.monotonic()
+                failed_at = failed_at or time.monotonic()
         if not alive:
             # the children are gone: nothing to forward, and a late signal must
             # not kill this process by the signal while it exits with theirs
