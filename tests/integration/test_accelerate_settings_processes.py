@@ -1,13 +1,6 @@
 """The tests of test_accelerate_settings.py (tests/unit) that start processes: the slow tier.
 
-Accelerate's settings honoured (issue 10 item 1) and HetSeq's validation at
-interval saves, ESPnet2's ReduceLROnPlateau (issue 10 items 3 and 5).
-
-``accelerate launch`` flags and an ``accelerate config`` file reach the
-trainer as ACCELERATE_* variables: mixed precision and gradient accumulation
-come from them unless our own options say otherwise, and the start line names
-the source that won.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

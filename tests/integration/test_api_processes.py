@@ -1,9 +1,6 @@
 """The tests of test_api.py (tests/unit) that start processes: the slow tier.
 
-The Python API and the typed configuration (issue 20): textbox_like.train
-and textbox_like.evaluate from a Python process, errors as one line, each
-component handed its own frozen section, provenance of every value.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

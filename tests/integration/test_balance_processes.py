@@ -1,12 +1,6 @@
 """The tests of test_balance.py (tests/unit) that start processes: the slow tier.
 
-Unlike devices in one run (issue 21): a fixed global batch split over the
-ranks, micro-batches under a per-rank cap, re-splits by measured speed, the
-split in checkpoints, out-of-memory retries, DDP communication hooks.
-
-Multi-rank runs are subprocesses on CPU (gloo); a slower rank is made with
-the test-only TEXTBOX_LIKE_SLOW_RANK (balance.py), not a busy loop.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import contextlib

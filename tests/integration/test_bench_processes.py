@@ -1,9 +1,6 @@
 """The tests of test_bench.py (tests/unit) that start processes: the slow tier.
 
-python -m textbox_like.bench, every mode on tiny settings. Nothing here is
-timed: the tests check that each mode runs and reports what it promises
-(medians, per-round figures, ratios), never the figures themselves.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,6 @@
 """The tests of test_cli_errors.py (tests/unit) that start processes: the slow tier.
 
-Bad input answers with exactly one line on stderr starting 'error:', exit
-code 2 and no traceback; --help answers at once.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import subprocess

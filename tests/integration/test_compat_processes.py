@@ -1,11 +1,6 @@
 """The tests of test_compat.py (tests/unit) that start processes: the slow tier.
 
-Users arriving from other tools: each tool's documented options go through
---print_config and a short run (a few updates on the tiny MNIST of conftest).
-
-ESPnet2, kanachan, HetSeq and TextBox option names; the Accelerate launcher
-and the trainer-side behaviours are tested elsewhere.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import pytest

@@ -1,10 +1,6 @@
 """The tests of test_compile.py (tests/unit) that start processes: the slow tier.
 
---compile (issue 12): compiled training equals eager within float tolerance,
-compile time is reported apart, a model names the parts worth compiling on a
-device, and a model or platform that cannot compile trains eager after one line.
-Exact resume of a compiled run: tests/integration/test_resume_processes.py.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import pytest

@@ -1,12 +1,6 @@
 """The tests of test_ctrl_c.py (tests/unit) that start processes: the slow tier.
 
-Ctrl-C (issue 51, item 9): a first Ctrl-C in training saves the update
-under way and stops as SIGTERM does, with Ctrl-C's exit code (130) and the
-line that says how to resume; a second one aborts at once. The signal is
-delivered as a terminal delivers it: SIGINT to the run's whole process group
-(the launcher and its ranks each get it, and the launcher forwards it too).
-A run in this process hands SIGINT back when it ends.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

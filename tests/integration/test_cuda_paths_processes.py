@@ -1,8 +1,6 @@
 """The tests of test_cuda_paths.py (tests/unit) that start processes: the slow tier.
 
-CUDA paths checked on a CPU-only machine (issue 14): torch.cuda is mocked
-where a GPU would be; two ranks over gloo where a group is needed.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import os

@@ -1,14 +1,6 @@
 """The tests of test_elastic.py (tests/unit) that start processes: the slow tier.
 
-Elastic runs (issue 22): nodes leave and join, the run goes on from the
-update in flight, and ends equal to one process of the same global batch.
-
-Two torchrun agents on this machine are two "nodes"; a node dies by SIGKILL
-of its agent and its worker (what a machine that dies looks like to the
-others), and joins by starting its agent late. Without an agent (file://),
-the survivor saves and exits 75, and --resume on another number of ranks
-continues. The NCCL dead-peer path is tested with the collective mocked.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

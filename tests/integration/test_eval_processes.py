@@ -1,7 +1,6 @@
 """The tests of test_eval.py (tests/unit) that start processes: the slow tier.
 
-python -m textbox_like.eval: loss and accuracy averaged over ALL samples.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

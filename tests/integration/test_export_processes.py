@@ -1,9 +1,6 @@
 """The tests of test_export.py (tests/unit) that start processes: the slow tier.
 
-Models leave as transformers models: a tiny BERT pre-trained here, exported
-with ``python -m textbox_like.export``, loads with ``from_pretrained`` and
-gives our own eval's MLM loss; a new run starts from the exported directory.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import pytest

@@ -1,12 +1,6 @@
 """The tests of test_faults.py (tests/unit) that start processes: the slow tier.
 
-Faults during a run (issue 13): divergence, a single NaN batch, a full disk,
-a corrupt newest checkpoint, an unwritable save dir, data that goes away.
-
-Subprocess runs where the exit code and the exact stderr matter; in-process
-Trainer runs where a fault is injected by monkeypatching (no environment
-variable hooks exist in the source, and none are needed).
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import contextlib

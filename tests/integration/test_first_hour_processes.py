@@ -1,8 +1,6 @@
 """The tests of test_first_hour.py (tests/unit) that start processes: the slow tier.
 
-The first hour of users from other tools (issue 23): their documented
-commands run, or stop with one line naming our counterpart.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import pytest

@@ -1,16 +1,6 @@
 """The tests of test_fsdp_balance.py (tests/unit) that start processes: the slow tier.
 
---balance under --fsdp (review of issue 32, item 2): FSDP2 all-gathers and
-reduce-scatters inside every unit's forward and backward, so a fast rank
-waits for a slow one inside its own compute. On CPU that time is timed in
-FSDP's collectives and left out of compute, so the ranks' measured speeds
-differ as their devices do and the split moves samples away from a slow
-rank; where it cannot be left out (CUDA, a replicated mesh dimension) the
-search runs on whole-update time alone and says so.
-
-Multi-rank runs are two real processes over gloo; the slow rank is made with
-the test-only TEXTBOX_LIKE_SLOW_RANK (balance.py).
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import sys

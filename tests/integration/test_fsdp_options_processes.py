@@ -1,11 +1,6 @@
 """The tests of test_fsdp_options.py (tests/unit) that start processes: the slow tier.
 
---fsdp with the run's other options (review of issue 32): --compile on a
-model compiled whole, hybrid sharding on unlike nodes, DDP's settings under
---fsdp and Accelerate's FSDP1 spellings, evaluating a sharded model before it
-trains, --find-unused-parameters, and the optimizer-state figure of the start
-line. Real processes over gloo where the behaviour is multi-rank.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import subprocess

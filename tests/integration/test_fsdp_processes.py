@@ -1,14 +1,6 @@
 """The tests of test_fsdp.py (tests/unit) that start processes: the slow tier.
 
---fsdp (issue 32): FSDP2 sharding on CPU over gloo, two real processes.
-
-An update under --fsdp equals the single-process update over the union of
-its samples (and DDP's), with unlike per-rank batches, --balance,
-accumulation and clipping; its checkpoints are sharded (.dcp): a run killed
-with SIGKILL resumes from its last one bitwise, a run resumes on another
-number of ranks and between DDP and --fsdp with each sample once, and the
-survivor of a lost peer names the checkpoint to resume from.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import signal

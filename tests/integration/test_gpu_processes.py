@@ -1,18 +1,6 @@
 """The tests of test_gpu.py (tests/unit) that start processes: the slow tier.
 
-Every CUDA path once, on a real GPU (issue 24). Marked ``cuda`` and
-skipped where torch sees no GPU; ``scripts/gpu-check.sh`` runs them
-(``pytest -m cuda tests/integration/test_gpu_processes.py``) with tests/unit/test_cuda_paths.py, and the
-GPU benchmarks, and writes a report.
-
-The tests drive the real command line (run_hetseq.py subprocesses) or the
-Trainer as cli.main builds it (where a fault is injected), and check effects:
-the device the run used (its start line, or the parameters' device), finite
-losses, skipped updates not counted, bitwise-equal resumes. Never timings.
-Helpers and fixtures come from the CPU tests of the same paths: conftest.py,
-test_faults.py (NaN batches), test_resume.py (kill -9 and resume),
-test_bert_train.py (tiny BERT shards), test_compile.py.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import contextlib

@@ -6,7 +6,6 @@ tokenises there removes it, with a line, once it has not been written to for
 an hour (a run tokenising now writes as it goes)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,19 +13,12 @@ import sys
 import time
 
 from conftest import REPO, clean_env, refusal_in_process
-from test_hf_task import write_model
+from test_hf_task import write_long_text_data, write_model
 
 
 def test_a_partial_file_of_a_run_killed_while_tokenising_is_removed_by_the_next(tmp_path, capfd):
     model = write_model(tmp_path / "model", "sequence_classification")
-    data = tmp_path / "data"
-    data.mkdir()
-    words = ["the cat sees a dog", "a big red fish", "the small bird runs", "a very good tree"]
-    with open(data / "train.jsonl", "w") as out:   # long enough to be killed while it is tokenised
-        for i in range(200_000):
-            out.write(json.dumps({"text": words[i % 4] + f" {i}", "label": i % 2}) + "\n")
-    (data / "valid.jsonl").write_text("".join(json.dumps({"text": w, "label": i % 2}) + "\n"
-                                              for i, w in enumerate(words)))
+    data = write_long_text_data(tmp_path / "data")
     args = ["--task", "hf", "--model_name_or_path", model, "--data", data, "--max-sentences", 4, "--max-update", 1,
             "--log-format", "none", "--cpu"]
     cache = data / ".hf_cache"

@@ -1,15 +1,6 @@
 """The tests of test_hf_task.py (tests/unit) that start processes: the slow tier.
 
-The generic Hugging Face task (--task hf): tiny models built from configs
-and a tokenizer trained here, data files written here; nothing downloaded.
-
-For each head: it trains (the loss falls), validates, and its export loads
-with from_pretrained to the same eval loss. The language-model and
-classification denominators make two ranks with unlike batches equal one
-process of the same global batch; kill -9 and resume is bitwise; the
-tokenised data is cached beside the data and reused; a dataset name in the
-local datasets cache trains offline.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

@@ -1,20 +1,6 @@
 """The tests of test_hostile_checkpoint.py (tests/unit) that start processes: the slow tier.
 
-A checkpoint is data: a `.dcp` whose files were replaced by pickles that run
-a shell command (its manifest's sizes and digests updated to match, since a
-digest is not a signature) runs nothing through any entry point that reads a
-checkpoint: `textbox-like export`, `textbox-like eval`, `--restore-file` (with
-and without `--fsdp`) and `--resume`. Each is refused in one line, exit 2, and
-the command's marker file is never created.
-
-Two hostile files: `.metadata` replaced (torch's FileSystemReader unpickles it
-without restriction), and a non-tensor item of the shards (the optimizer's
-`lr`, which torch's DefaultLoadPlanner reads with `weights_only=False`).
-
-Every case runs the entry point's main in-process (what its process runs);
-two cases also run as real processes started from a directory outside the
-repository, as a user would.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import subprocess

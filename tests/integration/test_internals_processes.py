@@ -1,8 +1,6 @@
 """The tests of test_internals.py (tests/unit) that start processes: the slow tier.
 
-Each use of another library's private parts (textbox_like/internals.py)
-still does what we rely on, with the installed versions.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import pytest

@@ -6,7 +6,6 @@ survivor's 75, not the killed rank's 137 (it took the first child's code,
 the signal's), which no requeue script retries."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO, clean_env
-from test_hf_task import write_model
+from test_hf_task import write_long_text_data, write_model
 
 
 def children_of(pid):
@@ -29,14 +28,7 @@ def rank_of(pid):
 
 def test_rank_0_killed_while_tokenising_the_survivor_and_the_launcher_exit_75(tmp_path):
     model = write_model(tmp_path / "model", "sequence_classification")
-    data = tmp_path / "data"
-    data.mkdir()
-    words = ["the cat sees a dog", "a big red fish", "the small bird runs", "a very good tree"]
-    with open(data / "train.jsonl", "w") as out:   # long enough to be killed while it is tokenised
-        for i in range(200_000):
-            out.write(json.dumps({"text": words[i % 4] + f" {i}", "label": i % 2}) + "\n")
-    (data / "valid.jsonl").write_text("".join(json.dumps({"text": w, "label": i % 2}) + "\n"
-                                              for i, w in enumerate(words)))
+    data = write_long_text_data(tmp_path / "data")
     launcher = subprocess.Popen([sys.executable, "run_hetseq.py", "--task", "hf", "--model_name_or_path", str(model),
                                  "--data", str(data), "--max-sentences", "4", "--max-update", "2", "--log-format",
                                  "none", "--num-workers", "1", "--distributed-world-size", "2", "--distributed-timeout",

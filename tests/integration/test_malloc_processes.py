@@ -1,8 +1,6 @@
 """The tests of test_malloc.py (tests/unit) that start processes: the slow tier.
 
-glibc malloc kept from giving each update's freed heap back to the OS
-(textbox_like/malloc.py; issue 12: no cost a plain loop does not pay).
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import platform

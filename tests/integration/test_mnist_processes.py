@@ -1,7 +1,6 @@
 """The tests of test_mnist.py (tests/unit) that start processes: the slow tier.
 
-The MNIST task: HetSeq's CNN, normalisation, metrics, data sources.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

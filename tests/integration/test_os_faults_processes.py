@@ -1,15 +1,6 @@
 """The tests of test_os_faults.py (tests/unit) that start processes: the slow tier.
 
-Faults as the operating system delivers them (issue 25): a really full
-disk, a save directory removed under a run, two runs on one save directory,
-two signals a second apart, a signal during start-up, a corrupt HDF5 chunk,
-bad files. Real processes, real files and real signals sent at a real moment
-(a line in the log, a file appearing); no fault is raised from Python.
-
-The full disk is a small tmpfs (root can mount one here and in CI); where
-mounting is refused, RLIMIT_FSIZE with SIGXFSZ ignored makes the kernel
-refuse the write instead (EFBIG).
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import contextlib

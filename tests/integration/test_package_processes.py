@@ -1,15 +1,6 @@
 """The tests of test_package.py (tests/unit) that start processes: the slow tier.
 
-The package as a user installs it: a non-editable ``pip install .`` into a
-fresh venv, used from another directory, keeps properties/ (task defaults,
-model presets) and has the ``textbox-like`` command.
-
-The fresh venv sees the project venv's site-packages through a .pth file (the
-dependencies: torch, setuptools, pip) and gets textbox_like itself from the
-wheel, so the test needs no internet and takes seconds. The project venv's own
-editable textbox_like is not visible there: .pth files in a directory added
-by a .pth file are not processed.
-"""
+What they hold is told in that module's docstring."""
 import os
 import shutil
 import subprocess

@@ -1,12 +1,6 @@
 """The tests of test_plain_datasets.py (tests/unit) that start processes: the slow tier.
 
-Plain datasets are enough (issue 31 item 2): a task's ``build_dataset``
-may return a map-style ``torch.utils.data.Dataset`` (with the task's own
-collate) or a ``datasets.Dataset``; data/plain.py wraps it in the
-batch-read protocol. The user's package is written into tmp_path and found
-with --user-dir, as a user would; the runs that test ranks and a kill are
-processes of their own, the others run the trainer's main in-process.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import signal

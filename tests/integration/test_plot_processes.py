@@ -1,7 +1,6 @@
 """The tests of test_plot.py (tests/unit) that start processes: the slow tier.
 
-python -m textbox_like.plot: curves of runs from their metrics.jsonl.
-"""
+What they hold is told in that module's docstring."""
 import subprocess
 import sys
 

@@ -1,11 +1,6 @@
 """The tests of test_plugin_options.py (tests/unit) that start processes: the slow tier.
 
-A task's, optimizer's and LR scheduler's own options are a typed section,
-declared like the core sections (config/schema.py's ``setting``) and given
-to the registry's decorator (``dataclass=``, as fairseq's): shown by --help
-and --print_config, checked by their types, and handed to the run as an
-instance of that section.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import subprocess

@@ -1,7 +1,6 @@
 """The tests of test_prepare_bert.py (tests/unit) that start processes: the slow tier.
 
-python -m textbox_like.data.prepare_bert on a tiny corpus and vocabulary.
-"""
+What they hold is told in that module's docstring."""
 import json
 import subprocess
 import sys

@@ -1,10 +1,6 @@
 """The tests of test_resume.py (tests/unit) that start processes: the slow tier.
 
-Exact, crash-safe checkpoints and resume (issue 3).
-
-A run killed at a random update and resumed with --resume must end with model
-and optimizer state bitwise identical to an uninterrupted run.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

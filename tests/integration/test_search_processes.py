@@ -1,10 +1,6 @@
 """The tests of test_search.py (tests/unit) that start processes: the slow tier.
 
-run_hyper.py and run_multi_seed.py without training: space files in both
-formats with hyperopt's meaning, labels, algorithms, the grid, resume and
-parallel scheduling with a fake trial runner, statistics, one-line errors.
-Real training runs are in test_search_e2e.py.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import math

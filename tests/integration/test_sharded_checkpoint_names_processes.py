@@ -1,20 +1,6 @@
 """The tests of test_sharded_checkpoint_names.py (tests/unit) that start processes: the slow tier.
 
-The names of sharded (--fsdp, ``.dcp``) checkpoints in a save directory
-(review of issue 32): --restore-file of the run's own ``.dcp`` continues the
-run; a new run there is refused naming the newest checkpoint and its update;
-a name's replaced data stays until its next save, so a reader (export, eval)
-that began before a save reads the checkpoint it began with, whole; ``cp -rL``
-copies a checkpoint whole (README); a --fsdp run whose ranks do not share the
-save directory stops at start in one line, and one that sees rank 0's lock
-late (a shared file system's cache) goes on; two ranks that reach the save
-directory through different paths (another mount point) resume and save; the
-non-finite check before a save gathers no weights; what a kill between a
-save's renames leaves goes at the next start, a finished run keeps one copy
-of each checkpoint, and the data a user's ``mv`` or ``ln -s`` of a ``.dcp``
-points to stays. Real processes: the trainer, two ranks over gloo, a rank in
-a mount namespace of its own.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

@@ -1,13 +1,6 @@
 """The tests of test_sharded_checkpoint.py (tests/unit) that start processes: the slow tier.
 
-Sharded checkpoints (textbox_like.sharded_checkpoint): two real processes
-over gloo shard an MLP and the MNIST network with FSDP2's ``fully_shard``,
-train them with Adam and save (tests/sharded_checkpoint_worker.py); the
-saves load bitwise in two ranks and go on training bitwise, load in one
-process and from one process's save, take a DDP-style full state, survive a
-kill -9 in the middle of a save, refuse a damaged shard in one line, and
-export the full weights.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

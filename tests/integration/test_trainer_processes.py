@@ -1,8 +1,6 @@
 """The tests of test_trainer.py (tests/unit) that start processes: the slow tier.
 
-The training loop: stopping, accumulation, precision, clipping, validation,
-logging, outputs in --save-dir, checkpoints, seeding.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import pytest

@@ -1,15 +1,6 @@
 """The tests of test_user_code_everywhere.py (tests/unit) that start processes: the slow tier.
 
-A user's own code reaches every process of every way a run starts (issue
-31 items 1, 3 and 5): ``--user-dir`` under torchrun, ``accelerate launch``,
-srun's tasks, file:// nodes, Ray trials and multi-seed runs; ``textbox-like
-eval``/``export`` on its checkpoint; ``textbox_like.train(task=MyTask)``
-with a class of the caller's own, in one process and in two.
-
-One tiny user package (tests/unit/test_user_dir.py's toy task) serves the module;
-its __init__ leaves a file per process that imports it, holding that
-process's rank, so each test sees which processes imported it.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

@@ -1,11 +1,6 @@
 """The tests of test_user_dir.py (tests/unit) that start processes: the slow tier.
 
-A user's own components from outside the package: ``--user-dir DIR``
-(``user_dir`` in YAML) and the entry-point group ``textbox_like.plugins``
-(textbox_like/plugins.py). The user's package is written into tmp_path,
-outside the repository, using only the public names of ``textbox_like``,
-and every run starts in another directory than the repository's.
-"""
+What they hold is told in that module's docstring."""
 from __future__ import annotations
 
 import json

@@ -54,6 +54,19 @@ def write_text_data(directory: Path, n_train=48, n_valid=16, seed=0):
     return directory
 
 
+def write_long_text_data(directory: Path, n_train=200_000):
+    """train.jsonl of ``n_train`` short rows (long enough to be killed while it is tokenised) and a valid.jsonl
+    of 4: the data of the tests that stop a run during tokenisation."""
+    directory.mkdir(parents=True)
+    words = ["the cat sees a dog", "a big red fish", "the small bird runs", "a very good tree"]
+    with open(directory / "train.jsonl", "w") as out:
+        for i in range(n_train):
+            out.write(json.dumps({"text": words[i % 4] + f" {i}", "label": i % 2}) + "\n")
+    (directory / "valid.jsonl").write_text("".join(json.dumps({"text": w, "label": i % 2}) + "\n"
+                                                   for i, w in enumerate(words)))
+    return directory
+
+
 def build_tokenizer(directory: Path):
     """A WordPiece tokenizer over WORDS, BERT's special tokens and template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors

@@ -7,38 +7,15 @@ found with --user-dir in a folder outside the repository; the trainer's main
 runs in-process."""
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
 from conftest import refusal_in_process
+from test_task_loss_shape import TASK as LOSS_SHAPE_TASK
 
-TASK = textwrap.dedent('''
-    import torch
-
-    from textbox_like import Task, register_task
-
-
-    @register_task("never_finite")
-    class NeverFinite(Task):
-        metric_names = ("loss",)
-
-        def build_dataset(self, split):
-            from torch.utils.data import TensorDataset
-            x = torch.randn(24, 3, generator=torch.Generator().manual_seed(0))
-            return TensorDataset(x, (x.sum(1) > 0).long())
-
-        def build_model(self):
-            return torch.nn.Linear(3, 2)
-
-        def loss(self, model, batch):
-            x, y = batch
-            loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum") * float("nan")
-            return loss, {"loss_sum": loss.detach(), "nsamples": len(y)}
-
-        def metrics(self, sums):
-            return {"loss": sums.get("loss_sum", 0.0) / max(sums.get("nsamples", 0.0), 1.0)}
-''')
+# the loss-shape test's tiny task, its loss summed and made NaN
+TASK = (LOSS_SHAPE_TASK.replace("reduction=REDUCTION)", 'reduction="sum") * float("nan")')
+        .replace('"per_sample_loss"', '"never_finite"'))
+assert 'float("nan")' in TASK and '"never_finite"' in TASK
 
 
 @pytest.mark.parametrize("limit, said", [
