@@ -120,12 +120,19 @@ USER_TASKS = textwrap.dedent('''
 ''')
 
 
+_USER_DIRS = []   # one per process: the folder's name is the package's, which --user-dir imports once
+
+
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("plain_user") / "plaintasks"
-    folder.mkdir()
-    (folder / "__init__.py").write_text(USER_TASKS)
-    return folder
+    """The folder of the user tasks: one per process, also where this module and its _processes half run in
+    one (the README's command, an xdist worker): a second folder of the same package name is refused."""
+    if not _USER_DIRS:
+        folder = tmp_path_factory.mktemp("plain_user") / "plaintasks"
+        folder.mkdir()
+        (folder / "__init__.py").write_text(USER_TASKS)
+        _USER_DIRS.append(folder)
+    return _USER_DIRS[0]
 
 
 def train_args(user_dir, task, save_dir, *extra):
