@@ -279,6 +279,29 @@ def test_validate_interval_updates(small_mnist_dir, tmp_path):
     assert results(out)["final"]
 
 
+def test_an_update_interval_alone_validates_by_updates_not_again_at_an_epochs_end(small_mnist_dir, tmp_path):
+    """8 updates an epoch, every 5 updates: 5 and the last, 10; not 8 too (a
+    seq2seq run validated, and generated, at its epoch's end 94 and again at
+    100). With --validate-interval given as well, both schedules hold."""
+    assert N_TRAIN // 32 == 8
+    out = train(small_mnist_dir, tmp_path / "o", "--validate-interval-updates", "5", "--max-epoch", "2",
+                max_update=10)
+    assert [r["update"] for r in records(out, "valid")] == [5, 10]
+    both = train(small_mnist_dir, tmp_path / "b", "--validate-interval-updates", "5", "--validate-interval", "1",
+                 "--max-epoch", "2", max_update=10)
+    assert [r["update"] for r in records(both, "valid")] == [5, 8, 10]
+
+
+def test_an_update_interval_that_falls_on_an_epochs_end_validates_there(small_mnist_dir, tmp_path):
+    """Update 8 ends epoch 1 and is due by --validate-interval-updates 4, though
+    --validate-interval 2 does not make epoch 1 due; the last epoch validates too."""
+    out = train(small_mnist_dir, tmp_path / "o", "--validate-interval-updates", "4", "--validate-interval", "2",
+                "--max-epoch", "3", max_update=100)
+    assert [r["update"] for r in records(out, "valid")] == [4, 8, 12, 16, 20, 24]
+    out = train(small_mnist_dir, tmp_path / "e", "--validate-interval", "2", "--max-epoch", "3", max_update=100)
+    assert [r["update"] for r in records(out, "valid")] == [16, 24]
+
+
 def test_validate_interval_epochs(small_mnist_dir, tmp_path):
     out = train(small_mnist_dir, tmp_path / "o", "--validate-interval", "2", "--num_iters_per_epoch", "2",
                 "--max-epoch", "4", max_update=100)

@@ -204,7 +204,7 @@ class ValidationConfig(Section):
     """When to validate and which metric is best."""
     group = "validation"
 
-    validate_interval: int = setting(1, 'validate every N epochs', type=positive_int)
+    validate_interval: int = setting(1, 'validate every N epochs (not where --validate-interval-updates is given alone)', type=positive_int)
     validate_interval_updates: int = setting(0, 'validate every N updates (0: off)', type=nonneg_int)
     disable_validation: bool = setting(False, 'never validate', switch=True)
     best_checkpoint_metric: str | None = setting(None, 'metric for checkpoint_best.pt (task default if unset)', type=metric_name)

@@ -248,9 +248,11 @@ class Trainer:
     def end_epoch(self):
         """The epoch's record, its validation (every --validate-interval epochs), its save, the next epoch."""
         self.reporting.log_epoch()
-        improved = self.validation.validate() if self.validation.should_validate_epoch(self.state.epoch) else False
-        self.checkpointer.save(end_of_epoch=True, is_best=improved, final=self.stop_reason(next_epoch=True) is not None,
-                               snapshot=self.checkpointer.snapshot)
+        final = self.stop_reason(next_epoch=True) is not None
+        due = self.validation.should_validate_epoch(self.state.epoch, self.state.num_updates,
+                                                    final and not self.preemption.agreed)
+        improved = self.validation.validate() if due else False
+        self.checkpointer.save(end_of_epoch=True, is_best=improved, final=final, snapshot=self.checkpointer.snapshot)
         if not self.preemption.agreed:
             self.feed.next_epoch()
 

@@ -37,9 +37,18 @@ class Validation:
         """Every --validate-interval-updates (a save validates too: Trainer.after_update)."""
         return every(update, self.trainer.cfg.validation.validate_interval_updates)
 
-    def should_validate_epoch(self, epoch: int) -> bool:
-        """At the end of every --validate-interval-th epoch."""
-        return epoch % self.trainer.cfg.validation.validate_interval == 0
+    def should_validate_epoch(self, epoch: int, update: int, final: bool) -> bool:
+        """At an epoch's end: where it ends the run (its final weights), where
+        --validate-interval-updates falls on it, and every --validate-interval-th
+        epoch, unless the schedule is by updates alone (--validate-interval-updates
+        given, --validate-interval not): a seq2seq run that ended its epoch at
+        update 94 validated, and generated, again at 100."""
+        cfg = self.trainer.cfg
+        if final or self.should_validate(update):
+            return True
+        if cfg.validation.validate_interval_updates and not cfg.given("validate_interval"):
+            return False
+        return epoch % cfg.validation.validate_interval == 0
 
     def validate(self) -> bool:
         """Validate every subset; True if the first one's metric improved."""
