@@ -52,16 +52,38 @@ def _ignore(_signum, _frame):
     pass
 
 
+#: the signal that stopped start-up, kept after its exception was raised:
+#: code it was raised in may swallow it (numpy's lazy import of numpy.random,
+#: under set_seed, cleared it, and the run went on to load its data and train)
+_stopped_by = None
+
+
+def _stopped_early(signum) -> StoppedEarly:
+    return StoppedEarly(f"stopped by {signal.Signals(signum).name} during start-up, before training began; "
+                        f"nothing to save: rerun the same command")
+
+
 def _stop_now(signum, _frame):
+    global _stopped_by
     for sig in SIGNALS:  # a second signal must not interrupt the way out
         signal.signal(sig, _ignore)
-    raise StoppedEarly(f"stopped by {signal.Signals(signum).name} during start-up, before training began; "
-                       f"nothing to save: rerun the same command")
+    _stopped_by = signum
+    raise _stopped_early(signum)
+
+
+def raise_if_stopped():
+    """Raise again the stop of a start-up signal whose exception the code it
+    landed in swallowed (a library's broad except, C code clearing errors):
+    called between the phases of start-up, and as training begins."""
+    if _stopped_by is not None:
+        raise _stopped_early(_stopped_by)
 
 
 def guard_startup():
     """Until a Preemption takes over: SIGTERM/SIGUSR1 stop with 75 and a
     line, not by the signal (which a requeue script does not recognise)."""
+    global _stopped_by
+    _stopped_by = None   # a new command in this process (the Python API, the tests)
     for sig in SIGNALS:
         try:
             signal.signal(sig, _stop_now)

@@ -299,6 +299,76 @@ def test_signal_during_start_up_exits_75_at_once(data, tmp_path):
     assert not (out / "run.lock").exists()
 
 
+
+#: a user task whose data loading catches every exception (a careless retry
+#: loop); the signal lands inside it, as one once landed in numpy's lazy
+#: import of numpy.random under set_seed, which cleared it
+SWALLOWING_TASK = """
+import time
+from pathlib import Path
+
+import torch
+
+from textbox_like import Task, register_task
+
+
+@register_task("swallows_errors")
+class SwallowsErrors(Task):
+    metric_names = ("loss",)
+
+    def prepare_data(self):
+        try:
+            Path(MARKER).write_text("loading")
+            time.sleep(60)          # a slow file system
+        except Exception:
+            pass                    # 'retry later'
+
+    def build_dataset(self, split):
+        from torch.utils.data import TensorDataset
+        x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, (x.sum(1) > 0).long())
+
+    def build_model(self):
+        return torch.nn.Linear(3, 2)
+
+    def loss(self, model, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        return loss, {"loss_sum": loss.detach() * len(y), "nsamples": len(y)}
+
+    def metrics(self, sums):
+        return {"loss": sums.get("loss_sum", 0.0) / max(sums.get("nsamples", 0.0), 1.0)}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_start_up_signal_swallowed_by_the_code_it_landed_in_still_stops_the_run(tmp_path):
+    """SIGTERM while the task's data loading sleeps inside ``try: ... except
+    Exception: pass``: the stop's exception is swallowed there, yet the run
+    stops with 75 and its line as start-up goes on, before the model is built
+    and before any update (it ignored the signal, slept 60 s and trained)."""
+    package = tmp_path / "swallowing_task"
+    package.mkdir()
+    marker = tmp_path / "loading"
+    (package / "__init__.py").write_text(SWALLOWING_TASK.replace("MARKER", repr(str(marker))))
+    out = tmp_path / "out"
+    run = Run(["--user-dir", package, "--task", "swallows_errors", "--max-sentences", 8, "--max-update", 50,
+               "--save-dir", out, "--log-format", "simple", "--report_to", "none", "--threads", 1])
+    try:
+        run.wait_for(marker.exists, what="the task's data loading")
+        time.sleep(0.5)  # inside its sleep, past the marker's write
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish(timeout=30)  # well before the task's sleep would end
+    finally:
+        run.kill()
+    assert rc == 75, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert lines == ["stopped by SIGTERM during start-up, before training began; nothing to save: rerun the same "
+                     "command"], run.stderr[-3000:]
+    assert not list(out.glob("checkpoint*")) and not (out / "run.lock").exists()
+
+
 # ------------------------------------------------------ a corrupt HDF5 chunk
 def corrupt_a_chunk(shard: Path, key="input_ids"):
     import h5py

@@ -14,7 +14,6 @@ shards exist nowhere else: the restart goes on from the last checkpoint,
 and the updates since it are lost."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from .. import collectives, distributed, sharding
+from .. import collectives, sharding
 from ..errors import UserError, note
 
 
@@ -143,7 +143,6 @@ class GlobalBatch:
         and an out-of-memory error there ends the run (the other ranks are
         inside that all-reduce); elsewhere it is retried, the failing rank
         joining the all-reduce with an empty micro-batch."""
-        from ..data.base import cut_batch
         t = self.trainer
         update, redoing = t.state.num_updates + 1, False
         tokens = t.train_data.batch_num_tokens(batch) if self.by_tokens else None

@@ -15,6 +15,7 @@ from ..config import to_yaml
 from ..errors import UserError, first_line
 from ..faults import SaveFailed, os_reason, test_delay
 from ..fileio import atomic_write_text
+from ..preemption import raise_if_stopped
 from ..sharded_checkpoint import drop_kept_copies, full_state_dicts, refuse_rerun
 
 
@@ -221,6 +222,7 @@ class Lifecycle:
         t.step.decide_device_skips()
         t.model.train()
         self.updates_at_start = state.num_updates  # an allocation failing before the next one fails the batch size
+        raise_if_stopped()  # a start-up signal whose stop was swallowed: not into training
         t.preemption.started = True  # from here a signal saves and stops; before, it stops at once
 
     def finish(self) -> int:

@@ -29,7 +29,7 @@ from .. import distributed, sharding
 from ..errors import UserError
 from ..faults import check_writable
 from ..meters import Logger
-from ..preemption import Preemption
+from ..preemption import Preemption, raise_if_stopped
 from ..tasks import TASKS
 from ..tasks.base import best_metric_direction
 from .checkpointer import Checkpointer
@@ -67,9 +67,9 @@ class Trainer:
             from accelerate.utils import set_seed
             set_seed(cfg.numerics.seed)
             self.task = TASKS.get(cfg.data.task)(cfg)
-            self.build_data()
-            self.build_model()
-            self.build_components()
+            for build in (self.build_data, self.build_model, self.build_components):
+                raise_if_stopped()  # a start-up signal whose stop the code it landed in swallowed
+                build()
         except BaseException:
             self.lifecycle.release_save_dir()
             raise
