@@ -22,7 +22,7 @@ def evaluate(checkpoint, **kwargs):
     return run(checkpoint, **kwargs)
 
 
-#: the public surface for a user's own components (README "Your own
+#: the public surface for a user's own components (docs/your-own-model.md, "Your own
 #: components"), imported on first use: ``import textbox_like`` and --help
 #: stay light (no torch)
 PUBLIC = ("Task", "register_task", "OptimizerSpec", "register_optimizer", "Scheduler", "register_scheduler",
