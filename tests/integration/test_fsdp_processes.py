@@ -15,7 +15,8 @@ from conftest import assert_bitwise_equal, clean_env, read_jsonl, write_mnist
 from test_bert_train import bert_data  # noqa: F401 (a fixture)
 from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
 from test_resume import kill_after_checkpoint
-from test_fsdp import PY, REPO, assert_close, checkpoint, in_process, run, train_records
+from test_fsdp import PY, REPO, assert_close, checkpoint, in_process, train_records
+from _fsdp_runs import by_rank, one_rank, run_plan, spawned
 
 
 SHARDED_ON_CPU = "(fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
@@ -41,30 +42,83 @@ def mnist_args(data, save_dir, *extra):
 
 
 def two_nodes(data, save_dir, rdzv, *extra):
-    """Rank 0 with batch 48 and rank 1 with batch 16 (each its own --max-sentences), as two 'nodes'."""
+    """Rank 0 with batch 48 and rank 1 with batch 16 (each its own --max-sentences), as two 'nodes' of one
+    rank each (--distributed-rank, a file rendezvous)."""
     common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
-              "--distributed-gpus", "1", *extra]
-    procs = [subprocess.Popen([PY, *map(str, mnist_args(data, save_dir, "--max-sentences", batch, *common,
-                                                        "--distributed-rank", rank))],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
-             for batch, rank in (("48", "0"), ("16", "1"))]
-    errs = [p.communicate(timeout=400)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errs[0][-3000:] + errs[1][-3000:]
-    return errs[0]
+              "--distributed-gpus", "1", "--distributed-no-spawn", *extra]
+    return by_rank([mnist_args(data, save_dir, "--max-sentences", batch, *common, "--distributed-rank", rank)[1:]
+                    for batch, rank in (("48", "0"), ("16", "1"))])
+
+
+UPDATES_PER_LEG = 6
+
+
+def leg_args(data, save_dir, world, leg, *extra):
+    """A global batch of 64 on any number of ranks (micro-batches of at most
+    32), SGD with momentum (a state to carry across the resumes), a save at
+    the end of each leg of UPDATES_PER_LEG updates."""
+    return [PY, "run_hetseq.py", "--task", "mnist", "--data", data, "--save-dir", save_dir, "--optimizer", "sgd",
+            "--momentum", "0.9", "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0",
+            "--max-update", UPDATES_PER_LEG * leg, "--save-interval-updates", UPDATES_PER_LEG,
+            "--global-batch-size", "64", "--max-sentences", "32", "--log-format", "simple", "--log-interval", "3",
+            "--threads", "1", "--distributed-timeout", "120", "--disable-validation", "--model_conf", "dropout1=0",
+            "--model_conf", "dropout2=0", "--distributed-world-size", world, *extra,
+            *(["--resume"] if leg > 1 else [])]
+
+
+def killed_args(data, save_dir):
+    """Adam (a state to shard and save), a sharded checkpoint every 6 updates, on two ranks."""
+    return mnist_args(data, save_dir, "--max-sentences", "16", "--optimizer", "adam", "--lr", "0.001",
+                      "--max-update", "24", "--update-freq", "1", "--save-interval-updates", "6",
+                      "--distributed-world-size", "2", "--fsdp")[1:]
+
+
+#: the chains of resumed runs: --fsdp on 2, then 1, then 2 ranks; DDP, then --fsdp, then DDP on 2 ranks
+CHAINS = {"ranks": [(2, "--fsdp"), (1, "--fsdp"), (2, "--fsdp")], "ddp": [(2,), (2, "--fsdp"), (2,)]}
 
 
 @pytest.fixture(scope="module")
-def mnist_runs(mnist, tmp_path_factory):
-    """One process (64 a micro-batch), and DDP and FSDP over 48 + 16."""
-    root = tmp_path_factory.mktemp("mnist_runs")
+def two_rank_runs(mnist, bert_data, models, text_data, tmp_path_factory):  # noqa: F811
+    """Every run of two ranks this file's tests compare or inspect and that no test must start itself (a
+    kill, a lost peer), one after another in one pair of rank processes (_fsdp_runs.run_plan: each run
+    with the rank variables and a rendezvous of its own, as run_hetseq.py's spawned ranks, or as two
+    one-rank nodes): {name: its _fsdp_runs.Run}, the runs' directories under the root returned.
+    The legs of the resumed chains run in turn, a leg on one rank in the first rank's process."""
+    from textbox_like import balance
+    from test_balance import bert_args
+    root = tmp_path_factory.mktemp("fsdp_two_ranks")
+    runs = {
+        "mnist_ddp": two_nodes(mnist, root / "mnist" / "ddp", root / "rdzv_ddp"),
+        "mnist_fsdp": two_nodes(mnist, root / "mnist" / "fsdp", root / "rdzv_fsdp", "--fsdp"),
+        # rank 1 slowed so that --balance re-splits
+        "bert": spawned(bert_args(bert_data, root / "bert", "--global-batch-size", 256, "--max-tokens", 64,
+                                  "--distributed-world-size", 2, "--balance", "--balance-interval", 2,
+                                  "--max-update", 20, "--fsdp"), 2, root / "rdzv_bert",
+                        env={balance.SLOW_RANK_ENV: "1:0.01@0"}),
+        "gpt2": spawned(exactness_args(models["causal_lm"], text_data, root / "gpt2", "--max-update", 20,
+                                       "--distributed-world-size", 2, "--fsdp")[2:], 2, root / "rdzv_gpt2"),
+        "killed_ref": spawned(killed_args(mnist, root / "killed_ref"), 2, root / "rdzv_killed_ref"),
+    }
+    for name, legs in CHAINS.items():
+        for leg, (world, *extra) in enumerate(legs, 1):
+            args = leg_args(mnist, root / "legs" / name, world, leg, *extra)[2:]
+            runs[f"{name}{leg}"] = (one_rank(args) if world == 1 else
+                                    spawned(args, world, root / f"rdzv_{name}{leg}"))
+    run_plan(list(runs.values()), root / "plan")
+    return root, runs
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(mnist, two_rank_runs, tmp_path_factory):
+    """One process (64 a micro-batch), and DDP and FSDP over 48 + 16 (two_rank_runs)."""
+    root, runs = two_rank_runs
+    root = root / "mnist"
     in_process([PY, *mnist_args(mnist, root / "one", "--max-sentences", "64")])
-    err_ddp = two_nodes(mnist, root / "ddp", root / "rdzv_ddp")
-    err_fsdp = two_nodes(mnist, root / "fsdp", root / "rdzv_fsdp", "--fsdp")
-    return root, err_ddp, err_fsdp
+    return root, runs["mnist_ddp"].check(), runs["mnist_fsdp"].check()
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_fsdp_with_unlike_batches_and_accumulation_equals_one_process(mnist_runs):
     root, err_ddp, err_fsdp = mnist_runs
     start = next(line for line in err_fsdp.splitlines() if line.startswith("task mnist"))
@@ -86,7 +140,7 @@ def test_fsdp_with_unlike_batches_and_accumulation_equals_one_process(mnist_runs
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_fsdp_clips_by_the_global_norm_as_ddp_does(mnist_runs):
     root, _, _ = mnist_runs
     fsdp, ddp, one = ({r["update"]: r for r in train_records(root / name)} for name in ("fsdp", "ddp", "one"))
@@ -106,67 +160,62 @@ def test_fsdp_clips_by_the_global_norm_as_ddp_does(mnist_runs):
 
 # ------------------------------------------------------------------ tiny BERT: a global batch in tokens, --balance
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data, tmp_path):  # noqa: F811
+@pytest.mark.timeout(1800)
+def test_fsdp_bert_balanced_global_batch_in_tokens_equals_one_process(bert_data, two_rank_runs, tmp_path):  # noqa: F811
     """Tiny BERT, --global-batch-size 256 tokens with micro-batch caps of 64
     (several micro-batches per rank, their counts unlike: a rank with fewer
-    joins with empty ones), rank 1 slowed so that --balance re-splits."""
-    from textbox_like import balance
+    joins with empty ones), rank 1 slowed so that --balance re-splits
+    (two_rank_runs' "bert")."""
     from test_balance import bert_args
     in_process([PY, "run_hetseq.py", *bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256,
                                          "--max-tokens", 256, "--max-update", 20)])
-    out = tmp_path / "two"
-    proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
-                                                "--distributed-world-size", 2, "--balance", "--balance-interval", 2,
-                                                "--max-update", 20, "--fsdp")],
-               env={**clean_env(), balance.SLOW_RANK_ENV: "1:0.01@0"})
-    start = next(line for line in proc.stderr.splitlines() if line.startswith("task bert"))
+    root, runs = two_rank_runs
+    out, stderr = root / "bert", runs["bert"].check()
+    start = next(line for line in stderr.splitlines() if line.startswith("task bert"))
     assert "units: 2 BertLayer + the root" in start, start
     splits = [r["batch_sizes"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
-    assert any(split != [128, 128] for split in splits), (splits, proc.stderr[-2000:])
+    assert any(split != [128, 128] for split in splits), (splits, stderr[-2000:])
     assert checkpoint(out)["train"]["num_updates"] == 20
     assert_close(checkpoint(out)["model"], checkpoint(tmp_path / "one")["model"])
 
 
 # ------------------------------------------------------------------ tiny GPT-2 (--task hf)
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tmp_path):  # noqa: F811
+@pytest.mark.timeout(1800)
+def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, two_rank_runs, tmp_path):  # noqa: F811
     """A global batch of 120 real tokens, micro-batches of at most 50 per rank:
-    the ranks' shares hold unlike numbers of samples and micro-batches."""
+    the ranks' shares hold unlike numbers of samples and micro-batches (two_rank_runs' "gpt2")."""
     in_process(exactness_args(models["causal_lm"], text_data, tmp_path / "one", "--max-update", 20))
-    two = run(exactness_args(models["causal_lm"], text_data, tmp_path / "two", "--max-update", 20,
-                             "--distributed-world-size", 2, "--fsdp"))
-    start = next(line for line in two.stderr.splitlines() if line.startswith("task hf"))
+    root, runs = two_rank_runs
+    two = root / "gpt2"
+    start = next(line for line in runs["gpt2"].check().splitlines() if line.startswith("task hf"))
     assert "units: 2 GPT2Block + the root" in start, start
-    assert_close(checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"])
-    assert train_records(tmp_path / "two")[-1]["loss"] == pytest.approx(train_records(tmp_path / "one")[-1]["loss"],
-                                                                         abs=1e-5)
+    assert_close(checkpoint(two)["model"], checkpoint(tmp_path / "one")["model"])
+    assert train_records(two)[-1]["loss"] == pytest.approx(train_records(tmp_path / "one")[-1]["loss"], abs=1e-5)
 
 
 # ------------------------------------------------------------------ checkpoints
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
-    """Adam (state to shard and save): every process killed with SIGKILL
-    after a sharded checkpoint, then --resume from it: the final weights and
-    optimizer state are bitwise those of the run that was never interrupted."""
-    def cmd(save_dir):
-        return [PY, *map(str, mnist_args(mnist, save_dir, "--max-sentences", "16", "--optimizer", "adam",
-                                         "--lr", "0.001", "--max-update", "24", "--update-freq", "1",
-                                         "--save-interval-updates", "6", "--distributed-world-size", "2",
-                                         "--fsdp"))]
-    run(cmd(tmp_path / "ref"))
+@pytest.mark.timeout(1800)
+def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, two_rank_runs, tmp_path):
+    """Adam (state to shard and save): every process (run_hetseq.py and the
+    two ranks it started) killed with SIGKILL after a sharded checkpoint,
+    then --resume from it on two ranks: the final weights and optimizer state
+    are bitwise those of the run that was never interrupted (two_rank_runs'
+    "killed_ref")."""
+    root, runs = two_rank_runs
+    runs["killed_ref"].check()
     save_dir = tmp_path / "run"
-    code, err = kill_after_checkpoint(cmd(save_dir), save_dir, signal.SIGKILL, min_checkpoint="checkpoint_1_6.dcp",
-                                      seed=1, group=True)
+    code, err = kill_after_checkpoint([PY, "run_hetseq.py", *map(str, killed_args(mnist, save_dir))], save_dir,
+                                      signal.SIGKILL, min_checkpoint="checkpoint_1_6.dcp", seed=1, group=True)
     assert code == -signal.SIGKILL, err[-1000:]
     killed_at = checkpoint(save_dir)["train"]["num_updates"]
     assert killed_at % 6 == 0 and killed_at < 24
-    out = run(cmd(save_dir) + ["--resume"])
-    assert f"resumed from {save_dir / 'checkpoint_last.dcp'}: epoch 1, update {killed_at}" in out.stderr
+    (resumed,) = run_plan([spawned([*killed_args(mnist, save_dir), "--resume"], 2, tmp_path / "rdzv")],
+                          tmp_path / "resume")
+    assert f"resumed from {save_dir / 'checkpoint_last.dcp'}: epoch 1, update {killed_at}" in resumed.check()
     assert not list(save_dir.glob(".*.partial"))  # what a save killed midway left is gone
-    final, ref = checkpoint(save_dir), checkpoint(tmp_path / "ref")
+    final, ref = checkpoint(save_dir), checkpoint(root / "killed_ref")
     assert final["train"]["num_updates"] == ref["train"]["num_updates"] == 24
     assert_bitwise_equal(final["model"], ref["model"], "model")
     assert_bitwise_equal(final["optimizer"], ref["optimizer"], "optimizer")
@@ -174,35 +223,15 @@ def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, tmp_path):
     state = final["optimizer"]["state"]
     assert state and all(state[name]["exp_avg"].shape == final["model"][name].shape for name in state)
 
-UPDATES_PER_LEG = 6
-
-
-def leg_args(data, save_dir, world, leg, *extra):
-    """A global batch of 64 on any number of ranks (micro-batches of at most
-    32), SGD with momentum (a state to carry across the resumes), a save at
-    the end of each leg of UPDATES_PER_LEG updates."""
-    return [PY, "run_hetseq.py", "--task", "mnist", "--data", data, "--save-dir", save_dir, "--optimizer", "sgd",
-            "--momentum", "0.9", "--lr", "0.05", "--lr-scheduler", "constant", "--max-epoch", "0",
-            "--max-update", UPDATES_PER_LEG * leg, "--save-interval-updates", UPDATES_PER_LEG,
-            "--global-batch-size", "64", "--max-sentences", "32", "--log-format", "simple", "--log-interval", "3",
-            "--threads", "1", "--distributed-timeout", "120", "--disable-validation", "--model_conf", "dropout1=0",
-            "--model_conf", "dropout2=0", "--distributed-world-size", world, *extra,
-            *(["--resume"] if leg > 1 else [])]
-
-
 @pytest.fixture(scope="module")
-def resumed_runs(mnist, tmp_path_factory):
-    """One process over 3 legs uninterrupted, and two runs resumed twice:
-    --fsdp on 2, then 1, then 2 ranks; DDP, then --fsdp, then DDP on 2 ranks."""
-    root = tmp_path_factory.mktemp("fsdp_resumed")
+def resumed_runs(mnist, two_rank_runs):
+    """One process over 3 legs uninterrupted (in this process), and two runs
+    resumed twice (two_rank_runs): --fsdp on 2, then 1, then 2 ranks; DDP,
+    then --fsdp, then DDP on 2 ranks. (root, {chain: [each leg's output]})"""
+    root, runs = two_rank_runs
+    root = root / "legs"
     in_process(leg_args(mnist, root / "one", 1, 3))
-    chains = {"ranks": [(2, "--fsdp"), (1, "--fsdp"), (2, "--fsdp")], "ddp": [(2,), (2, "--fsdp"), (2,)]}
-    logs = {}
-    for name, legs in chains.items():   # a leg on one rank runs in this process
-        logs[name] = [(in_process if world == 1 else lambda cmd: run(cmd).stderr)(
-                          leg_args(mnist, root / name, world, leg, *extra))
-                      for leg, (world, *extra) in enumerate(legs, 1)]
-    return root, logs
+    return root, {name: [runs[f"{name}{leg}"].check() for leg in (1, 2, 3)] for name in CHAINS}
 
 
 def assert_each_sample_once(root, name):
@@ -219,7 +248,7 @@ def assert_each_sample_once(root, name):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_fsdp_resumes_on_one_rank_and_back_on_two_each_sample_once(resumed_runs):
     root, logs = resumed_runs
     save = root / "ranks"
@@ -234,7 +263,7 @@ def test_fsdp_resumes_on_one_rank_and_back_on_two_each_sample_once(resumed_runs)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_ddp_resumes_under_fsdp_and_back_each_sample_once(resumed_runs):
     """A DDP run's file checkpoint (optimizer state by parameter id) resumes
     under --fsdp, whose sharded checkpoint resumes without it: the momentum

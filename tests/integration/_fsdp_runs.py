@@ -1,0 +1,129 @@
+"""Runs of several ranks for the fsdp group's test files (test_fsdp_processes.py, test_fsdp_options_processes.py,
+test_fsdp_balance_processes.py): a test file's two-rank runs that do not depend on each other run one after
+another in ONE pair of rank processes (one process's imports per rank, ~3.5 CPU-s, instead of a launcher and
+two ranks per run).
+
+Each rank process runs the trainer's main() (conftest.run_main: Accelerate's state reset before and after; the
+trainer's cleanup destroys the run's process group) for each run of a plan in turn, with the rank variables a
+spawned rank gets from ``run_hetseq.py --distributed-world-size N`` (distributed.run_local_ranks: RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, TEXTBOX_LIKE_INIT_METHOD, TEXTBOX_LIKE_SPAWNED) and a
+rendezvous file of the run's own, or, for a run given rank by rank (``--distributed-rank R
+--distributed-no-spawn``: a "node" of one rank each), the arguments alone. A run of fewer ranks than the
+processes (a leg on one rank) runs in the first ranks only; the others go on to the next run. Each run's
+environment (what it publishes, what the plan gives it) is undone after it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conftest import RANK_LEAVES, REPO, TESTS, clean_env
+
+PY = sys.executable
+
+#: one rank of a plan: argv[1] the plan (JSON), argv[2] this process's rank
+RANK_SCRIPT = f'''
+import json, os, sys
+sys.path.insert(0, {str(TESTS)!r})
+from conftest import _RANK_VARS, run_main
+plan, me = json.load(open(sys.argv[1])), int(sys.argv[2])
+for i, step in enumerate(plan):
+    argv = step["argv"].get(str(me))
+    if argv is None:
+        continue   # a run on fewer ranks: not this one's
+    before = dict(os.environ)
+    for key in _RANK_VARS:
+        os.environ.pop(key, None)
+    os.environ.update(step["env"].get(str(me), {{}}))
+    print(f"--- run {{i}}", file=sys.stderr, flush=True)
+    try:
+        code = run_main(argv)
+    except BaseException as exc:   # what main() let through: said, and the next run goes on
+        import traceback
+        traceback.print_exc()
+        code = 1
+    print(f"--- exit {{i}} {{0 if code is None else code}}", file=sys.stderr, flush=True)
+    os.environ.clear()
+    os.environ.update(before)
+''' + RANK_LEAVES
+
+
+@dataclass
+class Run:
+    """One run of a plan: ``argv[rank]`` the arguments each rank runs (run_hetseq.py's, without the
+    command), ``env[rank]`` the variables it runs with. Filled in by the plan's processes: ``codes`` and
+    ``errs`` (each rank's output, stdout and stderr, between its marks), rank by rank."""
+    argv: dict
+    env: dict = field(default_factory=dict)
+    codes: dict = field(default_factory=dict)
+    errs: dict = field(default_factory=dict)
+
+    @property
+    def stderr(self) -> str:
+        """What the run's ranks printed, rank 0's first: a launcher's stderr (its children's, inherited)."""
+        return "".join(self.errs[rank] for rank in sorted(self.errs))
+
+    def check(self, expect=0):
+        """Every rank exited ``expect``; returns the output, for the test's assertions."""
+        assert self.codes and all(code == expect for code in self.codes.values()), \
+            (self.codes, self.stderr[-6000:])
+        return self.stderr
+
+
+def spawned(args, world, rdzv, env=None):
+    """A run of ``world`` ranks as ``run_hetseq.py ARGS --distributed-world-size WORLD`` starts them on one
+    node: each rank with the variables distributed.run_local_ranks gives its children."""
+    ranks = {}
+    for rank in range(world):
+        ranks[str(rank)] = {**(env or {}), "TEXTBOX_LIKE_SPAWNED": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                            "TEXTBOX_LIKE_INIT_METHOD": f"file://{rdzv}"}
+    return Run({str(rank): [str(a) for a in args] for rank in range(world)}, ranks)
+
+
+def one_rank(args, env=None):
+    """A run of one process (no group), in the first rank's process."""
+    return Run({"0": [str(a) for a in args]}, {"0": dict(env or {})})
+
+
+def by_rank(argvs, env=None):
+    """A run given rank by rank: ``argvs[rank]`` each rank's own arguments (its --distributed-rank, init
+    method, batch size...)."""
+    return Run({str(rank): [str(a) for a in argv] for rank, argv in enumerate(argvs)},
+               {str(rank): dict(env or {}) for rank in range(len(argvs))})
+
+
+def run_plan(runs, root, ranks=2, timeout=900):
+    """Start ``ranks`` processes that run ``runs`` (a list of Run) in turn; wait for them; fill in each
+    run's exit codes and output. The processes themselves must exit 0 (every run ended, whatever its code)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    plan = root / "plan.json"
+    plan.write_text(json.dumps([{"argv": run.argv, "env": run.env} for run in runs]))
+    logs = [root / f"rank{rank}.log" for rank in range(ranks)]
+    procs = []
+    try:
+        for rank in range(ranks):
+            with open(logs[rank], "w") as log:
+                procs.append(subprocess.Popen([PY, "-c", RANK_SCRIPT, str(plan), str(rank)], cwd=REPO,
+                                              env={**clean_env(), "PYTHONUNBUFFERED": "1"}, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert [proc.returncode for proc in procs] == [0] * ranks, [text[-4000:] for text in texts]
+    for rank, text in enumerate(texts):
+        for i, run in enumerate(runs):
+            if str(rank) not in run.argv:
+                continue
+            assert f"--- run {i}\n" in text and f"--- exit {i} " in text, (i, rank, text[-4000:])
+            err, rest = text.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)
+            run.codes[rank], run.errs[rank] = int(rest.split("\n", 1)[0]), err
+    return runs
