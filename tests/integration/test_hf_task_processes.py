@@ -95,16 +95,76 @@ def one_process(cmd):
         torch.set_num_threads(threads)
 
 
+EXACT_HEADS = ["causal_lm", "sequence_classification", "masked_lm", "seq2seq"]
+NO_SAMPLES_HEADS = ["causal_lm", "sequence_classification"]
+#: the balance test's run: 12 updates, a re-split tried every 2
+BALANCE_EXTRA = ("--max-update", "12", "--balance-interval", "2")
+
+
+def exact_columns(head):
+    return ("--target_column", "target") if head == "seq2seq" else ()
+
+
+#: the runs of test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_process
+NO_SAMPLES_COMMON = ["--optimizer", "sgd", "--lr", "0.5", "--max-update", "5", "--threads", "1", "--log-format",
+                     "simple", "--max-sentences-valid", "8", "--validate-interval-updates", "5"]
+
+
+@pytest.fixture(scope="module")
+def no_samples_data(tmp_path_factory):
+    """{head: its data}: 41 training rows and 17 validation rows; classification's a save_to_disk dataset
+    whose labels are a ClassLabel (numbers that stand for its names), as Hub datasets have them."""
+    import datasets
+    root = tmp_path_factory.mktemp("no_samples_data")
+    source = write_text_data(root / "src", n_train=41, n_valid=17)
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["bad", "good"])})
+    splits = {split: datasets.Dataset.from_list(
+        [{"text": r["text"], "label": r["label"]} for r in map(json.loads, (source / f"{split}.jsonl").open())],
+        features=features) for split in ("train", "valid")}
+    saved = root / "saved"
+    datasets.DatasetDict(splits).save_to_disk(str(saved))
+    return {"causal_lm": source, "sequence_classification": saved}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(models, text_data, no_samples_data, tmp_path_factory):
+    """Every two-rank run of this module, in one pair of rank processes started as the trainer's spawn
+    starts its ranks (_tasks_runs.rank_runs: their imports once for all the runs, no parent process per
+    run): {key: (RankRun, save dir)}; keys ("exact", head), ("no_samples", head), "balance"."""
+    from textbox_like import balance
+
+    from _tasks_runs import Run, rank_runs
+    root = tmp_path_factory.mktemp("two_ranks")
+    runs, dirs = {}, {}
+    for head in EXACT_HEADS:
+        dirs["exact", head] = root / f"exact_{head}"
+        runs["exact", head] = Run(exactness_args(models[head], text_data, dirs["exact", head], *exact_columns(head),
+                                                 "--distributed-world-size", "2")[2:])
+    for head in NO_SAMPLES_HEADS:
+        dirs["no_samples", head] = root / f"no_samples_{head}"
+        runs["no_samples", head] = Run(hf_args(models[head], no_samples_data[head], dirs["no_samples", head],
+                                               *NO_SAMPLES_COMMON, "--max-sentences", "5",
+                                               "--distributed-world-size", "2"))
+    # --balance moves tokens away from a slow rank 1 mid-run
+    dirs["balance"] = root / "balance"
+    runs["balance"] = Run(exactness_args(models["causal_lm"], text_data, dirs["balance"], *BALANCE_EXTRA, "--balance",
+                                         "--distributed-world-size", "2")[2:], env={balance.SLOW_RANK_ENV: "1:0.003@0"})
+    results = rank_runs(list(runs.values()), timeout=900)
+    return {key: (result, dirs[key]) for key, result in zip(runs, results)}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification", "masked_lm", "seq2seq"])
-def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_path, head):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("head", EXACT_HEADS)
+def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_path, head, two_rank_runs):
     """Two ranks, each micro-batch its own number of samples and tokens, and the
     loss's denominator (tokens; samples for classification) summed over both:
     the update of one process over the same global batch."""
-    columns = ("--target_column", "target") if head == "seq2seq" else ()
+    columns = exact_columns(head)
     one_process(exactness_args(models[head], text_data, tmp_path / "one", *columns))
-    two = run_ok(exactness_args(models[head], text_data, tmp_path / "two", *columns, "--distributed-world-size", "2"))
+    two, two_dir = two_rank_runs["exact", head]
+    assert two.returncode == 0, two.stderr[-3000:]
     assert "tokens per rank [60, 60]" in two.stderr
     # the plan the two ranks ran: their slices of an update hold unlike numbers of samples
     from textbox_like.cli import parse
@@ -115,46 +175,36 @@ def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_
     order = data.epoch_order(3, 1)
     rows = plan_global_tokens(data.num_tokens()[order], 120, [60, 60])[:6]
     assert any(row[1] - row[0] != row[2] - row[1] for row in rows), rows
-    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    one_state, two_state = params(tmp_path / "one"), params(two_dir)
     for key in one_state:
         assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
-    train1, train2 = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
+    train1, train2 = records(tmp_path / "one", "train"), records(two_dir, "train")
     assert train1[-1]["loss"] == pytest.approx(train2[-1]["loss"], abs=1e-5)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification"])
-def test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_process(models, tmp_path, head):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("head", NO_SAMPLES_HEADS)
+def test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_process(models, tmp_path, head,
+                                                                                 no_samples_data, two_rank_runs):
     """41 training rows in steps of 5 + 5: the fifth update holds one row, all
     rank 0's, and 17 validation rows in 8 + 8 leave rank 1 one empty batch.
     The empty rank still runs its backward (DDP) and sends the same stats.
     Classification reads a save_to_disk dataset whose labels are a ClassLabel
     (numbers that stand for its names), as Hub datasets have them."""
-    import datasets
-    source = write_text_data(tmp_path / "src", n_train=41, n_valid=17)
-    data = source
-    if head == "sequence_classification":
-        features = datasets.Features({"text": datasets.Value("string"),
-                                      "label": datasets.ClassLabel(names=["bad", "good"])})
-        splits = {split: datasets.Dataset.from_list(
-            [{"text": r["text"], "label": r["label"]} for r in map(json.loads, (source / f"{split}.jsonl").open())],
-            features=features) for split in ("train", "valid")}
-        data = tmp_path / "saved"
-        datasets.DatasetDict(splits).save_to_disk(str(data))
-    common = ["--optimizer", "sgd", "--lr", "0.5", "--max-update", "5", "--threads", "1", "--log-format", "simple",
-              "--max-sentences-valid", "8", "--validate-interval-updates", "5"]
-    one_process([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "one", *common, "--max-sentences", "10")])
-    run_ok([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "two", *common, "--max-sentences", "5",
-                                          "--distributed-world-size", "2")])
-    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    data = no_samples_data[head]
+    one_process([PY, "run_hetseq.py", *hf_args(models[head], data, tmp_path / "one", *NO_SAMPLES_COMMON,
+                                               "--max-sentences", "10")])
+    two, two_dir = two_rank_runs["no_samples", head]
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_state, two_state = params(tmp_path / "one"), params(two_dir)
     for key in one_state:
         assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
-    valid1, valid2 = records(tmp_path / "one", "valid")[-1], records(tmp_path / "two", "valid")[-1]
+    valid1, valid2 = records(tmp_path / "one", "valid")[-1], records(two_dir, "valid")[-1]
     assert valid1["loss"] == pytest.approx(valid2["loss"], abs=1e-5)
     if head == "sequence_classification":
         assert valid1["accuracy"] == pytest.approx(valid2["accuracy"]) and "f1" in valid2
-        config = json.loads((tmp_path / "two" / "hf_model" / "config.json").read_text())
+        config = json.loads((two_dir / "hf_model" / "config.json").read_text())
         assert config["id2label"] == {"0": "bad", "1": "good"}
 
 
@@ -294,6 +344,25 @@ def one_error_line(proc):
     return lines[-1]
 
 
+#: main() for argv[1] (a JSON list) twice in one process: before and after the model of argv[2] is copied into
+#: the hub cache as argv[3] (snapshots/<commit>, refs/main), each run's stderr between split_runs' marks
+MISSING_THEN_FOUND = f'''
+import json, shutil, sys
+from pathlib import Path
+sys.path.insert(0, {str(REPO / "tests")!r})
+from conftest import run_main
+args, model, repo = json.loads(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+for i in range(2):
+    if i == 1:
+        shutil.copytree(model, repo / "snapshots" / ("0" * 40))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0" * 40)
+    print(f"--- run {{i}}", file=sys.stderr, flush=True)
+    code = run_main(args)
+    print(f"--- exit {{i}} {{0 if code is None else code}}", file=sys.stderr, flush=True)
+'''
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_textbox_model_path_names_a_model_in_the_local_cache_or_says_how_to_get_it(models, text_data, tmp_path):
@@ -302,54 +371,60 @@ def test_textbox_model_path_names_a_model_in_the_local_cache_or_says_how_to_get_
     textbox = ["--task", "hf", "--model_path=facebook/bart-base", "--data", str(text_data), "--target_column", "target",
                "--metrics=['rouge']", "--metrics_for_best_model=['ROUGE-1']", "--max-sentences", "8",
                "--max-update", "2", "--generation_max_length", "6", "--save-dir", str(tmp_path / "run")]
-    missing = subprocess.run([PY, "run_hetseq.py", *textbox], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=200)
-    line = one_error_line(missing)
+    # one process (the hub cache's location is read as huggingface_hub is imported): main() refuses the name
+    # while the cache lacks it, then the model is put where huggingface-cli download leaves one (the hub
+    # cache's own layout), then main() trains it
+    repo = cache / "models--facebook--bart-base"
+    script = tmp_path / "missing_then_found.py"
+    script.write_text(MISSING_THEN_FOUND)
+    proc = subprocess.run([PY, str(script), json.dumps([str(a) for a in textbox]), str(models["seq2seq"]), str(repo)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (missing_code, missing_err), (found_code, found_err) = split_runs(proc.stderr, 2)
+    line = one_error_line(subprocess.CompletedProcess(textbox, missing_code, "", missing_err))
     assert line.startswith("error: --model_path facebook/bart-base: no such directory, and no model")
     assert "huggingface-cli download facebook/bart-base" in line, line
-    # the hub cache's own layout, as huggingface-cli download leaves it
-    repo = cache / "models--facebook--bart-base"
-    import shutil
-    shutil.copytree(models["seq2seq"], repo / "snapshots" / ("0" * 40))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0" * 40)
-    found = subprocess.run([PY, "run_hetseq.py", *textbox], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=200)
-    assert found.returncode == 0, found.stderr[-3000:]
+    assert found_code == 0, found_err[-3000:]
     valid = records(tmp_path / "run", "valid")[-1]
     assert {"ROUGE-1", "ROUGE-2", "ROUGE-L"} <= set(valid) and "BLEU" not in valid
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, tmp_path):
+@pytest.mark.timeout(900)
+def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, tmp_path, two_rank_runs):
     """--balance moves tokens away from a slow rank 1 mid-run; every split
     tried gives the causal LM the update of one process."""
-    from textbox_like import balance
-    extra = ("--max-update", "12", "--balance-interval", "2")
-    one_process(exactness_args(models["causal_lm"], text_data, tmp_path / "one", *extra))
-    cmd = exactness_args(models["causal_lm"], text_data, tmp_path / "two", *extra, "--balance",
-                         "--distributed-world-size", "2")
-    out = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**clean_env(), balance.SLOW_RANK_ENV: "1:0.003@0"})
+    one_process(exactness_args(models["causal_lm"], text_data, tmp_path / "one", *BALANCE_EXTRA))
+    out, two_dir = two_rank_runs["balance"]
     assert out.returncode == 0, out.stderr[-3000:]
-    splits = [r["batch_sizes"] for r in records(tmp_path / "two", "balance")]
+    splits = [r["batch_sizes"] for r in records(two_dir, "balance")]
     assert any(split != [60, 60] for split in splits), (splits, out.stderr[-2000:])
-    one_state, two_state = params(tmp_path / "one"), params(tmp_path / "two")
+    one_state, two_state = params(tmp_path / "one"), params(two_dir)
     for key in one_state:
         assert torch.allclose(one_state[key], two_state[key], atol=1e-5, rtol=0), key
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_benchmark_runs_for_the_hf_causal_lm(models, text_data):
+def test_benchmark_runs_for_the_hf_causal_lm(models, text_data, capfd):
     """python -m textbox_like.bench hf: the trainer against the model's own loss in a plain loop over the
-    trainer's batches."""
+    trainer's batches (bench.main, the command's, in this process: the mode starts no process of its own)."""
     import math
 
-    from test_bench import run_bench
-    report, err = run_bench("hf", "--model_name_or_path", models["causal_lm"], "--data", text_data,
-                            "--max-sentences", 8, "--updates", 40, "--warmup", 2, "--rounds", 1, "--threads", 1)
+    from conftest import _reset_accelerate
+    from textbox_like import bench
+    capfd.readouterr()
+    threads = torch.get_num_threads()
+    _reset_accelerate()
+    try:
+        assert bench.main([str(a) for a in ("hf", "--model_name_or_path", models["causal_lm"], "--data", text_data,
+                                            "--max-sentences", 8, "--updates", 40, "--warmup", 2, "--rounds", 1,
+                                            "--threads", 1)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        _reset_accelerate()
+    out, err = capfd.readouterr()
+    report = json.loads(out.strip().splitlines()[-1])
     assert report["mode"] == "hf" and report["rounds"] == 1 and report["trainer_timing"] == "window"
     assert math.isfinite(report["ratio_wall_median"]) and math.isfinite(report["ratio_cpu_median"])
     assert "trainer (eager) / plain loop (eager): wall" in err
