@@ -1,36 +1,47 @@
 """The tests of test_resume.py (tests/unit) that start processes: the slow tier.
 
-What they hold is told in that module's docstring."""
+What they hold is told in that module's docstring. The faults are real
+processes killed by the OS (SIGKILL, SIGTERM); the uninterrupted references
+they are compared with and the resumes after them are runs like any other:
+they train in this process (_runs_runs.in_process), whose torch is imported
+already; a run of two ranks spawns them as processes from here."""
 from __future__ import annotations
 
 import json
 import re
 import signal
-import subprocess
 
 import pytest
-import torch
 
+from _runs_runs import argv_of, in_process, ok_in_process, train_in_process
 from conftest import assert_bitwise_equal
-from test_resume import REPO, command, compare_final, data, kill_after_checkpoint, load  # noqa: F401 (fixtures)
+from test_resume import command, compare_final, data, kill_after_checkpoint, load  # noqa: F401 (fixtures)
 
 
-def run(cmd, timeout=240):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+def args(data, save_dir, *extra):
+    """test_resume.command's trainer arguments, for a run in this process."""
+    return argv_of(command(data, save_dir, *extra))
+
+
+def resumed_update(stderr):
+    """The update the resume line names (it comes before training's lines): the newest save the kill left.
+    A kill between a save's first name and its copy to checkpoint_last.pt leaves an earlier name of that
+    save the newest (checkpoint_1_15.pt, checkpoint_best.pt, an epoch's checkpoint1.pt)."""
+    resumed = re.search(r"resumed from \S*checkpoint\w*\.pt: epoch \d+, update (\d+)\b", stderr)
+    assert resumed, stderr[:3000]
+    return int(resumed.group(1))
 
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
-    """Uninterrupted runs, by --update-freq."""
+    """Uninterrupted runs, by --update-freq, each trained once for the module, in this process."""
     refs = {}
 
     def get(update_freq, *extra):
         key = (update_freq, extra)
         if key not in refs:
             out = tmp_path_factory.mktemp(f"ref{update_freq}")
-            run(command(data, out, "--update-freq", str(update_freq), *extra))
+            train_in_process(args(data, out, "--update-freq", str(update_freq), *extra))
             refs[key] = load(out / "checkpoint_last.pt")
         return refs[key]
     return get
@@ -39,44 +50,39 @@ def reference(data, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("update_freq", [1, 3])
-def test_sigkill_then_resume_is_bitwise_identical(data, tmp_path, reference, update_freq):
+def test_sigkill_then_resume_is_bitwise_identical(data, tmp_path, reference, update_freq, capfd):
+    """Also (formerly test_metrics_jsonl_has_no_repeated_updates_after_kill_and_resume): metrics.jsonl of
+    the killed run and its resume holds every update once."""
     # dropout stays on (the MNIST CNN's defaults): the RNG state must be restored too
     save_dir = tmp_path / "run"
-    cmd = command(data, save_dir, "--update-freq", str(update_freq))
+    cmd = command(data, save_dir, "--update-freq", str(update_freq), "--log-interval", "1")
     code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=update_freq)
     assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
-    out = subprocess.run(cmd + ["--log-format", "simple", "--resume"], capture_output=True, text=True, cwd=REPO,
-                         timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    # the newest save the kill left: a kill between a save's first name and its
-    # copy to checkpoint_last.pt leaves an earlier name of that save the newest
-    # (checkpoint_1_15.pt, checkpoint_best.pt, an epoch's checkpoint1.pt)
-    resumed = re.search(r"resumed from \S*checkpoint\w*\.pt: epoch \d+, update (\d+)\b", out.stderr)
-    assert resumed, out.stderr[:3000]  # the resume line comes before training's lines
-    assert 5 <= int(resumed.group(1)) < 60
+    out = ok_in_process(argv_of(cmd) + ["--log-format", "simple", "--resume"], capfd)
+    assert 5 <= resumed_update(out.stderr) < 60
     compare_final(load(save_dir / "checkpoint_last.pt"), reference(update_freq))
+    updates = [json.loads(x)["update"] for x in open(save_dir / "metrics.jsonl") if '"kind": "train"' in x]
+    assert updates == list(range(1, 61))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_compiled_run_killed_and_resumed_equals_the_uninterrupted_compiled_run(data, tmp_path, reference):
+def test_compiled_run_killed_and_resumed_equals_the_uninterrupted_compiled_run(data, tmp_path, reference, capfd):
     # --compile (issue 12): the checkpoint holds the uncompiled module's keys and
-    # the resumed process compiles again; dropout on, in eager and compiled code
+    # the resumed run compiles again; dropout on, in eager and compiled code
     save_dir = tmp_path / "run"
     cmd = command(data, save_dir, "--compile")
     code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=5)
     assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
-    out = run(cmd + ["--log-format", "simple", "--resume"])
-    resumed = re.search(r"resumed from \S*checkpoint\w*\.pt: epoch \d+, update (\d+)\b", out.stderr)
-    # the start of stderr: the resume line comes before training's lines
-    assert resumed and 5 <= int(resumed.group(1)) < 60, out.stderr[:3000]
+    out = ok_in_process(argv_of(cmd) + ["--log-format", "simple", "--resume"], capfd)
+    assert 5 <= resumed_update(out.stderr) < 60, out.stderr[:3000]
     assert "compiled: the first update took" in out.stderr
     compare_final(load(save_dir / "checkpoint_last.pt"), reference(1, "--compile"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, reference):
+def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, reference, capfd):
     save_dir = tmp_path / "run"
     cmd = command(data, save_dir)
     code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGTERM, seed=7)
@@ -84,23 +90,25 @@ def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, referenc
     assert "--resume" in err
     state = load(save_dir / "checkpoint_last.pt")
     assert 5 <= state["train"]["num_updates"] < 60
-    run(cmd + ["--resume"])
+    ok_in_process(argv_of(cmd) + ["--resume"], capfd)
     compare_final(load(save_dir / "checkpoint_last.pt"), reference(1))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, reference):
+def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, capfd):
     save_dir = tmp_path / "run"
     ref_dir = tmp_path / "ref"
-    cmd = command(data, save_dir, "--distributed-world-size", "2", "--max-sentences", "8")
-    run(command(data, ref_dir, "--distributed-world-size", "2", "--max-sentences", "8"))
-    # kill -9 every process of the run at once: no rank gets to save
+    two = ["--distributed-world-size", "2", "--max-sentences", "8"]
+    cmd = command(data, save_dir, *two)
+    # the reference and the resume: their launcher in this process, their two ranks processes it spawns
+    ok_in_process(args(data, ref_dir, *two), capfd)
+    # kill -9 every process of the run (its launcher and ranks) at once: no rank gets to save
     code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=3, group=True)
     assert code == -signal.SIGKILL, err[-1000:]
     killed_at = load(save_dir / "checkpoint_last.pt")["train"]["num_updates"]
     assert killed_at % 5 == 0 and killed_at < 60  # an interval checkpoint, not a save on the way out
-    run(cmd + ["--resume"])
+    ok_in_process(argv_of(cmd) + ["--resume"], capfd)
     final, ref = load(save_dir / "checkpoint_last.pt"), load(ref_dir / "checkpoint_last.pt")
     assert len(final["rng"]) == 2
     compare_final(final, ref)
@@ -123,7 +131,9 @@ def test_kill_while_saving_never_leaves_last_checkpoint_unloadable(data, tmp_pat
 
 
 @pytest.mark.slow
-def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path):
+def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path, capfd):
+    import torch
+
     from textbox_like import checkpoint as ck
     from textbox_like.errors import UserError
     good = tmp_path / "good.pt"
@@ -135,9 +145,8 @@ def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path):
     for path in (truncated, foreign):
         with pytest.raises(UserError, match=path.name):
             ck.load_checkpoint(path)
-    # and from the command line: one line, exit 2
-    out = subprocess.run(command(data, tmp_path / "out", "--restore-file", str(truncated)),
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    # and from the command line's main(): one line, exit 2
+    out = in_process(args(data, tmp_path / "out", "--restore-file", str(truncated)), capfd)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "truncated.pt" in lines[0], out.stderr
@@ -147,21 +156,33 @@ def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path):
 @pytest.mark.timeout(300)
 def test_keep_interval_updates_keeps_the_two_newest(data, tmp_path):
     save_dir = tmp_path / "run"
-    run(command(data, save_dir, "--max-update", "30", "--keep-interval-updates", "2"))
+    train_in_process(args(data, save_dir, "--max-update", "30", "--keep-interval-updates", "2"))
     names = [p.name for p in save_dir.glob("checkpoint_*_*.pt")]
     updates = sorted(int(n.split("_")[2][:-3]) for n in names)
     assert updates == [25, 30]
 
 
+SCHEDULE = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4"]
+
+
+@pytest.fixture(scope="module")
+def ten_scheduled_updates(data, tmp_path_factory):
+    """A finished run of 10 updates under a warm-up and linear decay: the two tests below start from it (a
+    copy to resume in, its checkpoint to restore)."""
+    save_dir = tmp_path_factory.mktemp("scheduled") / "a"
+    train_in_process(args(data, save_dir, "--max-update", "10", *SCHEDULE))
+    return save_dir
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_resume_after_raising_max_update_continues(data, tmp_path):
+def test_resume_after_raising_max_update_continues(data, tmp_path, ten_scheduled_updates):
+    import shutil
     save_dir = tmp_path / "run"
-    schedule = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4"]
-    run(command(data, save_dir, "--max-update", "10", *schedule))
+    shutil.copytree(ten_scheduled_updates, save_dir)
     first = load(save_dir / "checkpoint_last.pt")
     assert first["train"]["num_updates"] == 10
-    run(command(data, save_dir, "--max-update", "20", "--resume", *schedule))
+    train_in_process(args(data, save_dir, "--max-update", "20", "--resume", *SCHEDULE))
     second = load(save_dir / "checkpoint_last.pt")
     assert second["train"]["num_updates"] == 20
     assert second["scheduler"]["num_updates"] == 20
@@ -169,20 +190,18 @@ def test_resume_after_raising_max_update_continues(data, tmp_path):
     assert second["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.001 * (1 - 16 / 96))
     # and it equals the uninterrupted 20-update run
     ref_dir = tmp_path / "ref"
-    run(command(data, ref_dir, "--max-update", "20", *schedule))
+    train_in_process(args(data, ref_dir, "--max-update", "20", *SCHEDULE))
     assert_bitwise_equal(second["model"], load(ref_dir / "checkpoint_last.pt")["model"], "model")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp_path):
-    schedule = ["--lr-scheduler", "polynomial_decay", "--total-num-update", "100", "--warmup-updates", "4",
-                "--log-format", "json", "--log-interval", "1"]
-    run(command(data, tmp_path / "a", "--max-update", "10", *schedule))
-    out = subprocess.run(command(data, tmp_path / "b", "--max-update", "12", "--restore-file",
-                                 str(tmp_path / "a" / "checkpoint_last.pt"), "--reset-lr-scheduler", *schedule),
-                         capture_output=True, text=True, cwd=REPO, timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp_path, ten_scheduled_updates,
+                                                                       capfd):
+    logged = ["--log-format", "json", "--log-interval", "1"]
+    out = ok_in_process(args(data, tmp_path / "b", "--max-update", "12", "--restore-file",
+                             str(ten_scheduled_updates / "checkpoint_last.pt"), "--reset-lr-scheduler", *SCHEDULE,
+                             *logged), capfd)
     lrs = [json.loads(x)["lr"] for x in out.stderr.splitlines() if x.startswith("{") and '"train"' in x]
     # update 11 trained with the LR of update 10 -> logged after the step as lr_at(11)
     assert lrs[0] == pytest.approx(0.001 * (1 - (11 - 4) / 96))
@@ -190,27 +209,16 @@ def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_metrics_jsonl_has_no_repeated_updates_after_kill_and_resume(data, tmp_path):
-    save_dir = tmp_path / "run"
-    cmd = command(data, save_dir, "--log-interval", "1")
-    code, _ = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=11)
-    assert code == -signal.SIGKILL
-    run(cmd + ["--resume"])
-    updates = [json.loads(x)["update"] for x in open(save_dir / "metrics.jsonl") if '"kind": "train"' in x]
-    assert updates == list(range(1, 61))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_resume_with_another_world_size_and_batch_continues_the_epoch(data, tmp_path):
+def test_resume_with_another_world_size_and_batch_continues_the_epoch(data, tmp_path, capfd):
     """1 process x 16 for 10 updates, then 2 processes x 8: the rest of the
     epoch is re-planned from the same offset, nothing skipped or repeated."""
     save_dir = tmp_path / "run"
-    run(command(data, save_dir, "--max-update", "10"))
+    train_in_process(args(data, save_dir, "--max-update", "10"))
     first = load(save_dir / "checkpoint_last.pt")
     assert (first["iterator"]["epoch"], first["iterator"]["offset"]) == (1, 160)
-    run(command(data, save_dir, "--max-update", "20", "--resume", "--distributed-world-size", "2",
-                "--max-sentences", "8"))
+    # its launcher in this process, the two ranks processes it spawns
+    ok_in_process(args(data, save_dir, "--max-update", "20", "--resume", "--distributed-world-size", "2",
+                       "--max-sentences", "8"), capfd)
     second = load(save_dir / "checkpoint_last.pt")
     assert second["train"]["num_updates"] == 20 and second["world_size"] == 2
     # 10 more updates of 2 x 8 samples: 160 + 160 samples into the 384-sample epoch
