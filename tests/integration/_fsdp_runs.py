@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import RANK_LEAVES, REPO, TESTS, clean_env
+from conftest import RANK_LEAVES, REPO, TESTS, clean_env, free_port
 
 PY = sys.executable
 
@@ -29,6 +29,29 @@ import json, os, sys
 sys.path.insert(0, {str(TESTS)!r})
 from conftest import _RANK_VARS, run_main
 plan, me = json.load(open(sys.argv[1])), int(sys.argv[2])
+
+
+def run_script(path, argv, out):
+    """``python PATH ARGV`` in this process, its stdout to ``out``; its process group gone after it."""
+    import contextlib
+    import torch.distributed as dist
+    init, saved_argv = dist.init_process_group, sys.argv
+    sys.argv = [path, *argv]
+    try:
+        with open(out, "w") as stdout, contextlib.redirect_stdout(stdout):
+            try:
+                exec(compile(open(path).read(), path, "exec"), {{"__name__": "__main__", "__file__": path}})
+            except SystemExit as exc:
+                return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            finally:
+                sys.stdout.flush()
+        return 0
+    finally:
+        sys.argv, dist.init_process_group = saved_argv, init
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 for i, step in enumerate(plan):
     argv = step["argv"].get(str(me))
     if argv is None:
@@ -39,8 +62,11 @@ for i, step in enumerate(plan):
     os.environ.update(step["env"].get(str(me), {{}}))
     print(f"--- run {{i}}", file=sys.stderr, flush=True)
     try:
-        code = run_main(argv)
-    except BaseException as exc:   # what main() let through: said, and the next run goes on
+        if step.get("script"):
+            code = run_script(step["script"], argv, f"{{step['out']}}.rank{{me}}")
+        else:
+            code = run_main(argv)
+    except BaseException as exc:   # what main() or the script let through: said, and the next step goes on
         import traceback
         traceback.print_exc()
         code = 1
@@ -59,6 +85,8 @@ class Run:
     env: dict = field(default_factory=dict)
     codes: dict = field(default_factory=dict)
     errs: dict = field(default_factory=dict)
+    script: str = ""
+    outs: dict = field(default_factory=dict)   # a script's stdout, rank by rank
 
     @property
     def stderr(self) -> str:
@@ -95,13 +123,25 @@ def by_rank(argvs, env=None):
                {str(rank): dict(env or {}) for rank in range(len(argvs))})
 
 
+def script(path, world, argv=(), ranks=None):
+    """``python PATH ARGV`` on ``world`` ranks (or on the ranks listed in ``ranks``, of ``world``), each with
+    the variables torchrun gives its workers and a store of the step's own (MASTER_PORT)."""
+    port = str(free_port())
+    ranks = range(world) if ranks is None else ranks
+    env = {str(rank): {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+           for rank in ranks}
+    return Run({str(rank): [str(a) for a in argv] for rank in ranks}, env, script=str(path))
+
+
 def run_plan(runs, root, ranks=2, timeout=900):
     """Start ``ranks`` processes that run ``runs`` (a list of Run) in turn; wait for them; fill in each
     run's exit codes and output. The processes themselves must exit 0 (every run ended, whatever its code)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     plan = root / "plan.json"
-    plan.write_text(json.dumps([{"argv": run.argv, "env": run.env} for run in runs]))
+    plan.write_text(json.dumps([{"argv": run.argv, "env": run.env, "script": run.script, "out": str(root / f"out{i}")}
+                                for i, run in enumerate(runs)]))
     logs = [root / f"rank{rank}.log" for rank in range(ranks)]
     procs = []
     try:
@@ -126,4 +166,6 @@ def run_plan(runs, root, ranks=2, timeout=900):
             assert f"--- run {i}\n" in text and f"--- exit {i} " in text, (i, rank, text[-4000:])
             err, rest = text.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)
             run.codes[rank], run.errs[rank] = int(rest.split("\n", 1)[0]), err
+            if run.script:
+                run.outs[rank] = (root / f"out{i}.rank{rank}").read_text(errors="replace")
     return runs

@@ -3,21 +3,42 @@
 What they hold is told in that module's docstring."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import RANK_LEAVES, clean_env, write_mnist
+from conftest import write_mnist
 from test_fsdp import assert_close, checkpoint, train_records
 from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
-from test_fsdp_options import PY, REPO
+from _fsdp_runs import Run, run_plan, script, spawned
+
+
+# ------------------------------------------------------------------ every process of this file: one pair
+@pytest.fixture(scope="module")
+def two_rank_runs(models, text_data, tmp_path_factory):  # noqa: F811
+    """Every run and script of this file's tests, one after another in one pair of rank processes
+    (_fsdp_runs.run_plan), each with the rank variables, the rendezvous and the arguments its test gives
+    it: {name: its _fsdp_runs.Run}, under the root returned. The scripts come last: they leave the
+    trainer's runs a process as the trainer's own clean-up leaves it."""
+    root = tmp_path_factory.mktemp("fsdp_options_runs")
+    data = root / "mnist"
+    write_mnist(data, n_train=256, n_test=16)
+    common = ("--max-update", 3, "--distributed-world-size", 2, "--fsdp", "--distributed-timeout", 600)
+    runs = {"unlike_nodes": unlike_nodes(data, root),
+            "eager": spawned(exactness_args(models["causal_lm"], text_data, root / "eager", *common)[2:], 2,
+                             root / "rdzv_eager"),
+            "compiled": spawned(exactness_args(models["causal_lm"], text_data, root / "compiled", *common,
+                                               "--compile")[2:], 2, root / "rdzv_compiled"),
+            "two_rank_checks": two_rank_checks_script(root),
+            "plugin": plugin_script(root)}
+    run_plan(list(runs.values()), root / "plan", timeout=1500)
+    return root, runs
 
 
 # ------------------------------------------------------------------ --compile (a model compiled whole)
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(models, text_data, tmp_path):  # noqa: F811
+@pytest.mark.timeout(1800)
+def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(two_rank_runs):
     """GPT-2 declares no compile regions: Accelerate wraps the whole sharded
     model in torch.compile, and the run must still see it sharded (start
     line, the micro-batch count the ranks agree on, the sharded gradient
@@ -25,27 +46,23 @@ def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(models, text_dat
     rounding of fused kernels: after 3 SGD steps of lr 0.5 on weights of
     size up to 1 they differ by one float32 ulp (1.2e-7 measured), far below
     1e-5 (the exactness tests' bound), while a wrong update (one rank's
-    gradient alone, a missed reduction) moves weights by ~1e-2."""
-    common = ("--max-update", 3, "--distributed-world-size", 2, "--fsdp", "--distributed-timeout", 600)
-    eager = subprocess.run(list(map(str, exactness_args(models["causal_lm"], text_data, tmp_path / "eager",
-                                                        *common))),
-                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert eager.returncode == 0, eager.stderr[-3000:]
-    compiled = subprocess.run(list(map(str, exactness_args(models["causal_lm"], text_data, tmp_path / "compiled",
-                                                           *common, "--compile"))),
-                              cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    gradient alone, a missed reduction) moves weights by ~1e-2. Both runs
+    are two_rank_runs' ("eager", "compiled"), as run_hetseq.py's two spawned ranks."""
+    root, runs = two_rank_runs
+    runs["eager"].check()
+    compiled = runs["compiled"]
+    compiled.check()
     start = next(line for line in compiled.stderr.splitlines() if line.startswith("task hf"))
     assert "sharding full over 2 ranks (fully_shard applied by textbox_like" in start, start
     assert "units: 2 GPT2Block + the root" in start, start
     assert "compile from --compile" in start, start
     assert "did not compile" not in compiled.stderr and "Traceback" not in compiled.stderr
-    records = train_records(tmp_path / "compiled")
+    records = train_records(root / "compiled")
     assert [r["update"] for r in records] == [1, 2, 3]
     assert all(min(r["compute_s_per_rank"]) > 0 for r in records)  # the sharded timing ran
-    assert (tmp_path / "compiled" / "checkpoint_last.dcp").is_dir()  # a sharded checkpoint, as eager's
-    assert_close(checkpoint(tmp_path / "compiled")["model"], checkpoint(tmp_path / "eager")["model"], atol=1e-5)
-    assert records[-1]["loss"] == pytest.approx(train_records(tmp_path / "eager")[-1]["loss"], abs=1e-5)
+    assert (root / "compiled" / "checkpoint_last.dcp").is_dir()  # a sharded checkpoint, as eager's
+    assert_close(checkpoint(root / "compiled")["model"], checkpoint(root / "eager")["model"], atol=1e-5)
+    assert records[-1]["loss"] == pytest.approx(train_records(root / "eager")[-1]["loss"], abs=1e-5)
 
 SHARDED_ROOT_SCRIPT = '''
 import torch, torch.distributed as dist
@@ -62,10 +79,10 @@ found = (sharding.sharded_root(torch.compile(m)) is m, sharding.sharded_root(Wra
 open(f"{__file__}.rank{dist.get_rank()}", "w").write("found %s %s %s %s\\n" % found)
 '''
 
-# the unit-level two-rank checks of this file and test_fsdp.py's sharding strategies: one torchrun of
-# two ranks runs each check's script in turn (its own namespace, its own verdict files), instead of one
-# torchrun (three processes, a rendezvous) per check. The process group the first script starts is the
-# one every later script works in (Accelerator(cpu=True) takes it as it is).
+# the unit-level two-rank checks of this file and test_fsdp.py's sharding strategies: one script on two
+# ranks runs each check's script in turn (its own namespace, its own verdict files), instead of one torchrun
+# (three processes, a rendezvous) per check. The process group the first script starts is the one every
+# later script works in (Accelerator(cpu=True) takes it as it is).
 DRIVER_SCRIPT = '''
 import os, sys, torch.distributed as dist
 real_init = dist.init_process_group
@@ -83,31 +100,41 @@ if first:
     print("--- all parts ran", flush=True)
 '''
 
+CHECK_PARTS = ("strategies", "sharded_root", "eval_first", "unused")
 
-@pytest.fixture(scope="module")
-def two_rank_checks(tmp_path_factory):
-    """{check: what rank 0 printed during it, then each rank's verdict file}, from one torchrun of 2."""
+
+def two_rank_checks_script(root):
+    """The driver of the checks on two ranks (two_rank_runs' "two_rank_checks")."""
     from test_fsdp import STRATEGIES_SCRIPT
-    root = tmp_path_factory.mktemp("two_rank_checks")
+    root = root / "two_rank_checks"
+    root.mkdir()
     parts = {"strategies": STRATEGIES_SCRIPT, "sharded_root": SHARDED_ROOT_SCRIPT, "eval_first": EVAL_FIRST_SCRIPT,
              "unused": UNUSED_SCRIPT.replace("sys.argv[1:]", '["--find-unused-parameters"]')}
     for name, text in parts.items():
         (root / f"{name}.py").write_text(text)
-    (root / "driver.py").write_text(DRIVER_SCRIPT + RANK_LEAVES)
-    out = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(root / "driver.py"),
-                          *(str(root / f"{name}.py") for name in parts)], cwd=REPO, env=clean_env(),
-                         capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "--- all parts ran" in out.stdout, out.stdout[-3000:]
+    (root / "driver.py").write_text(DRIVER_SCRIPT)
+    return script(root / "driver.py", 2, [root / f"{name}.py" for name in CHECK_PARTS])
+
+
+@pytest.fixture(scope="module")
+def two_rank_checks(two_rank_runs):
+    """{check: what rank 0 printed during it, then each rank's verdict file}, from one driver on 2 ranks."""
+    root, runs = two_rank_runs
+    checks = runs["two_rank_checks"]
+    checks.check()
+    out = checks.outs[0]
+    assert "--- all parts ran" in out, out[-3000:] + checks.stderr[-3000:]
     printed = {}
-    for chunk in out.stdout.split("--- part ")[1:]:
+    for chunk in out.split("--- part ")[1:]:
         path, _, text = chunk.partition("\n")
         printed[Path(path).stem] = printed.get(Path(path).stem, "") + text
-    return {name: printed.get(name, "") + "".join(p.read_text() for p in sorted(root.glob(f"{name}.py.rank*")))
-            for name in parts}
+    folder = root / "two_rank_checks"
+    return {name: printed.get(name, "") + "".join(p.read_text() for p in sorted(folder.glob(f"{name}.py.rank*")))
+            for name in CHECK_PARTS}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_sharding_strategies_keep_the_shards_they_say(two_rank_checks):
     """full and hybrid on one node split each parameter over the 2 ranks;
     none, and hybrid over 2 nodes of one rank, keep whole copies; every
@@ -125,6 +152,7 @@ def test_sharding_strategies_keep_the_shards_they_say(two_rank_checks):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_sharded_root_is_found_under_torch_compile_and_ddp_like_wrappers(two_rank_checks):
     """Unit level: the FSDP module under torch.compile's OptimizedModule and
     under a ``.module`` wrapper (as DDP's), and none in a plain model."""
@@ -133,28 +161,28 @@ def test_sharded_root_is_found_under_torch_compile_and_ddp_like_wrappers(two_ran
 
 
 # ------------------------------------------------------------------ hybrid on unlike nodes
+def unlike_nodes(data, root):
+    """Rank 0 says its node holds 2 ranks, rank 1 that its node holds 1 (two_rank_runs' "unlike_nodes")."""
+    args = ["--task", "mnist", "--data", str(data), "--save-dir", str(root / "unlike_nodes"), "--max-sentences", "16",
+            "--max-update", "2", "--threads", "1", "--disable-validation", "--distributed-timeout", "120", "--fsdp",
+            "--fsdp-sharding", "hybrid"]
+    env = {str(rank): {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(local_world),
+                       "MASTER_ADDR": "127.0.0.1", "TEXTBOX_LIKE_INIT_METHOD": f"file://{root / 'rdzv_unlike'}"}
+           for rank, local_world in ((0, 2), (1, 1))}
+    return Run({"0": args, "1": args}, env)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_hybrid_on_nodes_with_unlike_rank_counts_is_refused_on_every_rank(tmp_path):
+@pytest.mark.timeout(1800)
+def test_hybrid_on_nodes_with_unlike_rank_counts_is_refused_on_every_rank(two_rank_runs):
     """Rank 0 says its node holds 2 ranks, rank 1 that its node holds 1
     (LOCAL_WORLD_SIZE as torchrun or SLURM would set it on unlike nodes):
     each would lay out another mesh, (1, 2) against (2, 1). Both ranks stop
     with the one line and exit 2, before any mesh is built (no hang)."""
-    data = tmp_path / "mnist"
-    write_mnist(data, n_train=256, n_test=16)
-    procs = []
-    for rank, local_world in ((0, 2), (1, 1)):
-        env = {**clean_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-               "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": "127.0.0.1",
-               "TEXTBOX_LIKE_INIT_METHOD": f"file://{tmp_path / 'rdzv'}"}
-        procs.append(subprocess.Popen(
-            [PY, "run_hetseq.py", "--task", "mnist", "--data", str(data), "--save-dir", str(tmp_path / "save"),
-             "--max-sentences", "16", "--max-update", "2", "--threads", "1", "--disable-validation",
-             "--distributed-timeout", "120", "--fsdp", "--fsdp-sharding", "hybrid"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errs
-    for err in errs:
+    run = two_rank_runs[1]["unlike_nodes"]
+    run.check(expect=2)
+    for rank in (0, 1):
+        err = run.errs[rank]
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert lines == ["error: --fsdp-sharding hybrid needs the same number of ranks on every node (here the "
                          "ranks see [2, 1] ranks on their node, rank by rank: LOCAL_WORLD_SIZE); use "
@@ -189,7 +217,7 @@ open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} trained after evaluating
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1800)
 def test_a_sharded_model_evaluated_before_training_still_trains(two_rank_checks):
     """FSDP2's first forward under inference_mode makes inference tensors it
     keeps: a backward afterwards fails ("Inplace update to inference tensor
@@ -228,7 +256,7 @@ open(f"{__file__}.rank{rank}", "w").write(f"rank {rank} error {error < 1e-6}\\n"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1800)
 def test_find_unused_parameters_lets_fsdp_ranks_use_different_parameters(two_rank_checks):
     """Each rank's forward uses another layer: with --find-unused-parameters
     the unused layer's zero gradient joins the reduce-scatter on both ranks,
@@ -282,21 +310,9 @@ print("gradients equal", error < 1e-6 or error)
 '''
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_accelerates_fsdp2_plugin_shards_transformers_bert_with_the_units_shard_model_chooses(tmp_path):
-    """On CUDA Accelerate's FSDP2 plugin shards the model. transformers 5
-    adds BertEmbeddings to BERT's _no_split_modules, and the plugin, left to
-    itself, shards the tied word embedding apart from its decoder and fails
-    (seen on an H200: every --fsdp BERT run on one GPU). Fitted to the units
-    shard_model chooses (the BertLayers; the tied embedding in the root), it
-    shards, the tie holds, and the gradients equal the unsharded model's."""
-    script = tmp_path / "plugin.py"
-    script.write_text(ACCELERATE_PLUGIN_SCRIPT)
-    # the three cases in one process (one import of torch, transformers and accelerate, not three): each
-    # runs the script afresh with its own arguments, in the one-rank process group the first started
-    driver = tmp_path / "cases.py"
-    driver.write_text('''
+#: the three cases in one process (one import of torch, transformers and accelerate, not three): each runs
+#: the script afresh with its own arguments, in the one-rank process group the first started
+PLUGIN_CASES_SCRIPT = '''
 import sys, torch.distributed as dist
 real_init = dist.init_process_group
 def init_once(*args, **kwargs):
@@ -312,13 +328,35 @@ for case in sys.argv[3:]:
     except SystemExit as exc:
         assert exc.code in (0, None), exc.code
     sys.stdout.flush()
-''' + RANK_LEAVES)
-    cases = ["fitted", "fitted|--fsdp-wrap|none", "as built"]
-    out = subprocess.run([PY, str(driver), str(script), str(tmp_path / "rdzv"), *cases], cwd=REPO, env=clean_env(),
-                         capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stderr[-3000:]
-    printed = [chunk.splitlines()[1:] for chunk in out.stdout.split("--- case ")[1:]]
-    assert len(printed) == 3, out.stdout
+'''
+
+PLUGIN_CASES = ["fitted", "fitted|--fsdp-wrap|none", "as built"]
+
+
+def plugin_script(root):
+    """The three cases, one process with no rank variables (two_rank_runs' "plugin", in rank 0's process)."""
+    folder = root / "plugin"
+    folder.mkdir()
+    (folder / "plugin.py").write_text(ACCELERATE_PLUGIN_SCRIPT)
+    (folder / "cases.py").write_text(PLUGIN_CASES_SCRIPT)
+    return Run({"0": [str(folder / "plugin.py"), str(folder / "rdzv"), *PLUGIN_CASES]}, {"0": {}},
+               script=str(folder / "cases.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_accelerates_fsdp2_plugin_shards_transformers_bert_with_the_units_shard_model_chooses(two_rank_runs):
+    """On CUDA Accelerate's FSDP2 plugin shards the model. transformers 5
+    adds BertEmbeddings to BERT's _no_split_modules, and the plugin, left to
+    itself, shards the tied word embedding apart from its decoder and fails
+    (seen on an H200: every --fsdp BERT run on one GPU). Fitted to the units
+    shard_model chooses (the BertLayers; the tied embedding in the root), it
+    shards, the tie holds, and the gradients equal the unsharded model's."""
+    run = two_rank_runs[1]["plugin"]
+    run.check()
+    out = run.outs[0]
+    printed = [chunk.splitlines()[1:] for chunk in out.split("--- case ")[1:]]
+    assert len(printed) == 3, out
     assert printed[0] == ["units ['FSDPBertLayer', 'FSDPBertLayer']", "tied True True", "gradients equal True"]
     assert printed[1] == ["units []", "tied True True", "gradients equal True"]
     assert printed[2] == ["failed: TypeError"]
