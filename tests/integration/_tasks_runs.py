@@ -14,7 +14,6 @@ RUNS_IN_ONE_PROCESS does for runs of one process.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -49,7 +48,7 @@ for i, step in enumerate(json.load(open(sys.argv[2]))):
     env = {{**step["env"], "RANK": str(rank), "WORLD_SIZE": str(step["world"]), "LOCAL_RANK": str(rank),
            "LOCAL_WORLD_SIZE": str(step["world"]), "MASTER_ADDR": "127.0.0.1", "TEXTBOX_LIKE_SPAWNED": "1",
            "TEXTBOX_LIKE_INIT_METHOD": "file://" + step["rendezvous"]}}
-    before = {{key: os.environ.get(key) for key in env}}
+    before = dict(os.environ)   # the run's variables, and what the trainer publishes there, gone after it
     os.environ.update(env)
     print(f"--- run {{i}}", file=sys.stderr, flush=True)
     try:
@@ -59,11 +58,8 @@ for i, step in enumerate(json.load(open(sys.argv[2]))):
         print(f"--- exit {{i}} 1", file=sys.stderr, flush=True)
         sys.stdout.flush(); sys.stderr.flush(); os._exit(1)
     print(f"--- exit {{i}} {{0 if code is None else code}}", file=sys.stderr, flush=True)
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    os.environ.clear()
+    os.environ.update(before)
 # as a rank leaves (cli.leave): output flushed, without the interpreter's teardown of gloo's threads
 sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
 '''

@@ -20,7 +20,7 @@ from textbox_like.balance import even_split, split_name
 from textbox_like.checkpoint import load_checkpoint
 
 from conftest import copy_of, read_jsonl
-from test_distributed import NO_DROPOUT, assert_params_close, params, run
+from test_distributed import NO_DROPOUT, assert_params_close, params
 from test_bert_train import bert_data  # noqa: F401 (a fixture: tiny BERT shards)
 from test_faults import build_trainer, run_trainer
 from test_balance import FakeMemory, bert_args
@@ -219,22 +219,71 @@ SEARCHED_ARGS = ("--global-batch-size", "64", "--max-sentences", "64", "--balanc
                  "--distributed-world-size", "2", "--save-interval-updates", "10")
 
 
+def slow_env(rank, seconds, from_update=0):
+    return {balance.SLOW_RANK_ENV: f"{rank}:{seconds}@{from_update}"}
+
+
 @pytest.fixture(scope="module")
-def searched_20(data, tmp_path_factory):
+def multi_rank_runs(data, bert_data, tmp_path_factory):  # noqa: F811
+    """Every run of two or three ranks of this module but the out-of-memory ones, in one set of three rank
+    processes started as the trainer's spawn starts its ranks (_tasks_runs.rank_runs: their imports once for
+    all the runs, no parent process per run; the third process takes part in the three-rank run only):
+    {name: (RankRun, save dir)}. The first is the search the resume tests continue (each in a copy of it,
+    made once it ended): two ranks, rank 1 slowed, --balance, 20 updates ("searched", its folder left as it
+    ended for the tests that copy it again)."""
+    from _tasks_runs import Copy, Run, rank_runs
+    root = tmp_path_factory.mktemp("multi_rank")
+    dirs = {name: root / name for name in ("searched", "resumed", "resumed_3", "caps", "bal", "tb", "fp16",
+                                            "powersgd", "tokens")}
+    tensorboard = mnist_args(data, dirs["tb"], "--global-batch-size", "64", "--max-sentences", "64", "--balance",
+                             "--balance-interval", "3", "--distributed-world-size", "2", "--max-update", "9",
+                             "--log-interval", "3")
+    tensorboard[tensorboard.index("--report_to") + 1] = "tensorboard"
+    steps = {
+        "searched": Run(mnist_args(data, dirs["searched"], *SEARCHED_ARGS, "--max-update", "20"),
+                        env=slow_env(1, 0.004)),
+        "copy resumed": Copy(dirs["searched"], dirs["resumed"]),
+        "copy resumed_3": Copy(dirs["searched"], dirs["resumed_3"]),
+        # the three-rank one first: the third process waits for nothing else
+        "resumed_3": Run(resume_on_another_world_size_args(data, dirs["resumed_3"], 3), world=3),
+        "resumed": Run([*mnist_args(data, dirs["resumed"], *SEARCHED_ARGS), "--max-update", "40", "--resume"],
+                       env=slow_env(1, 0.004)),
+        "caps": Run(mnist_args(data, dirs["caps"], "--global-batch-size", "64", "--max-sentences", "16",
+                               "--distributed-world-size", "2", "--max-update", "20", "--log-interval", "10")),
+        "bal": Run(mnist_args(data, dirs["bal"], "--global-batch-size", "64", "--max-sentences", "64", "--balance",
+                              "--balance-interval", "5", "--distributed-world-size", "2", "--max-update", "40",
+                              "--log-interval", "10", "--save-interval-updates", "10", "--log-format", "json"),
+                   env=slow_env(1, 0.004, 15)),
+        "tb": Run(tensorboard, env=slow_env(1, 0.004)),
+        **{hook: Run(mnist_args(data, dirs[hook], "--max-sentences", "32", "--distributed-world-size", "2",
+                                "--max-update", "6", "--ddp-comm-hook", hook)) for hook in ("fp16", "powersgd")},
+        "tokens": Run(bert_args(bert_data, dirs["tokens"], "--global-batch-size", 256, "--max-tokens", 64,
+                                "--distributed-world-size", 2, "--balance", "--balance-interval", 2),
+                      env=slow_env(1, 0.01)),
+    }
+    results = rank_runs(list(steps.values()), timeout=1500)
+    runs = [name for name, step in steps.items() if isinstance(step, Run)]
+    return {name: (result, dirs[name]) for name, result in zip(runs, results)}
+
+
+def multi_rank_run(multi_rank_runs, name):
+    """(its RankRun, its save dir) of a run of multi_rank_runs that exited 0."""
+    proc, out = multi_rank_runs[name]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def searched_20(multi_rank_runs):
     """Two ranks, rank 1 slowed, --balance: 20 updates of the search, the
     first leg that the resume tests below continue (each in a copy)."""
-    out = tmp_path_factory.mktemp("searched") / "run"
-    run([PY, "run_hetseq.py", *mnist_args(data, out, *SEARCHED_ARGS, "--max-update", "20")], env=slow(1, 0.004))
-    return out
+    return multi_rank_run(multi_rank_runs, "searched")[1]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_process_64):
-    out = tmp_path / "two"
-    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "16",
-                                                 "--distributed-world-size", "2", "--max-update", "20",
-                                                 "--log-interval", "10")])
+@pytest.mark.timeout(1500)
+def test_two_ranks_with_caps_16_equal_one_process_of_64(multi_rank_runs, one_process_64):
+    proc, out = multi_rank_run(multi_rank_runs, "caps")
     assert "global batch 64 | batch sizes per rank [32, 32] | micro-batch caps [16, 16]" in proc.stderr
     assert_params_close(params(out), at_update(one_process_64, 20))
     train = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
@@ -246,10 +295,6 @@ def test_two_ranks_with_caps_16_equal_one_process_of_64(data, tmp_path, one_proc
     assert (saved["global_batch_size"], saved["split"], saved["unit"]) == (64, [32, 32], "samples")
 
 
-def slow(rank, seconds, from_update=0):
-    return {**os.environ, balance.SLOW_RANK_ENV: f"{rank}:{seconds}@{from_update}"}
-
-
 def balance_line(record, split_name="batch sizes per rank", unit="samples"):
     """The log line of a ``balance`` record: the split, why, each tried split's measured time."""
     was = "kept" if record["batch_sizes"] == record["was"] else f"was {record['was']}"
@@ -259,21 +304,15 @@ def balance_line(record, split_name="batch sizes per rank", unit="samples"):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(500)
-def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process_64):
+@pytest.mark.timeout(1500)
+def test_balance_follows_a_slow_rank_and_stays_exact(multi_rank_runs, one_process_64):
     """Rank 1 becomes 4 ms/sample slower at update 15; with an interval of 5
     the split favours rank 0 by update 25 (2 intervals: the search restarts
     from the best moved as far as the proportional split moved). Every
     re-split is the same on every rank (checked by the trainer at each
     re-split), each line and record says why and what each split tried took,
     and the splits tried give the parameters of one process of 64."""
-    out = tmp_path / "bal"
-    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64",
-                                                 "--balance", "--balance-interval", "5",
-                                                 "--distributed-world-size", "2", "--max-update", "40",
-                                                 "--log-interval", "10", "--save-interval-updates", "10",
-                                                 "--log-format", "json")],
-               env=slow(1, 0.004, 15))
+    proc, out = multi_rank_run(multi_rank_runs, "bal")
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
     # a record is a change of split (or the search settling on the current one)
     assert records
@@ -303,17 +342,15 @@ def test_balance_follows_a_slow_rank_and_stays_exact(data, tmp_path, one_process
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(500)
-def test_a_resume_continues_the_search(data, tmp_path, one_process_64, searched_20):
+@pytest.mark.timeout(1500)
+def test_a_resume_continues_the_search(multi_rank_runs, one_process_64, searched_20):
     """The search's state is a checkpoint part: a resume keeps the splits
     measured before it and goes on from the saved split; the maths is that
     of one process of 64 whatever the splits tried."""
-    out = copy_of(searched_20, tmp_path)
-    argv = mnist_args(data, out, *SEARCHED_ARGS)
-    before = load_checkpoint(out / "checkpoint_last.pt")["balance"]
+    before = load_checkpoint(searched_20 / "checkpoint_last.pt")["balance"]   # what the resumed copy started from
     measured_before = [e for e in before["search"]["tried"]]
     assert measured_before and before["search"]["phase"] != "start"
-    proc = run([PY, "run_hetseq.py", *argv, "--max-update", "40", "--resume"], env=slow(1, 0.004))
+    proc, out = multi_rank_run(multi_rank_runs, "resumed")
     assert f"batch sizes per rank {before['split']}" in proc.stderr  # the saved split, not an even one
     after = load_checkpoint(out / "checkpoint_last.pt")["balance"]["search"]
     assert any(e["at"] <= 20 for e in after["tried"]), after["tried"]  # measured before the resume, still known
@@ -321,18 +358,13 @@ def test_a_resume_continues_the_search(data, tmp_path, one_process_64, searched_
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(data, tmp_path):
+@pytest.mark.timeout(1500)
+def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(multi_rank_runs):
     """Two ranks, rank 1 slowed, --balance, the simple log format and
     TensorBoard: the event file holds each rank's compute, data and wait
     seconds at every log update and the re-splits; stderr has the balance line."""
     from test_trackers import scalar_series
-    out = tmp_path / "tb"
-    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "64", "--balance",
-                      "--balance-interval", "3", "--distributed-world-size", "2", "--max-update", "9",
-                      "--log-interval", "3")
-    argv[argv.index("--report_to") + 1] = "tensorboard"
-    proc = run([PY, "run_hetseq.py", *argv], env=slow(1, 0.004))
+    proc, out = multi_rank_run(multi_rank_runs, "tb")
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
     assert records, proc.stderr[-3000:]
     r = records[0]
@@ -349,27 +381,30 @@ def test_per_rank_seconds_and_re_splits_reach_tensorboard_and_the_simple_log(dat
         assert series[f"balance/s_per_update/{name}"][0] == (r["update"], pytest.approx(seconds))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(500)
-@pytest.mark.parametrize("world", [1, 3])
-def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, searched_20, world,
-                                                             capfd):
-    out = copy_of(searched_20, tmp_path)
-    saved = load_checkpoint(out / "checkpoint_last.pt")["balance"]
-    assert saved["split"][0] > saved["split"][1]
-    argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--balance",
+def resume_on_another_world_size_args(data, out, world):
+    return mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--balance",
                       "--balance-interval", "5", "--distributed-world-size", str(world), "--max-update", "30",
                       "--save-interval-updates", "10", "--resume")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one_process_64, searched_20, world,
+                                                             capfd, multi_rank_runs):
+    saved = load_checkpoint(searched_20 / "checkpoint_last.pt")["balance"]   # what each copy starts from
+    assert saved["split"][0] > saved["split"][1]
     if world == 1:   # one process: in this one, its output captured
         from conftest import refusal_in_process
+        out = copy_of(searched_20, tmp_path)
         threads = torch.get_num_threads()
         try:
-            proc = refusal_in_process(argv, capfd)
+            proc = refusal_in_process(resume_on_another_world_size_args(data, out, world), capfd)
         finally:
             torch.set_num_threads(threads)
         assert proc.returncode == 0, proc.stderr[-4000:]
-    else:
-        proc = run([PY, "run_hetseq.py", *argv])
+    else:   # three ranks, resumed from a copy of searched_20 (multi_rank_runs)
+        proc, out = multi_rank_run(multi_rank_runs, "resumed_3")
     assert f"batch sizes per rank {even_split(64, world)}" in proc.stderr
     assert_params_close(at_update(out, 30), at_update(one_process_64, 30))
     split = load_checkpoint(out / "checkpoint_last.pt")["balance"]["split"]
@@ -377,18 +412,23 @@ def test_resume_on_another_world_size_keeps_the_global_batch(data, tmp_path, one
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])
-def test_comm_hooks_train_on_two_ranks(data, tmp_path, hook):
-    out = tmp_path / hook
-    proc = run([PY, "run_hetseq.py", *mnist_args(data, out, "--max-sentences", "32", "--distributed-world-size", "2",
-                                                 "--max-update", "6", "--ddp-comm-hook", hook)])
+def test_comm_hooks_train_on_two_ranks(multi_rank_runs, hook):
+    proc, out = multi_rank_run(multi_rank_runs, hook)
     assert f"--ddp-comm-hook {hook}" in proc.stderr
     assert yaml.safe_load((out / "config.yaml").read_text())["ddp_comm_hook"] == hook
     assert json.loads((out / "results.json").read_text())["num_updates"] == 6
 
-OOM_RANK = '''
-import os, sys, torch
+#: one rank (argv[1]) of each run of the JSON list in argv[2], in turn: HetSeq's node flags (each rank its own
+#: --distributed-rank, a file:// rendezvous of the run's own), the trainer's main() with Accelerate's state reset
+#: around it (conftest.run_main), and the run's mocks installed for it alone (its "settings": which rank runs out
+#: of memory, above what, in the forward or the backward; which ranks have mocked CUDA memory to guard); each
+#: run's stderr between split_runs' marks, the variables the trainer exported for it gone after it
+OOM_RANKS = '''
+import json, os, sys, torch
+sys.path.insert(0, %r)
+from conftest import run_main
 from textbox_like import balance
 from textbox_like.tasks.mnist import MNISTTask
 
@@ -399,8 +439,6 @@ class Memory:  # mocked CUDA allocator figures: room for anything
     def peak(self): return 0
     def release(self): pass
 
-if os.environ["RANK_UNDER_TEST"] in os.environ["GUARDED_RANKS"]:  # the others: CPU, no memory to guard
-    balance.memory_probe = lambda device: Memory()
 class OutOfMemoryInBackward(torch.autograd.Function):  # the loss, unchanged; its backward runs out of memory
     @staticmethod
     def forward(ctx, x):
@@ -409,64 +447,89 @@ class OutOfMemoryInBackward(torch.autograd.Function):  # the loss, unchanged; it
     def backward(ctx, grad):
         raise torch.OutOfMemoryError("CUDA out of memory (mocked, in backward)")
 
-if os.environ["RANK_UNDER_TEST"] == os.environ["OOM_RANK"]:
-    real = MNISTTask.loss
-    def loss(self, model, batch):
-        too_big = model.training and batch["target"].shape[0] > int(os.environ["OOM_ABOVE"])
-        if too_big and os.environ.get("OOM_IN") != "backward":
-            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
-        loss_sum, stats = real(self, model, batch)
-        return (OutOfMemoryInBackward.apply(loss_sum) if too_big else loss_sum), stats
-    MNISTTask.loss = loss
-from textbox_like.cli import leave, main
-leave(main(sys.argv[1:]))
-'''
+rank = sys.argv[1]
+real_probe, real_loss = balance.memory_probe, MNISTTask.loss
+for i, run in enumerate(json.loads(sys.argv[2])):
+    settings = run["settings"]
+    if rank in settings["GUARDED_RANKS"]:  # the others: CPU, no memory to guard
+        balance.memory_probe = lambda device: Memory()
+    if rank == settings["OOM_RANK"]:
+        def loss(self, model, batch, settings=settings):
+            too_big = model.training and batch["target"].shape[0] > int(settings["OOM_ABOVE"])
+            if too_big and settings["OOM_IN"] != "backward":
+                raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+            loss_sum, stats = real_loss(self, model, batch)
+            return (OutOfMemoryInBackward.apply(loss_sum) if too_big else loss_sum), stats
+        MNISTTask.loss = loss
+    before = dict(os.environ)
+    print(f"--- run {i}", file=sys.stderr, flush=True)
+    code = run_main(run["argv"][int(rank)])
+    print(f"--- exit {i} {0 if code is None else code}", file=sys.stderr, flush=True)
+    os.environ.clear()
+    os.environ.update(before)
+    balance.memory_probe, MNISTTask.loss = real_probe, real_loss
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
+''' % str(REPO / "tests")
+
+OOM_WHERE = ["forward", "backward"]
+
+
+@pytest.fixture(scope="module")
+def oom_runs(data, tmp_path_factory):
+    """{where: ([each rank's (exit code, stderr)], save dir)} of the two runs of
+    test_out_of_memory_on_one_rank_is_redone_by_every_rank, in one pair of rank processes (OOM_RANKS)."""
+    from conftest import split_runs
+    root = tmp_path_factory.mktemp("oom_runs")
+    script = root / "oom_ranks.py"
+    script.write_text(OOM_RANKS)
+    runs = []
+    for where in OOM_WHERE:
+        out, rdzv = root / where, root / f"rdzv_{where}"
+        runs.append({"argv": [mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32",
+                                         "--max-update", "20", "--distributed-init-method", f"file://{rdzv}",
+                                         "--distributed-world-size", "2", "--distributed-gpus", "1",
+                                         "--distributed-rank", rank, "--distributed-no-spawn") for rank in (0, 1)],
+                     "settings": {"OOM_RANK": "1", "OOM_ABOVE": "16", "OOM_IN": where,
+                                  "GUARDED_RANKS": "0,1" if where == "forward" else "1"}})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([PY, str(script), str(rank), json.dumps(runs)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    per_rank = [split_runs(err, len(runs)) for err in errs]
+    return {where: ([per_rank[rank][i] for rank in (0, 1)], root / where) for i, where in enumerate(OOM_WHERE)}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_out_of_memory_on_one_rank_is_redone_by_every_rank(data, tmp_path, one_process_64, where):
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("where", OOM_WHERE)
+def test_out_of_memory_on_one_rank_is_redone_by_every_rank(oom_runs, one_process_64, where):
     """Two ranks, mocked CUDA memory; rank 1 runs out of memory above 16
     samples, in the forward or in the backward of its one micro-batch (the
     one that all-reduces once the memory is measured); in the second case
     rank 0 has no memory to guard (a CPU beside a GPU). Both ranks redo the
     update (rank 0 never waits in a lone all-reduce), and the run equals one
     process of 64."""
-    script = tmp_path / "oom_rank.py"
-    script.write_text(OOM_RANK)
-    out, rdzv = tmp_path / "out", tmp_path / "rdzv"
-    procs = []
-    for rank in (0, 1):
-        argv = mnist_args(data, out, "--global-batch-size", "64", "--max-sentences", "32", "--max-update", "20",
-                          "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
-                          "--distributed-gpus", "1", "--distributed-rank", rank, "--distributed-no-spawn")
-        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK_UNDER_TEST": str(rank), "OOM_RANK": "1",
-               "OOM_ABOVE": "16", "OOM_IN": where, "GUARDED_RANKS": "0,1" if where == "forward" else "1"}
-        procs.append(subprocess.Popen([PY, str(script), *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    errs = [p.communicate(timeout=300)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
-    assert "rank 1: out of memory on a micro-batch of 32 at update 1" in errs[1]
-    assert "out of memory" not in errs[0]
-    assert "Traceback" not in errs[0] + errs[1]
+    ranks, out = oom_runs[where]
+    (code0, err0), (code1, err1) = ranks
+    assert [code0, code1] == [0, 0], err0[-2000:] + err1[-2000:]
+    assert "rank 1: out of memory on a micro-batch of 32 at update 1" in err1
+    assert "out of memory" not in err0
+    assert "Traceback" not in err0 + err1
     assert_params_close(params(out), at_update(one_process_64, 20))
     assert json.loads((out / "results.json").read_text())["num_updates"] == 20
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(bert_data, tmp_path):
+@pytest.mark.timeout(1500)
+def test_a_global_batch_in_tokens_balanced_over_two_ranks_equals_one_process(bert_data, tmp_path, multi_rank_runs):
     """Tiny BERT (at most 32 tokens a sample): --global-batch-size 256 with
     --max-tokens counts tokens. Two ranks with micro-batch caps of 64 tokens,
     rank 1 slowed and re-split by --balance every 2 updates, reach the
     parameters of one process training each 256-token update in one pass."""
     from test_bert_train import assert_close, model_state
     in_process(bert_args(bert_data, tmp_path / "one", "--global-batch-size", 256, "--max-tokens", 256))
-    out = tmp_path / "two"
-    proc = run([PY, "run_hetseq.py", *bert_args(bert_data, out, "--global-batch-size", 256, "--max-tokens", 64,
-                                                "--distributed-world-size", 2, "--balance",
-                                                "--balance-interval", 2)], env=slow(1, 0.01))
+    proc, out = multi_rank_run(multi_rank_runs, "tokens")
     assert "global batch 256 tokens (balanced) | tokens per rank [128, 128] | micro-batch caps [64, 64] tokens" \
         in proc.stderr
     records = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "balance"]
