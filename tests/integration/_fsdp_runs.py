@@ -60,6 +60,8 @@ for i, step in enumerate(plan):
     for key in _RANK_VARS:
         os.environ.pop(key, None)
     os.environ.update(step["env"].get(str(me), {{}}))
+    home = os.getcwd()
+    os.chdir(step["cwd"].get(str(me)) or home)   # a rank's own working directory, where the test gives one
     print(f"--- run {{i}}", file=sys.stderr, flush=True)
     try:
         if step.get("script"):
@@ -71,6 +73,7 @@ for i, step in enumerate(plan):
         traceback.print_exc()
         code = 1
     print(f"--- exit {{i}} {{0 if code is None else code}}", file=sys.stderr, flush=True)
+    os.chdir(home)
     os.environ.clear()
     os.environ.update(before)
 ''' + RANK_LEAVES
@@ -87,6 +90,7 @@ class Run:
     errs: dict = field(default_factory=dict)
     script: str = ""
     outs: dict = field(default_factory=dict)   # a script's stdout, rank by rank
+    cwd: dict = field(default_factory=dict)    # a rank's working directory, where not the repository's
 
     @property
     def stderr(self) -> str:
@@ -140,7 +144,8 @@ def run_plan(runs, root, ranks=2, timeout=900):
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     plan = root / "plan.json"
-    plan.write_text(json.dumps([{"argv": run.argv, "env": run.env, "script": run.script, "out": str(root / f"out{i}")}
+    plan.write_text(json.dumps([{"argv": run.argv, "env": run.env, "script": run.script, "out": str(root / f"out{i}"),
+                                 "cwd": {rank: str(path) for rank, path in run.cwd.items()}}
                                 for i, run in enumerate(runs)]))
     logs = [root / f"rank{rank}.log" for rank in range(ranks)]
     procs = []

@@ -17,9 +17,10 @@ from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every
                                             read_full_model_state, read_manifest)
 from textbox_like.export import main as export_main
 
-from conftest import RANK_LEAVES, clean_env, free_port
+from conftest import clean_env
 from test_sharded_checkpoint_names import (  # noqa: F401 (fixtures)
-    PY, copy_run, data_directories_of, error_lines, four_updates, kept_links, mnist, mnist_args)
+    PY, copy_run, data_directories_of, error_lines, four_updates, kept_links, mnist, mnist_args, run_in_process)
+from _fsdp_runs import Run, run_plan, script
 
 
 # the tests that start processes (ranks, a killed or held run, a second reader) carry the marker; the rest
@@ -31,6 +32,28 @@ def run(cmd, expect=0, **kwargs):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), **kwargs)
     assert out.returncode == expect, out.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(mnist, tmp_path_factory):
+    """The two-rank steps of this file that no test must start at a moment of its own, one after the other
+    in one pair of rank processes (_fsdp_runs.run_plan): "unshared", two ranks whose --save-dir is the same
+    relative path from different working directories (each rank's own, as two nodes without a shared
+    disk); "check", CHECK_SCRIPT with the variables torchrun gives its workers. {name: its _fsdp_runs.Run},
+    under the root returned."""
+    root = tmp_path_factory.mktemp("names_two_ranks")
+    nodes = [root / "node0", root / "node1"]
+    for node in nodes:
+        node.mkdir()
+    unshared = Run({str(rank): [str(a) for a in rank_args(mnist, "save", rank, root / "rdzv", "--max-update", 4)[2:]]
+                    for rank in (0, 1)},
+                   # ranks that never see the lock look again for 3 s, not LOCK_LOOKS (30 s): the same refusal
+                   {str(rank): {"TEXTBOX_LIKE_TEST_DELAY": "lock_looks=3"} for rank in (0, 1)},
+                   cwd={str(rank): node for rank, node in enumerate(nodes)})
+    (root / "check.py").write_text(CHECK_SCRIPT)
+    runs = {"unshared": unshared, "check": script(root / "check.py", 2, [root / "said"])}
+    run_plan(list(runs.values()), root / "plan")
+    return root, runs
 
 
 # ------------------------------------------------------------------ item 10: copies and readers of a name
@@ -114,37 +137,30 @@ def test_reader_of_a_name_reads_the_checkpoint_it_began_with_across_a_save(mnist
 
 # ------------------------------------------------------------------ item 11: a save directory not shared
 @slow
-def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(mnist, tmp_path):
+def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(two_rank_runs):
     """Two ranks whose --save-dir is the same relative path from different
     working directories, as two nodes without a shared disk: both stop with
-    one line before training, rank 0's lock released, nothing saved."""
-    rdzv = tmp_path / "rdzv"
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    procs = []
-    for rank, node in enumerate(nodes):
-        node.mkdir()
-        procs.append(subprocess.Popen(
-            mnist_args(mnist, "save", "--max-update", 4, "--distributed-world-size", 2, "--distributed-gpus", 1,
-                       "--distributed-rank", rank, "--distributed-init-method", f"file://{rdzv}",
-                       "--distributed-timeout", 120),
-            # ranks that never see the lock look again for 3 s, not LOCK_LOOKS (30 s): the same refusal
-            cwd=node, env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "lock_looks=3"}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
-    errs = [p.communicate(timeout=600)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errs[0][-3000:] + errs[1][-3000:]
+    one line before training, rank 0's lock released, nothing saved
+    (two_rank_runs' "unshared")."""
+    root, runs = two_rank_runs
+    run = runs["unshared"]
+    run.check(expect=2)
+    errs = [run.errs[rank] for rank in (0, 1)]
     line = (f"error: --fsdp needs a --save-dir that every rank shares (each writes its shards of every checkpoint "
             f"there): rank(s) 1 do not see rank 0's lock file in save; give every node the same directory on a "
             f"shared file system, or pass --no-save")
     for err in errs:
         assert error_lines(err) == [line] and "Traceback" not in err, err[-3000:]
-    saved = nodes[0] / "save"
+    saved = root / "node0" / "save"
     assert not list(saved.glob("checkpoint*")) and not (saved / "run.lock").exists()
     assert not any("| update" in err for err in errs)  # stopped before the first update
 
 
 def rank_args(mnist, save_dir, rank, rdzv, *extra):
+    """Rank ``rank`` of two, a "node" of one rank, started by itself (no launcher)."""
     return mnist_args(mnist, save_dir, "--distributed-world-size", 2, "--distributed-gpus", 1, "--distributed-rank",
-                      rank, "--distributed-init-method", f"file://{rdzv}", "--distributed-timeout", 120, *extra)
+                      rank, "--distributed-init-method", f"file://{rdzv}", "--distributed-timeout", 120,
+                      "--distributed-no-spawn", *extra)
 
 
 @slow
@@ -256,7 +272,7 @@ def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(fo
 
 # ------------------------------------------------------------------ kept data directories
 @slow
-def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist, four_updates, tmp_path):
+def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist, four_updates, tmp_path, capfd):
     """A finished run keeps one data directory per name and no kept link. A
     run killed (SIGKILL) between its save's renames, after checkpoint_1_4's
     new data is in place and before the name points to it: the name keeps
@@ -284,7 +300,8 @@ def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist,
     assert [save / os.readlink(save / "checkpoint_1_4.dcp")] == sorted(before)
     assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
 
-    out = run(mnist_args(mnist, save, "--resume", "--max-update", 4))  # at update 4 already: no save
+    # the next start, in this process: at update 4 already, no save
+    out = run_in_process(mnist_args(mnist, save, "--resume", "--max-update", 4), capfd)
     assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in out.stderr
     assert not orphan.exists()
     assert not list(save.glob(".checkpoint*.partial")) and not list(save.glob(".checkpoint*.link"))
@@ -352,18 +369,12 @@ dist.destroy_process_group()
 
 
 @slow
-def test_non_finite_check_before_a_save_is_one_collective_and_gathers_no_weight(tmp_path):
+def test_non_finite_check_before_a_save_is_one_collective_and_gathers_no_weight(two_rank_runs):
     """Two FSDP ranks: every rank learns that one rank's shard holds a NaN,
-    through one collective (no all-gather of a weight per parameter)."""
-    script = tmp_path / "check.py"
-    script.write_text(CHECK_SCRIPT + RANK_LEAVES)
-    port = free_port()
-    procs = [subprocess.Popen([PY, str(script), str(tmp_path / "said")], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**clean_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)}) for rank in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    through one collective (no all-gather of a weight per parameter)
+    (two_rank_runs' "check")."""
+    root, runs = two_rank_runs
+    runs["check"].check()
     for rank in (0, 1):
-        said = json.loads((tmp_path / f"said{rank}").read_text())
+        said = json.loads((root / f"said{rank}").read_text())
         assert said == {"finite": [True, 1], "nan in rank 1's shard": [False, 1]}, (rank, said)
