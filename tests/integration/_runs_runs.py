@@ -7,11 +7,14 @@ whose torch is imported already, instead of in a process of their own
 (~3 CPU-s of imports each)."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from conftest import refusal_in_process, run_main
+from conftest import RANK_LEAVES, REPO, TESTS, clean_env, refusal_in_process, run_main
 
 #: the signals a launcher (distributed._supervise) forwards to its ranks, then ignores
 _LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -56,5 +59,109 @@ def train_in_process(args):
     return code
 
 
-def completed(cmd, code, out="", err=""):
-    return subprocess.CompletedProcess(cmd, code, out, err)
+# ------------------------------------------------------------ runs of several ranks in one set of rank processes
+#: one rank process of a plan (argv[1] the plan, JSON; argv[2] this process's rank): main() for each run of the
+#: plan that has arguments for this rank, in turn, with the run's rank variables; each run's output between its
+#: marks, which carry the monotonic clock (a run's seconds)
+RANK_SCRIPT = f'''
+import json, os, sys, time
+sys.path.insert(0, {str(TESTS)!r})
+from conftest import _RANK_VARS, run_main
+plan, me = json.load(open(sys.argv[1])), sys.argv[2]
+for i, step in enumerate(plan):
+    argv = step["argv"].get(me)
+    if argv is None:
+        continue   # a run of the other ranks only
+    before = dict(os.environ)
+    for key in _RANK_VARS:
+        os.environ.pop(key, None)
+    os.environ.update(step["env"].get(me, {{}}))
+    print(f"--- run {{i}} {{time.monotonic()}}", file=sys.stderr, flush=True)
+    try:
+        code = run_main(argv)
+    except BaseException:   # what main() let through: said, and the next run goes on
+        import traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    print(f"--- exit {{i}} {{0 if code is None else code}} {{time.monotonic()}}", file=sys.stderr, flush=True)
+    os.environ.clear()
+    os.environ.update(before)
+''' + RANK_LEAVES
+
+
+@dataclass
+class Ranks:
+    """One run of a plan: ``argv[rank]`` the trainer's arguments of each of its ranks, ``env[rank]`` the
+    variables it runs with. Filled in by the plan's processes, rank by rank: ``codes`` (main()'s exit
+    codes), ``errs`` (what the rank printed during the run) and ``seconds`` (how long it ran)."""
+    argv: dict
+    env: dict = field(default_factory=dict)
+    codes: dict = field(default_factory=dict)
+    errs: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def stderr(self) -> str:
+        """Every rank's output, rank 0's first: what a launcher's stderr (its children's) holds."""
+        return "".join(self.errs[rank] for rank in sorted(self.errs))
+
+    def check(self, expect=0) -> str:
+        assert self.codes and all(code == expect for code in self.codes.values()), \
+            (self.codes, self.stderr[-6000:])
+        return self.stderr
+
+
+def nodes(argvs):
+    """A run given node by node, one rank each (``--distributed-rank R --distributed-no-spawn`` in each
+    node's own arguments ``argvs[R]``), as started by hand."""
+    return Ranks({rank: [str(a) for a in argv] for rank, argv in enumerate(argvs)})
+
+
+def spawned(args, world, rendezvous, ranks=None):
+    """A run as ``run_hetseq.py ARGS --distributed-world-size WORLD`` (or --distributed-gpus WORLD) starts
+    it on one node: each rank with the variables distributed.run_local_ranks gives its children (the
+    launcher itself only starts them and waits); ``ranks``: those of them this plan runs (others missing)."""
+    ranks = range(world) if ranks is None else ranks
+    env = {rank: {"TEXTBOX_LIKE_SPAWNED": "1", "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                  "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                  "TEXTBOX_LIKE_INIT_METHOD": f"file://{rendezvous}"} for rank in ranks}
+    return Ranks({rank: [str(a) for a in args] for rank in ranks}, env)
+
+
+def run_plan(runs, root, processes=2, timeout=900):
+    """``processes`` rank processes that run ``runs`` (Ranks) in turn, each the runs it has arguments for;
+    waited for; each run's codes, output and seconds filled in. The processes must exit 0 (each run ended,
+    whatever its code). Returns ``runs``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    plan = root / "plan.json"
+    plan.write_text(json.dumps([{"argv": {str(r): a for r, a in run.argv.items()},
+                                 "env": {str(r): e for r, e in run.env.items()}} for run in runs]))
+    logs = [root / f"rank{rank}.log" for rank in range(processes)]
+    procs = []
+    try:
+        for rank in range(processes):
+            with open(logs[rank], "w") as log:
+                procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(plan), str(rank)], cwd=REPO,
+                                              env={**clean_env(), "PYTHONUNBUFFERED": "1"}, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert [proc.returncode for proc in procs] == [0] * processes, [text[-4000:] for text in texts]
+    for rank, text in enumerate(texts):
+        for i, run in enumerate(runs):
+            if rank not in run.argv:
+                continue
+            assert f"--- run {i} " in text and f"--- exit {i} " in text, (i, rank, text[-4000:])
+            start, rest = text.split(f"--- run {i} ", 1)[1].split("\n", 1)
+            err, end = rest.split(f"--- exit {i} ", 1)
+            code, stop = end.split("\n", 1)[0].split()
+            run.codes[rank], run.errs[rank], run.seconds[rank] = int(code), err, float(stop) - float(start)
+    return runs

@@ -1,4 +1,12 @@
-"""Distributed launching on CPU over loopback (issue 4). Every run is bounded by a timeout."""
+"""Distributed launching on CPU over loopback (issue 4). Every run is bounded by a timeout.
+
+The launchers (run_hetseq.py's spawn, accelerate launch, torchrun, HetSeq's
+per-node launcher where the threads its rank takes are tested) start as a
+user starts them. The runs whose launcher is not what is tested (nodes
+started by hand that are refused, or that train with per-node settings or
+unequal batches; a stale or missing rendezvous) are ranks as such a launcher
+starts them, and run one after another in ONE pair of rank processes
+(_runs_runs.run_plan: the ``pair`` fixture), each with a rendezvous of its own."""
 from __future__ import annotations
 
 import json
@@ -14,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _runs_runs import Ranks, nodes, run_plan, spawned
 from conftest import write_mnist
 
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
@@ -80,23 +89,62 @@ def test_distributed_world_size_spawns_and_matches_one_process(data, tmp_path, o
     assert results["world_size"] == 2 and results["num_updates"] == 20
 
 
-@pytest.mark.timeout(400)
-def test_unequal_ranks_match_one_process(data, tmp_path, one):
+def by_hand(data, rdzv, save_dirs, extras, world=2, common=()):
+    """Two 'nodes' started by hand over file://, one rank each (a node's own launcher is not what these
+    tests are about: the rank it would start, --distributed-no-spawn), each with its own save dir and
+    extra arguments."""
+    argvs = [base(data, save_dirs[r], "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size",
+                  str(world), "--distributed-gpus", "1", "--distributed-rank", str(r), "--distributed-no-spawn",
+                  *common, *extras[r]) for r in range(len(extras))]
+    return nodes(argvs)
+
+
+REFUSED = {"seed": (["--seed", "1"], ["--seed", "2"]), "bf16": (["--bf16"], []), "no_save": ([], ["--no-save"])}
+PER_NODE = (["--max-sentences", "8", "--threads", "2", "--num-workers", "1", "--amp-optimization-level", "O0"],
+            ["--device-id", "1", "--cpu", "--log-format", "json", "--distributed-timeout", "50"])
+
+
+@pytest.fixture(scope="module")
+def pair(data, tmp_path_factory):
+    """The runs of this module whose launcher is not what they test, in one pair of rank processes, one after
+    another, each with a rendezvous file of its own: {name: Ranks (codes, output, seconds, rank by rank)}
+    and the folder of their save directories."""
+    where = tmp_path_factory.mktemp("pair")
+    small = ["--max-sentences", "16", "--max-update", "4"]
+    runs = {}
+    for name, extras in REFUSED.items():   # nodes that disagree: refused
+        saves = [where / name] * 2 if name == "seed" else [where / f"{name}{r}" for r in (0, 1)]
+        runs[name] = by_hand(data, where / f"rdzv_{name}", saves, extras, common=small)
+    # nodes differing only in per-node settings, each with its own --save-dir (out0, out1)
+    runs["per_node"] = by_hand(data, where / "rdzv_per_node", [where / "out0", where / "out1"], PER_NODE,
+                               common=small)
+    # rank 0 with batch 48, rank 1 with batch 16
+    runs["unequal"] = by_hand(data, where / "rdzv_unequal", [where / "het"] * 2,
+                              (["--max-sentences", "48"], ["--max-sentences", "16"]), common=NO_DROPOUT)
+    # a rendezvous file left by a crashed run an hour ago; the ranks as --distributed-gpus 2 spawns them
+    stale = where / "rdzv_stale"
+    stale.write_bytes(b"\x00stale store contents from a crashed run")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    runs["stale"] = spawned(base(data, where / "stale", "--max-sentences", "16", "--max-update", "4",
+                                 "--distributed-init-method", f"file://{stale}", "--distributed-world-size", "2",
+                                 "--distributed-gpus", "2"), 2, stale)
+    # rank 0 of two, alone: last, so that no other run waits for its timeout
+    missing = by_hand(data, where / "rdzv_missing", [where / "missing"], [["--distributed-timeout", "5"]],
+                      common=["--max-sentences", "8"])
+    runs["missing"] = missing
+    run_plan(list(runs.values()), where / "plan", timeout=900)
+    return runs, where
+
+
+@pytest.mark.timeout(900)
+def test_unequal_ranks_match_one_process(pair, one):
     """Rank 0 with batch 48 and rank 1 with batch 16, started as two 'nodes'
     with their own --max-sentences, equal 1 x 64 over the same samples."""
-    rdzv = tmp_path / "rdzv"
-    save = tmp_path / "het"
-    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
-              "--distributed-gpus", "1", *NO_DROPOUT]
-    a = subprocess.Popen([PY, "run_hetseq.py", *base(data, save, "--max-sentences", "48", *common,
-                                                     "--distributed-rank", "0")],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    b = subprocess.Popen([PY, "run_hetseq.py", *base(data, save, "--max-sentences", "16", *common,
-                                                     "--distributed-rank", "1")],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, err_a = a.communicate(timeout=300)
-    _, err_b = b.communicate(timeout=300)
-    assert a.returncode == 0 and b.returncode == 0, err_a[-3000:] + err_b[-3000:]
+    runs, where = pair
+    save, unequal = where / "het", runs["unequal"]
+    unequal.check(0)
+    err_a, err_b = unequal.errs[0], unequal.errs[1]
     assert "batch sizes per rank [48, 16]" in err_a
     assert "task mnist" not in err_b  # only rank 0 prints
     assert_params_close(params(save), params(one))
@@ -199,61 +247,37 @@ def test_killing_one_rank_stops_the_others_within_the_timeout(data, tmp_path):
             "zombie" in Path(f"/proc/{child}/status").read_text().lower()
 
 
-@pytest.mark.timeout(120)
-def test_missing_node_fails_within_timeout_with_one_line(data, tmp_path):
-    start = time.monotonic()
-    out = subprocess.run([PY, "run_hetseq.py", *base(data, tmp_path / "out", "--max-sentences", "8",
-                                                     "--distributed-init-method", f"file://{tmp_path}/rdzv",
-                                                     "--distributed-world-size", "2", "--distributed-gpus", "1",
-                                                     "--distributed-rank", "0", "--distributed-timeout", "5")],
-                         capture_output=True, text=True, cwd=REPO, timeout=100)
-    assert out.returncode != 0
-    assert time.monotonic() - start < 60
-    lines = [line for line in out.stderr.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "2 processes" in lines[0], out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
+@pytest.mark.timeout(900)
+def test_missing_node_fails_within_timeout_with_one_line(pair):
+    missing = pair[0]["missing"]
+    assert missing.codes[0] != 0
+    assert missing.seconds[0] < 60
+    stderr = missing.errs[0]
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "2 processes" in lines[0], stderr[-2000:]
+    assert "Traceback" not in stderr
 
 
-@pytest.mark.timeout(200)
-def test_stale_rendezvous_file_is_handled(data, tmp_path):
-    rdzv = tmp_path / "rdzv"
-    rdzv.write_bytes(b"\x00stale store contents from a crashed run")
-    old = time.time() - 3600
-    os.utime(rdzv, (old, old))
-    out = run([PY, "run_hetseq.py", *base(data, tmp_path / "out", "--max-sentences", "16", "--max-update", "4",
-                                          "--distributed-init-method", f"file://{rdzv}",
-                                          "--distributed-world-size", "2", "--distributed-gpus", "2")],
-              timeout=180)
-    assert "stale rendezvous file" in out.stderr
+@pytest.mark.timeout(900)
+def test_stale_rendezvous_file_is_handled(pair):
+    runs, where = pair
+    assert "stale rendezvous file" in runs["stale"].check(0)
+    assert (where / "stale" / "checkpoint_last.pt").is_file()
 
 
-@pytest.mark.timeout(200)
-def test_nodes_with_different_seeds_are_refused(data, tmp_path):
+@pytest.mark.timeout(900)
+def test_nodes_with_different_seeds_are_refused(pair):
     """Each node has its own command line; a different --seed would give the
     ranks different sample orders (samples skipped and repeated)."""
-    rdzv = tmp_path / "rdzv"
-    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
-              "--distributed-gpus", "1", "--max-sentences", "16", "--max-update", "4"]
-    procs = [subprocess.Popen([PY, "run_hetseq.py", *base(data, tmp_path / "out", *common, "--distributed-rank",
-                                                          str(r), "--seed", str(1 + r))],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    errs = [p.communicate(timeout=150)[1] for p in procs]
-    assert all(p.returncode == 2 for p in procs), errs
+    codes, errs, _ = _two_nodes_differing(pair, "seed")
+    assert codes == [2, 2], errs
     assert "disagree on --seed" in errs[0] and "Traceback" not in errs[0]
 
 
-def _two_nodes_differing(data, tmp_path, extra0, extra1, timeout=100):
-    """Two 'nodes' over file:// with one process each; returns (codes, stderrs, seconds)."""
-    rdzv = tmp_path / "rdzv"
-    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
-              "--distributed-gpus", "1", "--max-sentences", "16", "--max-update", "4"]
-    start = time.monotonic()
-    procs = [subprocess.Popen([PY, "run_hetseq.py", *base(data, tmp_path / f"out{r}", *common, "--distributed-rank",
-                                                          str(r), *extra)],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r, extra in ((0, extra0), (1, extra1))]
-    errs = [p.communicate(timeout=timeout)[1] for p in procs]
-    return [p.returncode for p in procs], errs, time.monotonic() - start
+def _two_nodes_differing(pair, name):
+    """The pair's run ``name``: two 'nodes' over file:// with one process each; (codes, stderrs, seconds)."""
+    run: Ranks = pair[0][name]
+    return [run.codes[0], run.codes[1]], [run.errs[0], run.errs[1]], max(run.seconds.values())
 
 
 def _refused_naming(codes, errs, seconds, setting):
@@ -266,31 +290,27 @@ def _refused_naming(codes, errs, seconds, setting):
         assert "Traceback" not in err
 
 
-@pytest.mark.timeout(150)
-def test_nodes_with_and_without_bf16_are_refused(data, tmp_path):
+@pytest.mark.timeout(900)
+def test_nodes_with_and_without_bf16_are_refused(pair):
     """Issue 14: one node with --bf16 and one without trained each at its own precision."""
-    _refused_naming(*_two_nodes_differing(data, tmp_path, ["--bf16"], []), "precision")
+    _refused_naming(*_two_nodes_differing(pair, "bf16"), "precision")
 
 
-@pytest.mark.timeout(150)
-def test_nodes_differing_only_in_no_save_are_refused(data, tmp_path):
+@pytest.mark.timeout(900)
+def test_nodes_differing_only_in_no_save_are_refused(pair):
     """Issue 14: a node with --no-save skipped the collectives of saving; the other hung for the timeout."""
-    _refused_naming(*_two_nodes_differing(data, tmp_path, [], ["--no-save"]), "--no-save")
+    _refused_naming(*_two_nodes_differing(pair, "no_save"), "--no-save")
 
 
 @pytest.fixture(scope="module")
-def nodes_with_per_node_settings(data, tmp_path_factory):
+def nodes_with_per_node_settings(pair):
     """Two 'nodes' differing only in per-node settings, each with its own
-    --save-dir (out0, out1): one run for the two tests below."""
-    where = tmp_path_factory.mktemp("per_node")
-    codes, errs, _ = _two_nodes_differing(
-        data, where, ["--max-sentences", "8", "--threads", "2", "--num-workers", "1",
-                      "--amp-optimization-level", "O0"],
-        ["--device-id", "1", "--cpu", "--log-format", "json", "--distributed-timeout", "50"], timeout=180)
-    return where, codes, errs
+    --save-dir (out0, out1): one run (the pair's) for the two tests below."""
+    codes, errs, _ = _two_nodes_differing(pair, "per_node")
+    return pair[1], codes, errs
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)
 def test_per_node_settings_stay_allowed(nodes_with_per_node_settings):
     """Batch size, threads, read-ahead, --device-id, --cpu, the log format, the
     timeout, the save dir and --amp-optimization-level O0 (= float32) may differ."""
@@ -307,7 +327,7 @@ def test_missing_rendezvous_directory_is_one_line(data, tmp_path, capfd):
     assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(900)
 def test_second_node_creates_no_save_directory(nodes_with_per_node_settings):
     """Only rank 0 writes: rank 1, another 'node' with its own --save-dir,
     leaves no empty directory behind."""
