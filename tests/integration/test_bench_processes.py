@@ -1,8 +1,12 @@
 """The tests of test_bench.py (tests/unit) that start processes: the slow tier.
 
-What they hold is told in that module's docstring."""
+What they hold is told in that module's docstring. The modes that start no process of their own (mnist,
+bert, bert-loader) and those whose trainer runs are processes of the command's own (scaling, fsdp) run bench.main,
+the command's, in this process (bench_here: a process's ~3 s of imports saved each); the bert-loader's
+loader-only run is the command itself (python -m textbox_like.bench)."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,11 +15,30 @@ from test_bert_train import bert_data  # noqa: F401  (fixture)
 from test_bench import run_bench
 
 
+def bench_here(capfd, *args):
+    """(report, stderr) of bench.main(args) in this process, Accelerate's state reset around it (its trainer
+    runs are in-process) and torch's thread count (--threads) restored after it."""
+    import torch
+
+    from conftest import _reset_accelerate
+    from textbox_like import bench
+    capfd.readouterr()
+    threads = torch.get_num_threads()
+    _reset_accelerate()
+    try:
+        assert bench.main([str(a) for a in args]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        _reset_accelerate()
+    out, err = capfd.readouterr()
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
 # ---------------------------------------------------------------- trainer vs plain loop
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_benchmark_runs_for_mnist(small_mnist_dir):
-    report, err = run_bench("mnist", "--data", small_mnist_dir, "--updates", 4, "--warmup", 2, "--rounds", 2,
+def test_benchmark_runs_for_mnist(small_mnist_dir, capfd):
+    report, err = bench_here(capfd, "mnist", "--data", small_mnist_dir, "--updates", 4, "--warmup", 2, "--rounds", 2,
                             "--threads", 1)
     assert report["mode"] == report["task"] == "mnist" and report["rounds"] == 2
     assert report["trainer_compiled"] is False and report["plain_compiled"] is False
@@ -29,8 +52,8 @@ def test_benchmark_runs_for_mnist(small_mnist_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_benchmark_runs_for_bert(bert_data):  # noqa: F811
-    report, _ = run_bench("bert", "--data", bert_data / "shards", "--dict", bert_data / "vocab.txt",
+def test_benchmark_runs_for_bert(bert_data, capfd):  # noqa: F811
+    report, _ = bench_here(capfd, "bert", "--data", bert_data / "shards", "--dict", bert_data / "vocab.txt",
                           "--config_file", bert_data / "bert_config.json", "--max-sentences", 8,
                           "--updates", 3, "--warmup", 1, "--rounds", 1, "--threads", 1)
     assert report["task"] == "bert" and math.isfinite(report["ratio_wall_median"]) and len(report["ratios_cpu"]) == 1
@@ -38,9 +61,9 @@ def test_benchmark_runs_for_bert(bert_data):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_scaling_runs_two_processes(small_mnist_dir):
+def test_scaling_runs_two_processes(small_mnist_dir, capfd):
     # the fewest updates that measure (one window after the first log): start-up is most of the time
-    report, err = run_bench("scaling", "--data", small_mnist_dir, "--updates", 1, "--warmup", 1, "--rounds", 1,
+    report, err = bench_here(capfd, "scaling", "--data", small_mnist_dir, "--updates", 1, "--warmup", 1, "--rounds", 1,
                             "--update-freq", 2, "--max-sentences", 32)
     assert report["processes"] == 2 and report["update_freq"] == 2 and report["batch_per_process"] == 32
     assert report["one_process_samples_per_s"] > 0 and report["n_processes_samples_per_s"] > 0
@@ -50,9 +73,9 @@ def test_scaling_runs_two_processes(small_mnist_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fsdp_runs_two_ranks_both_ways():
-    report, err = run_bench("fsdp", "--model", "tiny", "--layers", 2, "--rounds", 1, "--updates", 1, "--warmup", 1,
-                            "--synthetic-samples", 64, "--seq-length", 32, timeout=580)
+def test_fsdp_runs_two_ranks_both_ways(capfd):
+    report, err = bench_here(capfd, "fsdp", "--model", "tiny", "--layers", 2, "--rounds", 1, "--updates", 1,
+                             "--warmup", 1, "--synthetic-samples", 64, "--seq-length", 32)
     assert report["mode"] == "fsdp" and report["processes"] == 2 and report["memory_key"] == "peak_rss_gib"
     for side in ("ddp", "fsdp"):
         (per_rank,) = report[f"{side}_peak_gib_per_rank_rounds"]
@@ -67,8 +90,8 @@ def test_fsdp_runs_two_ranks_both_ways():
 # ---------------------------------------------------------------- BERT loader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_bert_loader_synthetic():
-    report, err = run_bench("bert-loader", "--synthetic-samples", 64, "--batch", 8, "--steps", 1, "--rounds", 1,
+def test_bert_loader_synthetic(capfd):
+    report, err = bench_here(capfd, "bert-loader", "--synthetic-samples", 64, "--batch", 8, "--steps", 1, "--rounds", 1,
                             "--threads", 1)
     assert report["mode"] == "bert-loader" and report["synthetic"] and report["samples"] == 64
     assert report["seq_length"] == 128 and report["predictions"] == 20
