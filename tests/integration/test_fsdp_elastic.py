@@ -21,12 +21,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
-from test_elastic import (GLOBAL, PY, REPO, UPDATES, Node, args, children, data, env, one_process,  # noqa: F401
+from conftest import free_port, refusal_in_process, run_main
+from test_distributed import params
+from test_elastic import (GLOBAL, PY, REPO, UPDATES, Node, args, children, data, env,  # noqa: F401
                           resumed_updates, running, start)
 from test_fsdp import assert_close, checkpoint
+from _fsdp_runs import run_plan, script
 
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):  # noqa: F811
+    """The reference: one process, batch 64, no interruption: test_elastic's, run in this process (one
+    process, no group: the same run without a process's imports)."""
+    out = tmp_path_factory.mktemp("fsdp_elastic_one")
+    assert run_main(args(data, out, "--max-sentences", GLOBAL)) == 0
+    return params(out)
 
 
 def lose_node_b(tmp_path, train, after_update, nproc=1):
@@ -220,11 +231,11 @@ def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_
 
 @pytest.mark.timeout(900)
 def test_fsdp_hybrid_survivors_of_two_nodes_make_the_whole_copy_and_resume_equals_one_process(
-        data, tmp_path, one_process):  # noqa: F811
+        data, tmp_path, one_process, capfd):  # noqa: F811
     """Rank 1 (node A's second) and rank 2 (node B's first) die: rank 0 holds
     the first half of the weights, rank 3 the second, on different nodes.
     One of them joins the two into the emergency checkpoint; --resume on one
-    process goes on from it and ends equal to one process, each sample once."""
+    process (this one) goes on from it and ends equal to one process, each sample once."""
     save = tmp_path / "save"
     ranks, train = four_ranks_of_two_nodes(data, tmp_path, save)
     lose_ranks(ranks, (1, 2), (0, 3), tmp_path)
@@ -235,8 +246,7 @@ def test_fsdp_hybrid_survivors_of_two_nodes_make_the_whole_copy_and_resume_equal
     (emergency,) = save.glob(f"checkpoint_*_{saved}.pt")
     assert json.loads((save / "elastic.json").read_text())["emergency_save"] is True
     assert not list(save.glob(".emergency-*")), list(save.iterdir())
-    done = subprocess.run([PY, "run_hetseq.py", *train, "--resume"], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=300)
+    done = refusal_in_process([*train, "--resume"], capfd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {emergency}: epoch" in done.stderr + done.stdout, done.stderr[-3000:]
     assert_equals_one_process(save, one_process)
@@ -308,19 +318,34 @@ for strategy in ("full", "none"):
 '''
 
 
-@pytest.mark.timeout(300)
-def test_a_peer_lost_mid_forward_is_judged_by_the_mesh_not_by_the_gathered_parameters(tmp_path):
+@pytest.mark.timeout(600)
+def test_a_peer_lost_mid_forward_is_judged_by_the_mesh_not_by_the_gathered_parameters(two_rank_scripts):
     """Two real ranks, the failure met between forward and backward under
     --fsdp-reshard-after-forward false, where FSDP2 has put plain gathered
     Parameters in the modules (no DTensor visible): under full sharding the
     survivor still saves nothing (its shards are not the whole tensors);
-    under none it saves, and what it would save is whole."""
-    from test_fsdp_options import torchrun
-    out = torchrun(MID_FORWARD_SCRIPT, tmp_path)
+    under none it saves, and what it would save is whole (two_rank_scripts' "mid_forward")."""
+    out = two_rank_scripts["mid_forward"]
     lines = sorted(line for line in out.splitlines() if line.startswith("rank"))
     assert lines == [f"rank {r} {s} dtensors visible 0 ['{what}'] whole {whole}"
                      for r in (0, 1) for s, what, whole in (("full", "nothing saved", False),
                                                             ("none", "emergency save", True))], out
+
+
+@pytest.fixture(scope="module")
+def two_rank_scripts(tmp_path_factory):
+    """{name: what rank 0 printed}: JOIN_SCRIPT, then MID_FORWARD_SCRIPT (which replaces two functions of
+    textbox_like.training.elastic in its process: last), one after the other in one pair of rank
+    processes (_fsdp_runs.run_plan), each with the variables torchrun gives its workers and a process
+    group of its own, instead of one torchrun (an agent and two workers) each."""
+    root = tmp_path_factory.mktemp("fsdp_elastic_scripts")
+    (root / "join.py").write_text(JOIN_SCRIPT)
+    (root / "mid_forward.py").write_text(MID_FORWARD_SCRIPT)
+    runs = {"join": script(root / "join.py", 2, [root]), "mid_forward": script(root / "mid_forward.py", 2)}
+    run_plan(list(runs.values()), root / "plan")
+    for run in runs.values():
+        run.check()
+    return {name: run.outs[0] for name, run in runs.items()}
 
 
 JOIN_SCRIPT = '''
@@ -359,13 +384,12 @@ dist.barrier()
 '''
 
 
-@pytest.mark.timeout(300)
-def test_shards_of_unlike_and_empty_sizes_join_into_the_whole_tensors(tmp_path):
+@pytest.mark.timeout(600)
+def test_shards_of_unlike_and_empty_sizes_join_into_the_whole_tensors(two_rank_scripts):
     """The join of the survivors' shards (hybrid's emergency save) on real
     FSDP2 shards over two ranks: a 13-row weight split 7/6, a one-row weight
     whose second shard is empty; weights and Adam moments equal the gathered
     whole tensors, as plain tensors, and the step count is the rank's own;
-    each rank's shard index is its coordinate on the mesh."""
-    from test_fsdp_options import torchrun
-    out = torchrun(JOIN_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path))), tmp_path)
+    each rank's shard index is its coordinate on the mesh (two_rank_scripts' "join")."""
+    out = two_rank_scripts["join"]
     assert "indices [0, 1] sizes [(1, 13), (0, 13)] model equal True moments equal True plain True step 1.0" in out, out
