@@ -1,6 +1,10 @@
 """The tests of test_elastic.py (tests/unit) that start processes: the slow tier.
 
-What they hold is told in that module's docstring."""
+What they hold is told in that module's docstring. The faults and the
+launchers stay real processes (torchrun agents, ranks killed or stopped by the
+OS); the one-process reference, the runs a fault test starts from and the
+resumes after a fault train in this process (_runs_runs.in_process), whose
+torch is imported already."""
 from __future__ import annotations
 
 import json
@@ -14,10 +18,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from _runs_runs import in_process, ok_in_process, train_in_process
 from conftest import free_port
 from test_distributed import assert_params_close, params
 from test_elastic import (  # noqa: F401 (fixtures)
-    GLOBAL, Node, PY, REPO, UPDATES, args, children, data, env, one_process, resumed_updates, running, start)
+    GLOBAL, Node, PY, REPO, UPDATES, args, children, data, env, resumed_updates, running, start)
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):
+    """The reference: one process, batch 64, no interruption; trained in this process (test_elastic's fixture
+    starts a process for it)."""
+    out = tmp_path_factory.mktemp("elastic_one")
+    train_in_process(args(data, out, "--max-sentences", GLOBAL))
+    return params(out)
 
 
 def signal_pending(pid, signum) -> bool:
@@ -136,7 +150,7 @@ def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_i
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(data, tmp_path, one_process):
+def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(data, tmp_path, one_process, capfd):
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
 
@@ -161,9 +175,7 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
     saved = int(re.search(r"saved update (\d+)", lines[0]).group(1))
     (emergency,) = save.glob(f"checkpoint_*_{saved}.pt")  # checkpoint_EPOCH_UPDATE.pt
     assert not rdzv.exists()
-    done = subprocess.run([PY, "run_hetseq.py", *train, "--resume"], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = ok_in_process([*train, "--resume"], capfd)   # a run like any other: in this process
     assert re.search(rf"resumed from {re.escape(str(emergency))}: epoch \d+, update {saved}\n", done.stderr)
     assert_params_close(params(save), one_process)
 
@@ -218,10 +230,7 @@ def test_ranks_whose_save_directories_list_different_checkpoints_resume_from_ran
     import shutil
     first = tmp_path / "first"
     train = ["--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 60]
-    done = subprocess.run([PY, "run_hetseq.py", *args(data, first, *train, "--max-update", 6,
-                                                      "--save-interval-updates", 2)],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    train_in_process(args(data, first, *train, "--max-update", 6, "--save-interval-updates", 2))  # in this process
     own = [tmp_path / "rank0", tmp_path / "rank1"]
     for directory in own:
         directory.mkdir()
@@ -333,9 +342,7 @@ def test_a_new_run_removes_the_claim_and_shard_files_an_earlier_runs_killed_surv
     for path in left:
         path.write_text("left by a killed survivor")
     (save / "notes.txt").write_text("the user's")
-    done = subprocess.run([PY, "run_hetseq.py", *args(data, save, "--max-sentences", GLOBAL), "--max-update", "2"],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    train_in_process([*args(data, save, "--max-sentences", GLOBAL), "--max-update", "2"])  # in this process
     assert not [path for path in left if path.exists()] and (save / "notes.txt").read_text() == "the user's"
 
 
@@ -393,8 +400,8 @@ import os, sys
 from textbox_like import collectives
 from textbox_like.training import elastic as E, global_batch as G, trainer as T
 real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
-def init(self, cfg):
-    real_init(self, cfg)
+def init(self, *given, **named):
+    real_init(self, *given, **named)
     self.world = 2  # one of two ranks, whose host collectives give its own numbers
     collectives.host_sum = lambda numbers, group=None: list(numbers)
     collectives.one_per_rank = lambda value, world, group=None: [value] * world
@@ -428,7 +435,7 @@ def lose_a_peer(argv, *extra_code):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_kill_during_the_emergency_save_leaves_the_previous_checkpoint(data, tmp_path):
+def test_a_kill_during_the_emergency_save_leaves_the_previous_checkpoint(data, tmp_path, capfd):
     """The survivor is killed (SIGKILL, delivered by the OS) half-way through
     writing its emergency checkpoint: the previous checkpoint is intact, and
     the run resumes from it."""
@@ -439,17 +446,41 @@ def test_a_kill_during_the_emergency_save_leaves_the_previous_checkpoint(data, t
     assert list(save.glob(".checkpoint_1_6.pt.*.tmp")) and not (save / "checkpoint_1_6.pt").exists()
     from textbox_like.checkpoint import load_checkpoint
     assert load_checkpoint(save / "checkpoint_last.pt")["train"]["num_updates"] == 4
-    again = subprocess.run([PY, "run_hetseq.py", *train, "--resume"], cwd=REPO, env=env(), capture_output=True,
-                           text=True, timeout=200)
-    assert again.returncode == 0 and "epoch 1, update 4" in again.stderr, again.stderr[-3000:]
+    again = ok_in_process([*train, "--resume"], capfd)   # the resume after the kill: in this process
+    assert "epoch 1, update 4" in again.stderr, again.stderr[-3000:]
     assert not list(save.glob(".checkpoint*.tmp"))  # the half-written file is cleaned up
+
+
+def lose_a_peer_in_process(argv, monkeypatch, capfd):
+    """LOSE_A_PEER's run (the same patches, undone after the test) in this process: main()'s exit code and
+    output, as lose_a_peer's CompletedProcess."""
+    from textbox_like import collectives
+    from textbox_like.training import global_batch as G, trainer as T
+    real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
+
+    def init(self, *given, **named):
+        real_init(self, *given, **named)
+        self.world = 2  # one of two ranks, whose host collectives give its own numbers
+        monkeypatch.setattr(collectives, "host_sum", lambda numbers, group=None: list(numbers))
+        monkeypatch.setattr(collectives, "one_per_rank", lambda value, world, group=None: [value] * world)
+        self.timing = G.RankTiming(self)
+
+    def step(self, micro_batches, totals):
+        if self.state.num_updates == 6:
+            os.environ["WORLD_SIZE"] = "2"   # undone after the test (conftest._restore_environ)
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:1234")
+        return real_step(self, micro_batches, totals)
+    monkeypatch.setattr(T.Trainer, "__init__", init)
+    monkeypatch.setattr(T.Trainer, "train_step", step)
+    return in_process(argv, capfd)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_lost_peer_saves_the_last_completed_update_and_exits_75(data, tmp_path):
+def test_a_lost_peer_saves_the_last_completed_update_and_exits_75(data, tmp_path, monkeypatch, capfd):
+    """The lost peer is LOSE_A_PEER's mocked collective (nothing of the OS): the run is in this process."""
     save = tmp_path / "save"
-    done = lose_a_peer(args(data, save, "--max-sentences", 64, "--max-update", 8))
+    done = lose_a_peer_in_process(args(data, save, "--max-sentences", 64, "--max-update", 8), monkeypatch, capfd)
     assert done.returncode == 75, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in done.stderr
