@@ -31,23 +31,35 @@ from conftest import _RANK_VARS, run_main
 plan, me = json.load(open(sys.argv[1])), int(sys.argv[2])
 
 
+class Left(BaseException):
+    """A script's os._exit(code): a rank's leave without the interpreter's teardown ends the step here."""
+
+
+def leave_step(code):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise Left(code)
+
+
 def run_script(path, argv, out):
     """``python PATH ARGV`` in this process, its stdout to ``out``; its process group gone after it."""
     import contextlib
     import torch.distributed as dist
-    init, saved_argv = dist.init_process_group, sys.argv
-    sys.argv = [path, *argv]
+    init, saved_argv, real_exit = dist.init_process_group, sys.argv, os._exit
+    sys.argv, os._exit = [path, *argv], leave_step
     try:
         with open(out, "w") as stdout, contextlib.redirect_stdout(stdout):
             try:
                 exec(compile(open(path).read(), path, "exec"), {{"__name__": "__main__", "__file__": path}})
             except SystemExit as exc:
                 return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Left as exc:
+                return exc.args[0]
             finally:
                 sys.stdout.flush()
         return 0
     finally:
-        sys.argv, dist.init_process_group = saved_argv, init
+        sys.argv, dist.init_process_group, os._exit = saved_argv, init, real_exit
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -22,6 +22,7 @@ from textbox_like.sharded_checkpoint import (consolidated_state, is_sharded_chec
                                              sharded_checkpoints_newest_first)
 
 from test_sharded_checkpoint import WORKER, assert_same, export_in_process, full_state, worker
+from _fsdp_runs import run_plan, script
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,33 +51,65 @@ def start_ranks(spec: dict, world: int) -> list:
     return procs
 
 
-def run_ranks(spec: dict, world: int, timeout=900):
-    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
-    procs = start_ranks(spec, world)
-    for proc in procs:
-        proc.wait(timeout=timeout)
-    logs = "\n".join((Path(spec["out"]) / f"log{r}").read_text()[-3000:] for r in range(world))
-    assert all(p.returncode == 0 for p in procs), logs
-
-
 def dumped(out: Path, name: str):
     return torch.load(out / f"{name}.pt", weights_only=True)
 
 
 # ---------------------------------------------------------------- runs
+def worker_step(spec: dict, world: int):
+    """The worker on ``world`` ranks (the first of run_plan's processes) for ``spec``, each rank with
+    the variables start_ranks gives it: a step of a plan (_fsdp_runs.script)."""
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+    return script(WORKER, world, [json.dumps(spec)])
+
+
 @pytest.fixture(scope="module")
-def two_rank_save(tmp_path_factory):
-    """Two ranks train 3 updates, save (checkpoint_1_3 and checkpoint_last),
-    then go on for 2 more: each rank's shards and the full state dumped at both points."""
-    root = tmp_path_factory.mktemp("sharded2")
-    spec = {"out": str(root / "out"), "models": MODELS, "steps": [
+def worker_runs(one_process_save, tmp_path_factory):
+    """The workers of two_rank_save, two_rank_loads and the three-rank load, one after the other in three
+    rank processes (_fsdp_runs.run_plan: each step with the variables, and a process group, of its own;
+    the third process takes part in the third step only), instead of 2 + 2 + 3 processes. The roots of
+    the three, in order."""
+    root = tmp_path_factory.mktemp("sharded_workers")
+    saved, loads, three = root / "sharded2", root / "sharded2load", root / "sharded3load"
+    one_root, _ = one_process_save
+    # two ranks train 3 updates, save (checkpoint_1_3 and checkpoint_last), then go on for 2 more: each
+    # rank's shards and the full state dumped at both points
+    save = {"out": str(saved / "out"), "models": MODELS, "steps": [
         {"do": "train", "first": 0, "last": 3},
-        {"do": "save", "dir": str(root / "save"), "names": ["checkpoint_1_3.pt", "checkpoint_last.pt"], "update": 3},
+        {"do": "save", "dir": str(saved / "save"), "names": ["checkpoint_1_3.pt", "checkpoint_last.pt"], "update": 3},
         {"do": "dump", "tag": "saved"},
         {"do": "train", "first": 3, "last": 5},
         {"do": "dump", "tag": "continued"}]}
-    run_ranks(spec, 2)
-    return root
+    # two ranks, with fresh models, load the two-rank save and train 2 more updates; then, into fresh
+    # models, the one-process save and the DDP file state
+    load = {"out": str(loads / "out"), "models": MODELS, "steps": [
+        {"do": "load", "path": str(saved / "save" / "{model}" / "checkpoint_last.dcp")},
+        {"do": "dump", "tag": "loaded"},
+        {"do": "train", "first": 3, "last": 5},
+        {"do": "dump", "tag": "resumed"},
+        {"do": "build"},
+        {"do": "load", "path": str(one_root / "save" / "{model}" / "checkpoint_last.dcp")},
+        {"do": "dump", "tag": "from_one"},
+        {"do": "build"},
+        {"do": "load_full", "path": str(one_root / "ddp" / "{model}.pt")},
+        {"do": "dump", "tag": "from_ddp"},
+        {"do": "manager_save", "dir": str(loads / "managed"), "first": 3, "last": 6},
+        {"do": "dump", "tag": "managed"}]}
+    # three ranks, with fresh models, load the two-rank save
+    load3 = {"out": str(three / "out"), "models": MODELS, "steps": [
+        {"do": "load", "path": str(saved / "save" / "{model}" / "checkpoint_last.dcp")},
+        {"do": "dump", "tag": "loaded"}]}
+    steps = run_plan([worker_step(save, 2), worker_step(load, 2), worker_step(load3, 3)], root / "plan", ranks=3)
+    for step in steps:
+        step.check()
+    return saved, loads, three
+
+
+@pytest.fixture(scope="module")
+def two_rank_save(worker_runs):
+    """Two ranks trained 3 updates, saved (checkpoint_1_3 and checkpoint_last),
+    then went on for 2 more: each rank's shards and the full state dumped at both points."""
+    return worker_runs[0]
 
 
 @pytest.fixture(scope="module")
@@ -98,26 +131,10 @@ def one_process_save(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_rank_loads(two_rank_save, one_process_save, tmp_path_factory):
-    """Two fresh ranks load the two-rank save and train 2 more updates; then,
-    into fresh models, the one-process save and the DDP file state."""
-    root = tmp_path_factory.mktemp("sharded2load")
-    one_root, _ = one_process_save
-    spec = {"out": str(root / "out"), "models": MODELS, "steps": [
-        {"do": "load", "path": str(two_rank_save / "save" / "{model}" / "checkpoint_last.dcp")},
-        {"do": "dump", "tag": "loaded"},
-        {"do": "train", "first": 3, "last": 5},
-        {"do": "dump", "tag": "resumed"},
-        {"do": "build"},
-        {"do": "load", "path": str(one_root / "save" / "{model}" / "checkpoint_last.dcp")},
-        {"do": "dump", "tag": "from_one"},
-        {"do": "build"},
-        {"do": "load_full", "path": str(one_root / "ddp" / "{model}.pt")},
-        {"do": "dump", "tag": "from_ddp"},
-        {"do": "manager_save", "dir": str(root / "managed"), "first": 3, "last": 6},
-        {"do": "dump", "tag": "managed"}]}
-    run_ranks(spec, 2)
-    return root
+def two_rank_loads(worker_runs):
+    """Two ranks (fresh models) loaded the two-rank save and trained 2 more updates; then, into fresh
+    models, the one-process save and the DDP file state."""
+    return worker_runs[1]
 
 
 # ---------------------------------------------------------------- (a) same world size
@@ -172,16 +189,14 @@ def test_two_ranks_load_a_one_process_save_and_a_ddp_state(one_process_save, two
 
 
 @pytest.mark.slow
-def test_three_sharded_ranks_load_a_two_rank_save(two_rank_save, tmp_path):
-    """From two shards per tensor to three, uneven (16 rows over 3 ranks): the full state gathered back is the one saved."""
-    spec = {"out": str(tmp_path / "out"), "models": MODELS, "steps": [
-        {"do": "load", "path": str(two_rank_save / "save" / "{model}" / "checkpoint_last.dcp")},
-        {"do": "dump", "tag": "loaded"}]}
-    run_ranks(spec, 3)
+def test_three_sharded_ranks_load_a_two_rank_save(two_rank_save, worker_runs):
+    """From two shards per tensor to three, uneven (16 rows over 3 ranks): the full state gathered back is
+    the one saved (worker_runs' third step)."""
+    out = worker_runs[2] / "out"
     for kind in MODELS:
-        assert_same(dumped(tmp_path / "out", f"{kind}.loaded.full"), dumped(two_rank_save / "out", f"{kind}.saved.full"))
+        assert_same(dumped(out, f"{kind}.loaded.full"), dumped(two_rank_save / "out", f"{kind}.saved.full"))
     # the MLP's middle layer (16 x 16): each of the three ranks holds its own, uneven, piece
-    rows = [dumped(tmp_path / "out", f"mlp.loaded.local{r}")["model"]["2.weight"].shape[0] for r in range(3)]
+    rows = [dumped(out, f"mlp.loaded.local{r}")["model"]["2.weight"].shape[0] for r in range(3)]
     assert sum(rows) == 16 and min(rows) > 0 and len(set(rows)) > 1, rows
 
 
