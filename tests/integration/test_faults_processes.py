@@ -1,6 +1,11 @@
 """The tests of test_faults.py (tests/unit) that start processes: the slow tier.
 
-What they hold is told in that module's docstring."""
+What they hold is told in that module's docstring. None of these faults is
+the OS's (a learning rate that diverges, a file truncated or changed, a shard
+renamed away between two reads): their runs train in this process
+(_runs_runs.in_process: main(), its exit code and output), whose torch is
+imported already; the refusals of a save directory stay whole processes, whose
+entire output is one line."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _runs_runs import in_process
 from conftest import _reset_accelerate, assert_bitwise_equal, read_jsonl, run_cli, run_main
 from test_faults import (  # noqa: F401 (fixtures)
     FUSED, bert_args, bert_data, build_trainer, data, error_lines, load, mnist_args)
@@ -20,11 +26,11 @@ from test_faults import (  # noqa: F401 (fixtures)
 # ------------------------------------------------------------ divergence
 @pytest.mark.slow
 @pytest.mark.parametrize("limit", [None, 3])
-def test_divergence_stops_with_65_and_keeps_finite_checkpoints(data, tmp_path, limit):
+def test_divergence_stops_with_65_and_keeps_finite_checkpoints(data, tmp_path, limit, capfd):
     out = tmp_path / "out"
     extra = ["--optimizer", "sgd", "--lr", "1e4", "--save-interval-updates", "2", "--keep-interval-updates", "2",
              "--log-interval", "1"] + (["--max-nonfinite-updates", str(limit)] if limit else [])
-    proc = run_cli(mnist_args(data, out, *extra, max_update=30))
+    proc = in_process(mnist_args(data, out, *extra, max_update=30), capfd)
     assert proc.returncode == 65, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -53,13 +59,13 @@ def test_divergence_stops_with_65_and_keeps_finite_checkpoints(data, tmp_path, l
 
 
 @pytest.mark.slow
-def test_device_skip_divergence_stops_with_65(data, tmp_path):
+def test_device_skip_divergence_stops_with_65(data, tmp_path, capfd):
     """The lagged read still stops at the limit-th consecutive skip, and every
     checkpoint stays finite."""
     out = tmp_path / "out"
-    proc = run_cli(mnist_args(data, out, "--optimizer", "sgd", "--lr", "1e4", *FUSED, "--log-interval", "5",
-                              "--save-interval-updates", "2", "--keep-interval-updates", "2",
-                              "--max-nonfinite-updates", "3", max_update=30))
+    proc = in_process(mnist_args(data, out, "--optimizer", "sgd", "--lr", "1e4", *FUSED, "--log-interval", "5",
+                                 "--save-interval-updates", "2", "--keep-interval-updates", "2",
+                                 "--max-nonfinite-updates", "3", max_update=30), capfd)
     assert proc.returncode == 65, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and "learning rate" in errors[0], proc.stderr[-3000:]
@@ -77,10 +83,10 @@ def test_device_skip_divergence_stops_with_65(data, tmp_path):
 
 # ------------------------------------------------- corrupt newest checkpoint
 @pytest.mark.slow
-def test_truncated_last_checkpoint_falls_back_bitwise(data, tmp_path):
+def test_truncated_last_checkpoint_falls_back_bitwise(data, tmp_path, capfd):
     out = tmp_path / "out"
     common = ["--save-interval-updates", "3", "--disable-validation", "--log-interval", "1"]
-    proc = run_cli(mnist_args(data, out, *common, max_update=7))
+    proc = in_process(mnist_args(data, out, *common, max_update=7), capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "checkpoint_1_6.pt").is_file()
     direct = tmp_path / "direct"
@@ -90,15 +96,15 @@ def test_truncated_last_checkpoint_falls_back_bitwise(data, tmp_path):
     with open(last, "r+b") as handle:
         handle.truncate(size // 2)
 
-    resumed = run_cli(mnist_args(data, out, *common, "--resume", max_update=12))
+    resumed = in_process(mnist_args(data, out, *common, "--resume", max_update=12), capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     warnings = [line for line in resumed.stderr.splitlines() if "checkpoint_1_6.pt" in line and "warning" in line]
     assert len(warnings) == 1, resumed.stderr[-3000:]
     assert "checkpoint_last.pt" in warnings[0]
     assert "resumed from" in resumed.stderr and "update 6" in resumed.stderr
 
-    from_file = run_cli(mnist_args(data, direct, *common, "--restore-file", direct / "checkpoint_1_6.pt",
-                                   max_update=12))
+    from_file = in_process(mnist_args(data, direct, *common, "--restore-file", direct / "checkpoint_1_6.pt",
+                                      max_update=12), capfd)
     assert from_file.returncode == 0, from_file.stderr[-3000:]
     a, b = load(out / "checkpoint_last.pt"), load(direct / "checkpoint_last.pt")
     assert a["train"]["num_updates"] == b["train"]["num_updates"] == 12
@@ -107,7 +113,7 @@ def test_truncated_last_checkpoint_falls_back_bitwise(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_explicit_restore_file_failing_digest_is_an_error(data, tmp_path):
+def test_explicit_restore_file_failing_digest_is_an_error(data, tmp_path, capfd):
     out = tmp_path / "out"
     assert run_main(mnist_args(data, out, "--disable-validation", "--log-format", "none", max_update=2)) == 0
     state = load(out / "checkpoint_last.pt")
@@ -116,7 +122,7 @@ def test_explicit_restore_file_failing_digest_is_an_error(data, tmp_path):
     state["model"][name].view(-1)[0] += 1.0  # one changed weight, the old digest kept
     bad = tmp_path / "bad.pt"
     torch.save(state, bad)
-    proc = run_cli(mnist_args(data, tmp_path / "out2", "--restore-file", bad, max_update=4))
+    proc = in_process(mnist_args(data, tmp_path / "out2", "--restore-file", bad, max_update=4), capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and "digest" in errors[0] and "bad.pt" in errors[0], proc.stderr[-3000:]
@@ -135,7 +141,7 @@ def test_unwritable_save_dir_subprocess_one_line(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, tmp_path):
+def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, tmp_path, capfd):
     shards = sorted((bert_data / "shards").glob("*train*.hdf5"))
     assert len(shards) >= 2, shards
     fail_at = 4  # the 4th training read: update 4 (update_freq 1, no read-ahead)
@@ -164,7 +170,7 @@ def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, 
         with contextlib.redirect_stderr(err):
             from textbox_like.training import outcome as trainer_module
             original = trainer_module.Trainer
-            trainer_module.Trainer = lambda cfg: trainer
+            trainer_module.Trainer = lambda *given, **named: trainer
             try:
                 rc = trainer_module.train(trainer.cfg)
             finally:
@@ -187,10 +193,10 @@ def test_shard_vanishing_mid_epoch_exits_75_and_resume_skips_nothing(bert_data, 
     assert state["iterator"]["epoch"] == 1
 
     # rerun with --resume once the data is back, against an uninterrupted run
-    resumed = run_cli(bert_args(bert_data, out, "--resume", max_update=8), timeout=200)
+    resumed = in_process(bert_args(bert_data, out, "--resume", max_update=8), capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"update {fail_at - 1}" in resumed.stderr
-    whole = run_cli(bert_args(bert_data, tmp_path / "whole", max_update=8), timeout=200)
+    whole = in_process(bert_args(bert_data, tmp_path / "whole", max_update=8), capfd)
     assert whole.returncode == 0, whole.stderr[-3000:]
     a, b = load(out / "checkpoint_last.pt"), load(tmp_path / "whole" / "checkpoint_last.pt")
     assert a["train"]["num_updates"] == b["train"]["num_updates"] == 8
@@ -211,13 +217,13 @@ def test_save_dir_that_is_a_file_refused(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_snapshot_interval_counts_an_epochs_last_update(data, tmp_path):
+def test_snapshot_interval_counts_an_epochs_last_update(data, tmp_path, capfd):
     """kanachan's --snapshot-interval counts every trained sample, the last
     update of an epoch too: 256 samples per epoch at batch 8, a snapshot every
     256 samples lands on updates 32 and 64 (the epochs' ends)."""
     out = tmp_path / "out"
-    proc = run_cli(mnist_args(data, out, "--snapshot-interval", "256", "--max-epoch", "2", "--log-interval", "100",
-                              "--disable-validation", "--no-epoch-checkpoints", max_update=0))
+    proc = in_process(mnist_args(data, out, "--snapshot-interval", "256", "--max-epoch", "2", "--log-interval",
+                                 "100", "--disable-validation", "--no-epoch-checkpoints", max_update=0), capfd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint_*_*.pt")) == ["checkpoint_1_32.pt", "checkpoint_2_64.pt"]
     assert load(out / "checkpoint_last.pt")["train"]["samples_trained"] == 512
