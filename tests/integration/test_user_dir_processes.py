@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, clean_env, read_jsonl
+from conftest import REPO, RUNS_IN_ONE_PROCESS, clean_env, read_jsonl, split_runs
 from test_user_dir import USER_TASK
 
 
@@ -31,6 +31,16 @@ def project(tmp_path):
 def trainer(*args, cwd, env=None):
     return subprocess.run([sys.executable, str(REPO / "run_hetseq.py"), *map(str, args)], cwd=cwd,
                           env=env or clean_env(), capture_output=True, text=True, timeout=300)
+
+def runs_in_one_process(argvs, cwd):
+    """[(exit code, stderr)] of main(argv) for each argv in turn in one fresh process (conftest's
+    RUNS_IN_ONE_PROCESS) started in ``cwd``."""
+    done = subprocess.run([sys.executable, "-c", RUNS_IN_ONE_PROCESS, json.dumps([[str(a) for a in argv]
+                                                                                 for argv in argvs])],
+                          cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return split_runs(done.stderr, len(argvs))
+
 
 #: a toy run of 2 updates, its user dir given relative to tmp_path/work
 TOY = ["--user-dir", "../proj/toytask", "--task", "toy", "--max-sentences", "8", "--max-update", "2", "--cpu",
@@ -91,14 +101,18 @@ def test_one_process_trains_then_config_yaml_reruns_it_resume_continues_it_and_e
     saved = yaml.safe_load((first / "config.yaml").read_text())
     assert saved["user_dir"] == str(package) and saved["task"] == "toy"
 
-    # from another directory, nothing on the command line but the saved file: the same run
+    # from another directory, nothing on the command line but the saved file: the same run; then the saved
+    # file resumes the first run. One fresh process for both (main() for each in turn, RUNS_IN_ONE_PROCESS):
+    # the rerun is the first to read the saved file's user dir in it
     again = tmp_path / "again"
-    rerun = trainer("--config", first / "config.yaml", "--save-dir", again, cwd=tmp_path)
-    assert rerun.returncode == 0, rerun.stderr
-    assert [r["loss"] for r in train_records(again)] == [r["loss"] for r in train_records(first)]
+    first_losses = [r["loss"] for r in train_records(first)]   # before the resume adds its update
+    (rerun_code, rerun_err), (resumed_code, resumed_err) = runs_in_one_process(
+        [["--config", first / "config.yaml", "--save-dir", again],
+         ["--config", first / "config.yaml", "--max-update", "3", "--resume"]], cwd=tmp_path)
+    assert rerun_code == 0, rerun_err
+    assert [r["loss"] for r in train_records(again)] == first_losses
 
-    resumed = trainer("--config", first / "config.yaml", "--max-update", "3", "--resume", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    assert resumed_code == 0, resumed_err
     assert [r["update"] for r in train_records(first)] == [1, 2, 3]
     assert json.loads((first / "results.json").read_text())["num_updates"] == 3
 
