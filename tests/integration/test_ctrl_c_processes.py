@@ -1,6 +1,10 @@
 """The tests of test_ctrl_c.py (tests/unit) that start processes: the slow tier.
 
-What they hold is told in that module's docstring."""
+What they hold is told in that module's docstring. The Ctrl-C is a real
+SIGINT to the run's process group, as a terminal sends it; the resume after
+it is a run like any other: main() in this process (_runs_runs.in_process),
+whose torch is imported already (a run of two ranks has its launcher here and
+its ranks spawned as processes)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +17,7 @@ import time
 import pytest
 import torch
 
+from _runs_runs import argv_of, ok_in_process
 from conftest import REPO, clean_env, write_mnist
 
 
@@ -74,7 +79,7 @@ def stop_line(err):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_ctrl_c_saves_the_update_under_way_says_how_to_resume_and_the_resume_goes_on(data, tmp_path, ranks):
+def test_ctrl_c_saves_the_update_under_way_says_how_to_resume_and_the_resume_goes_on(data, tmp_path, ranks, capfd):
     save = tmp_path / "run"
     spread = ["--distributed-world-size", 2, "--threads", 1] if ranks == 2 else []
     run = start_in_a_terminals_group(command(data, save, "--max-update", 100000, *spread))
@@ -93,9 +98,7 @@ def test_ctrl_c_saves_the_update_under_way_says_how_to_resume_and_the_resume_goe
     assert stopped_at >= 5 and results["stopped"] == "preempted"
     assert updates_in(save / "checkpoint_last.pt") == stopped_at   # the last completed update, not the last interval's
 
-    out = subprocess.run(command(data, save, "--max-update", stopped_at + 3, "--resume", *spread), cwd=REPO,
-                         env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = ok_in_process(argv_of(command(data, save, "--max-update", stopped_at + 3, "--resume", *spread)), capfd)
     assert f"resumed from {save / 'checkpoint_last.pt'}: epoch 1, update {stopped_at}" in out.stderr
     assert updates_in(save / "checkpoint_last.pt") == stopped_at + 3
 
