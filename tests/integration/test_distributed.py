@@ -1,12 +1,14 @@
 """Distributed launching on CPU over loopback (issue 4). Every run is bounded by a timeout.
 
-The launchers (run_hetseq.py's spawn, accelerate launch, torchrun, HetSeq's
-per-node launcher where the threads its rank takes are tested) start as a
-user starts them. The runs whose launcher is not what is tested (nodes
-started by hand that are refused, or that train with per-node settings or
-unequal batches; a stale or missing rendezvous) are ranks as such a launcher
-starts them, and run one after another in ONE pair of rank processes
-(_runs_runs.run_plan: the ``pair`` fixture), each with a rendezvous of its own."""
+The launchers (run_hetseq.py's spawn, accelerate launch, torchrun, two
+nodes' launchers over file://) start as a user starts them. The runs whose
+launcher is not what is tested (nodes started by hand that are refused, that
+train with per-node settings or unequal batches, or that choose their threads;
+a stale or missing rendezvous) are ranks as such a launcher starts them
+(HetSeq's per-node launcher with --distributed-gpus 1 starts one rank, whose
+local world is one: --distributed-no-spawn here), and run one after another in
+ONE pair of rank processes (_runs_runs.run_plan: the ``pair`` fixture), each
+with a rendezvous of its own."""
 from __future__ import annotations
 
 import json
@@ -129,6 +131,12 @@ def pair(data, tmp_path_factory):
     runs["stale"] = spawned(base(data, where / "stale", "--max-sentences", "16", "--max-update", "4",
                                  "--distributed-init-method", f"file://{stale}", "--distributed-world-size", "2",
                                  "--distributed-gpus", "2"), 2, stale)
+    # two ranks on this machine whose threads are theirs to choose
+    one_by_one = by_hand(data, where / "rdzv_one_by_one", [where / "one_by_one"] * 2, ([], []),
+                         common=["--max-sentences", "16", "--max-update", "2"])
+    for argv in one_by_one.argv.values():
+        del argv[argv.index("--threads"):argv.index("--threads") + 2]   # the threads are the run's to choose
+    runs["one_by_one"] = one_by_one
     # rank 0 of two, alone: last, so that no other run waits for its timeout
     missing = by_hand(data, where / "rdzv_missing", [where / "missing"], [["--distributed-timeout", "5"]],
                       common=["--max-sentences", "8"])
@@ -154,21 +162,18 @@ def test_unequal_ranks_match_one_process(pair, one):
     assert valid(save)["accuracy"] == valid(one)["accuracy"]
 
 
-@pytest.mark.timeout(300)
-def test_ranks_started_one_by_one_on_one_machine_share_its_cores(data, tmp_path):
+@pytest.mark.timeout(900)
+def test_ranks_started_one_by_one_on_one_machine_share_its_cores(pair):
     """Two ranks started by hand with HetSeq's flags, one process each
     (--distributed-gpus 1): each saw a local world of one and took every
     core of the machine (2 threads each on 2 cores). They count the ranks on
-    their machine and split its cores, as torchrun's ranks do."""
+    their machine and split its cores, as torchrun's ranks do. (The pair's
+    run one_by_one: each node's rank, whose local world is one as its
+    launcher's child's was, choosing its threads.)"""
     from textbox_like.distributed import usable_cpus
-    common = ["--distributed-init-method", f"file://{tmp_path / 'rdzv'}", "--distributed-world-size", "2",
-              "--distributed-gpus", "1", "--max-sentences", "16"]
-    args = base(data, tmp_path / "out", *common)
-    del args[args.index("--threads"):args.index("--threads") + 2]   # the threads are the run's to choose
-    procs = [subprocess.Popen([PY, "run_hetseq.py", *args, "--max-update", "2", "--distributed-rank", str(rank)],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    run = pair[0]["one_by_one"]
+    errs = [run.errs[0], run.errs[1]]
+    assert [run.codes[0], run.codes[1]] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     threads = max(1, usable_cpus() // 2)
     start = next(line for line in errs[0].splitlines() if line.startswith("task mnist"))
     assert f"device cpu:0 ({threads} thread{'s' if threads > 1 else ''})" in start, start
