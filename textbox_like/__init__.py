@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 def train(config=None, **settings):
     """Train with a configuration (a mapping of --print_config's keys, a YAML
-    path, or a RunConfig); returns the results dict. See textbox_like.api."""
+    path, or a RunConfig); returns the results dict. ``callbacks=[...]``:
+    textbox_like.Callback instances (or registered names). See textbox_like.api."""
     from .api import train as run
     return run(config, **settings)
 
@@ -26,7 +27,7 @@ def evaluate(checkpoint, **kwargs):
 #: components"), imported on first use: ``import textbox_like`` and --help
 #: stay light (no torch)
 PUBLIC = ("Task", "register_task", "OptimizerSpec", "register_optimizer", "Scheduler", "register_scheduler",
-          "Section", "setting", "BatchDataset")
+          "Section", "setting", "BatchDataset", "Callback", "register_callback")
 
 
 def __getattr__(name):
@@ -48,6 +49,10 @@ def __getattr__(name):
         from .config.schema import setting as found
     elif name == "BatchDataset":
         from .data.base import BatchDataset as found
+    elif name == "Callback":
+        from .callbacks import Callback as found
+    elif name == "register_callback":
+        from .callbacks import register_callback as found
     else:
         raise AttributeError(f"module 'textbox_like' has no attribute {name!r}")
     globals()[name] = found

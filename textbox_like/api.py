@@ -62,9 +62,13 @@ def train(config=None, **settings) -> dict:
     processes on this node starts them as the command line does; its
     ``task`` may be a Task class (module docstring)."""
     from .cli import run
+    given = settings.pop("callbacks", None)
+    names = [c for c in (given or []) if isinstance(c, str)]
+    if names:   # registered names, as --callbacks: recorded in config.yaml and passed to every rank
+        settings["callbacks"] = names
     cfg = resolve_config(config, **settings)
     earlier = _results_file(cfg)
-    code = run(cfg)
+    code = run(cfg, [c for c in (given or []) if not isinstance(c, str)])
     results = _read_results(cfg, earlier) or {}
     if code not in (0, None):
         results.setdefault("exit_code", code)

@@ -91,9 +91,10 @@ def exit_code(work):
         return 130
 
 
-def run(cfg):
+def run(cfg, callbacks=()):
     """Start the processes this configuration asks for on this node, or train
-    in this one."""
+    in this one; ``callbacks``: Callback instances from Python, for a run in
+    this process (processes it starts get --callbacks' names only)."""
     from . import distributed, launch
     launch.launcher_note()
     cfg = launch.apply_hetseq_gpus(launch.apply_gpu_id(cfg))
@@ -107,6 +108,12 @@ def run(cfg):
         else:
             placements = distributed.local_plan(cfg)
             if placements is not None:
+                if callbacks:
+                    raise UserError(
+                        f"callbacks=[{', '.join(type(c).__name__ for c in callbacks)}]: a run of "
+                        f"{len(placements)} processes cannot take Python objects to its ranks; register the class "
+                        f"with @register_callback('name') in a module or --user-dir package and pass "
+                        f"callbacks=['name'] (--callbacks name)")
                 return launch.spawn(placements, cfg)
     # before CUDA and cuBLAS initialise, in every worker
     distributed.apply_determinism(cfg)
@@ -114,7 +121,7 @@ def run(cfg):
     from .trainer import train
     superseded = False
     try:
-        return train(cfg)
+        return train(cfg, callbacks)
     except Superseded:
         superseded = True
         raise

@@ -22,7 +22,7 @@ CASES = yaml.safe_load((GOLDEN / "cases.yaml").read_text())
 #: settings declared after the files were saved, with the value each prints
 #: when not given: the rest of the output must not move
 ADDED = {"initial_decoder": None, "model_path": None, "metrics": None, "patience": -1, "user_dir": None,
-         "task_class": None}
+         "task_class": None, "callbacks": []}
 
 
 def printed(argv):

@@ -255,7 +255,7 @@ def test_cudnn_deterministic_is_applied_before_the_trainer(monkeypatch):
     from textbox_like import cli, trainer
     seen = []
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: seen.append("determinism"))
-    monkeypatch.setattr(trainer, "train", lambda ns: seen.append("train") or 0)
+    monkeypatch.setattr(trainer, "train", lambda ns, callbacks=(): seen.append("train") or 0)
     ns = cfg(cudnn_deterministic=True)
     assert cli.run(ns) == 0 and seen == ["determinism", "train"]
 
@@ -297,7 +297,7 @@ def test_no_deterministic_kernel_is_one_line(monkeypatch, capsys):
     from textbox_like import cli, trainer
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: None)
 
-    def fail(ns):
+    def fail(ns, callbacks=()):
         raise RuntimeError("index_add_cuda_ does not have a deterministic implementation, but you set "
                            "'torch.use_deterministic_algorithms(True)'.\nmore")
     monkeypatch.setattr(trainer, "train", fail)

@@ -22,7 +22,7 @@ def test_gpu_id_sets_visible_devices_and_one_process_each(monkeypatch):
         return None  # run in this process: no spawning in a test
 
     monkeypatch.setattr(distributed, "local_plan", plan)
-    monkeypatch.setattr(trainer, "train", lambda ns: 0)
+    monkeypatch.setattr(trainer, "train", lambda ns, callbacks=(): 0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     ns = cli.parse(["--task", "mnist", "--gpu_id", "2,3"])
     assert cli.run(ns) == 0

@@ -295,7 +295,7 @@ def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, mon
     trainer, ns, keys = build_trainer(mnist_args(data, out, "--save-interval-updates", "2", "--disable-validation",
                                                  "--log-interval", "1", max_update=6))
     from textbox_like.training import outcome as trainer_module
-    monkeypatch.setattr(trainer_module, "Trainer", lambda cfg: trainer)
+    monkeypatch.setattr(trainer_module, "Trainer", lambda cfg, callbacks=(): trainer)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:

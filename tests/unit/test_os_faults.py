@@ -172,7 +172,7 @@ def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
     from textbox_like.training import outcome as trainer
     from textbox_like.faults import allocation_failed
 
-    def build(cfg):
+    def build(cfg, callbacks=()):
         return torch.empty(1 << 60, dtype=torch.uint8)
     monkeypatch.setattr(trainer, "Trainer", build)
     cfg = cli.parse(["--task", "mnist", "--data", "x", "--max-sentences", "64", "--max-update", "1"])

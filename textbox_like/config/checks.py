@@ -23,6 +23,7 @@ def check(cfg):
         raise UserError("training would never stop: set --max-epoch or --max-update")
     if cfg.numerics.fp16 and cfg.numerics.bf16:
         raise UserError("--fp16 and --bf16 exclude each other; choose one")
+    _check_callbacks(cfg.callbacks.callbacks)
     spec = OPTIMIZERS.get(optim.optimizer)
     if spec.unusable:
         raise UserError(f"--optimizer {optim.optimizer}: {spec.unusable}; choose another optimizer")
@@ -81,3 +82,14 @@ def _check_optimizer_values(optim):
     except (ValueError, TypeError) as exc:
         raise UserError(f"optimizer {optim.optimizer}: {exc}; check --lr, --weight-decay and its own options") \
             from None
+
+
+def _check_callbacks(names):
+    """Every --callbacks name is a registered class (a --user-dir package's are registered by now)."""
+    from ..callbacks import CALLBACKS
+    for name in names:
+        if name not in CALLBACKS:
+            known = ", ".join(CALLBACKS.names()) or "none is registered"
+            raise UserError(f"--callbacks {name}: no callback of that name{closest(name, CALLBACKS.choices())} "
+                            f"(registered: {known}); register a textbox_like.Callback subclass with "
+                            f"@register_callback({name!r}) in your --user-dir package")

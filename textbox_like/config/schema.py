@@ -254,6 +254,16 @@ class LoggingConfig(Section):
 
 
 @dataclass(frozen=True)
+class CallbacksConfig(Section):
+    """Callbacks that hook into the run (training/callbacks.py)."""
+    group = "logging"
+
+    callbacks: list = setting([], 'comma-separated callbacks to call at the start, after each update, validation and '
+                                  'checkpoint, and at the end: classes registered with @register_callback("name") in '
+                                  'a --user-dir package or an entry point', type=STR_LIST)
+
+
+@dataclass(frozen=True)
 class RuntimeConfig(Section):
     """How this process runs the work: device, threads, compilation, the non-finite guard."""
     group = "optimization"
@@ -367,8 +377,8 @@ class SearchConfig(Section):
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "schedule": ScheduleConfig,
             "numerics": NumericsConfig, "validation": ValidationConfig, "checkpoint": CheckpointConfig,
-            "logging": LoggingConfig, "runtime": RuntimeConfig, "distributed": DistributedConfig,
-            "sharding": ShardingConfig}
+            "logging": LoggingConfig, "callbacks": CallbacksConfig, "runtime": RuntimeConfig,
+            "distributed": DistributedConfig, "sharding": ShardingConfig}
 
 
 def declared_settings():
@@ -399,6 +409,7 @@ class RunConfig:
     validation: ValidationConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    callbacks: CallbacksConfig
     runtime: RuntimeConfig
     distributed: DistributedConfig
     sharding: ShardingConfig

@@ -27,8 +27,9 @@ def weights_finite(params, world: int, group=None) -> bool:
 class Checkpointer:
     """The checkpoint parts of the run, the save schedule and the save."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, callbacks):
         self.trainer = t = trainer
+        self.callbacks = callbacks
         cfg, acc = t.cfg, t.accelerator
         parts = {"model": ModelPart(acc, t.model),
                  "optimizer": OptimizerPart(t.optimizer, cfg.optim.optimizer, not cfg.checkpoint.no_save_optimizer_state),
@@ -97,3 +98,4 @@ class Checkpointer:
             raise failure
         self.saved_update = state.num_updates
         state.clock.paused += time.perf_counter() - started
+        self.callbacks.checkpoint_saved(self.checkpoints.dir / names[0])

@@ -224,6 +224,7 @@ class Lifecycle:
         self.updates_at_start = state.num_updates  # an allocation failing before the next one fails the batch size
         raise_if_stopped()  # a start-up signal whose stop was swallowed: not into training
         t.preemption.started = True  # from here a signal saves and stops; before, it stops at once
+        t.callbacks.train_start()
 
     def finish(self) -> int:
         t = self.trainer
@@ -258,6 +259,7 @@ class Lifecycle:
             keys = ("compute", "data", "wait", "updates")
             rows = collectives.one_per_rank([float(totals[k]) for k in keys], t.world, t.host_group)
             t.log.info(slowest_rank_line([dict(zip(keys, row)) for row in rows], timer.compute_is))
+        t.callbacks.train_end(results)  # the ranks still agree on what it says: before the teardown
         if timer is not None:
             timer.close()
         t.log.close()

@@ -23,10 +23,11 @@ def batch_size_option(cfg, batch_size) -> str:
     return f"--max-sentences (now {batch_size})"
 
 
-def build_trainer(cfg):
-    """A Trainer; an allocation failing while the data and the model are built is one line (2)."""
+def build_trainer(cfg, callbacks=()):
+    """A Trainer (``callbacks``: instances given from Python); an allocation
+    failing while the data and the model are built is one line (2)."""
     try:
-        return Trainer(cfg)
+        return Trainer(cfg, callbacks)
     except Exception as exc:
         if isinstance(exc, (UserError, RunStopped)) or not allocation_failed(exc):
             raise
@@ -35,8 +36,8 @@ def build_trainer(cfg):
     raise UserError(message)  # outside the handler: the failed allocation's frames are released
 
 
-def train(cfg) -> int:
-    return run(build_trainer(cfg))
+def train(cfg, callbacks=()) -> int:
+    return run(build_trainer(cfg, callbacks))
 
 
 def run(trainer) -> int:
@@ -104,7 +105,7 @@ def save_on_fault(trainer, exc):
         if trainer.accelerator.device.type == "cuda":
             import torch
             torch.cuda.empty_cache()
-    else:
+    elif isinstance(exc, DataUnavailable):
         # the position kept in the checkpoint: a retry failing at the same
         # place is known for damage at rest (DataCorrupt, exit 65)
         trainer.checkpointer.checkpoints.metadata["data_failure"] = trainer.feed.data_position()

@@ -203,6 +203,8 @@ class Reporting:
         head = {"preempted": f"stopped by a signal at update {state.num_updates}",
                 "patience": f"done: no better {state.best_metric} in {cfg.validation.patience} validations "
                             f"(--patience) at update {state.num_updates}"}.get(reason, f"done | updates {state.num_updates}")
+        if reason.startswith("callback on rank"):
+            head = f"done: stopped by a {reason} at update {state.num_updates}"
         figures = (" | last validation: " + " | ".join(f"{k} {v:.4f}" for k, v in state.last_valid.items())
                    if state.last_valid else " | not validated")
         return head + figures + f" | wall {state.clock.elapsed():.1f}s | {self.saved_where()}"

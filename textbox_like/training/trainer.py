@@ -17,6 +17,9 @@ each owning its state and its own "is it due" check:
 - :class:`~.lifecycle.Lifecycle`: restore, start, finish, the save-dir lock;
 - :mod:`.outcome`: an exception as (save or not, one line, exit code);
   :mod:`.elastic`: a lost peer;
+- :class:`~.callbacks.Callbacks`: the run's callbacks (``--callbacks``,
+  ``train(callbacks=...)``, ``--patience``'s early stopping), called at the
+  start, after each update, validation and checkpoint, and at the end;
 - periodic events of one's own: a :class:`~.due.EveryUpdates` registered
   with :meth:`Trainer.add_event`.
 """
@@ -32,6 +35,7 @@ from ..meters import Logger
 from ..preemption import Preemption, raise_if_stopped
 from ..tasks import TASKS
 from ..tasks.base import best_metric_direction
+from .callbacks import Callbacks, run_callbacks
 from .checkpointer import Checkpointer
 from .feed import Feed
 from .global_batch import GlobalBatch, RankTiming
@@ -47,8 +51,9 @@ class Trainer:
     """Built in the order a run needs: processes and Accelerate, data, model
     and optimizer, batch plan, then the components that watch over them."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, callbacks=()):
         self.cfg = cfg  # a settings.RunConfig
+        self.given_callbacks = callbacks  # instances from Python (textbox_like.train(callbacks=...))
         placement = distributed.placement_from_env(cfg)
         made = None if cfg.checkpoint.no_save or Path(cfg.checkpoint.save_dir).exists() else cfg.checkpoint.save_dir
         if not cfg.checkpoint.no_save:
@@ -167,6 +172,8 @@ class Trainer:
         """In the order of their collectives (the same on every rank)."""
         best_metric, maximize = best_metric_direction(self.cfg.validation, self.task)
         self.state = TrainState(best_metric, maximize)
+        self.callbacks = Callbacks(run_callbacks(self.cfg, self.given_callbacks), self.state, self.rank, self.world,
+                                   self.host_group, self.cfg)
         self.global_batch = GlobalBatch(self)
         self.feed = Feed(self)
         self.iterator = self.feed.iterator
@@ -175,8 +182,8 @@ class Trainer:
             self.global_batch.apply_split()
         self.planned_updates = self.scheduler.planned_updates = \
             self.feed.updates_of_epochs(self.cfg.schedule.max_epoch or 0)
-        self.validation = Validation(self, best_metric, maximize)
-        self.checkpointer = Checkpointer(self)
+        self.validation = Validation(self, best_metric, maximize, self.callbacks)
+        self.checkpointer = Checkpointer(self, self.callbacks)
         self.timing = RankTiming(self)
         self.global_batch.build_memory_guard()
         self.in_flight = InFlight(compile_pending=self.sources["compile"] != "default")
@@ -221,6 +228,7 @@ class Trainer:
         for event in self.events:
             if event.should_run(state.num_updates):
                 event.run(self)
+        self.callbacks.update_end()
         if self.feed.end_of_epoch():
             return True
         stopping = self.stop_reason() is not None
@@ -229,7 +237,7 @@ class Trainer:
         # validates its final weights (unless preempted: leave fast)
         improved = self.validation.validate() if (self.validation.should_validate(state.num_updates) or saving or (
             stopping and not self.preemption.agreed)) else False
-        stopping = stopping or self.stop_reason() is not None  # --patience ran out at this validation
+        stopping = stopping or self.stop_reason() is not None  # a callback (--patience) asked at this validation
         if saving or improved or stopping:
             self.checkpointer.save(end_of_epoch=False, is_best=improved, final=stopping,
                                    snapshot=self.checkpointer.snapshot)
@@ -242,7 +250,7 @@ class Trainer:
         update = self.state.num_updates
         return (self.reporting.should_log() or self.checkpointer.should_save(update)
                 or self.validation.should_validate(update) or self.preemption.due(update)
-                or self.feed.end_of_epoch() or self.stop_reason() is not None
+                or self.feed.end_of_epoch() or self.stop_reason() is not None or self.callbacks.every_update
                 or any(event.should_run(update) for event in self.events))
 
     def end_epoch(self):
@@ -265,9 +273,7 @@ class Trainer:
             return "max_update"
         if cfg.schedule.max_epoch and state.epoch + int(next_epoch) > cfg.schedule.max_epoch:
             return "max_epoch"
-        if cfg.validation.patience > 0 and state.validations_since_best >= cfg.validation.patience:
-            return "patience"
-        return None
+        return self.callbacks.stop_reason  # agreed by every rank (--patience's early stopping is one)
 
     def train_step(self, micro_batches, totals) -> bool:
         """One update (UpdateStep.update); False when it was skipped."""

@@ -21,8 +21,9 @@ def valid_batch_size(data) -> int:
 class Validation:
     """The validator over the validation subsets, and its schedule."""
 
-    def __init__(self, trainer, best_metric, maximize):
+    def __init__(self, trainer, best_metric, maximize, callbacks):
         self.trainer = t = trainer
+        self.callbacks = callbacks
         cfg = t.cfg
         largest = max(t.valid_data.values(), key=len, default=None)
         size = valid_batch_size(cfg.data)
@@ -67,9 +68,11 @@ class Validation:
         value = self.validator.value(first)
         state.last_valid = first
         t.scheduler.step_valid(value)  # ReduceLROnPlateau and kin step here; the others ignore it
-        if self.validator.is_better(value, state.best):
+        improved = self.validator.is_better(value, state.best)
+        if improved:
             state.best, state.best_valid = value, dict(first)
             state.validations_since_best = 0
-            return True
-        state.validations_since_best += 1
-        return False
+        else:
+            state.validations_since_best += 1
+        self.callbacks.validation_end(dict(first))
+        return improved
