@@ -4,7 +4,9 @@ What they hold is told in that module's docstring. The faults are real
 processes killed by the OS (SIGKILL, SIGTERM); the uninterrupted references
 they are compared with and the resumes after them are runs like any other:
 they train in this process (_runs_runs.in_process), whose torch is imported
-already; a run of two ranks spawns them as processes from here."""
+already. The runs of two ranks that are not a fault (a reference, the resumes)
+are the ranks as run_hetseq.py --distributed-world-size 2 starts them, one run
+after another in ONE pair of rank processes (the ``two_rank_runs`` fixture)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +15,7 @@ import signal
 
 import pytest
 
-from _runs_runs import argv_of, in_process, ok_in_process, train_in_process
+from _runs_runs import argv_of, in_process, ok_in_process, run_plan, spawned, train_in_process
 from conftest import assert_bitwise_equal
 from test_resume import command, compare_final, data, kill_after_checkpoint, load  # noqa: F401 (fixtures)
 
@@ -94,22 +96,44 @@ def test_sigterm_saves_exits_75_and_resume_is_identical(data, tmp_path, referenc
     compare_final(load(save_dir / "checkpoint_last.pt"), reference(1))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_processes_sigkill_then_resume_is_identical(data, tmp_path, capfd):
-    save_dir = tmp_path / "run"
-    ref_dir = tmp_path / "ref"
-    two = ["--distributed-world-size", "2", "--max-sentences", "8"]
-    cmd = command(data, save_dir, *two)
-    # the reference and the resume: their launcher in this process, their two ranks processes it spawns
-    ok_in_process(args(data, ref_dir, *two), capfd)
+TWO = ["--distributed-world-size", "2", "--max-sentences", "8"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(data, tmp_path_factory):
+    """The module's runs of two ranks. First the fault: a run of two processes (its launcher and two ranks)
+    killed at once (kill -9 of the process group), and the first, one-process part of the run resumed at
+    another world size (in this process). Then, one after another in one pair of rank processes, the two-rank
+    runs that are no fault: the uninterrupted reference of the killed run, its resume, and the resume at world
+    size 2. {name: what the tests assert}."""
+    where = tmp_path_factory.mktemp("two_ranks")
+    found = {"killed": where / "run", "ref": where / "ref", "other": where / "other"}
+    cmd = command(data, found["killed"], *TWO)
     # kill -9 every process of the run (its launcher and ranks) at once: no rank gets to save
-    code, err = kill_after_checkpoint(cmd, save_dir, signal.SIGKILL, seed=3, group=True)
+    found["kill"] = kill_after_checkpoint(cmd, found["killed"], signal.SIGKILL, seed=3, group=True)
+    found["killed_at"] = load(found["killed"] / "checkpoint_last.pt")["train"]["num_updates"]
+    # 1 process x 16 for 10 updates
+    train_in_process(args(data, found["other"], "--max-update", "10"))
+    found["first"] = load(found["other"] / "checkpoint_last.pt")
+    found["runs"] = run_plan([spawned(args(data, found["ref"], *TWO), 2, where / "rdzv_ref"),
+                              spawned(argv_of(cmd) + ["--resume"], 2, where / "rdzv_resume"),
+                              spawned(args(data, found["other"], "--max-update", "20", "--resume", *TWO), 2,
+                                      where / "rdzv_other")], where / "plan", timeout=900)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_processes_sigkill_then_resume_is_identical(two_rank_runs):
+    code, err = two_rank_runs["kill"]
     assert code == -signal.SIGKILL, err[-1000:]
-    killed_at = load(save_dir / "checkpoint_last.pt")["train"]["num_updates"]
+    killed_at = two_rank_runs["killed_at"]
     assert killed_at % 5 == 0 and killed_at < 60  # an interval checkpoint, not a save on the way out
-    ok_in_process(argv_of(cmd) + ["--resume"], capfd)
-    final, ref = load(save_dir / "checkpoint_last.pt"), load(ref_dir / "checkpoint_last.pt")
+    ref_run, resume_run, _ = two_rank_runs["runs"]
+    ref_run.check(0)
+    resume_run.check(0)
+    final = load(two_rank_runs["killed"] / "checkpoint_last.pt")
+    ref = load(two_rank_runs["ref"] / "checkpoint_last.pt")
     assert len(final["rng"]) == 2
     compare_final(final, ref)
 
@@ -208,18 +232,15 @@ def test_reset_lr_scheduler_starts_the_schedule_at_the_restored_update(data, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_resume_with_another_world_size_and_batch_continues_the_epoch(data, tmp_path, capfd):
+@pytest.mark.timeout(900)
+def test_resume_with_another_world_size_and_batch_continues_the_epoch(two_rank_runs):
     """1 process x 16 for 10 updates, then 2 processes x 8: the rest of the
-    epoch is re-planned from the same offset, nothing skipped or repeated."""
-    save_dir = tmp_path / "run"
-    train_in_process(args(data, save_dir, "--max-update", "10"))
-    first = load(save_dir / "checkpoint_last.pt")
+    epoch is re-planned from the same offset, nothing skipped or repeated.
+    (The two_rank_runs fixture trains both parts.)"""
+    first = two_rank_runs["first"]
     assert (first["iterator"]["epoch"], first["iterator"]["offset"]) == (1, 160)
-    # its launcher in this process, the two ranks processes it spawns
-    ok_in_process(args(data, save_dir, "--max-update", "20", "--resume", "--distributed-world-size", "2",
-                       "--max-sentences", "8"), capfd)
-    second = load(save_dir / "checkpoint_last.pt")
+    two_rank_runs["runs"][2].check(0)
+    second = load(two_rank_runs["other"] / "checkpoint_last.pt")
     assert second["train"]["num_updates"] == 20 and second["world_size"] == 2
     # 10 more updates of 2 x 8 samples: 160 + 160 samples into the 384-sample epoch
     assert (second["iterator"]["epoch"], second["iterator"]["offset"]) == (1, 320)
