@@ -77,15 +77,8 @@ def test_each_head_trains_validates_and_its_export_loads_to_the_same_loss(models
     assert export_eval_loss(exported, text_data, head, *extra) == pytest.approx(ours, abs=1e-5)
 
 
-def run_ok(cmd, timeout=300):
-    out = subprocess.run([str(c) for c in cmd], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                         timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 def one_process(cmd):
-    """The one-process reference of a command run_ok would start ([PY, run_hetseq.py, *args]): the same
+    """The one-process reference of a command ([PY, run_hetseq.py, *args]) a process would run: the same
     run in this process (no ~3 s of imports), torch's thread count restored after it (--threads)."""
     assert [str(c) for c in cmd[:2]] in ([PY, "run_hetseq.py"], [PY, str(REPO / "run_hetseq.py")]), cmd[:2]
     threads = torch.get_num_threads()
@@ -210,7 +203,7 @@ def test_a_rank_with_no_samples_in_a_step_trains_validates_and_equals_one_proces
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path):
+def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path, capfd):
     from test_resume import kill_after_checkpoint
     cmd = lambda out: [PY, str(REPO / "run_hetseq.py"), *hf_args(  # noqa: E731
         models["causal_lm"], text_data, out, "--max-update", "40", "--max-epoch", "0", "--save-interval-updates", "5",
@@ -220,7 +213,13 @@ def test_sigkill_then_resume_is_bitwise_identical(models, text_data, tmp_path):
     assert code == -signal.SIGKILL, f"the run was not killed (exit {code}): {err[-1000:]}"
     killed_at = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)["train"]["num_updates"]
     assert 5 <= killed_at < 40
-    resumed = run_ok(cmd(tmp_path / "run") + ["--resume", "--log-format", "simple"])
+    # the resume of what the kill left: in this process too (the kill is a process's, the resume reads its files)
+    threads = torch.get_num_threads()
+    try:
+        resumed = refusal_in_process(cmd(tmp_path / "run")[2:] + ["--resume", "--log-format", "simple"], capfd)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     final = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)
     ref = torch.load(tmp_path / "ref" / "checkpoint_last.pt", weights_only=True)
