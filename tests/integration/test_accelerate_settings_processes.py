@@ -11,20 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUNS_IN_ONE_PROCESS, clean_env, free_port, split_runs
+from conftest import REPO, RUNS_IN_ONE_PROCESS, clean_env, split_runs
 from test_accelerate_settings import data, ours, start_lines  # noqa: F401 (fixtures)
 
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-
-
-def launch(launcher_args, args, timeout=150):
-    env = clean_env()
-    env["HF_HOME"] = str(Path(env.get("TEXTBOX_LIKE_CACHE", "/tmp")) / "hf_home")  # no user accelerate config
-    env.pop("ACCELERATE_CONFIG_FILE", None)
-    env = {k: v for k, v in env.items() if not k.startswith("ACCELERATE_")}
-    cmd = [ACCELERATE, "launch", *map(str, launcher_args), "run_hetseq.py", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def write_accelerate_config(path, mixed_precision, **extra):
@@ -38,20 +29,9 @@ def write_accelerate_config(path, mixed_precision, **extra):
 
 
 # ------------------------------------------------------------ precision
-@pytest.mark.slow
-def test_launch_multi_gpu_two_processes_bf16_on_cpu(data, tmp_path):
-    out = tmp_path / "out"
-    proc = launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "bf16",
-                   "--dynamo_backend", "no", "--main_process_port", free_port()], ours(data, out), timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = start_lines(proc.stderr)
-    assert len(lines) == 1, proc.stderr[-3000:]  # rank 0 speaks for all
-    assert "world size 2" in lines[0]
-    assert re.search(r"precision bf16 \(precision from accelerate launch", lines[0]), lines[0]
-    # both ranks trained at the same precision: the start-up agreement compares the precision each
-    # rank chose, and the run went through (a disagreement is refused before training)
-    results = json.loads((out / "results.json").read_text())
-    assert results["world_size"] == 2 and results["num_updates"] == 3
+# accelerate launch --multi_gpu --num_processes 2 --mixed_precision bf16 (was test_launch_multi_gpu_two_
+# processes_bf16_on_cpu): test_user_code_everywhere_processes.py::test_every_launchers_processes_import_the_
+# user_dir[accelerate] launches those two processes and asserts what it asserted
 
 # The runs of one accelerate config file: one ``accelerate launch --config_file`` of conftest's
 # RUNS_IN_ONE_PROCESS (the trainer's main() for each test's arguments in turn, each reading the variables

@@ -1,6 +1,7 @@
-"""run_hyper.py and run_multi_seed.py with real trainer runs on tiny MNIST:
-resume after kill -9 in the middle of a trial, parallel trials with a failing
-one, seeds drawn from --seed with scipy's interval, and the reports."""
+"""run_hyper.py with real trainer runs on tiny MNIST: resume after kill -9 in
+the middle of a trial, parallel trials with a failing one, and the reports
+(run_multi_seed.py's seeds drawn from --seed with scipy's interval: in
+test_user_code_everywhere_processes.py)."""
 from __future__ import annotations
 
 import json
@@ -130,28 +131,6 @@ def test_parallel_exhaustive_with_a_failing_trial(tmp_path, tiny_mnist):
     assert "--threads=1" in (tmp_path / "out" / "trial_1" / "command.txt").read_text()
 
 
-def test_multi_seed_draws_from_seed_and_uses_scipys_interval(tmp_path, tiny_mnist):
-    from scipy import stats
-    import numpy as np
-    proc = script("run_multi_seed.py", ["--multi_seed=2", "--seed", "5", "--parallel", "2", "--data", tiny_mnist,
-                                        "--output", "out", "--max-update", "4", "--max-sentences", "8",
-                                        "--validate-interval-updates", "2", "--log-interval", "1", *TRAIN],
-                  tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    seeds = S.draw_seeds(2, 5)
-    assert f"seeds: {', '.join(map(str, seeds))} (2 drawn from seed 5)" in proc.stdout
-    out = tmp_path / "out"
-    summary = json.loads((out / "multi_seed_summary.json").read_text())
-    assert summary["ok_seeds"] == seeds
-    for metric in ("loss", "accuracy"):
-        values = [json.loads((out / f"seed_{s}" / "results.json").read_text())["final"][metric] for s in seeds]
-        st = summary["final"][metric]
-        assert st["n"] == 2 and st["mean"] == pytest.approx(np.mean(values))
-        if np.std(values) > 0:
-            assert st["ci95"] == pytest.approx(list(stats.t.interval(0.95, 1, loc=np.mean(values),
-                                                                     scale=stats.sem(values))))
-    for s in seeds:
-        assert f"seed: {s}" in (out / f"seed_{s}" / "config.yaml").read_text().splitlines()
-    assert "95% CI" in proc.stdout and "median" in proc.stdout
-    assert (out / "multi_seed_summary.csv").read_text().startswith("part,metric,n,mean,std,ci95_low")
-    assert (out / "multi_seed_curves.png").stat().st_size > 20000
+# run_multi_seed.py's seeds drawn from --seed and scipy's interval (was test_multi_seed_draws_from_seed_and_uses_
+# scipys_interval here): test_user_code_everywhere_processes.py::test_multi_seed_runs_each_seed_with_the_user_dir_
+# and_eval_and_export_read_a_seeds_checkpoint runs that command (its seeds two at once) and asserts them

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,9 +76,11 @@ def start(cmd, cwd, env):
 
 
 def finish(procs):
+    """Each process's stderr, once all exited 0."""
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
+    return [err for _, err in outs]
 
 LAUNCHERS = ["torchrun", "accelerate", "srun", "file_nodes"]
 
@@ -96,8 +99,12 @@ def test_every_launchers_processes_import_the_user_dir(project, tmp_path, launch
         procs = [start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                         free_port(), *train], work, env)]
     elif launcher == "accelerate":
+        # bf16: also test_accelerate_settings_processes's launch of two processes at a precision (merged here):
+        # no user accelerate config (HF_HOME of our own), no ACCELERATE_ variable but the launcher's
+        env = {k: v for k, v in env.items() if not k.startswith("ACCELERATE_")}
+        env["HF_HOME"] = str(Path(env.get("TEXTBOX_LIKE_CACHE", "/tmp")) / "hf_home")
         procs = [start([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port(),
+                        "--mixed_precision", "bf16", "--dynamo_backend", "no", "--main_process_port", free_port(),
                         *train], work, env)]
     elif launcher == "srun":
         # what srun gives each of a step's two tasks (distributed.py reads these)
@@ -111,13 +118,22 @@ def test_every_launchers_processes_import_the_user_dir(project, tmp_path, launch
         procs = [start([sys.executable, *train, "--distributed-init-method", f"file://{tmp_path / 'rdzv'}",
                         "--distributed-world-size", "2", "--distributed-no-spawn", "--distributed-rank", rank],
                        work, env) for rank in (0, 1)]
-    finish(procs)
+    errs = finish(procs)
     results = json.loads((save / "results.json").read_text())
     assert (results["world_size"], results["num_updates"], results["task"]) == (2, 2, "toy")
     ranks = importers(imports)
     assert {"0", "1"} <= set(ranks) or launcher == "file_nodes" and len(ranks) == 2, ranks
     saved = yaml.safe_load((save / "config.yaml").read_text())
     assert saved["user_dir"] == str(project / "proj" / "toytask")
+    if launcher == "accelerate":
+        # (was test_accelerate_settings_processes.py::test_launch_multi_gpu_two_processes_bf16_on_cpu, which
+        # launched the same two processes on MNIST) rank 0 speaks for all, at the launcher's precision; both
+        # ranks trained at it: the start-up agreement compares the precision each rank chose, and the run
+        # went through (a disagreement is refused before training)
+        lines = [line for line in errs[0].splitlines() if line.startswith("task toy |")]
+        assert len(lines) == 1, errs[0][-3000:]
+        assert "world size 2" in lines[0]
+        assert re.search(r"precision bf16 \(precision from accelerate launch", lines[0]), lines[0]
 
 
 @pytest.mark.slow
@@ -126,12 +142,20 @@ def test_multi_seed_runs_each_seed_with_the_user_dir_and_eval_and_export_read_a_
     """run_multi_seed.py: each seed's trainer imports the user dir; then
     ``textbox-like eval`` and ``export``, each a fresh interpreter, read a
     seed's checkpoint of the user's task (one run of the toy task, as a
-    training of its own would be: the seeds' runs are TOY with --seed)."""
+    training of its own would be: the seeds' runs are TOY with --seed).
+    The seeds, two at once, are drawn from --seed, and the summary is scipy's
+    interval over them (was test_search_e2e.py::test_multi_seed_draws_from_
+    seed_and_uses_scipys_interval, which ran the same command on MNIST)."""
+    import numpy as np
+    from scipy import stats
+
+    from textbox_like import search as S
     imports = tmp_path / "imports"
     imports.mkdir()
     out = tmp_path / "seeds"
-    done = subprocess.run([sys.executable, str(REPO / "run_multi_seed.py"), "--multi_seed=2", "--output", str(out),
-                           *TOY], cwd=project / "work", env=environment(imports), capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(REPO / "run_multi_seed.py"), "--multi_seed=2", "--seed", "5",
+                           "--parallel", "2", "--output", str(out), *TOY, "--validate-interval-updates", "2"],
+                          cwd=project / "work", env=environment(imports), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "multi_seed_summary.json").read_text())
@@ -142,6 +166,23 @@ def test_multi_seed_runs_each_seed_with_the_user_dir_and_eval_and_export_read_a_
         assert (saved["seed"], saved["task"]) == (seed, "toy")
         assert json.loads((run / "results.json").read_text())["num_updates"] == 2
     assert len(importers(imports)) >= 2        # the command, and each seed's trainer
+
+    # the seeds drawn from --seed 5, and scipy's interval over each final metric
+    seeds = S.draw_seeds(2, 5)
+    assert f"seeds: {', '.join(map(str, seeds))} (2 drawn from seed 5)" in done.stdout
+    assert summary["ok_seeds"] == seeds
+    for metric in ("loss", "accuracy"):
+        values = [json.loads((out / f"seed_{s}" / "results.json").read_text())["final"][metric] for s in seeds]
+        st = summary["final"][metric]
+        assert st["n"] == 2 and st["mean"] == pytest.approx(np.mean(values))
+        if np.std(values) > 0:
+            assert st["ci95"] == pytest.approx(list(stats.t.interval(0.95, 1, loc=np.mean(values),
+                                                                     scale=stats.sem(values))))
+    for s in seeds:
+        assert f"seed: {s}" in (out / f"seed_{s}" / "config.yaml").read_text().splitlines()
+    assert "95% CI" in done.stdout and "median" in done.stdout
+    assert (out / "multi_seed_summary.csv").read_text().startswith("part,metric,n,mean,std,ci95_low")
+    assert (out / "multi_seed_curves.png").stat().st_size > 20000
 
     # textbox-like eval and export on a seed's checkpoint (was test_textbox_like_eval_and_export_read_a_user_task_
     # checkpoint, which trained the same 2-update toy run for it)
