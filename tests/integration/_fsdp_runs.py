@@ -14,8 +14,11 @@ environment (what it publishes, what the plan gives it) is undone after it."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,39 +153,102 @@ def script(path, world, argv=(), ranks=None):
     return Run({str(rank): [str(a) for a in argv] for rank in ranks}, env, script=str(path))
 
 
-def run_plan(runs, root, ranks=2, timeout=900):
-    """Start ``ranks`` processes that run ``runs`` (a list of Run) in turn; wait for them; fill in each
-    run's exit codes and output. The processes themselves must exit 0 (every run ended, whatever its code)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    plan = root / "plan.json"
-    plan.write_text(json.dumps([{"argv": run.argv, "env": run.env, "script": run.script, "out": str(root / f"out{i}"),
-                                 "cwd": {rank: str(path) for rank, path in run.cwd.items()}}
-                                for i, run in enumerate(runs)]))
-    logs = [root / f"rank{rank}.log" for rank in range(ranks)]
-    procs = []
-    try:
-        for rank in range(ranks):
-            with open(logs[rank], "w") as log:
-                procs.append(subprocess.Popen([PY, "-c", RANK_SCRIPT, str(plan), str(rank)], cwd=REPO,
-                                              env={**clean_env(), "PYTHONUNBUFFERED": "1"}, stdout=log,
-                                              stderr=subprocess.STDOUT))
-        for proc in procs:
-            proc.wait(timeout=timeout)
-    finally:
-        for proc in procs:
+class Plan:
+    """``ranks`` processes that run ``runs`` (a list of Run) in turn, started at once, all in one process
+    group of their own (rank 0's): while they run, a test may watch a step's output (wait_for) and kill
+    them (kill: a real SIGKILL of a rank process, or of all of them at once), then finish() waits for them
+    and fills in each run's exit codes and output. Use it as a context manager: whatever happens, no
+    process outlives it."""
+
+    def __init__(self, runs, root, ranks=2):
+        self.runs, self.root = runs, Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        plan = self.root / "plan.json"
+        plan.write_text(json.dumps([{"argv": run.argv, "env": run.env, "script": run.script,
+                                     "out": str(self.root / f"out{i}"),
+                                     "cwd": {rank: str(path) for rank, path in run.cwd.items()}}
+                                    for i, run in enumerate(runs)]))
+        self.logs = [self.root / f"rank{rank}.log" for rank in range(ranks)]
+        self.procs, self.killed = [], {}
+        try:
+            for rank in range(ranks):
+                group = self.procs[0].pid if self.procs else 0   # rank 0's: a process group of its own
+                with open(self.logs[rank], "w") as log:
+                    self.procs.append(subprocess.Popen([PY, "-c", RANK_SCRIPT, str(plan), str(rank)], cwd=REPO,
+                                                       env={**clean_env(), "PYTHONUNBUFFERED": "1"}, stdout=log,
+                                                       stderr=subprocess.STDOUT, process_group=group))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    texts = [log.read_text(errors="replace") for log in logs]
-    assert [proc.returncode for proc in procs] == [0] * ranks, [text[-4000:] for text in texts]
-    for rank, text in enumerate(texts):
-        for i, run in enumerate(runs):
-            if str(rank) not in run.argv:
-                continue
-            assert f"--- run {i}\n" in text and f"--- exit {i} " in text, (i, rank, text[-4000:])
-            err, rest = text.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)
-            run.codes[rank], run.errs[rank] = int(rest.split("\n", 1)[0]), err
-            if run.script:
-                run.outs[rank] = (root / f"out{i}.rank{rank}").read_text(errors="replace")
-    return runs
+
+    def text(self, rank) -> str:
+        return self.logs[rank].read_text(errors="replace")
+
+    def output(self, index, rank):
+        """What ``rank`` printed in step ``index`` so far; None before the step began."""
+        text = self.text(rank)
+        mark = f"--- run {index}\n"
+        return text.split(mark, 1)[1].split(f"--- exit {index} ", 1)[0] if mark in text else None
+
+    def wait_for(self, condition, timeout=300, poll=0.02):
+        """Until ``condition()`` holds, every process still running."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert all(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline, \
+                [self.text(rank)[-3000:] for rank in range(len(self.procs))]
+            time.sleep(poll)
+
+    def kill(self, rank=None, sig=signal.SIGKILL):
+        """``sig`` to rank ``rank``'s process, or to every process of the plan at once (their group)."""
+        if rank is None:
+            os.killpg(self.procs[0].pid, sig)
+            self.killed.update({r: sig for r in range(len(self.procs))})
+        else:
+            self.procs[rank].send_signal(sig)
+            self.killed[rank] = sig
+
+    def finish(self, timeout=900):
+        """Wait for the processes: each exits 0 (every run it took part in ended, whatever the run's code)
+        or by the signal it was killed with. Fills in every run's codes and output (a rank killed in a run:
+        the output it got to, and minus the signal's number as its code); returns the runs."""
+        try:
+            for proc in self.procs:
+                proc.wait(timeout=timeout)
+        finally:
+            self.close()
+        texts = [self.text(rank) for rank in range(len(self.procs))]
+        expected = [-self.killed[rank] if rank in self.killed else 0 for rank in range(len(self.procs))]
+        assert [proc.returncode for proc in self.procs] == expected, [text[-4000:] for text in texts]
+        for rank, text in enumerate(texts):
+            for i, run in enumerate(self.runs):
+                if str(rank) not in run.argv:
+                    continue
+                if rank in self.killed and f"--- exit {i} " not in text:
+                    if f"--- run {i}\n" in text:   # the run it was killed in: its output, the signal's code
+                        run.codes[rank], run.errs[rank] = -self.killed[rank], text.split(f"--- run {i}\n", 1)[1]
+                    continue
+                assert f"--- run {i}\n" in text and f"--- exit {i} " in text, (i, rank, text[-4000:])
+                err, rest = text.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)
+                run.codes[rank], run.errs[rank] = int(rest.split("\n", 1)[0]), err
+                if run.script:
+                    run.outs[rank] = (self.root / f"out{i}.rank{rank}").read_text(errors="replace")
+        return self.runs
+
+
+def run_plan(runs, root, ranks=2, timeout=900):
+    """Start ``ranks`` processes that run ``runs`` (a list of Run) in turn; wait for them; fill in each
+    run's exit codes and output. The processes themselves must exit 0 (every run ended, whatever its code)."""
+    with Plan(runs, root, ranks) as plan:
+        return plan.finish(timeout)

@@ -3,20 +3,21 @@
 What they hold is told in that module's docstring."""
 from __future__ import annotations
 
+import random
+import re
 import signal
-import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from textbox_like.sharded_checkpoint import read_extra_state, read_manifest
 
-from conftest import assert_bitwise_equal, clean_env, read_jsonl, write_mnist
+from conftest import assert_bitwise_equal, read_jsonl, write_mnist
 from test_bert_train import bert_data  # noqa: F401 (a fixture)
 from test_hf_task import exactness_args, models, text_data  # noqa: F401 (fixtures)
-from test_resume import kill_after_checkpoint
-from test_fsdp import PY, REPO, assert_close, checkpoint, in_process, train_records
-from _fsdp_runs import by_rank, one_rank, run_plan, spawned
+from test_fsdp import PY, assert_close, checkpoint, in_process, train_records
+from _fsdp_runs import Plan, by_rank, one_rank, spawned
 
 
 SHARDED_ON_CPU = "(fully_shard applied by textbox_like (Accelerate has no FSDP on CPU)"
@@ -79,11 +80,13 @@ CHAINS = {"ranks": [(2, "--fsdp"), (1, "--fsdp"), (2, "--fsdp")], "ddp": [(2,), 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(mnist, bert_data, models, text_data, tmp_path_factory):  # noqa: F811
-    """Every run of two ranks this file's tests compare or inspect and that no test must start itself (a
-    kill, a lost peer), one after another in one pair of rank processes (_fsdp_runs.run_plan: each run
-    with the rank variables and a rendezvous of its own, as run_hetseq.py's spawned ranks, or as two
-    one-rank nodes): {name: its _fsdp_runs.Run}, the runs' directories under the root returned.
-    The legs of the resumed chains run in turn, a leg on one rank in the first rank's process."""
+    """Every run of two ranks this file's tests compare or inspect, one after another in one pair of rank
+    processes (_fsdp_runs.Plan: each run with the rank variables and a rendezvous of its own, as
+    run_hetseq.py's spawned ranks, or as two one-rank nodes): {name: its _fsdp_runs.Run}, the runs'
+    directories under the root returned. The legs of the resumed chains run in turn, a leg on one rank in
+    the first rank's process. The last, "killed", is test_fsdp_killed_and_resumed_equals_the_uninterrupted_run's:
+    once its first sharded checkpoint is there, at a moment up to 1 s later (test_resume.kill_after_checkpoint's,
+    seed 1), both rank processes are killed with SIGKILL at once (their process group)."""
     from textbox_like import balance
     from test_balance import bert_args
     root = tmp_path_factory.mktemp("fsdp_two_ranks")
@@ -104,8 +107,35 @@ def two_rank_runs(mnist, bert_data, models, text_data, tmp_path_factory):  # noq
             args = leg_args(mnist, root / "legs" / name, world, leg, *extra)[2:]
             runs[f"{name}{leg}"] = (one_rank(args) if world == 1 else
                                     spawned(args, world, root / f"rdzv_{name}{leg}"))
-    run_plan(list(runs.values()), root / "plan")
+    runs["killed"] = spawned(killed_args(mnist, root / "killed"), 2, root / "rdzv_killed")
+    with Plan(list(runs.values()), root / "plan") as plan:
+        plan.wait_for(lambda: (root / "killed" / "checkpoint_1_6.dcp").exists(), timeout=1500)
+        time.sleep(random.Random(1).uniform(0.0, 1.0))
+        plan.kill()
+        plan.finish()
     return root, runs
+
+
+@pytest.fixture(scope="module")
+def after_the_kills(mnist, two_rank_runs, tmp_path_factory):
+    """Two rank processes (_fsdp_runs.Plan) for what comes after a kill: "resumed", the killed run's
+    --resume on two ranks (as run_hetseq.py's spawned ranks); then "survivor", an --fsdp run on two
+    one-rank nodes (--distributed-timeout 30) whose rank 1's process is killed with SIGKILL once rank 0
+    logged an update past the save at update 6 (9 to 17). {"killed_at": the update of the killed run's
+    newest checkpoint before its resume, "resumed"/"survivor": their Runs, "save": the survivor's --save-dir}"""
+    root, runs = two_rank_runs
+    killed_at = checkpoint(root / "killed")["train"]["num_updates"]
+    here = tmp_path_factory.mktemp("fsdp_after_kills")
+    save, rdzv = here / "save", here / "rdzv"
+    steps = [spawned([*killed_args(mnist, root / "killed"), "--resume"], 2, here / "rdzv_resumed"),
+             by_rank([leg_args(mnist, save, 2, 3, "--fsdp", "--distributed-timeout", "30",
+                               "--distributed-init-method", f"file://{rdzv}", "--distributed-rank", r,
+                               "--distributed-no-spawn")[2:] for r in (0, 1)])]
+    with Plan(steps, here / "plan") as plan:
+        plan.wait_for(lambda: re.search(r"\| update (9|1[0-7]) \|", plan.output(1, 0) or ""), timeout=900)
+        plan.kill(1)
+        plan.finish()
+    return {"killed_at": killed_at, "resumed": steps[0], "survivor": steps[1], "save": save}
 
 
 @pytest.fixture(scope="module")
@@ -197,22 +227,20 @@ def test_fsdp_gpt2_unlike_micro_batches_equals_one_process(models, text_data, tw
 # ------------------------------------------------------------------ checkpoints
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(mnist, two_rank_runs, tmp_path):
-    """Adam (state to shard and save): every process (run_hetseq.py and the
-    two ranks it started) killed with SIGKILL after a sharded checkpoint,
-    then --resume from it on two ranks: the final weights and optimizer state
-    are bitwise those of the run that was never interrupted (two_rank_runs'
-    "killed_ref")."""
+def test_fsdp_killed_and_resumed_equals_the_uninterrupted_run(two_rank_runs, after_the_kills):
+    """Adam (state to shard and save): every process (both ranks) killed with
+    SIGKILL after a sharded checkpoint (two_rank_runs' "killed"), then
+    --resume from it on two ranks (after_the_kills' "resumed"): the final
+    weights and optimizer state are bitwise those of the run that was never
+    interrupted (two_rank_runs' "killed_ref")."""
     root, runs = two_rank_runs
     runs["killed_ref"].check()
-    save_dir = tmp_path / "run"
-    code, err = kill_after_checkpoint([PY, "run_hetseq.py", *map(str, killed_args(mnist, save_dir))], save_dir,
-                                      signal.SIGKILL, min_checkpoint="checkpoint_1_6.dcp", seed=1, group=True)
-    assert code == -signal.SIGKILL, err[-1000:]
-    killed_at = checkpoint(save_dir)["train"]["num_updates"]
+    killed = runs["killed"]
+    assert killed.codes == {0: -signal.SIGKILL, 1: -signal.SIGKILL}, killed.stderr[-1000:]
+    save_dir = root / "killed"
+    killed_at = after_the_kills["killed_at"]
     assert killed_at % 6 == 0 and killed_at < 24
-    (resumed,) = run_plan([spawned([*killed_args(mnist, save_dir), "--resume"], 2, tmp_path / "rdzv")],
-                          tmp_path / "resume")
+    resumed = after_the_kills["resumed"]
     assert f"resumed from {save_dir / 'checkpoint_last.dcp'}: epoch 1, update {killed_at}" in resumed.check()
     assert not list(save_dir.glob(".*.partial"))  # what a save killed midway left is gone
     final, ref = checkpoint(save_dir), checkpoint(root / "killed_ref")
@@ -281,30 +309,17 @@ def test_ddp_resumes_under_fsdp_and_back_each_sample_once(resumed_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_fsdp_survivor_of_a_lost_peer_names_the_last_checkpoint_and_it_resumes(mnist, resumed_runs, tmp_path):
-    """Rank 1 of two --fsdp ranks killed (SIGKILL): the survivor holds only its
-    shards, so it saves nothing, says which checkpoint to resume from and
-    exits 75; the run resumed on one rank from there ends equal to the
-    uninterrupted one process."""
+@pytest.mark.timeout(1800)
+def test_fsdp_survivor_of_a_lost_peer_names_the_last_checkpoint_and_it_resumes(mnist, resumed_runs, after_the_kills):
+    """Rank 1 of two --fsdp ranks killed (SIGKILL; after_the_kills' "survivor"):
+    the survivor holds only its shards, so it saves nothing, says which
+    checkpoint to resume from and exits 75; the run resumed on one rank from
+    there ends equal to the uninterrupted one process."""
     import re
-    import time
     root, _ = resumed_runs
-    save, rdzv = tmp_path / "save", tmp_path / "rdzv"
-    ranks = [subprocess.Popen(list(map(str, leg_args(mnist, save, 2, 3, "--fsdp", "--distributed-timeout", "30",
-                                                     "--distributed-init-method", f"file://{rdzv}",
-                                                     "--distributed-rank", r, "--distributed-no-spawn"))),
-                              cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / f"r{r}.log", "w"), text=True) for r in (0, 1)]
-    log0 = tmp_path / "r0.log"
-    deadline = time.monotonic() + 300
-    while not re.search(r"\| update (9|1[0-7]) \|", log0.read_text()):  # past the save at update 6
-        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
-        time.sleep(0.05)
-    ranks[1].kill()
-    assert ranks[0].wait(timeout=200) == 75
-    ranks[1].wait(timeout=60)
-    text = log0.read_text()
+    survivor, save = after_the_kills["survivor"], after_the_kills["save"]
+    assert survivor.codes == {0: 75, 1: -signal.SIGKILL}, survivor.stderr[-3000:]
+    text = survivor.errs[0]
     lines = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
     assert "lost a peer of this run" in lines[0] and "under --fsdp a rank holds only its shard" in lines[0], lines
