@@ -20,7 +20,7 @@ from textbox_like.export import main as export_main
 from conftest import clean_env
 from test_sharded_checkpoint_names import (  # noqa: F401 (fixtures)
     PY, copy_run, data_directories_of, error_lines, four_updates, kept_links, mnist, mnist_args, run_in_process)
-from _fsdp_runs import Run, run_plan, script
+from _fsdp_runs import Plan, Run, script
 
 
 # the tests that start processes (ranks, a killed or held run, a second reader) carry the marker; the rest
@@ -39,7 +39,9 @@ def two_rank_runs(mnist, tmp_path_factory):
     """The two-rank steps of this file that no test must start at a moment of its own, one after the other
     in one pair of rank processes (_fsdp_runs.run_plan): "unshared", two ranks whose --save-dir is the same
     relative path from different working directories (each rank's own, as two nodes without a shared
-    disk); "check", CHECK_SCRIPT with the variables torchrun gives its workers. {name: its _fsdp_runs.Run},
+    disk); "check", CHECK_SCRIPT with the variables torchrun gives its workers; "late", two ranks on a
+    shared file system whose client shows a fresh file late: rank 1's --save-dir appears only after its
+    first look (linked to rank 0's directory once rank 1 says it looks again). {name: its _fsdp_runs.Run},
     under the root returned."""
     root = tmp_path_factory.mktemp("names_two_ranks")
     nodes = [root / "node0", root / "node1"]
@@ -51,8 +53,15 @@ def two_rank_runs(mnist, tmp_path_factory):
                    {str(rank): {"TEXTBOX_LIKE_TEST_DELAY": "lock_looks=3"} for rank in (0, 1)},
                    cwd={str(rank): node for rank, node in enumerate(nodes)})
     (root / "check.py").write_text(CHECK_SCRIPT)
-    runs = {"unshared": unshared, "check": script(root / "check.py", 2, [root / "said"])}
-    run_plan(list(runs.values()), root / "plan")
+    shared, late, rdzv = root / "shared" / "save", root / "late", root / "rdzv_late"
+    runs = {"unshared": unshared, "check": script(root / "check.py", 2, [root / "said"]),
+            "late": Run({"0": [str(a) for a in rank_args(mnist, shared, 0, rdzv, "--max-update", 4)[2:]],
+                         "1": [str(a) for a in rank_args(mnist, late / "save", 1, rdzv, "--max-update", 4)[2:]]},
+                        {"0": {}, "1": {}})}
+    with Plan(list(runs.values()), root / "plan") as plan:
+        plan.wait_for(lambda: "looking again" in (plan.output(2, 1) or ""), timeout=600, poll=0.1)
+        late.symlink_to(shared.parent)  # the lock shows up on rank 1's node
+        plan.finish()
     return root, runs
 
 
@@ -164,32 +173,15 @@ def rank_args(mnist, save_dir, rank, rdzv, *extra):
 
 
 @slow
-def test_fsdp_rank_that_sees_rank_0s_lock_late_goes_on(mnist, tmp_path):
+def test_fsdp_rank_that_sees_rank_0s_lock_late_goes_on(two_rank_runs):
     """A shared file system whose client shows a fresh file late (NFS's
     lookup cache): rank 1's --save-dir appears only after its first look
-    (the test links it to rank 0's directory once rank 1 says it looks
-    again); both ranks train and save, each its own shards."""
-    shared, late = tmp_path / "shared" / "save", tmp_path / "late"
-    rdzv, log1 = tmp_path / "rdzv", tmp_path / "rank1.err"
-    with open(log1, "w") as err1:
-        procs = [subprocess.Popen(rank_args(mnist, shared, 0, rdzv, "--max-update", 4), env=clean_env(),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
-                 subprocess.Popen(rank_args(mnist, late / "save", 1, rdzv, "--max-update", 4), env=clean_env(),
-                                  stdout=subprocess.DEVNULL, stderr=err1, text=True)]
-        try:
-            while "looking again" not in log1.read_text():
-                assert procs[1].poll() is None, log1.read_text()[-3000:]
-                time.sleep(0.1)
-            late.symlink_to(shared.parent)  # the lock shows up on rank 1's node
-            err0 = procs[0].communicate(timeout=600)[1]
-            procs[1].wait(timeout=600)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-    err1 = log1.read_text()
-    assert [p.returncode for p in procs] == [0, 0], err0[-3000:] + err1[-3000:]
-    assert [line for line in err1.splitlines() if line.startswith("warning: rank 1")] == [
+    (two_rank_runs links it to rank 0's directory once rank 1 says it looks
+    again: its "late"); both ranks train and save, each its own shards."""
+    root, runs = two_rank_runs
+    shared, late, run = root / "shared" / "save", root / "late", runs["late"]
+    run.check()
+    assert [line for line in run.errs[1].splitlines() if line.startswith("warning: rank 1")] == [
         f"warning: rank 1 does not see rank 0's lock file in {late / 'save'} (yet?); looking again for up to 30 s, "
         f"as a shared file system may show a new file late"]
     last = shared / "checkpoint_last.dcp"
