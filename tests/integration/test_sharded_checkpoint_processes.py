@@ -22,7 +22,7 @@ from textbox_like.sharded_checkpoint import (consolidated_state, is_sharded_chec
                                              sharded_checkpoints_newest_first)
 
 from test_sharded_checkpoint import WORKER, assert_same, export_in_process, full_state, worker
-from _fsdp_runs import run_plan, script
+from _fsdp_runs import run_plan, script, spawned
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,11 +64,12 @@ def worker_step(spec: dict, world: int):
 
 
 @pytest.fixture(scope="module")
-def worker_runs(one_process_save, tmp_path_factory):
-    """The workers of two_rank_save, two_rank_loads and the three-rank load, one after the other in three
-    rank processes (_fsdp_runs.run_plan: each step with the variables, and a process group, of its own;
-    the third process takes part in the third step only), instead of 2 + 2 + 3 processes. The roots of
-    the three, in order."""
+def worker_runs(one_process_save, small_mnist_dir, tmp_path_factory):
+    """The workers of two_rank_save, two_rank_loads and the three-rank load, then the two-rank --fsdp run
+    of test_a_ddp_run_prunes_the_interval_checkpoints_an_fsdp_run_left, one after the other in three rank
+    processes (_fsdp_runs.run_plan: each step with the variables, and a process group, of its own; the
+    third process takes part in the three-rank step only), instead of 2 + 2 + 3 + 2 processes. The roots
+    of the three workers' steps, in order, then the --fsdp run's save directory."""
     root = tmp_path_factory.mktemp("sharded_workers")
     saved, loads, three = root / "sharded2", root / "sharded2load", root / "sharded3load"
     one_root, _ = one_process_save
@@ -99,10 +100,16 @@ def worker_runs(one_process_save, tmp_path_factory):
     load3 = {"out": str(three / "out"), "models": MODELS, "steps": [
         {"do": "load", "path": str(saved / "save" / "{model}" / "checkpoint_last.dcp")},
         {"do": "dump", "tag": "loaded"}]}
-    steps = run_plan([worker_step(save, 2), worker_step(load, 2), worker_step(load3, 3)], root / "plan", ranks=3)
+    # the --fsdp run that leaves interval checkpoints (two ranks as run_hetseq.py spawns them)
+    pruned = root / "pruned"
+    fsdp = spawned(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", 16, "--threads", 1, "--cpu",
+                    "--report-to", "none", "--disable-validation", "--save-dir", pruned, "--save-interval-updates", 1,
+                    "--fsdp", "--max-update", 2, "--distributed-world-size", 2], 2, root / "rdzv_pruned")
+    steps = run_plan([worker_step(save, 2), worker_step(load, 2), worker_step(load3, 3), fsdp], root / "plan",
+                     ranks=3)
     for step in steps:
         step.check()
-    return saved, loads, three
+    return saved, loads, three, pruned
 
 
 @pytest.fixture(scope="module")
@@ -363,19 +370,19 @@ def test_evaluate_takes_a_sharded_checkpoint(two_rank_save, small_mnist_dir, tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_ddp_run_prunes_the_interval_checkpoints_an_fsdp_run_left(small_mnist_dir, tmp_path):
+def test_a_ddp_run_prunes_the_interval_checkpoints_an_fsdp_run_left(small_mnist_dir, worker_runs):
     """A 2-rank --fsdp run saving every update leaves sharded interval
-    checkpoints; a DDP run resuming in the same directory with
-    --keep-interval-updates 1 counts them with its own .pt ones: only its
-    newest interval checkpoint stays, and the data directories of the removed
-    .dcp names go with them."""
+    checkpoints (worker_runs' last step, its directory this test's alone); a
+    DDP run resuming in the same directory with --keep-interval-updates 1
+    counts them with its own .pt ones: only its newest interval checkpoint
+    stays, and the data directories of the removed .dcp names go with them."""
     import textbox_like
+    save_dir = worker_runs[3]
     base = {"task": "mnist", "data": str(small_mnist_dir), "batch_size": 16, "threads": 1, "cpu": True,
-            "report_to": "none", "disable_validation": True, "save_dir": str(tmp_path), "save_interval_updates": 1}
-    assert textbox_like.train(base, fsdp=True, max_update=2, distributed_world_size=2)["exit_code"] == 0
-    assert {"checkpoint_1_1.dcp", "checkpoint_1_2.dcp"} <= set(os.listdir(tmp_path))
+            "report_to": "none", "disable_validation": True, "save_dir": str(save_dir), "save_interval_updates": 1}
+    assert {"checkpoint_1_1.dcp", "checkpoint_1_2.dcp"} <= set(os.listdir(save_dir))
     assert textbox_like.train(base, max_update=4, resume=True, keep_interval_updates=1)["exit_code"] == 0
-    names = set(os.listdir(tmp_path))
+    names = set(os.listdir(save_dir))
     assert sorted(n for n in names if n.startswith("checkpoint_1_")) == ["checkpoint_1_4.pt"], names
     # only checkpoint_last.dcp's data directory is left of the sharded ones
     assert len([n for n in names if n.startswith(".checkpoint_")]) == 1, names
