@@ -151,6 +151,12 @@ def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_i
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(data, tmp_path, one_process, capfd):
+    """Two ranks started by hand over a file:// rendezvous; rank 1 killed
+    (kill -9) during training. Rank 0 saves the last completed update, stops
+    with one line and 75, and removes the rendezvous file, so that a rerun
+    does not meet a stale one (also what test_os_faults_processes'
+    test_rank_killed_over_a_file_rendezvous_saves_and_removes_the_file held);
+    --resume on one rank continues and ends equal to one process."""
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
 
@@ -171,7 +177,7 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
     text = log0.read_text()
     lines = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
-    assert "lost a peer of this run" in lines[0] and "rerun with --resume" in lines[0]
+    assert "rank 0: lost a peer of this run" in lines[0] and "rerun with --resume" in lines[0]
     saved = int(re.search(r"saved update (\d+)", lines[0]).group(1))
     (emergency,) = save.glob(f"checkpoint_*_{saved}.pt")  # checkpoint_EPOCH_UPDATE.pt
     assert not rdzv.exists()

@@ -777,31 +777,8 @@ def test_kept_copies_that_cannot_be_removed_at_the_end_are_one_warning(data, tmp
 
 
 # ------------------------------------------------ a file:// rendezvous, a rank killed
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_rank_killed_over_a_file_rendezvous_saves_and_removes_the_file(data, tmp_path):
-    """Two ranks started by hand over a file:// rendezvous; rank 1 killed
-    (kill -9) during training. Rank 0 saves the last completed update, stops
-    with one line and 75, and removes the rendezvous file, so that a rerun
-    does not meet a stale one (elastic runs, issue 22; before training, the
-    line names the file instead: cli.run)."""
-    rendezvous = tmp_path / "rendezvous"
-    ranks = [Run(mnist_args(data, tmp_path / f"out{rank}", "--log-interval", "1", "--distributed-no-spawn",
-                            "--distributed-init-method", f"file://{rendezvous}", "--distributed-world-size", "2",
-                            "--distributed-rank", rank, *LONG, max_update=1000000))
-             for rank in (0, 1)]
-    try:
-        ranks[0].wait_for_update(2)
-        ranks[1].proc.send_signal(signal.SIGKILL)
-        rc = ranks[0].finish(200)
-    finally:
-        for run in ranks:
-            run.kill()
-    assert rc == 75, ranks[0].stderr[-3000:]
-    errors = error_lines(ranks[0].stderr)
-    assert len(errors) == 1, ranks[0].stderr[-3000:]
-    assert "rank 0: lost a peer of this run" in errors[0] and "rerun with --resume" in errors[0], errors[0]
-    assert not rendezvous.exists()
+# (rank 1 of two killed by kill -9: rank 0 saves, stops with one line and 75, removes the rendezvous file):
+# test_elastic_processes.py's test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues
 
 
 # ------------------------------------------- a stopped rank that wakes up in a newer run
