@@ -1,7 +1,7 @@
 """Distributed launching on CPU over loopback (issue 4). Every run is bounded by a timeout.
 
-The launchers (run_hetseq.py's spawn, accelerate launch, torchrun, two
-nodes' launchers over file://) start as a user starts them. The runs whose
+The launchers (run_hetseq.py's spawn, accelerate launch, torchrun, a node's
+launcher of two ranks over file://) start as a user starts them. The runs whose
 launcher is not what is tested (nodes started by hand that are refused, that
 train with per-node settings or unequal batches, or that choose their threads;
 a stale or missing rendezvous) are ranks as such a launcher starts them
@@ -189,8 +189,10 @@ def test_two_nodes_file_rendezvous_world_size_3(data, tmp_path):
                                                           "--distributed-rank", "0")],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)  # nodes never start together
+    # node B's one rank as its launcher (--distributed-gpus 1) would start it: node A's launcher, which places
+    # two ranks, is the one this test is about
     node_b = subprocess.Popen([PY, "run_hetseq.py", *base(data, save, *common, "--distributed-gpus", "1",
-                                                          "--distributed-rank", "2")],
+                                                          "--distributed-rank", "2", "--distributed-no-spawn")],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err_a = node_a.communicate(timeout=300)
     _, err_b = node_b.communicate(timeout=300)
