@@ -202,11 +202,12 @@ class Plan:
         mark = f"--- run {index}\n"
         return text.split(mark, 1)[1].split(f"--- exit {index} ", 1)[0] if mark in text else None
 
-    def wait_for(self, condition, timeout=300, poll=0.02):
-        """Until ``condition()`` holds, every process still running."""
+    def wait_for(self, condition, timeout=300, poll=0.02, ranks=None):
+        """Until ``condition()`` holds, the processes of ``ranks`` (default: all) still running."""
         deadline = time.monotonic() + timeout
+        watched = [self.procs[rank] for rank in (range(len(self.procs)) if ranks is None else ranks)]
         while not condition():
-            assert all(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline, \
+            assert all(proc.poll() is None for proc in watched) and time.monotonic() < deadline, \
                 [self.text(rank)[-3000:] for rank in range(len(self.procs))]
             time.sleep(poll)
 

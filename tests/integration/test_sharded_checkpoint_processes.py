@@ -7,10 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,54 +18,34 @@ from textbox_like.sharded_checkpoint import (consolidated_state, is_sharded_chec
                                              sharded_checkpoints_newest_first)
 
 from test_sharded_checkpoint import WORKER, assert_same, export_in_process, full_state, worker
-from _fsdp_runs import run_plan, script, spawned
+from _fsdp_runs import Plan, script, spawned
 
-
-REPO = Path(__file__).resolve().parents[2]
 
 MODELS = ["mlp", "mnist"]
 
 
 # ---------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_ranks(spec: dict, world: int) -> list:
-    """``world`` worker processes, each the leader of its own process group."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env.pop("TEXTBOX_LIKE_TEST_DELAY", None)
-        log = open(Path(spec["out"]) / f"log{rank}", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env, cwd=REPO,
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    return procs
-
-
 def dumped(out: Path, name: str):
     return torch.load(out / f"{name}.pt", weights_only=True)
 
 
 # ---------------------------------------------------------------- runs
 def worker_step(spec: dict, world: int):
-    """The worker on ``world`` ranks (the first of run_plan's processes) for ``spec``, each rank with
-    the variables start_ranks gives it: a step of a plan (_fsdp_runs.script)."""
+    """The worker on ``world`` ranks (the first of a plan's processes) for ``spec``, each rank with RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT: a step of a plan (_fsdp_runs.script)."""
     Path(spec["out"]).mkdir(parents=True, exist_ok=True)
     return script(WORKER, world, [json.dumps(spec)])
 
 
 @pytest.fixture(scope="module")
 def worker_runs(one_process_save, small_mnist_dir, tmp_path_factory):
-    """The workers of two_rank_save, two_rank_loads and the three-rank load, then the two-rank --fsdp run
-    of test_a_ddp_run_prunes_the_interval_checkpoints_an_fsdp_run_left, one after the other in three rank
-    processes (_fsdp_runs.run_plan: each step with the variables, and a process group, of its own; the
-    third process takes part in the three-rank step only), instead of 2 + 2 + 3 + 2 processes. The roots
-    of the three workers' steps, in order, then the --fsdp run's save directory."""
+    """The workers of two_rank_save, two_rank_loads and the three-rank load, the two-rank --fsdp run of
+    test_a_ddp_run_prunes_the_interval_checkpoints_an_fsdp_run_left, then the worker of
+    test_save_killed_midway_leaves_the_previous_checkpoint_newest, killed, one after the other in three rank
+    processes (_fsdp_runs.Plan: each step with the variables, and a process group, of its own; the third
+    process takes part in the three-rank step only), instead of 2 + 2 + 3 + 2 + 2 processes. The roots of
+    the three workers' steps, in order, the --fsdp run's save directory, and the killed step's root, the
+    partial directories it left ("written") and its Run."""
     root = tmp_path_factory.mktemp("sharded_workers")
     saved, loads, three = root / "sharded2", root / "sharded2load", root / "sharded3load"
     one_root, _ = one_process_save
@@ -105,11 +81,32 @@ def worker_runs(one_process_save, small_mnist_dir, tmp_path_factory):
     fsdp = spawned(["--task", "mnist", "--data", small_mnist_dir, "--max-sentences", 16, "--threads", 1, "--cpu",
                     "--report-to", "none", "--disable-validation", "--save-dir", pruned, "--save-interval-updates", 1,
                     "--fsdp", "--max-update", 2, "--distributed-world-size", 2], 2, root / "rdzv_pruned")
-    steps = run_plan([worker_step(save, 2), worker_step(load, 2), worker_step(load3, 3), fsdp], root / "plan",
-                     ranks=3)
-    for step in steps:
+    # test_save_killed_midway_leaves_the_previous_checkpoint_newest's two ranks, last: they save at update 2,
+    # then at update 4 rank 0 stops (test hook) after every file is written and before the rename
+    killed = root / "killed"
+    kill = {"out": str(killed / "out"), "models": ["mlp"], "steps": [
+        {"do": "train", "first": 0, "last": 2},
+        {"do": "save", "dir": str(killed / "save"), "names": ["checkpoint_1_2.pt", "checkpoint_last.pt"], "update": 2},
+        {"do": "dump", "tag": "first"},
+        {"do": "train", "first": 2, "last": 4},
+        {"do": "save", "dir": str(killed / "save"), "names": ["checkpoint_1_4.pt", "checkpoint_last.pt"], "update": 4,
+         "publish_delay": 3600}]}
+    steps = [worker_step(save, 2), worker_step(load, 2), worker_step(load3, 3), fsdp, worker_step(kill, 2)]
+    with Plan(steps, root / "plan", ranks=3) as plan:
+        written = []
+
+        def both_written():  # both names' directories hold every file: the save sleeps before its rename
+            written[:] = list((killed / "save" / "mlp").glob(".checkpoint_*.partial/manifest.json"))
+            if not any(path.parent.name.startswith(".checkpoint_1_4.dcp.") for path in written):
+                written.clear()  # the update-2 save's own directories, seen in the moment before their rename
+            return len(written) >= 2
+        plan.wait_for(both_written, timeout=1500, poll=0.2, ranks=(0, 1))
+        for rank in (0, 1):   # both killed with SIGKILL there
+            plan.kill(rank)
+        plan.finish()
+    for step in steps[:-1]:
         step.check()
-    return saved, loads, three, pruned
+    return saved, loads, three, pruned, {"root": killed, "written": written, "run": steps[-1]}
 
 
 @pytest.fixture(scope="module")
@@ -209,36 +206,16 @@ def test_three_sharded_ranks_load_a_two_rank_save(two_rank_save, worker_runs):
 
 # ---------------------------------------------------------------- (c) kill -9 mid-save
 @pytest.mark.slow
-def test_save_killed_midway_leaves_the_previous_checkpoint_newest(tmp_path):
+def test_save_killed_midway_leaves_the_previous_checkpoint_newest(worker_runs):
     """Two ranks save at update 2, then at update 4 rank 0 stops (test hook)
     after every file is written and before the rename: both are killed with
-    SIGKILL there. The update-2 save is still the newest and loads bit for
-    bit; the leftovers go at the next start; the next save replaces it."""
-    save = tmp_path / "save"
-    spec = {"out": str(tmp_path / "out"), "models": ["mlp"], "steps": [
-        {"do": "train", "first": 0, "last": 2},
-        {"do": "save", "dir": str(save), "names": ["checkpoint_1_2.pt", "checkpoint_last.pt"], "update": 2},
-        {"do": "dump", "tag": "first"},
-        {"do": "train", "first": 2, "last": 4},
-        {"do": "save", "dir": str(save), "names": ["checkpoint_1_4.pt", "checkpoint_last.pt"], "update": 4,
-         "publish_delay": 3600}]}
-    Path(spec["out"]).mkdir()
-    procs = start_ranks(spec, 2)
-    try:
-        written = []
-        while len(written) < 2:  # both names' directories hold every file: the save sleeps before its rename
-            assert all(p.poll() is None for p in procs), [(Path(spec["out"]) / f"log{r}").read_text()[-2000:]
-                                                         for r in (0, 1)]
-            written = list((save / "mlp").glob(".checkpoint_*.partial/manifest.json"))
-            if not any(path.parent.name.startswith(".checkpoint_1_4.dcp.") for path in written):
-                written = []  # the update-2 save's own directories, seen in the moment before their rename
-            time.sleep(0.2)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2  # killed in the save, not finished
+    SIGKILL there (worker_runs' last step). The update-2 save is still the
+    newest and loads bit for bit; the leftovers go at the next start; the
+    next save replaces it."""
+    killed = worker_runs[4]
+    save, written, run = killed["root"] / "save", killed["written"], killed["run"]
+    assert run.codes == {0: -signal.SIGKILL, 1: -signal.SIGKILL}, run.stderr[-3000:]  # killed in the save
+    spec = {"out": str(killed["root"] / "out")}
     directory = save / "mlp"
     newest = sharded_checkpoints_newest_first(directory)
     assert [p.name for p in newest] == ["checkpoint_last.dcp", "checkpoint_1_2.dcp"]
