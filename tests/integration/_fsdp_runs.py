@@ -220,25 +220,27 @@ class Plan:
             self.procs[rank].send_signal(sig)
             self.killed[rank] = sig
 
-    def finish(self, timeout=900):
-        """Wait for the processes: each exits 0 (every run it took part in ended, whatever the run's code)
-        or by the signal it was killed with. Fills in every run's codes and output (a rank killed in a run:
-        the output it got to, and minus the signal's number as its code); returns the runs."""
+    def finish(self, timeout=900, exits=None):
+        """Wait for the processes: each exits 0 (every run it took part in ended, whatever the run's code),
+        by the signal it was killed with, or with the code ``exits`` gives its rank (a run that ends its
+        process itself: os._exit). Fills in every run's codes and output (a rank whose process ended in a
+        run: the output it got to, and the process's code); returns the runs."""
         try:
             for proc in self.procs:
                 proc.wait(timeout=timeout)
         finally:
             self.close()
         texts = [self.text(rank) for rank in range(len(self.procs))]
-        expected = [-self.killed[rank] if rank in self.killed else 0 for rank in range(len(self.procs))]
+        ended = {**(exits or {}), **{rank: -sig for rank, sig in self.killed.items()}}
+        expected = [ended.get(rank, 0) for rank in range(len(self.procs))]
         assert [proc.returncode for proc in self.procs] == expected, [text[-4000:] for text in texts]
         for rank, text in enumerate(texts):
             for i, run in enumerate(self.runs):
                 if str(rank) not in run.argv:
                     continue
-                if rank in self.killed and f"--- exit {i} " not in text:
-                    if f"--- run {i}\n" in text:   # the run it was killed in: its output, the signal's code
-                        run.codes[rank], run.errs[rank] = -self.killed[rank], text.split(f"--- run {i}\n", 1)[1]
+                if rank in ended and f"--- exit {i} " not in text:
+                    if f"--- run {i}\n" in text:   # the run its process ended in: its output, the process's code
+                        run.codes[rank], run.errs[rank] = ended[rank], text.split(f"--- run {i}\n", 1)[1]
                     continue
                 assert f"--- run {i}\n" in text and f"--- exit {i} " in text, (i, rank, text[-4000:])
                 err, rest = text.split(f"--- run {i}\n", 1)[1].split(f"--- exit {i} ", 1)

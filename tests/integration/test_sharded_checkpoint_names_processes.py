@@ -35,14 +35,18 @@ def run(cmd, expect=0, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(mnist, tmp_path_factory):
-    """The two-rank steps of this file that no test must start at a moment of its own, one after the other
-    in one pair of rank processes (_fsdp_runs.run_plan): "unshared", two ranks whose --save-dir is the same
-    relative path from different working directories (each rank's own, as two nodes without a shared
-    disk); "check", CHECK_SCRIPT with the variables torchrun gives its workers; "late", two ranks on a
-    shared file system whose client shows a fresh file late: rank 1's --save-dir appears only after its
-    first look (linked to rank 0's directory once rank 1 says it looks again). {name: its _fsdp_runs.Run},
-    under the root returned."""
+def two_rank_runs(mnist, four_updates, tmp_path_factory):  # noqa: F811
+    """The steps of this file's tests that need no process of their own, one after the other in one pair of
+    rank processes (_fsdp_runs.Plan): "unshared", two ranks whose --save-dir is the same relative path from
+    different working directories (each rank's own, as two nodes without a shared disk); "check",
+    CHECK_SCRIPT with the variables torchrun gives its workers; "late", two ranks on a shared file system
+    whose client shows a fresh file late: rank 1's --save-dir appears only after its first look (linked to
+    rank 0's directory once rank 1 says it looks again). Then, at once, one process each, the last step of
+    each rank process: "killed" (rank 0), a run held between its save's renames (renamed=3600) in a copy of
+    four_updates, killed with SIGKILL once checkpoint_1_4's new data is in place; "taken_over" (rank 1), a
+    run held there for 10 s in another copy while the test's newer run takes the directory over (its lock
+    and a data directory of its own renamed into place, not linked), which exits 77 by itself.
+    (root, {name: its _fsdp_runs.Run}, {"killed"/"taken_over": what their tests need})"""
     root = tmp_path_factory.mktemp("names_two_ranks")
     nodes = [root / "node0", root / "node1"]
     for node in nodes:
@@ -54,15 +58,49 @@ def two_rank_runs(mnist, tmp_path_factory):
                    cwd={str(rank): node for rank, node in enumerate(nodes)})
     (root / "check.py").write_text(CHECK_SCRIPT)
     shared, late, rdzv = root / "shared" / "save", root / "late", root / "rdzv_late"
+    held = {}
+    for name in ("killed", "taken_over"):
+        save = copy_run(four_updates, root / name / "save")
+        held[name] = {"save": save, "before": set(data_directories_of(save)["checkpoint_1_4.dcp"]),
+                      "linked": os.readlink(save / "checkpoint_1_4.dcp")}
+    to_4 = {name: [str(a) for a in mnist_args(mnist, held[name]["save"], "--max-update", 4, "--restore-file",
+                                              "checkpoint_1_2.dcp")[2:]] for name in held}
     runs = {"unshared": unshared, "check": script(root / "check.py", 2, [root / "said"]),
             "late": Run({"0": [str(a) for a in rank_args(mnist, shared, 0, rdzv, "--max-update", 4)[2:]],
                          "1": [str(a) for a in rank_args(mnist, late / "save", 1, rdzv, "--max-update", 4)[2:]]},
-                        {"0": {}, "1": {}})}
+                        {"0": {}, "1": {}}),
+            "killed": Run({"0": to_4["killed"]}, {"0": {"TEXTBOX_LIKE_TEST_DELAY": "renamed=3600"}}),
+            "taken_over": Run({"1": to_4["taken_over"]}, {"1": {"TEXTBOX_LIKE_TEST_DELAY": "renamed=10"}})}
+
+    def new_data(name):
+        return set(data_directories_of(held[name]["save"])["checkpoint_1_4.dcp"]) - held[name]["before"]
+
     with Plan(list(runs.values()), root / "plan") as plan:
         plan.wait_for(lambda: "looking again" in (plan.output(2, 1) or ""), timeout=600, poll=0.1)
         late.symlink_to(shared.parent)  # the lock shows up on rank 1's node
-        plan.finish()
-    return root, runs
+        waiting = {"killed": 0, "taken_over": 1}   # each held run and its rank
+        deadline = time.monotonic() + 600
+        while waiting:
+            for name, rank in list(waiting.items()):
+                if plan.output(list(runs).index(name), rank) is None or not new_data(name):
+                    assert plan.procs[rank].poll() is None and time.monotonic() < deadline, plan.text(rank)[-3000:]
+                    continue
+                del waiting[name]
+                if name == "killed":
+                    plan.kill(rank)
+                    continue
+                save = held[name]["save"]   # the newer run takes the directory over
+                lock = json.loads((save / "run.lock").read_text())
+                (save / ".run.lock.newer").write_text(json.dumps({**lock, "token": "f" * len(lock["token"]),
+                                                                  "pid": 1}))
+                os.replace(save / ".run.lock.newer", save / "run.lock")  # the newer run's lock
+                newer = save / ".checkpoint_1_4.dcp.feedf00d"
+                newer.mkdir()
+                (newer / ".metadata").write_bytes(b"the newer run's shards")
+                held[name]["newer"] = newer
+            time.sleep(0.1)
+        plan.finish(exits={1: 77})
+    return root, runs, held
 
 
 # ------------------------------------------------------------------ item 10: copies and readers of a name
@@ -151,7 +189,7 @@ def test_fsdp_ranks_that_do_not_share_the_save_directory_stop_at_start(two_rank_
     working directories, as two nodes without a shared disk: both stop with
     one line before training, rank 0's lock released, nothing saved
     (two_rank_runs' "unshared")."""
-    root, runs = two_rank_runs
+    root, runs, _ = two_rank_runs
     run = runs["unshared"]
     run.check(expect=2)
     errs = [run.errs[rank] for rank in (0, 1)]
@@ -178,7 +216,7 @@ def test_fsdp_rank_that_sees_rank_0s_lock_late_goes_on(two_rank_runs):
     lookup cache): rank 1's --save-dir appears only after its first look
     (two_rank_runs links it to rank 0's directory once rank 1 says it looks
     again: its "late"); both ranks train and save, each its own shards."""
-    root, runs = two_rank_runs
+    root, runs, _ = two_rank_runs
     shared, late, run = root / "shared" / "save", root / "late", runs["late"]
     run.check()
     assert [line for line in run.errs[1].splitlines() if line.startswith("warning: rank 1")] == [
@@ -264,30 +302,20 @@ def test_pinned_data_directory_is_named_beside_the_link_or_is_the_path_itself(fo
 
 # ------------------------------------------------------------------ kept data directories
 @slow
-def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist, four_updates, tmp_path, capfd):
+def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist, four_updates, two_rank_runs,
+                                                                          capfd):
     """A finished run keeps one data directory per name and no kept link. A
     run killed (SIGKILL) between its save's renames, after checkpoint_1_4's
-    new data is in place and before the name points to it: the name keeps
-    its update-4 checkpoint, and the next start removes the new data (no
-    link points to it) although checkpoint_1_4.dcp is never saved again."""
+    new data is in place and before the name points to it (two_rank_runs'
+    "killed"): the name keeps its update-4 checkpoint, and the next start
+    removes the new data (no link points to it) although checkpoint_1_4.dcp
+    is never saved again."""
     assert kept_links(four_updates) == []
     assert {name: len(dirs) for name, dirs in data_directories_of(four_updates).items()} == {
         "checkpoint_1_2.dcp": 1, "checkpoint_1_4.dcp": 1, "checkpoint_last.dcp": 1}
-    save = copy_run(four_updates, tmp_path / "save")
-    before = set(data_directories_of(save)["checkpoint_1_4.dcp"])
-    run_to_4 = subprocess.Popen(mnist_args(mnist, save, "--max-update", 4, "--restore-file", "checkpoint_1_2.dcp"),
-                                env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=3600"},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        while not set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before:
-            assert run_to_4.poll() is None, run_to_4.communicate()[1][-3000:]
-            time.sleep(0.1)
-        os.kill(run_to_4.pid, signal.SIGKILL)
-    finally:
-        if run_to_4.poll() is None:
-            run_to_4.kill()
-        run_to_4.communicate(timeout=60)
-    assert run_to_4.returncode == -signal.SIGKILL
+    root, runs, held = two_rank_runs
+    save, before = held["killed"]["save"], held["killed"]["before"]
+    assert runs["killed"].codes == {0: -signal.SIGKILL}, runs["killed"].stderr[-3000:]
     orphan, = set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before
     assert [save / os.readlink(save / "checkpoint_1_4.dcp")] == sorted(before)
     assert read_extra_state(save / "checkpoint_1_4.dcp")["train"]["num_updates"] == 4
@@ -302,34 +330,16 @@ def test_kill_between_a_saves_renames_leaves_nothing_after_the_next_start(mnist,
 
 
 @slow
-def test_a_run_taken_over_between_a_saves_renames_removes_nothing_of_the_new_owner(mnist, four_updates, tmp_path):
+def test_a_run_taken_over_between_a_saves_renames_removes_nothing_of_the_new_owner(two_rank_runs):
     """A run held between its save's renames (TEXTBOX_LIKE_TEST_DELAY=renamed)
     while a newer run takes the directory over (run.lock now holds another
     token) and renames its own data directory of checkpoint_1_4.dcp into
-    place, not linked yet: the old run wakes and exits 77 without removing
-    that directory, and without repointing the name."""
-    save = copy_run(four_updates, tmp_path / "save")
-    before = set(data_directories_of(save)["checkpoint_1_4.dcp"])
-    linked = os.readlink(save / "checkpoint_1_4.dcp")
-    old_run = subprocess.Popen(mnist_args(mnist, save, "--max-update", 4, "--restore-file", "checkpoint_1_2.dcp"),
-                               env={**clean_env(), "TEXTBOX_LIKE_TEST_DELAY": "renamed=10"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        while not set(data_directories_of(save)["checkpoint_1_4.dcp"]) - before:
-            assert old_run.poll() is None, old_run.communicate()[1][-3000:]
-            time.sleep(0.1)
-        lock = json.loads((save / "run.lock").read_text())
-        (save / ".run.lock.newer").write_text(json.dumps({**lock, "token": "f" * len(lock["token"]), "pid": 1}))
-        os.replace(save / ".run.lock.newer", save / "run.lock")  # the newer run's lock
-        newer = save / ".checkpoint_1_4.dcp.feedf00d"
-        newer.mkdir()
-        (newer / ".metadata").write_bytes(b"the newer run's shards")
-        _, stderr = old_run.communicate(timeout=200)
-    finally:
-        if old_run.poll() is None:
-            old_run.kill()
-            old_run.communicate(timeout=60)
-    assert old_run.returncode == 77, stderr[-3000:]
+    place, not linked yet (two_rank_runs' "taken_over"): the old run wakes
+    and exits 77 without removing that directory, and without repointing the name."""
+    root, runs, held = two_rank_runs
+    save, linked, newer = held["taken_over"]["save"], held["taken_over"]["linked"], held["taken_over"]["newer"]
+    stderr = runs["taken_over"].errs[1]
+    assert runs["taken_over"].codes == {1: 77}, stderr[-3000:]
     assert "no longer owns the run" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert (newer / ".metadata").read_bytes() == b"the newer run's shards"
     assert os.readlink(save / "checkpoint_1_4.dcp") == linked
@@ -365,7 +375,7 @@ def test_non_finite_check_before_a_save_is_one_collective_and_gathers_no_weight(
     """Two FSDP ranks: every rank learns that one rank's shard holds a NaN,
     through one collective (no all-gather of a weight per parameter)
     (two_rank_runs' "check")."""
-    root, runs = two_rank_runs
+    root, runs, _ = two_rank_runs
     runs["check"].check()
     for rank in (0, 1):
         said = json.loads((root / f"said{rank}").read_text())
