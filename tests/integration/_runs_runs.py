@@ -165,3 +165,154 @@ def run_plan(runs, root, processes=2, timeout=900):
             code, stop = end.split("\n", 1)[0].split()
             run.codes[rank], run.errs[rank], run.seconds[rank] = int(code), err, float(stop) - float(start)
     return runs
+
+
+# ------------------------------------------------------------ rank processes that run what they are sent
+#: a rank process that runs main() for each run it reads from stdin (a JSON line: {"id", "argv", "env"}; null
+#: ends it), with the run's variables (undone after it), each run's output between its marks
+SERVE_SCRIPT = f'''
+import json, os, sys, time, traceback
+sys.path.insert(0, {str(TESTS)!r})
+from conftest import _RANK_VARS, run_main
+for line in sys.stdin:
+    step = json.loads(line)
+    if step is None:
+        break
+    before = dict(os.environ)
+    for key in _RANK_VARS:
+        os.environ.pop(key, None)
+    os.environ.update(step["env"])
+    print(f"--- run {{step['id']}} {{time.monotonic()}}", file=sys.stderr, flush=True)
+    try:
+        code = run_main(step["argv"])
+    except BaseException:   # what main() let through: said, and the next run goes on
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    print(f"--- exit {{step['id']}} {{0 if code is None else code}} {{time.monotonic()}}", file=sys.stderr,
+          flush=True)
+    os.environ.clear()
+    os.environ.update(before)
+''' + RANK_LEAVES
+
+
+class RankServer:
+    """A rank process, imported once, that trains the runs it is sent one after another (main() in it, as
+    conftest's RUNS_IN_ONE_PROCESS does): a rank of several tests' runs, each test sending its own run when
+    it needs it. A run that goes wrong (the process gone, or a run that never ends) ends the process; the
+    next run starts a new one."""
+
+    def __init__(self, log: Path, env: dict):
+        self.log, self.env = Path(log), env
+        self.proc = None
+        self.count = 0
+        self.current = None
+        self.offsets = {}   # run id: where its output starts in the log
+
+    def _start(self):
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT], cwd=REPO, stdin=subprocess.PIPE,
+                                         stdout=log, stderr=subprocess.STDOUT, text=True,
+                                         env={**self.env, "PYTHONUNBUFFERED": "1"})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def begin(self, argv, env=None, idle_timeout=300):
+        """Send a run (the trainer's arguments, its extra variables); its id. The run before must have
+        ended (waited for up to ``idle_timeout`` s, else the process is ended and a new one started)."""
+        if self.current is not None and self.proc is not None and self.proc.poll() is None:
+            try:
+                self.wait(self.current, idle_timeout)
+            except AssertionError:
+                self.close(kill=True)
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.count += 1
+        self.current = f"{self.count}"
+        self.offsets[self.current] = self.log.stat().st_size   # the runs before have ended: theirs is all there
+        self.proc.stdin.write(json.dumps({"id": self.current, "argv": [str(a) for a in argv],
+                                          "env": {k: str(v) for k, v in (env or {}).items()}}) + "\n")
+        self.proc.stdin.flush()
+        return self.current
+
+    def _read(self, run_id) -> str:
+        with open(self.log, "rb") as log:
+            log.seek(self.offsets[run_id])
+            return log.read().decode(errors="replace")
+
+    def text(self, run_id) -> str:
+        """What the process printed during run ``run_id`` (so far)."""
+        text = self._read(run_id)
+        mark = f"--- run {run_id} "
+        if mark not in text:
+            return ""
+        text = text.split(mark, 1)[1].split("\n", 1)[-1]
+        return text.split(f"--- exit {run_id} ", 1)[0]
+
+    def poll(self, run_id):
+        """The exit code of run ``run_id``, None while it runs; an AssertionError if the process is gone."""
+        text = self._read(run_id)
+        mark = f"--- exit {run_id} "
+        if mark in text:
+            return int(text.split(mark, 1)[1].split()[0])
+        assert self.proc.poll() is None, f"the rank process ended ({self.proc.returncode}): {text[-3000:]}"
+        return None
+
+    def wait(self, run_id, timeout):
+        """Run ``run_id``'s exit code, once it has ended (an AssertionError after ``timeout`` s)."""
+        import time
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.poll(run_id)
+            if code is not None:
+                return code
+            assert time.monotonic() < deadline, f"run {run_id} still running {timeout}s later: " \
+                                                f"{self.text(run_id)[-3000:]}"
+            time.sleep(0.05)
+
+    def close(self, kill=False):
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                try:
+                    self.proc.stdin.write("null\n")
+                    self.proc.stdin.flush()
+                except OSError:
+                    pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        self.current = None
+
+
+class ServedRank:
+    """Run ``run_id`` of a RankServer, as a rank's process is seen by a test: pid (the server's), poll,
+    wait, text; kill ends the server (a new one serves the next run)."""
+
+    def __init__(self, server: RankServer, run_id):
+        self.server, self.run_id = server, run_id
+
+    @property
+    def pid(self):
+        return self.server.pid
+
+    def poll(self):
+        return self.server.poll(self.run_id)
+
+    def wait(self, timeout=300):
+        return self.server.wait(self.run_id, timeout)
+
+    def text(self):
+        return self.server.text(self.run_id)
+
+    def kill(self):
+        self.server.close(kill=True)

@@ -4,7 +4,12 @@ What they hold is told in that module's docstring. The faults and the
 launchers stay real processes (torchrun agents, ranks killed or stopped by the
 OS); the one-process reference, the runs a fault test starts from and the
 resumes after a fault train in this process (_runs_runs.in_process), whose
-torch is imported already."""
+torch is imported already. The ranks of runs started by hand over file://
+that are not killed (the survivors of a killed peer, the ranks that resume
+from different listings) are two rank processes imported once for the module
+(the ``servers`` fixture: _runs_runs.RankServer), each running the runs the
+tests send it one after another; a rank that is killed is a process of its
+own, killed by the OS."""
 from __future__ import annotations
 
 import json
@@ -18,11 +23,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from _runs_runs import in_process, ok_in_process, train_in_process
+from _runs_runs import RankServer, ServedRank, in_process, ok_in_process, train_in_process
 from conftest import free_port
 from test_distributed import assert_params_close, params
 from test_elastic import (  # noqa: F401 (fixtures)
     GLOBAL, Node, PY, REPO, UPDATES, args, children, data, env, resumed_updates, running, start)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Ranks 0 and 1 of the module's runs by hand whose ranks 0 and 1 are not killed: two rank processes,
+    each running, one after another, the runs the tests send it (main() with the run's arguments)."""
+    where = tmp_path_factory.mktemp("servers")
+    found = [RankServer(where / f"rank{r}.log", env()) for r in (0, 1)]
+    yield found
+    for server in found:
+        server.close()
+
+
+def by_hand(train, rdzv, rank, world):
+    """The arguments of rank ``rank`` of ``world`` started by hand over file://RDZV."""
+    return [*train, "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", str(world),
+            "--distributed-rank", str(rank), "--distributed-no-spawn"]
+
+
+def a_rank(argv, log, **extra_env):
+    """A rank of its own: run_hetseq.py in a process, its stderr to ``log`` (a rank that is killed)."""
+    return subprocess.Popen([PY, "run_hetseq.py", *map(str, argv)], cwd=REPO, env={**env(), **extra_env},
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), text=True)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +178,8 @@ def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_i
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(data, tmp_path, one_process, capfd):
+def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(data, tmp_path, one_process, capfd,
+                                                                             servers):
     """Two ranks started by hand over a file:// rendezvous; rank 1 killed
     (kill -9) during training. Rank 0 saves the last completed update, stops
     with one line and 75, and removes the rendezvous file, so that a rerun
@@ -159,22 +188,17 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
     --resume on one rank continues and ends equal to one process."""
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
-
-    def rank(r):
-        return subprocess.Popen([PY, "run_hetseq.py", *train, "--distributed-init-method", f"file://{rdzv}",
-                                 "--distributed-world-size", "2", "--distributed-rank", str(r),
-                                 "--distributed-no-spawn"],
-                                cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=open(tmp_path / f"r{r}.log", "w"),
-                                text=True)
-    ranks = [rank(0), rank(1)]
-    log0 = tmp_path / "r0.log"
-    deadline = time.monotonic() + 240
-    while not re.search(r"\| update 1[5-9] \|", log0.read_text()):
-        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
-        time.sleep(0.05)
-    ranks[1].kill()
-    assert ranks[0].wait(timeout=120) == 75
-    text = log0.read_text()
+    survivor = ServedRank(servers[0], servers[0].begin(by_hand(train, rdzv, 0, 2)))
+    peer = a_rank(by_hand(train, rdzv, 1, 2), tmp_path / "r1.log")
+    try:
+        deadline = time.monotonic() + 240
+        while not re.search(r"\| update 1[5-9] \|", survivor.text()):
+            assert survivor.poll() is None and time.monotonic() < deadline, survivor.text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        peer.kill()
+    assert survivor.wait(timeout=120) == 75
+    text = survivor.text()
     lines = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
     assert "rank 0: lost a peer of this run" in lines[0] and "rerun with --resume" in lines[0]
@@ -188,7 +212,7 @@ def test_without_an_agent_the_survivor_saves_and_resume_on_one_rank_continues(da
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data, tmp_path):
+def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data, tmp_path, servers):
     """Rank 1 is killed (SIGKILL) once the run's last update is done and
     saved, while rank 0 is in the run's end (results.json written, its
     collectives ahead: TEXTBOX_LIKE_TEST_DELAY=finish holds it there):
@@ -199,20 +223,18 @@ def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data,
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30,
                  "--max-update", 3)
-    ranks = [subprocess.Popen([PY, "run_hetseq.py", *train, "--distributed-init-method", f"file://{rdzv}",
-                               "--distributed-world-size", "2", "--distributed-rank", str(r), "--distributed-no-spawn"],
-                              cwd=REPO, env={**env(), **({DELAY_ENV: "finish=10"} if r == 0 else {})},
-                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{r}.log", "w"), text=True)
-             for r in (0, 1)]
-    log0 = tmp_path / "r0.log"
-    deadline = time.monotonic() + 240
-    while not (save / "results.json").exists():
-        assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
-        time.sleep(0.05)
-    ranks[1].kill()
+    ranks = [ServedRank(servers[0], servers[0].begin(by_hand(train, rdzv, 0, 2), {DELAY_ENV: "finish=10"})),
+             a_rank(by_hand(train, rdzv, 1, 2), tmp_path / "r1.log")]
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "results.json").exists():
+            assert ranks[0].poll() is None and time.monotonic() < deadline, ranks[0].text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        ranks[1].kill()
     assert ranks[1].wait(timeout=60) == -signal.SIGKILL
-    assert ranks[0].wait(timeout=180) == 0, log0.read_text()[-3000:]
-    text = log0.read_text()
+    assert ranks[0].wait(timeout=180) == 0, ranks[0].text()[-3000:]
+    text = ranks[0].text()
     warnings = [line for line in text.splitlines() if line.startswith("warning:")]
     assert "Traceback" not in text and not [line for line in text.splitlines() if line.startswith("error:")], \
         text[-3000:]
@@ -227,7 +249,7 @@ def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data,
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_ranks_whose_save_directories_list_different_checkpoints_resume_from_rank_0s_choice(data, tmp_path):
+def test_ranks_whose_save_directories_list_different_checkpoints_resume_from_rank_0s_choice(data, tmp_path, servers):
     """--resume picks its checkpoint from a listing of the save directory;
     rank 1's (a save directory per node here; a shared one whose client
     answers from its cache alike) shows a newer checkpoint_1_6.pt that rank
@@ -244,31 +266,29 @@ def test_ranks_whose_save_directories_list_different_checkpoints_resume_from_ran
     shutil.copy2(first / "checkpoint_1_6.pt", own[1] / "checkpoint_1_6.pt")
     os.utime(own[1] / "checkpoint_1_6.pt", ns=(time.time_ns() + 10**9,) * 2)  # newer than checkpoint_last.pt
     rdzv = tmp_path / "rdzv"
-    ranks = [subprocess.Popen([PY, "run_hetseq.py", *args(data, own[r], *train, "--max-update", 8, "--resume"),
-                               "--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
-                               "--distributed-rank", str(r), "--distributed-no-spawn"],
-                              cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ranks = [ServedRank(servers[r], servers[r].begin(by_hand(args(data, own[r], *train, "--max-update", 8,
+                                                                  "--resume"), rdzv, r, 2)))
              for r in (0, 1)]
-    outs = [rank.communicate(timeout=300)[1] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], [out[-2000:] for out in outs]
+    codes = [rank.wait(timeout=300) for rank in ranks]
+    outs = [rank.text() for rank in ranks]
+    assert codes == [0, 0], [out[-2000:] for out in outs]
     assert f"resumed from {own[0] / 'checkpoint_last.pt'}: epoch 1, update 4\n" in outs[0], outs[0][-3000:]
     assert "done | updates 8" in outs[0]
 
 
-def three_ranks_at_update_5(data, tmp_path):
+def three_ranks_at_update_5(data, tmp_path, servers):
     """Three ranks over file:// (rank 0 holds the run's lock), once rank 0 is
-    past update 4: (the ranks, the save directory, the rendezvous file)."""
+    past update 4: (the ranks, the save directory, the rendezvous file).
+    Ranks 0 and 1, the survivors, are the servers' (ServedRank: pid, poll,
+    wait, text); rank 2, which the tests kill, is a process of its own."""
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30)
-    ranks = [subprocess.Popen([PY, "run_hetseq.py", *train, "--distributed-init-method", f"file://{rdzv}",
-                               "--distributed-world-size", "3", "--distributed-rank", str(r), "--distributed-no-spawn"],
-                              cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / f"r{r}.log", "w"), text=True) for r in range(3)]
-    log0 = tmp_path / "r0.log"
+    ranks = [ServedRank(servers[r], servers[r].begin(by_hand(train, rdzv, r, 3))) for r in (0, 1)]
+    ranks.append(a_rank(by_hand(train, rdzv, 2, 3), tmp_path / "r2.log"))
     deadline = time.monotonic() + 300
     try:
-        while not re.search(r"\| update (?:[5-9]|1\d) \|", log0.read_text()):
-            assert ranks[0].poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+        while not re.search(r"\| update (?:[5-9]|1\d) \|", ranks[0].text()):
+            assert ranks[0].poll() is None and time.monotonic() < deadline, ranks[0].text()[-3000:]
             time.sleep(0.05)
     except BaseException:
         for rank in ranks:
@@ -277,12 +297,12 @@ def three_ranks_at_update_5(data, tmp_path):
     return ranks, save, rdzv
 
 
-def survivors_lines(tmp_path, survivors=(0, 1)):
+def survivors_lines(ranks, survivors=(0, 1)):
     """Each survivor's one error line (no traceback, nobody refused as no
     longer owning the run), and the update the one writer saved."""
     lines = []
     for r in survivors:
-        text = (tmp_path / f"r{r}.log").read_text()
+        text = ranks[r].text()
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in text and "no longer owns" not in text, text[-3000:]
         lines.append(errors[0])
@@ -354,17 +374,17 @@ def test_a_new_run_removes_the_claim_and_shard_files_an_earlier_runs_killed_surv
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
+def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path, servers):
     """Three ranks over file://, rank 2 killed: ranks 0 and 1 both exit 75
     with one line each; one writes the emergency checkpoint, the hand-off
     note and removes the rendezvous file, before the other (rank 0, the lock
     holder, or not) lets go of the run; nobody is refused as no longer
     owning it (77)."""
-    ranks, save, rdzv = three_ranks_at_update_5(data, tmp_path)
+    ranks, save, rdzv = three_ranks_at_update_5(data, tmp_path, servers)
     ranks[2].kill()
     assert [ranks[r].wait(timeout=180) for r in (0, 1)] == [75, 75], \
-        [(tmp_path / f"r{r}.log").read_text()[-2000:] for r in (0, 1)]
-    _, saved = survivors_lines(tmp_path)
+        [ranks[r].text()[-2000:] for r in (0, 1)]
+    _, saved = survivors_lines(ranks)
     assert list(save.glob(f"checkpoint_*_{saved}.pt")) and (save / "elastic.json").exists()
     assert not rdzv.exists() and not (save / "run.lock").exists() and not list(save.glob(".emergency-*"))
 
@@ -372,26 +392,26 @@ def test_two_survivors_both_stop_with_75_and_one_of_them_writes(data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("late", [0, 1])
-def test_a_survivor_that_comes_after_the_writer_has_left_writes_nothing(data, tmp_path, late):
+def test_a_survivor_that_comes_after_the_writer_has_left_writes_nothing(data, tmp_path, late, servers):
     """Survivors see a lost peer at different times (on a loaded machine,
     seconds apart). One survivor is held (SIGSTOP, before the peer dies) until
     the other has saved, written its note and exited 75; continued, it finds
     the writer's hand-off note and exits 75 without writing: not a second
     save of the run (the late one holds the run's lock, rank 0), nor a refusal
     as no longer owning it (rank 1: the writer, rank 0, ended the run)."""
-    ranks, save, rdzv = three_ranks_at_update_5(data, tmp_path)
+    ranks, save, rdzv = three_ranks_at_update_5(data, tmp_path, servers)
     writer = 1 - late
     try:
         os.kill(ranks[late].pid, signal.SIGSTOP)  # first: it must not see the loss before the writer has left
         ranks[2].kill()
-        assert ranks[writer].wait(timeout=180) == 75, (tmp_path / f"r{writer}.log").read_text()[-2000:]
+        assert ranks[writer].wait(timeout=180) == 75, ranks[writer].text()[-2000:]
         # checkpoint_last.pt left out: a rank 0 held mid-way through the end of an epoch's save finishes it
         written = {path.name: path.stat().st_mtime_ns for path in save.glob("checkpoint_*_*.pt")}
         note = (save / "elastic.json").read_text()
     finally:
         os.kill(ranks[late].pid, signal.SIGCONT)
-    assert ranks[late].wait(timeout=180) == 75, (tmp_path / f"r{late}.log").read_text()[-2000:]
-    lines, saved = survivors_lines(tmp_path)
+    assert ranks[late].wait(timeout=180) == 75, ranks[late].text()[-2000:]
+    lines, saved = survivors_lines(ranks)
     assert re.search(rf"saved update {saved} to ", lines[writer]) and \
         f"another survivor saved update {saved}" in lines[late], lines
     # the late survivor wrote nothing: the emergency checkpoint and the note as the writer left them
