@@ -142,15 +142,16 @@ def by_rank(argvs, env=None):
                {str(rank): dict(env or {}) for rank in range(len(argvs))})
 
 
-def script(path, world, argv=(), ranks=None):
-    """``python PATH ARGV`` on ``world`` ranks (or on the ranks listed in ``ranks``, of ``world``), each with
-    the variables torchrun gives its workers and a store of the step's own (MASTER_PORT)."""
+def script(path, world, argv=(), on=None):
+    """``python PATH ARGV`` on ``world`` ranks, each with the variables torchrun gives its workers and a store
+    of the step's own (MASTER_PORT); ``on``: the plan's processes its ranks 0, 1... run in (default the
+    first ``world``)."""
     port = str(free_port())
-    ranks = range(world) if ranks is None else ranks
-    env = {str(rank): {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-           for rank in ranks}
-    return Run({str(rank): [str(a) for a in argv] for rank in ranks}, env, script=str(path))
+    on = list(range(world) if on is None else on)
+    env = {str(process): {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                          "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+           for rank, process in enumerate(on)}
+    return Run({str(process): [str(a) for a in argv] for process in on}, env, script=str(path))
 
 
 class Plan:

@@ -26,7 +26,7 @@ from test_distributed import params
 from test_elastic import (GLOBAL, PY, REPO, UPDATES, Node, args, children, data, env,  # noqa: F401
                           resumed_updates, running, start)
 from test_fsdp import assert_close, checkpoint
-from _fsdp_runs import run_plan, script
+from _fsdp_runs import Plan, Run, script
 
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
 
@@ -167,21 +167,34 @@ def test_fsdp_hybrid_a_whole_node_lost_the_other_nodes_copy_is_saved_and_the_res
     assert_equals_one_process(save, one_process, world=2)
 
 
+def four_rank_args(data, save):
+    return args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 16, "--distributed-timeout", 20,
+                "--fsdp", "--fsdp-sharding", "hybrid", "--save-interval-updates", 5)
+
+
+def four_rank_env(rank, port):
+    """Rank ``rank`` of hybrid over two "nodes" of two ranks, as a batch system starts it (env://)."""
+    return {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+#: rank 0 past update 6 (the save at update 5 done)
+PAST_6 = r"\| update (?:[7-9]|\d\d) \|"
+
+
 def four_ranks_of_two_nodes(data, tmp_path, save):
     """hybrid over two "nodes" of two ranks, started as a batch system starts
     them (env://, each rank its own process), once rank 0 is past update 6."""
     port = free_port()
-    train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 16, "--distributed-timeout", 20,
-                 "--fsdp", "--fsdp-sharding", "hybrid", "--save-interval-updates", 5)
+    train = four_rank_args(data, save)
     ranks = []
     for rank in range(4):
-        environ = {**env(), "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
-                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        environ = {**env(), **four_rank_env(rank, port)}
         ranks.append(subprocess.Popen([PY, "run_hetseq.py", *train], cwd=REPO, env=environ,
                                       stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"r{rank}.log", "w")))
     deadline = time.monotonic() + 480
     try:
-        while not re.search(r"\| update (?:[7-9]|\d\d) \|", (tmp_path / "r0.log").read_text()):
+        while not re.search(PAST_6, (tmp_path / "r0.log").read_text()):
             assert ranks[0].poll() is None and time.monotonic() < deadline, (tmp_path / "r0.log").read_text()[-3000:]
             time.sleep(0.05)
     except BaseException:
@@ -189,6 +202,33 @@ def four_ranks_of_two_nodes(data, tmp_path, save):
             rank.kill()
         raise
     return ranks, train
+
+
+@pytest.fixture(scope="module")
+def four_processes(data, tmp_path_factory):
+    """Four rank processes (_fsdp_runs.Plan): first the two unit-level scripts, each on two of them at
+    once (MID_FORWARD_SCRIPT on 0 and 1, JOIN_SCRIPT on 2 and 3: each with the variables torchrun gives
+    its workers and a process group of its own), then
+    test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved's run: hybrid over
+    two "nodes" of two ranks, as a batch system starts them (env://, each rank its own process), whose
+    ranks 1 and 3 are killed with SIGKILL (one after the other, as a dying node's go) once rank 0 is past
+    update 6. (root, {"mid_forward"/"join"/"lost": their Runs}, the run's --save-dir)"""
+    root = tmp_path_factory.mktemp("fsdp_elastic_four")
+    save = root / "save"
+    (root / "join.py").write_text(JOIN_SCRIPT)
+    (root / "mid_forward.py").write_text(MID_FORWARD_SCRIPT)
+    port = free_port()
+    lost = Run({str(rank): [str(a) for a in four_rank_args(data, save)] for rank in range(4)},
+               {str(rank): {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **four_rank_env(rank, port)}
+                for rank in range(4)})
+    runs = {"mid_forward": script(root / "mid_forward.py", 2, on=(0, 1)),
+            "join": script(root / "join.py", 2, [root], on=(2, 3)), "lost": lost}
+    with Plan(list(runs.values()), root / "plan", ranks=4) as plan:
+        plan.wait_for(lambda: re.search(PAST_6, plan.output(2, 0) or ""), timeout=480, poll=0.05)
+        for rank in (1, 3):
+            plan.kill(rank)
+        plan.finish(timeout=240)
+    return root, runs, save
 
 
 def exit_codes(ranks, survivors, tmp_path):
@@ -209,15 +249,16 @@ def lose_ranks(ranks, lost, survivors, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved(data, tmp_path):
+def test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved(four_processes):
     """The second rank of each node dies, so no survivor holds the second
-    half of the weights. The two survivors wait for it, save nothing, name
-    the last checkpoint to resume from, exit 75, and leave no shard file or
-    claim behind."""
-    save = tmp_path / "save"
-    ranks, _ = four_ranks_of_two_nodes(data, tmp_path, save)
-    lose_ranks(ranks, (1, 3), (0, 2), tmp_path)
-    lines = [error_line((tmp_path / f"r{rank}.log").read_text()) for rank in (0, 2)]
+    half of the weights (four_processes' "lost"). The two survivors wait for
+    it, save nothing, name the last checkpoint to resume from, exit 75, and
+    leave no shard file or claim behind."""
+    _, runs, save = four_processes
+    lost = runs["lost"]
+    assert lost.codes == {0: 75, 1: -signal.SIGKILL, 2: 75, 3: -signal.SIGKILL}, \
+        [lost.errs[rank][-2000:] for rank in (0, 2)]
+    lines = [error_line(lost.errs[rank]) for rank in (0, 2)]
     for line in lines:
         assert "lost a peer of this run" in line and "so nothing is saved now" in line, line
         found = re.search(r"rerun with --resume from the last checkpoint \((\S+)\) at update (\d+)$", line)
@@ -291,6 +332,7 @@ from textbox_like.distributed import Placement
 from textbox_like.training import elastic
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 chosen = []
+replaced = elastic.shards_lost, elastic.emergency_save   # put back at the end: the process may train on
 elastic.shards_lost = lambda trainer, where: chosen.append("nothing saved") or 75
 elastic.emergency_save = lambda trainer: chosen.append("emergency save") or (None, "3")
 for strategy in ("full", "none"):
@@ -315,6 +357,7 @@ for strategy in ("full", "none"):
     dist.all_gather_object(lines, mine)
     if dist.get_rank() == 0:  # one writer: two ranks printing to one pipe can interleave their lines
         print("\\n".join(lines), flush=True)
+elastic.shards_lost, elastic.emergency_save = replaced
 '''
 
 
@@ -333,19 +376,12 @@ def test_a_peer_lost_mid_forward_is_judged_by_the_mesh_not_by_the_gathered_param
 
 
 @pytest.fixture(scope="module")
-def two_rank_scripts(tmp_path_factory):
-    """{name: what rank 0 printed}: JOIN_SCRIPT, then MID_FORWARD_SCRIPT (which replaces two functions of
-    textbox_like.training.elastic in its process: last), one after the other in one pair of rank
-    processes (_fsdp_runs.run_plan), each with the variables torchrun gives its workers and a process
-    group of its own, instead of one torchrun (an agent and two workers) each."""
-    root = tmp_path_factory.mktemp("fsdp_elastic_scripts")
-    (root / "join.py").write_text(JOIN_SCRIPT)
-    (root / "mid_forward.py").write_text(MID_FORWARD_SCRIPT)
-    runs = {"join": script(root / "join.py", 2, [root]), "mid_forward": script(root / "mid_forward.py", 2)}
-    run_plan(list(runs.values()), root / "plan")
-    for run in runs.values():
-        run.check()
-    return {name: run.outs[0] for name, run in runs.items()}
+def two_rank_scripts(four_processes):
+    """{name: what its rank 0 printed}: MID_FORWARD_SCRIPT and JOIN_SCRIPT, two ranks each, in four_processes."""
+    _, runs, _ = four_processes
+    for name in ("mid_forward", "join"):
+        runs[name].check()
+    return {"mid_forward": runs["mid_forward"].outs[0], "join": runs["join"].outs[2]}
 
 
 JOIN_SCRIPT = '''
