@@ -204,11 +204,18 @@ def four_ranks_of_two_nodes(data, tmp_path, save):
     return ranks, train
 
 
+MEET_SCRIPT = '''
+import datetime, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+dist.barrier()
+'''
+
+
 @pytest.fixture(scope="module")
 def four_processes(data, tmp_path_factory):
     """Four rank processes (_fsdp_runs.Plan): first the two unit-level scripts, each on two of them at
     once (MID_FORWARD_SCRIPT on 0 and 1, JOIN_SCRIPT on 2 and 3: each with the variables torchrun gives
-    its workers and a process group of its own), then
+    its workers and a process group of its own), a barrier of the four, then
     test_fsdp_hybrid_where_the_lost_ranks_held_every_copy_of_a_shard_nothing_is_saved's run: hybrid over
     two "nodes" of two ranks, as a batch system starts them (env://, each rank its own process), whose
     ranks 1 and 3 are killed with SIGKILL (one after the other, as a dying node's go) once rank 0 is past
@@ -221,13 +228,18 @@ def four_processes(data, tmp_path_factory):
     lost = Run({str(rank): [str(a) for a in four_rank_args(data, save)] for rank in range(4)},
                {str(rank): {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **four_rank_env(rank, port)}
                 for rank in range(4)})
+    # the four processes meet (a barrier, a group of its own) before the run: its ranks start together, as
+    # four fresh processes would, well within the run's 20 s rendezvous whichever script took longer
+    (root / "meet.py").write_text(MEET_SCRIPT)
     runs = {"mid_forward": script(root / "mid_forward.py", 2, on=(0, 1)),
-            "join": script(root / "join.py", 2, [root], on=(2, 3)), "lost": lost}
+            "join": script(root / "join.py", 2, [root], on=(2, 3)), "meet": script(root / "meet.py", 4),
+            "lost": lost}
     with Plan(list(runs.values()), root / "plan", ranks=4) as plan:
-        plan.wait_for(lambda: re.search(PAST_6, plan.output(2, 0) or ""), timeout=480, poll=0.05)
+        plan.wait_for(lambda: re.search(PAST_6, plan.output(3, 0) or ""), timeout=480, poll=0.05)
         for rank in (1, 3):
             plan.kill(rank)
         plan.finish(timeout=240)
+    runs["meet"].check()
     return root, runs, save
 
 
