@@ -158,10 +158,11 @@ class Plan:
     """``ranks`` processes that run ``runs`` (a list of Run) in turn, started at once, all in one process
     group of their own (rank 0's): while they run, a test may watch a step's output (wait_for) and kill
     them (kill: a real SIGKILL of a rank process, or of all of them at once), then finish() waits for them
-    and fills in each run's exit codes and output. Use it as a context manager: whatever happens, no
-    process outlives it."""
+    and fills in each run's exit codes and output. ``prefixes[rank]``: a command that rank's process starts
+    under (one that execs its arguments: a mount namespace of its own). Use it as a context manager:
+    whatever happens, no process outlives it."""
 
-    def __init__(self, runs, root, ranks=2):
+    def __init__(self, runs, root, ranks=2, prefixes=None):
         self.runs, self.root = runs, Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         plan = self.root / "plan.json"
@@ -175,7 +176,8 @@ class Plan:
             for rank in range(ranks):
                 group = self.procs[0].pid if self.procs else 0   # rank 0's: a process group of its own
                 with open(self.logs[rank], "w") as log:
-                    self.procs.append(subprocess.Popen([PY, "-c", RANK_SCRIPT, str(plan), str(rank)], cwd=REPO,
+                    command = [*(prefixes or {}).get(rank, []), PY, "-c", RANK_SCRIPT, str(plan), str(rank)]
+                    self.procs.append(subprocess.Popen(command, cwd=REPO,
                                                        env={**clean_env(), "PYTHONUNBUFFERED": "1"}, stdout=log,
                                                        stderr=subprocess.STDOUT, process_group=group))
         except BaseException:

@@ -41,7 +41,9 @@ def two_rank_runs(mnist, four_updates, tmp_path_factory):  # noqa: F811
     different working directories (each rank's own, as two nodes without a shared disk); "check",
     CHECK_SCRIPT with the variables torchrun gives its workers; "late", two ranks on a shared file system
     whose client shows a fresh file late: rank 1's --save-dir appears only after its first look (linked to
-    rank 0's directory once rank 1 says it looks again). Then, at once, one process each, the last step of
+    rank 0's directory once rank 1 says it looks again); "paths", --resume on two ranks where rank 1's
+    process (in a mount namespace of its own, where it can make one) sees the save directory elsewhere.
+    Then, at once, one process each, the last step of
     each rank process: "killed" (rank 0), a run held between its save's renames (renamed=3600) in a copy of
     four_updates, killed with SIGKILL once checkpoint_1_4's new data is in place; "taken_over" (rank 1), a
     run held there for 10 s in another copy while the test's newer run takes the directory over (its lock
@@ -68,14 +70,24 @@ def two_rank_runs(mnist, four_updates, tmp_path_factory):  # noqa: F811
     runs = {"unshared": unshared, "check": script(root / "check.py", 2, [root / "said"]),
             "late": Run({"0": [str(a) for a in rank_args(mnist, shared, 0, rdzv, "--max-update", 4)[2:]],
                          "1": [str(a) for a in rank_args(mnist, late / "save", 1, rdzv, "--max-update", 4)[2:]]},
-                        {"0": {}, "1": {}}),
-            "killed": Run({"0": to_4["killed"]}, {"0": {"TEXTBOX_LIKE_TEST_DELAY": "renamed=3600"}}),
-            "taken_over": Run({"1": to_4["taken_over"]}, {"1": {"TEXTBOX_LIKE_TEST_DELAY": "renamed=10"}})}
+                        {"0": {}, "1": {}})}
+    # rank 1's process in a mount namespace of its own: it sees paths/shared only at paths/mnt1
+    paths, mount1 = root / "paths" / "shared", root / "paths" / "mnt1"
+    held["paths"] = {"save": copy_run(four_updates, paths / "save")}
+    prefix, held["paths"]["why_not"] = own_mount_namespace(paths, mount1)
+    if prefix is not None:
+        rdzv = root / "rdzv_paths"
+        runs["paths"] = Run({"0": [str(a) for a in rank_args(mnist, paths / "save", 0, rdzv, "--resume",
+                                                              "--max-update", 6)[2:]],
+                             "1": [str(a) for a in rank_args(mnist, mount1 / "save", 1, rdzv, "--resume",
+                                                              "--max-update", 6)[2:]]}, {"0": {}, "1": {}})
+    runs["killed"] = Run({"0": to_4["killed"]}, {"0": {"TEXTBOX_LIKE_TEST_DELAY": "renamed=3600"}})
+    runs["taken_over"] = Run({"1": to_4["taken_over"]}, {"1": {"TEXTBOX_LIKE_TEST_DELAY": "renamed=10"}})
 
     def new_data(name):
         return set(data_directories_of(held[name]["save"])["checkpoint_1_4.dcp"]) - held[name]["before"]
 
-    with Plan(list(runs.values()), root / "plan") as plan:
+    with Plan(list(runs.values()), root / "plan", prefixes={1: prefix} if prefix else None) as plan:
         plan.wait_for(lambda: "looking again" in (plan.output(2, 1) or ""), timeout=600, poll=0.1)
         late.symlink_to(shared.parent)  # the lock shows up on rank 1's node
         waiting = {"killed": 0, "taken_over": 1}   # each held run and its rank
@@ -228,47 +240,38 @@ def test_fsdp_rank_that_sees_rank_0s_lock_late_goes_on(two_rank_runs):
 
 
 def own_mount_namespace(real, seen_as):
-    """The command prefix of a process that sees the directory ``real`` only
+    """(the command prefix of a process that sees the directory ``real`` only
     at ``seen_as`` (a node that mounts the shared file system elsewhere):
     ``real`` bind-mounted there in a mount namespace of its own, an empty
-    tmpfs over ``real`` itself."""
+    tmpfs over ``real`` itself, or None; why not, where None)."""
     if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) (util-linux) to give a rank a mount namespace of its own")
+        return None, "needs unshare(1) (util-linux) to give a rank a mount namespace of its own"
     unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-Urm"]  # the latter: user namespaces
-    seen_as.mkdir()
+    seen_as.mkdir(parents=True)
     # a machine or container without user namespaces (or without the right to
     # mount in one) cannot run this test: a skip that says so, not a failure
     probe = subprocess.run([*unshare, "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0"', str(seen_as)],
                            capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip(f"needs a mount namespace (root, or user namespaces): {' '.join(unshare)} failed: "
-                    f"{probe.stderr.strip()}")
+        return None, (f"needs a mount namespace (root, or user namespaces): {' '.join(unshare)} failed: "
+                      f"{probe.stderr.strip()}")
     script = 'mount --bind "$0" "$1" && mount -t tmpfs -o size=1m tmpfs "$0" && shift && exec "$@"'
-    return [*unshare, "sh", "-c", script, str(real), str(seen_as)]
+    return [*unshare, "sh", "-c", script, str(real), str(seen_as)], None
 
 
 @slow
-def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_and_save(mnist, four_updates,
-                                                                                        tmp_path):
+def test_fsdp_ranks_reaching_the_save_directory_through_different_paths_resume_and_save(two_rank_runs):
     """Rank 1's node mounts the shared file system elsewhere: rank 0's path
     of the save directory (and of the data directory checkpoint_last.dcp
-    points to) does not exist there. --resume on two ranks reads the
+    points to) does not exist there (two_rank_runs' rank 1 process runs in a
+    mount namespace of its own). --resume on two ranks (its "paths") reads the
     update-4 checkpoint on both and saves updates 6 with both ranks' shards."""
-    shared, mount1, rdzv = tmp_path / "shared", tmp_path / "mnt1", tmp_path / "rdzv"
-    save = copy_run(four_updates, shared / "save")
-    prefix = own_mount_namespace(shared, mount1)
-    procs = [subprocess.Popen(rank_args(mnist, save, 0, rdzv, "--resume", "--max-update", 6), env=clean_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
-             subprocess.Popen(prefix + rank_args(mnist, mount1 / "save", 1, rdzv, "--resume", "--max-update", 6),
-                              env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
-    try:
-        errs = [p.communicate(timeout=600)[1] for p in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    assert [p.returncode for p in procs] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
-    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in errs[0]
+    root, runs, held = two_rank_runs
+    if "paths" not in runs:
+        pytest.skip(held["paths"]["why_not"])
+    save, run = held["paths"]["save"], runs["paths"]
+    run.check()
+    assert f"resumed from {save / 'checkpoint_last.dcp'}: epoch 1, update 4" in run.errs[0]
     for name in ("checkpoint_1_6.dcp", "checkpoint_last.dcp"):
         assert read_extra_state(save / name)["train"]["num_updates"] == 6
         assert read_manifest(save / name)["world_size"] == 2 and (save / name / "__1_0.distcp").is_file()
