@@ -84,7 +84,7 @@ print(json.dumps(info))
 
 SHARDS = r"""
 import sys
-from textbox_like.bench import synthetic_shards
+from textbox_like.tools.bench import synthetic_shards
 synthetic_shards(sys.argv[1], n=int(sys.argv[2]))
 """
 
@@ -249,13 +249,13 @@ def benchmarks(opts, tmp, log):
     base = ["bert", "--model-preset", "base", "--data", str(shards), "--max-sentences", str(opts["batch"]),
             "--bf16", *opts["bench_args"]]
     for name, extra in (("bert-base bf16, eager", []), ("bert-base bf16, --compile", ["--compile", "--compile-plain"])):
-        cmd = [sys.executable, "-m", "textbox_like.bench", *base, *extra]
+        cmd = [sys.executable, "-m", "textbox_like.tools.bench", *base, *extra]
         say(f"benchmark {name}: {shlex.join(cmd[2:])}")
         started = time.monotonic()
         done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True)
         log.write(f"$ {shlex.join(cmd)}\n{done.stderr}{done.stdout}\n")
         log.flush()
-        entry = {"name": name, "command": "python -m textbox_like.bench " + shlex.join(cmd[3:]),
+        entry = {"name": name, "command": "python -m textbox_like.tools.bench " + shlex.join(cmd[3:]),
                  "seconds": round(time.monotonic() - started, 1), "ok": done.returncode == 0}
         if done.returncode == 0:
             try:

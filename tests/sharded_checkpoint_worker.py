@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from textbox_like.sharded_checkpoint import (full_state_dicts, load_full_state, load_sharded, save_sharded)
+from textbox_like.storage.sharded_checkpoint import full_state_dicts, load_full_state, load_sharded, save_sharded
 
 MODELS = ("mlp", "mnist")
 
@@ -78,7 +78,7 @@ class PerRank:
         self.value = value
 
     def state_dict(self):
-        from textbox_like.collectives import one_per_rank
+        from textbox_like.core.collectives import one_per_rank
         world = dist.get_world_size() if dist.is_initialized() else 1
         return one_per_rank(self.value, world)
 
@@ -89,9 +89,9 @@ class PerRank:
 def manager_for(save_dir, model, optimizer, saves_sharded, *flags):
     """The trainer's checkpoint manager of ``save_dir`` (a real --save-dir configuration) over
     ``model``, ``optimizer``, an update counter and a per-rank part; returns (manager, counter)."""
-    from textbox_like.cli import parse
-    from textbox_like.config import to_yaml
-    from textbox_like.sharded_checkpoint import ShardedCheckpointManager
+    from textbox_like.resolve.resolution import parse
+    from textbox_like.config.files import to_yaml
+    from textbox_like.storage.sharded_checkpoint import ShardedCheckpointManager
     from textbox_like.training.state import OptimizerPart
     cfg = parse(["--task", "mnist", "--save-dir", str(save_dir), "--save-interval-updates", "1",
                  "--keep-interval-updates", "2", *flags])
@@ -106,11 +106,11 @@ def manager_for(save_dir, model, optimizer, saves_sharded, *flags):
 
 def run_metadata(kind) -> dict:
     """What the trainer keeps beside the parts: the MNIST net's run is a real
-    mnist run's configuration, which ``python -m textbox_like.export`` rebuilds it from."""
+    mnist run's configuration, which ``python -m textbox_like.tools.export`` rebuilds it from."""
     if kind != "mnist":
         return {"task": "test"}
-    from textbox_like.cli import parse
-    from textbox_like.config import to_yaml
+    from textbox_like.resolve.resolution import parse
+    from textbox_like.config.files import to_yaml
     return {"task": "mnist", "config": to_yaml(parse(["--task", "mnist", "--model_conf", "hidden=32"]))}
 
 

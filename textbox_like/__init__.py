@@ -4,7 +4,7 @@
 A user's own components (``--user-dir DIR``, plugins.py) derive from and
 register with the names of ``PUBLIC``.
 """
-from .parent_process import STARTED_BY  # noqa: F401  first: read as early as anything of ours runs
+from textbox_like.core.parent_process import STARTED_BY  # noqa: F401  first: read as early as anything of ours runs
 
 __version__ = "0.1.0"
 
@@ -13,13 +13,13 @@ def train(config=None, **settings):
     """Train with a configuration (a mapping of --print_config's keys, a YAML
     path, or a RunConfig); returns the results dict. ``callbacks=[...]``:
     textbox_like.Callback instances (or registered names). See textbox_like.api."""
-    from .api import train as run
+    from textbox_like.api import train as run
     return run(config, **settings)
 
 
 def evaluate(checkpoint, **kwargs):
     """Loss and metrics of a checkpoint on a split. See textbox_like.api."""
-    from .api import evaluate as run
+    from textbox_like.api import evaluate as run
     return run(checkpoint, **kwargs)
 
 
@@ -32,27 +32,27 @@ PUBLIC = ("Task", "register_task", "OptimizerSpec", "register_optimizer", "Sched
 
 def __getattr__(name):
     if name == "Task":
-        from .tasks.base import Task as found
+        from textbox_like.tasks.base import Task as found
     elif name == "register_task":
-        from .tasks import register_task as found
+        from textbox_like.tasks import register_task as found
     elif name == "OptimizerSpec":
-        from .optim import OptimizerSpec as found
+        from textbox_like.optim import OptimizerSpec as found
     elif name == "register_optimizer":
-        from .optim import register_optimizer as found
+        from textbox_like.optim import register_optimizer as found
     elif name == "Scheduler":
-        from .lr_scheduler import Scheduler as found
+        from textbox_like.optim.lr_scheduler import Scheduler as found
     elif name == "register_scheduler":
-        from .lr_scheduler import register_scheduler as found
+        from textbox_like.optim.lr_scheduler import register_scheduler as found
     elif name == "Section":
-        from .config.schema import Section as found
+        from textbox_like.config.schema import Section as found
     elif name == "setting":
-        from .config.schema import setting as found
+        from textbox_like.config.schema import setting as found
     elif name == "BatchDataset":
-        from .data.base import BatchDataset as found
+        from textbox_like.data.base import BatchDataset as found
     elif name == "Callback":
-        from .callbacks import Callback as found
+        from textbox_like.callbacks import Callback as found
     elif name == "register_callback":
-        from .callbacks import register_callback as found
+        from textbox_like.callbacks import register_callback as found
     else:
         raise AttributeError(f"module 'textbox_like' has no attribute {name!r}")
     globals()[name] = found

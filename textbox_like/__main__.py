@@ -1,5 +1,5 @@
 """``python -m textbox_like COMMAND ...``: the ``textbox-like`` command (see commands.py)."""
-from .commands import console
+from textbox_like.commands import console
 
 if __name__ == "__main__":
     console()

@@ -7,14 +7,14 @@
 
 A configuration is a mapping with the keys ``--print_config`` prints (other
 tools' spellings too), a YAML file's path, or a resolved
-:class:`~textbox_like.settings.RunConfig`. A mapping is one layer above the
+:class:`~textbox_like.config.schema.RunConfig`. A mapping is one layer above the
 properties files, as the command line is; its ``config`` key may name YAML
 files to read first, like ``--config``. ``task`` may be a
 :class:`~textbox_like.Task` subclass, registered or not (plugins.py:
 register_task_class); the run records its ``MODULE:CLASS`` as
 ``task_class``, which every process it starts, its config.yaml and
 :func:`evaluate` import again. Bad values raise
-:class:`~textbox_like.errors.UserError` with the line the command line prints.
+:class:`~textbox_like.core.errors.UserError` with the line the command line prints.
 """
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .errors import UserError
+from textbox_like.core.errors import UserError
 
 
 def resolve_config(config=None, **settings):
     """A RunConfig from a mapping, a YAML path or a RunConfig, with
     ``settings`` (by name) on top; checked as the command line checks it."""
-    from .cli import check, parse
-    from .config.schema import RunConfig
+    from textbox_like.resolve.checks import check
+    from textbox_like.resolve.resolution import parse
+    from textbox_like.config.schema import RunConfig
     if isinstance(config, Mapping) and isinstance(config.get("task"), type):
         config = {**config, **task_settings(config["task"])}
     if isinstance(settings.get("task"), type):
@@ -51,7 +52,7 @@ def resolve_config(config=None, **settings):
 def task_settings(cls) -> dict:
     """The settings naming the Task class ``cls``: its task name (it is
     registered under one now, where it is not yet) and its ``task_class``."""
-    from .plugins import class_path, register_task_class
+    from textbox_like.resolve.plugins import class_path, register_task_class
     return {"task": register_task_class(cls), "task_class": class_path(cls)}
 
 
@@ -61,7 +62,7 @@ def train(config=None, **settings) -> dict:
     updates, samples, wall time, exit code). A run that asks for several
     processes on this node starts them as the command line does; its
     ``task`` may be a Task class (module docstring)."""
-    from .cli import run
+    from textbox_like.cli import run
     given = settings.pop("callbacks", None)
     names = [c for c in (given or []) if isinstance(c, str)]
     if names:   # registered names, as --callbacks: recorded in config.yaml and passed to every rank
@@ -106,10 +107,10 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     ``task_class``) is not importable here or has moved."""
     import yaml
 
-    from .checkpoint import load_checkpoint
-    from .cli import parse
-    from .errors import notes_muted
-    from .sharded_checkpoint import claims_to_be_sharded, consolidated_state
+    from textbox_like.storage.checkpoint import load_checkpoint
+    from textbox_like.resolve.resolution import parse
+    from textbox_like.core.errors import notes_muted
+    from textbox_like.storage.sharded_checkpoint import claims_to_be_sharded, consolidated_state
     # a sharded (FSDP) run's checkpoint: its full weights gathered from the shards
     state = consolidated_state(checkpoint) if claims_to_be_sharded(checkpoint) else load_checkpoint(checkpoint)
     saved = yaml.safe_load(state["config"])
@@ -127,16 +128,16 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     import torch
     from accelerate import Accelerator
 
-    from .tasks import TASKS
-    from .validate import evaluate as evaluate_split
+    from textbox_like.tasks import TASKS
+    from textbox_like.training.validate import evaluate as evaluate_split
     task = TASKS.get(cfg.data.task)(cfg)
     task.check_config(cfg)
     task.prepare_data()
     split = task.batch_dataset(subset)
     model = task.build_model()
     model.load_state_dict(state["model"])
-    from .distributed import claim_accelerate_state, release_accelerate_state
-    from .trainer import valid_batch_size
+    from textbox_like.processes.distributed import claim_accelerate_state, release_accelerate_state
+    from textbox_like.training.validation import valid_batch_size
     claim_accelerate_state()  # else a later train() in this process would inherit this precision
     try:
         accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available())

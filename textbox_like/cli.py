@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import sys
 
-from .config.checks import check  # noqa: F401  (the command line's names, as callers use them)
-from .config.files import to_yaml
-from .config.options import build_options  # noqa: F401
-from .config.resolution import finalize, groups_for, parse, read_resolved, resolve  # noqa: F401
-from .errors import UserError, first_line
-from .faults import RunStopped, StoppedEarly, Superseded
-from .preemption import guard_startup
+from textbox_like.resolve.checks import check
+from textbox_like.config.files import to_yaml
+
+from textbox_like.resolve.resolution import read_resolved, resolve
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.core.faults import RunStopped, StoppedEarly, Superseded
+from textbox_like.processes.preemption import guard_startup
 
 
 def main(argv=None):
@@ -52,8 +52,8 @@ def leave(code):
     active exception", exit 134)."""
     import logging
 
-    from . import distributed
-    from .preemption import leaving
+    from textbox_like.processes import distributed
+    from textbox_like.processes.preemption import leaving
     code = leaving(0 if code is None else code)
     if not distributed.was_rank_of_a_group():
         sys.exit(code)
@@ -95,7 +95,8 @@ def run(cfg, callbacks=()):
     """Start the processes this configuration asks for on this node, or train
     in this one; ``callbacks``: Callback instances from Python, for a run in
     this process (processes it starts get --callbacks' names only)."""
-    from . import distributed, launch
+    from textbox_like.processes import distributed
+    from textbox_like import launch
     launch.launcher_note()
     cfg = launch.apply_hetseq_gpus(launch.apply_gpu_id(cfg))
     dist = cfg.distributed
@@ -118,7 +119,7 @@ def run(cfg, callbacks=()):
     # before CUDA and cuBLAS initialise, in every worker
     distributed.apply_determinism(cfg)
     cfg = elastic_restart(cfg)
-    from .trainer import train
+    from textbox_like.training.outcome import train
     superseded = False
     try:
         return train(cfg, callbacks)
@@ -159,9 +160,9 @@ def elastic_restart(cfg):
     keeping the first start's global batch (elastic.py)."""
     import signal
 
-    from . import distributed, elastic
-    from .parent_process import STARTED_BY
-    from .errors import note
+    from textbox_like.processes import distributed, elastic
+    from textbox_like.core.parent_process import STARTED_BY
+    from textbox_like.core.errors import note
     agent = elastic.Agent.from_env()
     if agent is None:
         return cfg

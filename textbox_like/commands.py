@@ -3,11 +3,11 @@
     textbox-like train --task mnist ...        # = python run_hetseq.py ...
     textbox-like hyper --space FILE ...        # = python run_hyper.py ...
     textbox-like multi-seed --multi_seed 3 ... # = python run_multi_seed.py ...
-    textbox-like prepare-bert --input ...      # = python -m textbox_like.data.prepare_bert ...
-    textbox-like eval CKPT ...                 # = python -m textbox_like.eval ... (or --model_ckpt CKPT)
-    textbox-like plot RUN_DIR ... [-o F.png]   # = python -m textbox_like.plot ...
-    textbox-like bench mnist ...               # = python -m textbox_like.bench ...
-    textbox-like export CKPT --to DIR          # = python -m textbox_like.export ...
+    textbox-like prepare-bert --input ...      # = python -m textbox_like.tools.prepare_bert ...
+    textbox-like eval CKPT ...                 # = python -m textbox_like.tools.eval ... (or --model_ckpt CKPT)
+    textbox-like plot RUN_DIR ... [-o F.png]   # = python -m textbox_like.metrics.plot ...
+    textbox-like bench mnist ...               # = python -m textbox_like.tools.bench ...
+    textbox-like export CKPT --to DIR          # = python -m textbox_like.tools.export ...
 
 Each subcommand hands the rest of the command line to that tool's own
 ``main(argv)`` (imported only when chosen, so ``--help`` answers at once) and
@@ -24,18 +24,18 @@ COMMANDS = {
     "hyper": ("textbox_like.search", "hyper_main", "hyperparameter search over a space file (run_hyper.py)"),
     "multi-seed": ("textbox_like.search", "multi_seed_main",
                    "one configuration over several seeds (run_multi_seed.py)"),
-    "prepare-bert": ("textbox_like.data.prepare_bert", "main", "raw text to BERT pre-training HDF5 shards"),
-    "eval": ("textbox_like.eval", "main", "evaluate a checkpoint on a data split"),
-    "plot": ("textbox_like.plot", "main", "training and validation curves of runs to a PNG"),
-    "bench": ("textbox_like.bench", "main", "trainer vs. a plain PyTorch loop, samples/s"),
-    "export": ("textbox_like.export", "main",
+    "prepare-bert": ("textbox_like.tools.prepare_bert", "main", "raw text to BERT pre-training HDF5 shards"),
+    "eval": ("textbox_like.tools.eval", "main", "evaluate a checkpoint on a data split"),
+    "plot": ("textbox_like.metrics.plot", "main", "training and validation curves of runs to a PNG"),
+    "bench": ("textbox_like.tools.bench", "main", "trainer vs. a plain PyTorch loop, samples/s"),
+    "export": ("textbox_like.tools.export", "main",
                "a BERT checkpoint to a transformers save_pretrained directory (from_pretrained loads it)"),
 }
 ALIASES = {"multi_seed": "multi-seed", "prepare_bert": "prepare-bert"}
 
 
 def usage():
-    from . import __version__
+    from textbox_like import __version__
     width = max(map(len, COMMANDS))
     lines = [f"usage: textbox-like COMMAND [options]   (textbox_like {__version__})", "",
              "commands:"]
@@ -50,12 +50,12 @@ def main(argv=None):
         (sys.stdout if argv else sys.stderr).write(usage())
         return 0 if argv else 2
     if argv[0] == "--version":
-        from . import __version__
+        from textbox_like import __version__
         print(f"textbox_like {__version__}")
         return 0
     name = ALIASES.get(argv[0], argv[0])
     if name not in COMMANDS:
-        from .errors import unknown
+        from textbox_like.core.errors import unknown
         print(f"error: {unknown('command', argv[0], COMMANDS)}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[name]
@@ -67,7 +67,7 @@ def main(argv=None):
 def console():
     """The installed ``textbox-like`` command (and ``python -m textbox_like``):
     main(), then the way out a training process needs (cli.leave)."""
-    from .cli import leave
+    from textbox_like.cli import leave
     leave(main())
 
 

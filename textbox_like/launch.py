@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .config.compat import cuda_devices, foreign_source, tools_used
-from .errors import note
+from textbox_like.config.compat import cuda_devices, foreign_source, tools_used
+from textbox_like.core.errors import note
 
 
 def launcher_note(environ=None):
@@ -39,7 +39,7 @@ def apply_gpu_id(cfg):
     os.environ["CUDA_VISIBLE_DEVICES"] = dist.gpu_id
     import torch
 
-    from .distributed import placement_from_env
+    from textbox_like.processes.distributed import placement_from_env
     count = len(dist.gpu_id.split(","))
     if count > 1 and dist.distributed_world_size == 1 and not cfg.runtime.cpu and torch.cuda.is_available() \
             and placement_from_env(cfg) is None:
@@ -53,7 +53,7 @@ def apply_hetseq_gpus(cfg, device_count=None):
     HetSeq's spellings and no world size, placement or device choice of its
     own does the same, and says so. ``device_count``: the visible CUDA GPUs
     (None: ask torch). The configuration to run."""
-    from .distributed import placement_from_env
+    from textbox_like.processes.distributed import placement_from_env
     dist = cfg.distributed
     if "HetSeq" not in tools_used(cfg) or cfg.runtime.cpu or dist.distributed_init_method \
             or any(cfg.given(key) for key in ("distributed_world_size", "ngpu", "gpu_id", "device", "device_id")) \
@@ -71,8 +71,8 @@ def spawn(placements, cfg):
     """Start this node's processes (distributed.run_local_ranks), each handed this
     run's resolved configuration as a file (nothing is parsed again),
     removed when they are done. Returns the exit code for this node."""
-    from . import distributed
-    from .config.files import write_resolved
+    from textbox_like.processes import distributed
+    from textbox_like.config.files import write_resolved
     environment = task_class_environment(cfg, len(placements))
     fd, resolved = tempfile.mkstemp(prefix="textbox_like_config_", suffix=".yaml")
     os.close(fd)
@@ -93,14 +93,14 @@ def task_class_environment(cfg, processes):
     path = cfg.data.task_class
     if not path:
         return {}
-    from .plugins import class_path, module_root, why_not_importable
-    from .tasks import TASKS
+    from textbox_like.resolve.plugins import class_path, module_root, why_not_importable
+    from textbox_like.tasks import TASKS
     cls = TASKS.get(cfg.data.task)
     if class_path(cls) != path:
         return {}
     why = why_not_importable(cls)
     if why:
-        from .errors import UserError
+        from textbox_like.core.errors import UserError
         raise UserError(f"task {cfg.data.task} ({path}) cannot train in {processes} processes: {why}, and each "
                         f"process, a fresh interpreter, imports it by its module path; put the class in a module "
                         f"of its own (a .py file on sys.path, or in a --user-dir package) and pass it from there, "

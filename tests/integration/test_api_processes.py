@@ -32,7 +32,7 @@ def api_runs(small_mnist_dir, tmp_path_factory):
     four, five, six = tmp / "four", tmp / "five", tmp / "six"
     proc = python(f"""
         import json, sys, textbox_like
-        from textbox_like.errors import UserError
+        from textbox_like.core.errors import UserError
         print("=== part 1", file=sys.stderr, flush=True)
         results = textbox_like.train({{"task": "mnist", "data": {str(small_mnist_dir)!r}, "max_update": 6,
                                        "batch_size": 16, "valid_subset": "test", "save_dir": {str(out1)!r},
@@ -61,7 +61,7 @@ def api_runs(small_mnist_dir, tmp_path_factory):
         print(json.dumps({{"first": first, "again": again}}), flush=True)
 
         print("=== part 4", file=sys.stderr, flush=True)
-        from textbox_like import lr_scheduler
+        from textbox_like.optim import lr_scheduler
         base = {{"task": "mnist", "data": {str(small_mnist_dir)!r}, "batch_size": 16, "threads": 1, "cpu": True,
                 "report_to": "none", "disable_validation": True, "max_update": 2}}
         first = textbox_like.train(base, save_dir={str(four / "a")!r})

@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
-from textbox_like import balance
-from textbox_like.balance import even_split, split_name
-from textbox_like.checkpoint import load_checkpoint
+from textbox_like.training import balance
+from textbox_like.training.balance import even_split, split_name
+from textbox_like.storage.checkpoint import load_checkpoint
 
 from conftest import copy_of, read_jsonl
 from test_distributed import NO_DROPOUT, assert_params_close, params
@@ -429,7 +429,7 @@ OOM_RANKS = '''
 import json, os, sys, torch
 sys.path.insert(0, %r)
 from conftest import run_main
-from textbox_like import balance
+from textbox_like.training import balance
 from textbox_like.tasks.mnist import MNISTTask
 
 class Memory:  # mocked CUDA allocator figures: room for anything

@@ -3,7 +3,7 @@
 What they hold is told in that module's docstring. The modes that start no process of their own (mnist,
 bert, bert-loader) and those whose trainer runs are processes of the command's own (scaling, fsdp) run bench.main,
 the command's, in this process (bench_here: a process's ~3 s of imports saved each); the bert-loader's
-loader-only run is the command itself (python -m textbox_like.bench)."""
+loader-only run is the command itself (python -m textbox_like.tools.bench)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ def bench_here(capfd, *args):
     import torch
 
     from conftest import _reset_accelerate
-    from textbox_like import bench
+    from textbox_like.tools import bench
     capfd.readouterr()
     threads = torch.get_num_threads()
     _reset_accelerate()

@@ -13,7 +13,7 @@ import torch
 
 from conftest import refusal_in_process
 from test_prepare_bert import write_corpus, write_vocab
-from textbox_like.data.prepare_bert import main as prepare
+from textbox_like.tools.prepare_bert import main as prepare
 
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
 

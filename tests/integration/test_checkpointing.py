@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from test_bert_train import bert_data  # noqa: F401  (the module-scoped fixture)
-from textbox_like.cli import parse
+from textbox_like.resolve.resolution import parse
 from textbox_like.tasks import TASKS
 import pytest
 

@@ -138,7 +138,7 @@ def test_help_is_fast():
 @pytest.mark.timeout(120)
 def test_help_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c",
-                           "import sys; from textbox_like.cli import build_options; build_options(); "
+                           "import sys; from textbox_like.resolve.options import build_options; build_options(); "
                            "print('torch' in sys.modules, 'accelerate' in sys.modules)"],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

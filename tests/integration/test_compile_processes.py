@@ -67,7 +67,7 @@ def test_compiled_bert_losses_equal_eager(bert_data, tmp_path):  # noqa: F811
 def test_mnist_compiles_its_head_on_cpu_and_everything_on_cuda():
     from accelerate.utils import DynamoBackend
 
-    from textbox_like.accelerator import compile_regions, uncompile
+    from textbox_like.parallel.accelerator import compile_regions, uncompile
     from textbox_like.models.mnist_cnn import MNISTNet
     model, acc = MNISTNet(), FakeAccelerator("cpu")
     keys = list(model.state_dict())

@@ -34,7 +34,7 @@ def test_long_barrier_outlasts_the_training_timeout(tmp_path):
         import os, sys, time
         import torch, torch.distributed as dist
         from textbox_like import distributed
-        from textbox_like.cli import parse
+        from textbox_like.resolve.resolution import parse
         rank = int(sys.argv[1])
         cfg = parse(["--task", "mnist", "--cpu", "--distributed-timeout", "1"])
         # the 1 s timeout also bounds the rendezvous: start it together (two cold

@@ -170,7 +170,7 @@ def test_ranks_started_one_by_one_on_one_machine_share_its_cores(pair):
     their machine and split its cores, as torchrun's ranks do. (The pair's
     run one_by_one: each node's rank, whose local world is one as its
     launcher's child's was, choosing its threads.)"""
-    from textbox_like.distributed import usable_cpus
+    from textbox_like.processes.distributed import usable_cpus
     run = pair[0]["one_by_one"]
     errs = [run.errs[0], run.errs[1]]
     assert [run.codes[0], run.codes[1]] == [0, 0], errs[0][-3000:] + errs[1][-3000:]

@@ -218,8 +218,8 @@ def test_a_peer_lost_after_the_last_update_was_saved_ends_the_run_normally(data,
     collectives ahead: TEXTBOX_LIKE_TEST_DELAY=finish holds it there):
     rank 0 exits 0 with one warning line, as a completed run; no emergency
     checkpoint, no hand-off note (torchrun would restart a finished run)."""
-    from textbox_like.checkpoint import load_checkpoint
-    from textbox_like.faults import DELAY_ENV
+    from textbox_like.storage.checkpoint import load_checkpoint
+    from textbox_like.core.faults import DELAY_ENV
     save, rdzv = tmp_path / "save", tmp_path / "rdzv"
     train = args(data, save, "--global-batch-size", GLOBAL, "--max-sentences", 32, "--distributed-timeout", 30,
                  "--max-update", 3)
@@ -313,7 +313,7 @@ def survivors_lines(ranks, survivors=(0, 1)):
 HOLD_A_CLAIM = """
 import sys, time
 from pathlib import Path
-from textbox_like.elastic import Claim
+from textbox_like.processes.elastic import Claim
 claim_path, done, seconds = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 with Claim(claim_path, stale_after=2, note="7") as claim:
     assert claim.held
@@ -332,7 +332,7 @@ def test_a_survivor_waits_for_a_live_writer_past_the_claims_staleness_and_not_fo
     survivor waiting for it returns only once it has written, and is not
     taken over as stale meanwhile. Killed, it leaves a claim that goes stale,
     and the waiter goes on."""
-    from textbox_like.elastic import Claim
+    from textbox_like.processes.elastic import Claim
     claim, done = tmp_path / ".emergency-run.claim", tmp_path / "done"
     writer = subprocess.Popen([PY, "-c", HOLD_A_CLAIM, str(claim), str(done), "6"], cwd=REPO, env=env(),
                               stdout=subprocess.PIPE, text=True)
@@ -423,7 +423,7 @@ def test_a_survivor_that_comes_after_the_writer_has_left_writes_nothing(data, tm
 # needed for the survivor's path: the failing collective is what it sees).
 LOSE_A_PEER = """
 import os, sys
-from textbox_like import collectives
+from textbox_like.core import collectives
 from textbox_like.training import elastic as E, global_batch as G, trainer as T
 real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
 def init(self, *given, **named):
@@ -470,7 +470,7 @@ def test_a_kill_during_the_emergency_save_leaves_the_previous_checkpoint(data, t
     done = lose_a_peer(train, KILLED_WHILE_WRITING)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert list(save.glob(".checkpoint_1_6.pt.*.tmp")) and not (save / "checkpoint_1_6.pt").exists()
-    from textbox_like.checkpoint import load_checkpoint
+    from textbox_like.storage.checkpoint import load_checkpoint
     assert load_checkpoint(save / "checkpoint_last.pt")["train"]["num_updates"] == 4
     again = ok_in_process([*train, "--resume"], capfd)   # the resume after the kill: in this process
     assert "epoch 1, update 4" in again.stderr, again.stderr[-3000:]
@@ -480,7 +480,7 @@ def test_a_kill_during_the_emergency_save_leaves_the_previous_checkpoint(data, t
 def lose_a_peer_in_process(argv, monkeypatch, capfd):
     """LOSE_A_PEER's run (the same patches, undone after the test) in this process: main()'s exit code and
     output, as lose_a_peer's CompletedProcess."""
-    from textbox_like import collectives
+    from textbox_like.core import collectives
     from textbox_like.training import global_batch as G, trainer as T
     real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
 

@@ -1,5 +1,5 @@
 """A dangling entry point (issue 51, item 8): an installed distribution whose
-``textbox_like.plugins`` entry point names a module that does not exist (its
+``textbox_like.resolve.plugins`` entry point names a module that does not exist (its
 package removed or renamed) no longer breaks every command with importlib's
 traceback: one warning line names the entry point, its distribution and the
 fix, and the command goes on (``--help``, a training run, the other
@@ -24,7 +24,7 @@ def distribution(site, name, entry_point, package_code=None):
     info = site / f"{name}-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[textbox_like.plugins]\n{name} = {entry_point}\n")
+    (info / "entry_points.txt").write_text(f"[textbox_like.resolve.plugins]\n{name} = {entry_point}\n")
     if package_code is not None:
         (site / entry_point).mkdir()
         (site / entry_point / "__init__.py").write_text(package_code)
@@ -43,7 +43,7 @@ def test_a_dangling_entry_point_is_one_warning_and_every_command_goes_on(tmp_pat
     distribution(site, "badplug", "no_such_module")
     distribution(site, "flatpkg", "flatpkg", "from textbox_like import Scheduler, register_scheduler\n\n\n"
                                              "@register_scheduler('my_flat')\nclass MyFlat(Scheduler):\n    pass\n")
-    warning = ("warning: the installed plugin badplug = no_such_module (entry point group textbox_like.plugins, "
+    warning = ("warning: the installed plugin badplug = no_such_module (entry point group textbox_like.resolve.plugins, "
                "from badplug 0.1) names a module that does not exist; skipped: fix that package's entry point, or "
                "uninstall it (pip uninstall badplug)")
 

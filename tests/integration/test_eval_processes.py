@@ -16,7 +16,7 @@ from test_eval import manual, trained  # noqa: F401 (fixtures)
 def test_eval_cli_json_matches_manual(trained, mnist_dir):
     ckpt = trained / "checkpoint_last.pt"
     proc = run_cli(["--model_ckpt", ckpt, "--data", mnist_dir, "--subset", "test", "--json",
-                    "--batch-size", "64"], module="textbox_like.eval")
+                    "--batch-size", "64"], module="textbox_like.tools.eval")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     expected = manual(ckpt, mnist_dir, "test")

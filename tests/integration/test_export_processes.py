@@ -20,4 +20,4 @@ def test_console_command_exports(exported, tmp_path):
     assert "\n  export " in out.stdout
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    assert_one_line_error(run(["-m", "textbox_like.export", junk, "--to", tmp_path / "a"]), "junk.pt")
+    assert_one_line_error(run(["-m", "textbox_like.tools.export", junk, "--to", tmp_path / "a"]), "junk.pt")

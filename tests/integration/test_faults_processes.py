@@ -49,7 +49,7 @@ def test_divergence_stops_with_65_and_keeps_finite_checkpoints(data, tmp_path, l
     assert named and Path(named.group(1)).is_file(), errors[0]
     kept = sorted(out.glob("checkpoint*.pt"))
     assert kept, "no checkpoint left"
-    from textbox_like.checkpoint import load_checkpoint
+    from textbox_like.storage.checkpoint import load_checkpoint
     for path in kept:
         state = load_checkpoint(path)
         for name, tensor in state["model"].items():
@@ -72,7 +72,7 @@ def test_device_skip_divergence_stops_with_65(data, tmp_path, capfd):
     skipped = [int(m.group(1)) for m in re.finditer(r"^update (\d+): gradient norm \S+ is not finite; update skipped",
                                                    proc.stderr, re.M)]
     assert skipped == [skipped[0]] * 3, proc.stderr[-3000:]  # the same update, retried on new batches
-    from textbox_like.checkpoint import load_checkpoint
+    from textbox_like.storage.checkpoint import load_checkpoint
     kept = sorted(out.glob("checkpoint*.pt"))
     assert kept
     for path in kept:

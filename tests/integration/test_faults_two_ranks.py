@@ -14,7 +14,7 @@ import torch
 
 from _runs_runs import spawned, run_plan
 from conftest import N_SMALL_TEST, N_SMALL_TRAIN, write_mnist
-from textbox_like.checkpoint import load_checkpoint
+from textbox_like.storage.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
 

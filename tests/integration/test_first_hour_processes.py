@@ -49,7 +49,7 @@ def test_slow_updates_log_by_wall_time_as_well(small_mnist_dir, tmp_path, monkey
     than --log-interval alone would, and every --log-interval-th update still
     logs (the user's interval is the longest spacing)."""
     from conftest import base_args, read_jsonl, run_main
-    from textbox_like import balance
+    from textbox_like.training import balance
     from textbox_like.training import reporting
     monkeypatch.setattr(reporting, "LOG_EVERY_S", 0.2)                  # a few seconds, scaled to a short test
     monkeypatch.setenv(balance.SLOW_RANK_ENV, "0:0.02")              # 0.16 s an update of 8 samples

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from textbox_like import balance
-from textbox_like.balance import Balancer, RankTimer
+from textbox_like.training import balance
+from textbox_like.training.balance import Balancer, RankTimer
 
 from conftest import read_jsonl, write_mnist
 from test_fsdp import assert_close, checkpoint, in_process

@@ -338,9 +338,9 @@ import datetime
 from types import SimpleNamespace
 import torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from textbox_like import sharding
-from textbox_like.config.resolution import resolve
-from textbox_like.distributed import Placement
+from textbox_like.parallel import sharding
+from textbox_like.resolve.resolution import resolve
+from textbox_like.processes.distributed import Placement
 from textbox_like.training import elastic
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 chosen = []
@@ -399,9 +399,9 @@ def two_rank_scripts(four_processes):
 JOIN_SCRIPT = '''
 import datetime, sys
 import torch, torch.distributed as dist
-from textbox_like import sharding
-from textbox_like.config.resolution import resolve
-from textbox_like.distributed import Placement
+from textbox_like.parallel import sharding
+from textbox_like.resolve.resolution import resolve
+from textbox_like.processes.distributed import Placement
 from textbox_like.training import elastic
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, out = dist.get_rank(), sys.argv[1]

@@ -67,7 +67,7 @@ def test_fsdp_compiled_gpt2_is_sharded_and_equals_the_eager_run(two_rank_runs):
 SHARDED_ROOT_SCRIPT = '''
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from textbox_like import sharding
+from textbox_like.parallel import sharding
 dist.init_process_group("gloo")
 m = torch.nn.Sequential(torch.nn.Linear(4, 4)); fully_shard(m)
 class Wrapper(torch.nn.Module):
@@ -194,7 +194,7 @@ EVAL_FIRST_SCRIPT = '''
 import numpy as np, torch, torch.distributed as dist
 from accelerate import Accelerator
 from torch.distributed.fsdp import fully_shard
-from textbox_like.validate import evaluate
+from textbox_like.training.validate import evaluate
 acc = Accelerator(cpu=True)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -229,9 +229,9 @@ def test_a_sharded_model_evaluated_before_training_still_trains(two_rank_checks)
 # ------------------------------------------------------------------ --find-unused-parameters
 UNUSED_SCRIPT = '''
 import torch, torch.distributed as dist
-from textbox_like import sharding
-from textbox_like.config.resolution import resolve
-from textbox_like.distributed import Placement
+from textbox_like.parallel import sharding
+from textbox_like.resolve.resolution import resolve
+from textbox_like.processes.distributed import Placement
 import datetime, sys
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
@@ -273,9 +273,9 @@ dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, wor
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.fsdp import FSDPModule
 from transformers import BertConfig
-from textbox_like import sharding
-from textbox_like.config.resolution import resolve
-from textbox_like.distributed import Placement
+from textbox_like.parallel import sharding
+from textbox_like.resolve.resolution import resolve
+from textbox_like.processes.distributed import Placement
 from textbox_like.models.bert import BertForPreTrainingMasked
 cfg, _ = resolve(["--fsdp"] + sys.argv[3:])
 plugin, _ = sharding.accelerate_plugin(cfg, Placement(world_size=1, local_world_size=1), "no")

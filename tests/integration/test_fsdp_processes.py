@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from textbox_like.sharded_checkpoint import read_extra_state, read_manifest
+from textbox_like.storage.sharded_checkpoint import read_extra_state, read_manifest
 
 from conftest import assert_bitwise_equal, read_jsonl, write_mnist
 from test_bert_train import bert_data  # noqa: F401 (a fixture)
@@ -87,7 +87,7 @@ def two_rank_runs(mnist, bert_data, models, text_data, tmp_path_factory):  # noq
     the first rank's process. The last, "killed", is test_fsdp_killed_and_resumed_equals_the_uninterrupted_run's:
     once its first sharded checkpoint is there, at a moment up to 1 s later (test_resume.kill_after_checkpoint's,
     seed 1), both rank processes are killed with SIGKILL at once (their process group)."""
-    from textbox_like import balance
+    from textbox_like.training import balance
     from test_balance import bert_args
     root = tmp_path_factory.mktemp("fsdp_two_ranks")
     runs = {

@@ -157,7 +157,7 @@ def test_fused_optimizer_skips_nan_on_the_device_and_reads_one_update_late(small
     """Fused AdamW is the default on CUDA: a NaN batch is skipped inside the
     kernel (weights and optimizer state bitwise unchanged), and the host reads
     each update's gradient norm after the next update's forward and backward."""
-    from textbox_like import faults
+    from textbox_like.core import faults
     trainer, _, _ = build_trainer(mnist_args(small_mnist_dir, tmp_path / "out", "--optimizer", "adamw",
                                              "--log-interval", "100", "--no-save", "--disable-validation",
                                              max_update=8))
@@ -362,7 +362,7 @@ def test_fsdp_bert_large_bf16_on_cuda_saves_sharded_and_resumes(bert_data, tmp_p
     One rank: by ours, torchrun and accelerate launch (a GPU machine here
     usually has one); two ranks where there are two GPUs. One rank's
     checkpoint also evaluates (to the run's own validation loss) and exports."""
-    from textbox_like.sharded_checkpoint import consolidated_state, read_extra_state, read_manifest
+    from textbox_like.storage.sharded_checkpoint import consolidated_state, read_extra_state, read_manifest
 
     ranks = 2 if launcher == "two ranks" else 1
     if torch.cuda.device_count() < ranks:
@@ -412,7 +412,7 @@ def test_fsdp_bert_large_bf16_on_cuda_saves_sharded_and_resumes(bert_data, tmp_p
     evaluated = evaluate(last, cpu=True)
     assert evaluated["num_updates"] == 12
     assert evaluated["loss"] == pytest.approx(valid[-1]["loss"], rel=0.05)
-    exported = subprocess.run([sys.executable, "-m", "textbox_like.export", str(last), "--to", str(tmp_path / "hf")],
+    exported = subprocess.run([sys.executable, "-m", "textbox_like.tools.export", str(last), "--to", str(tmp_path / "hf")],
                               cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert "(update 12: 24 layers, hidden 1024," in exported.stdout, exported.stdout

@@ -25,9 +25,9 @@ def export_eval_loss(export_dir, data, head, *extra):
     """The valid loss of a save_pretrained directory, read as a fresh run reads its model."""
     from accelerate import Accelerator
 
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     from textbox_like.tasks import TASKS
-    from textbox_like.validate import evaluate
+    from textbox_like.training.validate import evaluate
     cfg = parse(["--task", "hf", "--model_name_or_path", str(export_dir), "--data", str(data), "--hf_head", head,
                  "--seed", "3",  # the run's: masked_lm's masks follow it
                  *extra])
@@ -49,7 +49,7 @@ HEAD_RUNS = {
 @pytest.mark.parametrize("head", list(HEAD_RUNS))
 def test_each_head_trains_validates_and_its_export_loads_to_the_same_loss(models, text_data, tmp_path, head):
     from textbox_like.api import evaluate
-    from textbox_like.export import main as export_main
+    from textbox_like.tools.export import main as export_main
 
     out = tmp_path / "run"
     assert run_main(hf_args(models[head], text_data, out, "--max-update", "18", *HEAD_RUNS[head])) == 0
@@ -125,7 +125,7 @@ def two_rank_runs(models, text_data, no_samples_data, tmp_path_factory):
     """Every two-rank run of this module, in one pair of rank processes started as the trainer's spawn
     starts its ranks (_tasks_runs.rank_runs: their imports once for all the runs, no parent process per
     run): {key: (RankRun, save dir)}; keys ("exact", head), ("no_samples", head), "balance"."""
-    from textbox_like import balance
+    from textbox_like.training import balance
 
     from _tasks_runs import Run, rank_runs
     root = tmp_path_factory.mktemp("two_ranks")
@@ -160,7 +160,7 @@ def test_two_ranks_with_unlike_batches_equal_one_process(models, text_data, tmp_
     assert two.returncode == 0, two.stderr[-3000:]
     assert "tokens per rank [60, 60]" in two.stderr
     # the plan the two ranks ran: their slices of an update hold unlike numbers of samples
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     from textbox_like.data.iterators import plan_global_tokens
     from textbox_like.tasks import TASKS
     task = TASKS.get("hf")(parse(exactness_args(models[head], text_data, tmp_path / "plan", *columns)[2:]))
@@ -406,12 +406,12 @@ def test_balance_re_splits_the_tokens_and_stays_one_process(models, text_data, t
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_benchmark_runs_for_the_hf_causal_lm(models, text_data, capfd):
-    """python -m textbox_like.bench hf: the trainer against the model's own loss in a plain loop over the
+    """python -m textbox_like.tools.bench hf: the trainer against the model's own loss in a plain loop over the
     trainer's batches (bench.main, the command's, in this process: the mode starts no process of its own)."""
     import math
 
     from conftest import _reset_accelerate
-    from textbox_like import bench
+    from textbox_like.tools import bench
     capfd.readouterr()
     threads = torch.get_num_threads()
     _reset_accelerate()

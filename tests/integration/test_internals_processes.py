@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from textbox_like import internals
+from textbox_like.core import internals
 
 
 @pytest.mark.slow
@@ -35,8 +35,8 @@ def test_the_checks_build_optimizers_without_importing_dynamo_and_training_still
     import sys
     code = """
 import sys
-from textbox_like.config.resolution import resolve
-from textbox_like.config.checks import check
+from textbox_like.resolve.resolution import resolve
+from textbox_like.resolve.checks import check
 cfg, _ = resolve(["--task", "mnist", "--max-sentences", "8", "--max-update", "1", "--optimizer", "adam",
                   "--lr-scheduler", "StepLR", "--scheduler_conf", "step_size=1"])
 check(cfg)

@@ -17,7 +17,7 @@ import pytest
 # steady updates.
 LOOP = """
 import ctypes, resource, sys
-from textbox_like.malloc import keep_freed_heap
+from textbox_like.parallel.malloc import keep_freed_heap
 applied = keep_freed_heap() if sys.argv[1] == "keep" else None
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
@@ -78,7 +78,7 @@ def test_a_users_malloc_setting_is_left_alone():
 # give_back_freed_heap returns them. Prints resident MB after the free and after.
 TRIM = """
 import ctypes, os
-from textbox_like.malloc import keep_freed_heap, give_back_freed_heap
+from textbox_like.parallel.malloc import keep_freed_heap, give_back_freed_heap
 assert keep_freed_heap()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)

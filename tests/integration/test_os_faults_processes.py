@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from textbox_like.checkpoint import atomic_save, load_checkpoint
+from textbox_like.storage.checkpoint import atomic_save, load_checkpoint
 
 from conftest import N_SMALL_TEST, N_SMALL_TRAIN, REPO, clean_env, copy_of, refusal_in_process, run_main, write_mnist
 from test_faults import bert_args, bert_data  # noqa: F401  (a fixture, used by name)
@@ -41,7 +41,7 @@ class Run:
 
     def __init__(self, args, preexec_fn=None, delay=None):
         """``delay``: TEXTBOX_LIKE_TEST_DELAY, e.g. 'save=4' (see faults.test_delay)."""
-        from textbox_like.faults import DELAY_ENV
+        from textbox_like.core.faults import DELAY_ENV
         self.lines = []
         env = {**clean_env(), **({DELAY_ENV: delay} if delay else {})}
         self.proc = subprocess.Popen([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=env,
@@ -268,7 +268,7 @@ def test_sigterm_under_fsdp_names_the_dcp_it_saved_and_the_resume_goes_on_from_i
     assert stop == ["stopped by SIGTERM; checkpoint_last.dcp saved: rerun the same command with --resume"], \
         run.stderr[-3000:]
     assert (out / "checkpoint_last.dcp").is_dir() and not (out / "checkpoint_last.pt").exists()
-    from textbox_like.sharded_checkpoint import read_extra_state
+    from textbox_like.storage.sharded_checkpoint import read_extra_state
     saved = read_extra_state(out / "checkpoint_last.dcp")["train"]["num_updates"]
     assert saved >= 3
     resumed = in_process(mnist_args(data, out, "--fsdp", "--resume", max_update=saved + 2), capfd)
@@ -609,7 +609,7 @@ def run_with_memory_limit(args, megabytes, at_update, timeout=200):
     the test hook lowers the process's RLIMIT_AS to its size then plus
     ``megabytes``; malloc maps large chunks afresh (as glibc does by default),
     so an update that needs more than that fails in torch's CPU allocator."""
-    from textbox_like.faults import MEMORY_LIMIT_ENV
+    from textbox_like.core.faults import MEMORY_LIMIT_ENV
     env = {**clean_env(), MEMORY_LIMIT_ENV: f"{megabytes}@{at_update}", "MALLOC_MMAP_THRESHOLD_": "131072"}
     return subprocess.run([sys.executable, "run_hetseq.py", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -847,7 +847,7 @@ def test_a_stopped_rank_woken_in_a_newer_run_writes_nothing_and_exits_77(data, t
 # ------------------------------------------------ a child whose parent is already gone
 ORPHAN_SCRIPT = r"""
 import ctypes, os, time
-from textbox_like.distributed import die_with_parent
+from textbox_like.processes.distributed import die_with_parent
 ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans below come to this process
 reaper = os.getpid()
 launcher = os.fork()

@@ -91,7 +91,7 @@ def test_train_print_config_with_a_model_preset(installed):
     # the preset's sizes, read from inside the wheel
     preset = yaml.safe_load((ROOT / "properties" / "model" / "tiny.yaml").read_text())
     proc = run([str(bin_dir / "python"), "-c",
-                "import json; from textbox_like.config import PROPERTIES, load_yaml;"
+                "import json; from textbox_like.config.layers import PROPERTIES; from textbox_like.config.files import load_yaml;"
                 "print(json.dumps(load_yaml(PROPERTIES / 'model' / 'tiny.yaml', 'model preset')))"], cwd=work)
     loaded = yaml.safe_load(proc.stdout)
     assert loaded["hidden_size"] == preset["hidden_size"] == 128

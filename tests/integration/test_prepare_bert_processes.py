@@ -66,7 +66,7 @@ def test_masking_80_10_10(tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "textbox_like.data.prepare_bert", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "textbox_like.tools.prepare_bert", *map(str, args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -121,7 +121,7 @@ def test_one_document_corpus_has_no_random_next(tmp_path):
 
 @pytest.mark.slow
 def test_test_split_takes_at_least_two_documents(tmp_path):
-    from textbox_like.data.prepare_bert import split_documents
+    from textbox_like.tools.prepare_bert import split_documents
 
     for n_docs in (4, 10, 40, 74, 75, 200):
         train, test = split_documents(n_docs, 0.02, seed=1)

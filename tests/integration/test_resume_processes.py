@@ -158,8 +158,8 @@ def test_kill_while_saving_never_leaves_last_checkpoint_unloadable(data, tmp_pat
 def test_truncated_or_foreign_checkpoint_gives_one_clear_error(data, tmp_path, capfd):
     import torch
 
-    from textbox_like import checkpoint as ck
-    from textbox_like.errors import UserError
+    from textbox_like.storage import checkpoint as ck
+    from textbox_like.core.errors import UserError
     good = tmp_path / "good.pt"
     ck.atomic_save({"format": ck.FORMAT, "x": torch.ones(1000)}, good)
     truncated = tmp_path / "truncated.pt"

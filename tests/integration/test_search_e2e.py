@@ -90,7 +90,7 @@ def test_resume_after_kill_9_in_the_middle_of_trial_2(tmp_path, tiny_mnist):
     assert rec[2]["attempts"] == 2 and "--resume" in (out / "trial_2" / "command.txt").read_text()
     assert rec[2]["num_updates"] == 24
     # each trial ran the configuration the search resolved for it, not a command line to re-parse
-    from textbox_like.config import read_resolved
+    from textbox_like.resolve.resolution import read_resolved
     for k in (1, 2):
         cfg = read_resolved(out / f"trial_{k}" / "trial_config.yaml")
         assert cfg.optim.lr == [rec[k]["params"]["lr"]] and cfg.optim.optimizer == rec[k]["params"]["optimizer"]
@@ -99,7 +99,7 @@ def test_resume_after_kill_9_in_the_middle_of_trial_2(tmp_path, tiny_mnist):
     updates = [r["update"] for r in S.hyper.read_jsonl(out / "trial_2" / "metrics.jsonl") if r["kind"] == "train"]
     assert updates == sorted(set(updates))            # continued, not restarted
     # the same trials as an uninterrupted search with the same seed (TPE's first trials depend on the seed only)
-    from textbox_like.cli import build_options
+    from textbox_like.resolve.options import build_options
     space = S.load_space(tmp_path / "space.test", build_options())
     sampler = S.Sampler(space, "tpe", 5)
     expected = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from textbox_like import search as S
-from textbox_like.errors import UserError
+from textbox_like.core.errors import UserError
 
 from conftest import REPO, clean_env
 from test_search import (  # noqa: F401 (fixtures)

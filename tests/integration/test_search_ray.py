@@ -107,7 +107,7 @@ def test_ray_tpe_asha_six_trials(tmp_path, tiny_mnist):
 
 def test_ray_exhaustive_runs_the_local_backends_trials(tmp_path, tiny_mnist):
     from textbox_like import search as S
-    from textbox_like.cli import build_options
+    from textbox_like.resolve.options import build_options
     (tmp_path / "s.test").write_text("learning_rate loguniform (-8, -4)\noptimizer choice ['adam', 'sgd']\n")
     proc = script("run_hyper.py", ["--backend", "ray", "--space", "s.test", "--algo", "exhaustive", "--seed", "2",
                                    "--parallel", "2", "--output", "out", "--data", tiny_mnist, "--max-update", "2",

@@ -13,9 +13,13 @@ import time
 import pytest
 import torch
 
-from textbox_like.sharded_checkpoint import (consolidated_state, pinned_on_every_rank, read_extra_state,
-                                            read_full_model_state, read_manifest)
-from textbox_like.export import main as export_main
+from textbox_like.storage.sharded_checkpoint import (
+    consolidated_state,
+    pinned_on_every_rank,
+    read_extra_state,
+    read_full_model_state,
+    read_manifest)
+from textbox_like.tools.export import main as export_main
 
 from conftest import clean_env
 from test_sharded_checkpoint_names import (  # noqa: F401 (fixtures)
@@ -137,7 +141,7 @@ READER = '''
 import json, sys, time
 from pathlib import Path
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from textbox_like.sharded_checkpoint import consolidated_state
+from textbox_like.storage.sharded_checkpoint import consolidated_state
 name, reading, go, out = map(Path, sys.argv[1:])
 read_data = FileSystemReader.read_data
 

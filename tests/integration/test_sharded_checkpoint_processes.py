@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from textbox_like.errors import UserError
-from textbox_like.sharded_checkpoint import (consolidated_state, is_sharded_checkpoint, load_sharded, read_full_model_state,
-                                             read_manifest, remove_leftovers, save_sharded,
-                                             sharded_checkpoints_newest_first)
+from textbox_like.core.errors import UserError
+from textbox_like.storage.sharded_checkpoint import (
+    consolidated_state,
+    is_sharded_checkpoint,
+    load_sharded,
+    read_full_model_state,
+    read_manifest,
+    remove_leftovers,
+    save_sharded,
+    sharded_checkpoints_newest_first)
 
 from test_sharded_checkpoint import WORKER, assert_same, export_in_process, full_state, worker
 from _fsdp_runs import Plan, script, spawned
@@ -303,7 +309,7 @@ def test_export_equals_the_full_state_dict(two_rank_save, tmp_path, kind):
 
 @pytest.mark.slow
 def test_export_command_takes_a_sharded_mnist_checkpoint(two_rank_save, tmp_path, capfd):
-    """``python -m textbox_like.export CKPT.dcp --to DIR``: the mnist run's
+    """``python -m textbox_like.tools.export CKPT.dcp --to DIR``: the mnist run's
     weights as model.safetensors for the model the task builds."""
     from safetensors.torch import load_file
     path = two_rank_save / "save" / "mnist" / "checkpoint_last.dcp"
@@ -335,7 +341,7 @@ def test_evaluate_takes_a_sharded_checkpoint(two_rank_save, small_mnist_dir, tmp
     """``textbox_like.evaluate`` (``textbox-like eval``) of a sharded checkpoint
     gives what it gives for a file checkpoint of the same run state."""
     import textbox_like
-    from textbox_like.checkpoint import FORMAT, atomic_save
+    from textbox_like.storage.checkpoint import FORMAT, atomic_save
     sharded = two_rank_save / "save" / "mnist" / "checkpoint_last.dcp"
     atomic_save({"format": FORMAT, **consolidated_state(sharded)}, tmp_path / "checkpoint_last.pt")
     from_shards = textbox_like.evaluate(sharded, data=str(small_mnist_dir), cpu=True)

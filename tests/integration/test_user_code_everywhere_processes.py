@@ -299,7 +299,7 @@ API_MAIN = '''
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import textbox_like
-from textbox_like.errors import UserError
+from textbox_like.core.errors import UserError
 import my_toy
 
 

@@ -57,7 +57,7 @@ def train_records(save_dir):
 #: the public names are the registries' and neither they nor a user dir's --help import torch (its task
 #: imports it in its methods, as ours do); the --help it prints is the trainer's (cli.main, run_hetseq.py's)
 NO_TORCH_PROBE = ("import sys, textbox_like\n"
-                  "from textbox_like.lr_scheduler import SCHEDULERS\n"
+                  "from textbox_like.optim.lr_scheduler import SCHEDULERS\n"
                   "from textbox_like.optim import OPTIMIZERS\n"
                   "from textbox_like.tasks import TASKS, base\n"
                   "assert textbox_like.Task is base.Task and textbox_like.register_task == TASKS.register\n"
@@ -116,7 +116,7 @@ def test_one_process_trains_then_config_yaml_reruns_it_resume_continues_it_and_e
     assert [r["update"] for r in train_records(first)] == [1, 2, 3]
     assert json.loads((first / "results.json").read_text())["num_updates"] == 3
 
-    evaluated = subprocess.run([sys.executable, "-m", "textbox_like.eval", "--model_ckpt",
+    evaluated = subprocess.run([sys.executable, "-m", "textbox_like.tools.eval", "--model_ckpt",
                                 str(first / "checkpoint_last.pt"), "--json"], cwd=tmp_path, env=clean_env(),
                                capture_output=True, text=True, timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr
@@ -152,7 +152,7 @@ def test_an_exception_in_the_users_code_shows_their_traceback(tmp_path):
 @pytest.mark.timeout(300)
 def test_an_installed_package_registers_through_the_entry_point_group(tmp_path):
     """A distribution on sys.path whose entry_points.txt names a module in
-    the group textbox_like.plugins, as ``pip install`` leaves one."""
+    the group textbox_like.resolve.plugins, as ``pip install`` leaves one."""
     site = tmp_path / "site"
     (site / "flatpkg").mkdir(parents=True)
     (site / "flatpkg" / "__init__.py").write_text(
@@ -161,7 +161,7 @@ def test_an_installed_package_registers_through_the_entry_point_group(tmp_path):
     info = site / "flatpkg-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flatpkg\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[textbox_like.plugins]\nflat = flatpkg\n")
+    (info / "entry_points.txt").write_text("[textbox_like.resolve.plugins]\nflat = flatpkg\n")
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(site)])
     printed = trainer("--task", "mnist", "--lr_scheduler", "my_flat", "--print_config", cwd=tmp_path, env=env)

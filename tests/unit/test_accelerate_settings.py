@@ -85,7 +85,7 @@ def test_an_explicit_update_freq_of_1_wins_over_launch(data64, tmp_path, monkeyp
 
 # ------------------------------------------------- ReduceLROnPlateau, plateau
 def test_reduce_lr_on_plateau_lowers_lr_after_a_validation_without_improvement(data, tmp_path, monkeypatch):
-    import textbox_like.validate as validate
+    import textbox_like.training.validate as validate
     # a forced plateau: every validation reports the same loss
     monkeypatch.setattr(validate, "evaluate", lambda *a, **k: {"loss": 1.0, "accuracy": 0.5})
     out = tmp_path / "out"
@@ -105,7 +105,7 @@ def test_reduce_lr_on_plateau_lowers_lr_after_a_validation_without_improvement(d
 
 
 def test_reduce_lr_on_plateau_keeps_lr_while_improving(data, tmp_path, monkeypatch):
-    import textbox_like.validate as validate
+    import textbox_like.training.validate as validate
     values = iter([0.5, 0.6, 0.7, 0.8])  # MNIST's best-checkpoint metric is accuracy (maximized)
     monkeypatch.setattr(validate, "evaluate", lambda *a, **k: {"loss": 1.0, "accuracy": next(values)})
     out = tmp_path / "out"

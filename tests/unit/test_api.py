@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from textbox_like.cli import parse
-from textbox_like.errors import UserError
-from textbox_like.settings import SECTION_OF, SECTIONS, RunConfig
+from textbox_like.resolve.resolution import parse
+from textbox_like.core.errors import UserError
+from textbox_like.config.schema import SECTION_OF, SECTIONS, RunConfig
 
 
 def test_a_bad_key_raises_the_command_lines_one_line_error():
@@ -57,7 +57,7 @@ def test_the_configuration_is_resolved_once_and_frozen():
 def test_the_learning_rate_has_one_home_the_optimizer_section():
     cfg = parse(["--task", "mnist", "--optimizer", "sgd", "--optim_conf", "lr=0.2"])
     assert cfg.optim.lr == [0.2] and cfg.optim.optim_conf["lr"] == 0.2
-    from textbox_like.lr_scheduler import build_scheduler
+    from textbox_like.optim.lr_scheduler import build_scheduler
     from textbox_like.optim import build_optimizer
     import torch
     optimizer = build_optimizer(cfg.optim, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
@@ -76,7 +76,8 @@ def test_the_learning_rate_has_one_home_the_optimizer_section():
 def test_spawned_ranks_get_the_resolved_configuration(tmp_path):
     """A child reads the file its launcher wrote: the same configuration and
     provenance, with no command line to parse again."""
-    from textbox_like.config import read_resolved, write_resolved
+    from textbox_like.resolve.resolution import read_resolved
+    from textbox_like.config.files import write_resolved
     cfg = parse(["--task", "bert", "--model-preset", "tiny", "--optim", "lamb", "--lr", "0.002",
                  "--scheduler", "StepLR", "--scheduler_conf", "step_size=3", "--max-update", "5"])
     write_resolved(cfg, tmp_path / "resolved.yaml")
@@ -86,9 +87,9 @@ def test_spawned_ranks_get_the_resolved_configuration(tmp_path):
 
 
 def test_registries_refuse_a_duplicate_name_and_a_foreign_class():
-    from textbox_like.lr_scheduler import SCHEDULERS
+    from textbox_like.optim.lr_scheduler import SCHEDULERS
     from textbox_like.optim import OPTIMIZERS, OptimizerSpec
-    from textbox_like.registry import Registry
+    from textbox_like.config.registry import Registry
     from textbox_like.tasks import TASKS
     with pytest.raises(ValueError, match="registered already"):
         OPTIMIZERS.register("ADAM")(type("Other", (OptimizerSpec,), {}))  # any case: the same name

@@ -9,8 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from textbox_like import balance
-from textbox_like.balance import Balancer, MemoryGuard, even_split, micro_batch_sizes, micro_batches_by_tokens, proportional_split, slowest_rank_line
+from textbox_like.training import balance
+from textbox_like.training.balance import (
+    Balancer,
+    MemoryGuard,
+    even_split,
+    micro_batch_sizes,
+    micro_batches_by_tokens,
+    proportional_split,
+    slowest_rank_line)
 
 from test_config_golden import GOLDEN, printed, without_added
 from test_distributed import base
@@ -94,7 +101,7 @@ def test_a_global_token_budget_is_the_same_update_whatever_the_split(shares):
         for r in range(len(shares)):  # each slice within one sample of its share of the step
             got, want = cum[row[r + 1]] - cum[row[r]], shares[r] * (cum[b] - cum[a]) / 512
             assert abs(got - want) <= 2 * 32, (row, shares)
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     with pytest.raises(UserError, match="more than the global batch of 20 tokens"):
         plan_global_tokens(tokens, 20, [10, 10])
 
@@ -473,7 +480,7 @@ def test_slowest_rank_line_names_no_rank_where_compute_holds_the_waits():
 
 
 def test_per_rank_lists_reach_trackers_as_one_scalar_per_rank():
-    from textbox_like.trackers import scalars
+    from textbox_like.metrics.trackers import scalars
     out = scalars("train", {"update": 5, "loss": 1.0, "compute_s_per_rank": [0.1, 0.2], "name": "x"})
     assert out == {"train/loss": 1.0, "train/compute_s_per_rank/rank0": 0.1, "train/compute_s_per_rank/rank1": 0.2}
 
@@ -546,9 +553,9 @@ def test_a_config_yaml_from_before_these_settings_loads(tmp_path):
 def test_comm_hook_goes_to_accelerate_and_must_agree():
     from accelerate.utils import DDPCommunicationHookType
 
-    from textbox_like.accelerator import comm_hook
-    from textbox_like.cli import parse
-    from textbox_like.distributed import PER_NODE_SETTINGS
+    from textbox_like.parallel.accelerator import comm_hook
+    from textbox_like.resolve.resolution import parse
+    from textbox_like.processes.distributed import PER_NODE_SETTINGS
     assert comm_hook(parse(["--max-sentences", "8"]).distributed) == {}
     assert comm_hook(parse(["--ddp-comm-hook", "fp16"]).distributed)["comm_hook"] == DDPCommunicationHookType.FP16
     assert comm_hook(parse(["--ddp-comm-hook", "bf16"]).distributed)["comm_hook"] == DDPCommunicationHookType.BF16
@@ -559,7 +566,7 @@ def test_comm_hook_goes_to_accelerate_and_must_agree():
 
 def test_bench_scaling_reports_each_comm_hook(capsys, monkeypatch):
     from test_bench import bench_in_process
-    from textbox_like import bench
+    from textbox_like.tools import bench
     rates = iter([100.0, 160.0, 170.0, 100.0, 150.0, 180.0])  # per round: 1 process, none, fp16
     calls = []
     monkeypatch.setattr(bench, "scaling_run", lambda base, n, args: (calls.append((base, n)), next(rates))[1])

@@ -1,4 +1,4 @@
-"""python -m textbox_like.bench, every mode on tiny settings. Nothing here is
+"""python -m textbox_like.tools.bench, every mode on tiny settings. Nothing here is
 timed: the tests check that each mode runs and reports what it promises
 (medians, per-round figures, ratios), never the figures themselves."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from textbox_like import bench
+from textbox_like.tools import bench
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ PY = sys.executable
 
 
 def run_bench(*args, timeout=280):
-    out = subprocess.run([PY, "-m", "textbox_like.bench", *map(str, args)], capture_output=True, text=True,
+    out = subprocess.run([PY, "-m", "textbox_like.tools.bench", *map(str, args)], capture_output=True, text=True,
                          cwd=REPO, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr

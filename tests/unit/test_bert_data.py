@@ -7,7 +7,7 @@ import pytest
 
 from textbox_like.data.base import shuffled_blocks
 from textbox_like.data.bert_hdf5 import KEYS, BertHDF5Dataset, find_shards, inspect_shard, write_shard
-from textbox_like.errors import UserError
+from textbox_like.core.errors import UserError
 
 L, P, V = 16, 5, 50
 

@@ -7,9 +7,14 @@ import pytest
 import torch
 
 from textbox_like.data.bert_hdf5 import write_shard
-from textbox_like.errors import UserError
-from textbox_like.models.bert import (BertForPreTrainingMasked, build_bert_config, freeze_encoder,
-                                      full_labels, load_init_checkpoint, pretraining_sums)
+from textbox_like.core.errors import UserError
+from textbox_like.models.bert import (
+    BertForPreTrainingMasked,
+    build_bert_config,
+    freeze_encoder,
+    full_labels,
+    load_init_checkpoint,
+    pretraining_sums)
 from textbox_like.tasks.bert import BertTask
 
 V, L, P = 120, 24, 6
@@ -47,7 +52,7 @@ def write_vocab(path, n=V):
 
 def task_cfg(tmp_path, **kw):
     """A resolved bert configuration (tiny unless a config file is given) with these settings."""
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     preset = {} if kw.get("config_file") else {"model_preset": "tiny"}
     return parse(overrides={"task": "bert", "data": str(tmp_path), "shuffle_block": 64, **preset, **kw})
 

@@ -159,7 +159,7 @@ def test_an_unknown_callback_name_is_one_line(small_mnist_dir, tmp_path, capfd):
 
 def test_callback_objects_cannot_go_to_processes_a_run_starts_and_must_be_callbacks(small_mnist_dir, tmp_path):
     import textbox_like
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     with pytest.raises(UserError, match=r"callbacks=\[Recording\]: a run of 2 processes cannot take Python objects"):
         textbox_like.train(settings(small_mnist_dir, tmp_path / "a", max_update=2, distributed_world_size=2),
                            callbacks=[Recorder.make()])

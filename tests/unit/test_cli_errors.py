@@ -37,7 +37,7 @@ def test_no_unrelated_suggestion(typed, capsys):
 
 
 def test_closest_match_rules():
-    from textbox_like.errors import closest_match
+    from textbox_like.core.errors import closest_match
     options = ["--end-learning-rate", "--lr", "--max-update", "--max-epoch"]
     assert closest_match("--learning-rate", options) is None
     assert closest_match("--max-updat", options) == "--max-update"

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from conftest import read_jsonl, run_main
+from textbox_like.resolve.resolution import parse
 
 
 def printed(capsys, *args):
@@ -210,7 +211,7 @@ def test_every_spelling_of_initial_weights_sizes_the_model_from_its_config_json(
 
 
 def test_rewritten_values_name_the_other_tools_option(small_mnist_dir, tmp_path):
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     cfg = parse(["--task", "mnist", "--training-data", str(small_mnist_dir), "--ngpu", "0"])
     assert cfg.data.data == str(small_mnist_dir) and cfg.runtime.cpu is True
     assert cfg.source("data") == "command line (kanachan --training-data)"
@@ -231,7 +232,7 @@ def test_rewritten_values_name_the_other_tools_option(small_mnist_dir, tmp_path)
 
 
 def test_a_derived_configuration_says_where_its_changes_came_from():
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     cfg = parse(["--task", "mnist", "--max-update", "4"])
     changed = cfg.replace("the search", max_update=5, lr=[0.5])
     assert changed.source("max_update") == "the search" and changed.source("lr") == "the search"
@@ -240,7 +241,7 @@ def test_a_derived_configuration_says_where_its_changes_came_from():
 
 
 def test_an_alias_names_its_tool_as_the_source():
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     cfg = parse(["--task", "mnist", "--learning-rate", "0.01", "--accum_grad", "2", "--update-freq", "3"])
     assert cfg.source("lr") == "command line (kanachan --learning-rate)"
     assert cfg.source("update_freq") == "command line" and cfg.schedule.update_freq == [3]  # the last one given
@@ -250,7 +251,7 @@ def test_other_tools_users_hear_where_our_defaults_differ(small_mnist_dir, tmp_p
     import contextlib
     import io
     from textbox_like import cli
-    from textbox_like.compat import default_notes
+    from textbox_like.config.compat import default_notes
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert short_run(small_mnist_dir, tmp_path / "run", "--learning-rate", "0.01", "--disable-validation",
@@ -260,14 +261,14 @@ def test_other_tools_users_hear_where_our_defaults_differ(small_mnist_dir, tmp_p
         " | kanachan's defaults differ from ours here: --optimizer adam (kanachan: lamb), --clip-norm 0 "
         "(kanachan: 1), --num-workers 0 (kanachan: 2); give them to train with kanachan's"), err.getvalue()[-2000:]
     # given values need no word, nor do our own spellings
-    assert default_notes(cli.parse(["--learning-rate", "0.01", "--optimizer", "lamb", "--max-gradient-norm", "1",
+    assert default_notes(parse(["--learning-rate", "0.01", "--optimizer", "lamb", "--max-gradient-norm", "1",
                                     "--num-workers", "2"])) == []
-    assert default_notes(cli.parse(["--task", "mnist", "--lr", "0.01", "--max-update", "1"])) == []
-    textbox = default_notes(cli.parse(["--task", "mnist", "--epochs", "2"]))
+    assert default_notes(parse(["--task", "mnist", "--lr", "0.01", "--max-update", "1"])) == []
+    textbox = default_notes(parse(["--task", "mnist", "--epochs", "2"]))
     assert len(textbox) == 1 and "--seed 1 (TextBox: 2020)" in textbox[0] and "--max-epoch" not in textbox[0]
-    espnet = default_notes(cli.parse(["--task", "mnist", "--ngpu", "0"]))
+    espnet = default_notes(parse(["--task", "mnist", "--ngpu", "0"]))
     assert len(espnet) == 1 and "--cudnn-deterministic false (ESPnet2: true)" in espnet[0]
-    hetseq = default_notes(cli.parse(["--task", "mnist", "--fast-stat-sync", "--seed", "19940802"]))
+    hetseq = default_notes(parse(["--task", "mnist", "--fast-stat-sync", "--seed", "19940802"]))
     assert len(hetseq) == 1 and "--clip-norm 0 (HetSeq: 25)" in hetseq[0] and "--seed" not in hetseq[0]
 
 
@@ -310,15 +311,15 @@ def test_kanachan_users_hear_every_default_of_theirs_left_unset():
     """kanachan's sgd has momentum 0.9 and lr 0.1, its adam/radam/lamb lr
     0.001, its loader 2 workers: each unset one that differs is named."""
     from textbox_like import cli
-    from textbox_like.compat import default_notes
-    sgd = default_notes(cli.parse(["--task", "mnist", "--training-batch-size", "8", "--optimizer", "sgd"]))
+    from textbox_like.config.compat import default_notes
+    sgd = default_notes(parse(["--task", "mnist", "--training-batch-size", "8", "--optimizer", "sgd"]))
     assert len(sgd) == 1 and "--momentum 0 (kanachan: 0.9)" in sgd[0] and "--num-workers 0 (kanachan: 2)" in sgd[0]
     assert "--lr" not in sgd[0]                     # sgd's 0.1 is kanachan's too
-    adam = default_notes(cli.parse(["--task", "bert", "--training-batch-size", "8", "--optimizer", "adam"]))
+    adam = default_notes(parse(["--task", "bert", "--training-batch-size", "8", "--optimizer", "adam"]))
     assert len(adam) == 1 and "--lr 0.0001 (kanachan: 0.001)" in adam[0] and "--momentum" not in adam[0]
-    mnist = default_notes(cli.parse(["--task", "mnist", "--training-batch-size", "8"]))
+    mnist = default_notes(parse(["--task", "mnist", "--training-batch-size", "8"]))
     assert "--lr 0.003 (kanachan: 0.001)" in mnist[0]
-    given = default_notes(cli.parse(["--task", "mnist", "--training-batch-size", "8", "--optimizer", "sgd",
+    given = default_notes(parse(["--task", "mnist", "--training-batch-size", "8", "--optimizer", "sgd",
                                      "--momentum", "0.9", "--num-workers", "2", "--max-gradient-norm", "1"]))
     assert given == []
 
@@ -331,7 +332,7 @@ def test_hetseq_command_without_a_world_size_uses_every_visible_gpu(capsys):
     visible GPU (here 4, faked: this machine has none) gets a process."""
     from textbox_like import cli
     from textbox_like.launch import apply_hetseq_gpus
-    cfg = cli.parse(HETSEQ_ONE_NODE)
+    cfg = parse(HETSEQ_ONE_NODE)
     capsys.readouterr()
     four = apply_hetseq_gpus(cfg, device_count=4)
     assert four.distributed.distributed_world_size == 4
@@ -342,9 +343,9 @@ def test_hetseq_command_without_a_world_size_uses_every_visible_gpu(capsys):
     assert apply_hetseq_gpus(cfg, device_count=1).distributed.distributed_world_size == 1
     assert apply_hetseq_gpus(cfg, device_count=0).distributed.distributed_world_size == 1
     for extra in (["--distributed-world-size", "1"], ["--cpu"], ["--device-id", "0"]):
-        assert apply_hetseq_gpus(cli.parse(HETSEQ_ONE_NODE + extra), device_count=4) \
+        assert apply_hetseq_gpus(parse(HETSEQ_ONE_NODE + extra), device_count=4) \
             .distributed.distributed_world_size == 1, extra
-    ours = cli.parse(["--task", "mnist", "--max-sentences", "64"])
+    ours = parse(["--task", "mnist", "--max-sentences", "64"])
     assert apply_hetseq_gpus(ours, device_count=4).distributed.distributed_world_size == 1
     import os
     os.environ.update(RANK="0", WORLD_SIZE="1")   # torchrun/accelerate placed this process

@@ -28,7 +28,7 @@ class FakeAccelerator:
 
 
 def test_regions_that_are_submodules_compile_in_place():
-    from textbox_like.accelerator import compile_regions, uncompile
+    from textbox_like.parallel.accelerator import compile_regions, uncompile
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -80,7 +80,7 @@ def test_a_model_that_does_not_compile_trains_eager_after_one_line(small_mnist_d
 def test_no_compiler_means_eager_with_one_line(monkeypatch, capsys):
     import shutil
 
-    from textbox_like.accelerator import compile_plugin
+    from textbox_like.parallel.accelerator import compile_plugin
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
     cfg = types.SimpleNamespace(compile=True, compile_mode="default")

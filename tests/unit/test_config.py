@@ -8,9 +8,11 @@ import pytest
 
 from conftest import base_args, run_main
 
-from textbox_like import config as C
+from textbox_like.config.files import load_yaml, to_yaml
+from textbox_like.config.layers import PROPERTIES
 from textbox_like.config import layers
-from textbox_like.cli import main, parse
+from textbox_like.cli import main
+from textbox_like.resolve.resolution import parse
 
 
 def cfg_of(*args):
@@ -125,8 +127,9 @@ def test_model_conf_reaches_the_model():
 
 def test_scheduler_conf_reaches_the_scheduler():
     import torch
-    from textbox_like.cli import check, build_options
-    from textbox_like.lr_scheduler import build_scheduler
+    from textbox_like.resolve.checks import check
+    from textbox_like.resolve.options import build_options
+    from textbox_like.optim.lr_scheduler import build_scheduler
     ns = parse(["--lr-scheduler", "constant", "--warmup-updates", "0",
                             "--scheduler_conf", "warmup_updates=4",
                             "--lr", "0.5", "--max-update", "10"])
@@ -141,13 +144,13 @@ def test_scheduler_conf_reaches_the_scheduler():
 def test_properties_beat_builtin_defaults():
     """Whatever properties/overall.yaml and properties/task/mnist.yaml say wins
     over the built-in defaults (task file over overall file)."""
-    props = C.PROPERTIES
+    props = PROPERTIES
     merged = {}
     for path in (props / "overall.yaml", props / "task" / "mnist.yaml"):
         if path.is_file():
-            merged.update(C.load_yaml(path))
+            merged.update(load_yaml(path))
     assert merged, "no properties files"
-    from textbox_like.cli import build_options
+    from textbox_like.resolve.options import build_options
     defaults = {dest: action.default for dest, action in build_options().actions.items()}
     ns = parse(["--task", "mnist"])
     checked = 0
@@ -314,7 +317,7 @@ def test_config_equals_sign_form(tmp_path):
 
 
 def test_unknown_key_in_config_file_names_closest(tmp_path):
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     path = tmp_path / "bad.yaml"
     path.write_text("max_updat: 3\n")
     with pytest.raises(UserError, match="max_update"):
@@ -338,7 +341,7 @@ def test_espnet_switch_spellings(flag):
 
 
 def test_every_switch_takes_values():
-    from textbox_like.cli import build_options
+    from textbox_like.resolve.options import build_options
     options = build_options()
     assert {"resume", "fp16", "no_save", "nesterov", "checkpointing", "fast_stat_sync"} <= options.switches
     owner = {dest: group.split(":") for group, dests in options.groups.items() if ":" in group for dest in dests}
@@ -385,9 +388,9 @@ def test_save_dir_from_prefix_and_name(tmp_path):
     assert cfg_of("--experiment-name", "a").get("save_dir") == str(Path("checkpoints") / "a")
     # fed back through config.yaml: the same directory, not PREFIX/NAME/NAME
     import yaml as _yaml
-    from textbox_like.cli import parse as _parse
+    from textbox_like.resolve.resolution import parse as _parse
     ns = _parse(["--output-prefix", str(tmp_path), "--experiment-name", "a"])
     path = tmp_path / "c.yaml"
-    path.write_text(C.to_yaml(ns))
+    path.write_text(to_yaml(ns))
     assert cfg_of("--config", path).get("save_dir") == str(tmp_path / "a")
     assert cfg_of("--config", path, "--save-dir", tmp_path / "b").get("save_dir") == str(tmp_path / "b")

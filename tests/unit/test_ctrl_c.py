@@ -25,7 +25,7 @@ def test_a_run_in_this_process_hands_ctrl_c_back_and_leaves_an_ignored_one_ignor
     finally:
         signal.signal(signal.SIGINT, outer)
 
-    from textbox_like.preemption import Preemption
+    from textbox_like.processes.preemption import Preemption
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         taken = Preemption()

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from textbox_like import distributed
-from textbox_like.errors import UserError
+from textbox_like.processes import distributed
+from textbox_like.core.errors import UserError
 
 
 def cfg(**kw):
     """A resolved configuration with these settings (distributed_timeout 60 unless given)."""
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     return parse(["--task", "mnist"]).replace(**{"distributed_timeout": 60, **kw})
 
 
@@ -185,7 +185,7 @@ def test_build_accelerator_binds_device_id_under_torchrun_one_process(gpus, monk
         def __init__(self, **kw):
             made.update(kw, device=os.environ.get("ACCELERATE_TORCH_DEVICE"))
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
-    from textbox_like.accelerator import build_accelerator
+    from textbox_like.parallel.accelerator import build_accelerator
     config = cfg(device_id=3, fp16=False, bf16=False, train_dtype="float32", update_freq=[1], compile=False,
                  compile_mode="default", find_unused_parameters=False, bucket_cap_mb=25, save_dir="x")
     placement = distributed.placement_from_env(config)
@@ -252,7 +252,8 @@ def test_cudnn_deterministic_turns_on_deterministic_algorithms(monkeypatch):
 
 def test_cudnn_deterministic_is_applied_before_the_trainer(monkeypatch):
     """cli.run applies it before the trainer (and CUDA) start, in the worker."""
-    from textbox_like import cli, trainer
+    from textbox_like import cli
+    from textbox_like.training import outcome as trainer
     seen = []
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: seen.append("determinism"))
     monkeypatch.setattr(trainer, "train", lambda ns, callbacks=(): seen.append("train") or 0)
@@ -294,7 +295,8 @@ def test_pinning_is_requested_only_with_cuda(gpus):
 
 
 def test_no_deterministic_kernel_is_one_line(monkeypatch, capsys):
-    from textbox_like import cli, trainer
+    from textbox_like import cli
+    from textbox_like.training import outcome as trainer
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: None)
 
     def fail(ns, callbacks=()):
@@ -322,7 +324,7 @@ def test_ddp_bucket_size_defaults_by_device(gpus, monkeypatch, n_gpus, given, ex
         def __init__(self, **kw):
             made.update(kw)
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
-    from textbox_like.accelerator import build_accelerator
+    from textbox_like.parallel.accelerator import build_accelerator
     config = cfg(cpu=n_gpus == 0, fp16=False, bf16=False, train_dtype="float32", update_freq=[1], compile=False,
                  compile_mode="default", find_unused_parameters=False, bucket_cap_mb=given, save_dir="x",
                  device_id=0)
@@ -355,7 +357,7 @@ def test_fsdp_one_gpu_without_a_launcher_gets_a_group_of_one_and_accelerates_fsd
         def __init__(self, **kw):
             made.update(kw, local_rank=os.environ.get("LOCAL_RANK"), group=dict(group))
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
-    from textbox_like.accelerator import build_accelerator
+    from textbox_like.parallel.accelerator import build_accelerator
     config = cfg(fsdp=True, bf16=True, fp16=False, train_dtype="float32", update_freq=[1], compile=False,
                  compile_mode="default", find_unused_parameters=False, bucket_cap_mb=None, save_dir="x",
                  device_id=0)
@@ -391,7 +393,7 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
     ACCELERATE_USE_PARALLELISM_CONFIG / PARALLELISM_CONFIG_*), and the trainer's shard_model applies
     the (world, 1) mesh, the code the CPU runs test; full and hybrid on one
     node of two GPUs keep Accelerate's plugin."""
-    from textbox_like import sharding
+    from textbox_like.parallel import sharding
     gpus(2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     import accelerate
@@ -405,7 +407,7 @@ def test_fsdp_on_two_gpus_splitting_nothing_is_sharded_by_shard_model_not_accele
                         parallelism_env=sorted(n for n in os.environ if "PARALLELISM_CONFIG" in n))
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
     monkeypatch.setattr(sharding, "check_nodes_alike", lambda cfg, placement: None)  # a collective: no group here
-    from textbox_like.accelerator import build_accelerator
+    from textbox_like.parallel.accelerator import build_accelerator
     config = cfg(fsdp=True, fsdp_sharding=strategy, bf16=True, fp16=False, train_dtype="float32", update_freq=[1],
                  compile=False, compile_mode="default", find_unused_parameters=False, bucket_cap_mb=None,
                  save_dir="x", distributed_world_size=2)
@@ -436,7 +438,7 @@ def test_hybrid_over_two_nodes_of_two_gpus_gives_a_parallelism_config_accelerate
 
     from accelerate.utils import DistributedType
 
-    from textbox_like import sharding
+    from textbox_like.parallel import sharding
     gpus(2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     config = cfg(fsdp=True, fsdp_sharding="hybrid", distributed_world_size=4)

@@ -7,11 +7,14 @@ import types
 
 import torch
 
-from textbox_like import accelerator, cli, distributed
+from textbox_like.parallel import accelerator
+from textbox_like import cli
+from textbox_like.processes import distributed
+from textbox_like.resolve.resolution import parse
 
 
 def test_gpu_id_sets_visible_devices_and_one_process_each(monkeypatch):
-    from textbox_like import trainer
+    from textbox_like.training import outcome as trainer
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(distributed, "apply_determinism", lambda ns: None)
     seen = {}
@@ -24,7 +27,7 @@ def test_gpu_id_sets_visible_devices_and_one_process_each(monkeypatch):
     monkeypatch.setattr(distributed, "local_plan", plan)
     monkeypatch.setattr(trainer, "train", lambda ns, callbacks=(): 0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    ns = cli.parse(["--task", "mnist", "--gpu_id", "2,3"])
+    ns = parse(["--task", "mnist", "--gpu_id", "2,3"])
     assert cli.run(ns) == 0
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3" and seen["world"] == 2
     assert seen["source"] == "command line (TextBox --gpu_id)"

@@ -31,8 +31,8 @@ from conftest import run_main, write_mnist
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 SCRIPTS = {"run_hetseq.py": "train", "run_hyper.py": "hyper", "run_multi_seed.py": "multi-seed"}
-MODULES = {"textbox_like.data.prepare_bert": "prepare-bert", "textbox_like.eval": "eval",
-           "textbox_like.plot": "plot", "textbox_like.bench": "bench", "textbox_like.export": "export"}
+MODULES = {"textbox_like.tools.prepare_bert": "prepare-bert", "textbox_like.tools.eval": "eval",
+           "textbox_like.metrics.plot": "plot", "textbox_like.tools.bench": "bench", "textbox_like.tools.export": "export"}
 
 
 def shell_lines(text):
@@ -163,8 +163,8 @@ TRAINER = [(page, line, argv) for page, line, tool, argv in DOCUMENTED if tool =
 @pytest.mark.parametrize("page,line,argv", TRAINER, ids=[f"{p}:{' '.join(a)[:60]}" for p, _, a in TRAINER])
 def test_a_documented_trainer_command_resolves_and_passes_the_runs_checks(page, line, argv, stand_ins, tmp_path,
                                                                           monkeypatch):
-    from textbox_like.config.checks import check
-    from textbox_like.config.resolution import resolve
+    from textbox_like.resolve.checks import check
+    from textbox_like.resolve.resolution import resolve
     monkeypatch.chdir(tmp_path)     # relative --save-dir and my.yaml land here
     argv = placed(argv, stand_ins)
     if "--config" in argv:          # the page wrote it with --print_config first
@@ -181,9 +181,9 @@ SEARCHES = [(page, line, tool, argv) for page, line, tool, argv in DOCUMENTED if
 @pytest.mark.parametrize("page,line,tool,argv", SEARCHES, ids=[f"{p}:{' '.join(a)[:60]}" for p, _, _, a in SEARCHES])
 def test_a_documented_search_parses_loads_its_space_and_its_trials_options_resolve(page, line, tool, argv,
                                                                                  stand_ins, monkeypatch, tmp_path):
-    from textbox_like.config.checks import check
-    from textbox_like.config.resolution import import_plugins, resolve
-    from textbox_like.config.options import build_options
+    from textbox_like.resolve.checks import check
+    from textbox_like.resolve.resolution import import_plugins, resolve
+    from textbox_like.resolve.options import build_options
     from textbox_like.search.commands import parse_search
     from textbox_like.search.space import load_space
     monkeypatch.chdir(tmp_path)
@@ -205,11 +205,11 @@ TOOLS = [(page, line, tool, argv) for page, line, tool, argv in DOCUMENTED if to
 def test_a_documented_tools_options_parse(page, line, tool, argv, stand_ins):
     argv = placed(argv, stand_ins)
     if tool == "bench":
-        from textbox_like.bench import build_parser
+        from textbox_like.tools.bench import build_parser
     elif tool == "prepare-bert":
-        from textbox_like.data.prepare_bert import build_parser
+        from textbox_like.tools.prepare_bert import build_parser
     else:
-        from textbox_like.export import build_parser
+        from textbox_like.tools.export import build_parser
     args, rest = build_parser().parse_known_args(argv)
     assert tool != "prepare-bert" or not rest, rest
 
@@ -245,15 +245,15 @@ def test_the_documented_one_process_mnist_commands_train_restore_evaluate_and_pl
     config = Path("out2/config.yaml").read_text()
     assert "0.001" in config and "checkpoint_1_2.pt" in config
 
-    evaluate = next(line for line in pages if "textbox_like.eval" in line)
+    evaluate = next(line for line in pages if "textbox_like.tools.eval" in line)
     argv = shlex.split(evaluate)[3:]
     argv[argv.index("--model_ckpt") + 1] = "out/checkpoint_best.pt"
-    from textbox_like.eval import main as eval_main
+    from textbox_like.tools.eval import main as eval_main
     capsys.readouterr()
     assert eval_main(argv + ["--data", stand_ins["DIR"]]) == 0
     assert "accuracy" in capsys.readouterr().out
 
-    plot = next(line for line in pages if "textbox_like.plot runs/lr1" in line)
+    plot = next(line for line in pages if "textbox_like.metrics.plot runs/lr1" in line)
     argv = [{"runs/lr1": "out", "runs/lr2": "out2"}.get(a, a) for a in shlex.split(plot)[3:]]
-    from textbox_like.plot import main as plot_main
+    from textbox_like.metrics.plot import main as plot_main
     assert plot_main(argv) == 0 and Path("cmp.png").stat().st_size > 1000

@@ -178,8 +178,8 @@ def test_nccl_dead_peer_is_saved_from_the_start_of_the_update_in_flight(data, tm
     its data position rewound to where the update in flight started."""
     from conftest import _reset_accelerate
     from test_faults import build_trainer
-    from textbox_like import collectives
-    from textbox_like import trainer as T
+    from textbox_like.core import collectives
+    from textbox_like.training import outcome as T
     from textbox_like.training.global_batch import RankTiming
     trainer, _, _ = build_trainer(args(data, tmp_path / "save", "--max-sentences", 16, "--max-update", 10))
     trainer.world, trainer.feed.data_can_fail = 2, True  # one of two ranks: every update sums a flag over them
@@ -212,8 +212,9 @@ def test_a_dead_workers_lock_on_another_host_is_taken_over_by_the_next_worker_gr
     """A node that died held the save directory's lock: the next worker group
     of the same torchrun run takes it over at once (not after 10 minutes);
     another run, or the same group, is refused as before."""
-    from textbox_like import elastic, savelock
-    from textbox_like.errors import UserError
+    from textbox_like.processes import elastic
+    from textbox_like.storage import savelock
+    from textbox_like.core.errors import UserError
     holder = {"host": "node-b", "pid": 4242, "started": time.time() - 60, "token": "x", "elastic_run": "job7",
               "elastic_restart": 0}
     (tmp_path / savelock.LOCK_NAME).write_text(json.dumps(holder))
@@ -234,8 +235,9 @@ def test_a_dead_workers_lock_on_another_host_is_taken_over_by_the_next_worker_gr
 
 
 def test_a_restart_resumes_by_itself_and_keeps_the_first_starts_global_batch(tmp_path, monkeypatch):
-    from textbox_like import elastic
-    from textbox_like.cli import elastic_restart, parse
+    from textbox_like.processes import elastic
+    from textbox_like.cli import elastic_restart
+    from textbox_like.resolve.resolution import parse
     cfg = parse(["--task", "mnist", "--save-dir", str(tmp_path), "--max-sentences", "32"])
     assert elastic_restart(cfg) is cfg  # not under torchrun
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
@@ -253,7 +255,7 @@ def test_a_restart_resumes_by_itself_and_keeps_the_first_starts_global_batch(tmp
 
 
 def test_torchs_shared_rendezvous_store_is_named_where_a_node_could_not_join():
-    from textbox_like import elastic
+    from textbox_like.processes import elastic
     agent = elastic.Agent("job7", 0, 3)
     line = elastic.joining_note(agent, {"TORCHELASTIC_USE_AGENT_STORE": "True"})
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line

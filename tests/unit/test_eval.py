@@ -1,4 +1,4 @@
-"""python -m textbox_like.eval: loss and accuracy averaged over ALL samples."""
+"""python -m textbox_like.tools.eval: loss and accuracy averaged over ALL samples."""
 from __future__ import annotations
 
 import json
@@ -40,7 +40,7 @@ def manual(ckpt, data_dir, split):
 
 
 def eval_in_process(capsys, *args):
-    from textbox_like import eval as E
+    from textbox_like.tools import eval as E
     capsys.readouterr()
     rc = E.main([str(a) for a in args])
     out = capsys.readouterr()

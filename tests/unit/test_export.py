@@ -1,5 +1,5 @@
 """Models leave as transformers models: a tiny BERT pre-trained here, exported
-with ``python -m textbox_like.export``, loads with ``from_pretrained`` and
+with ``python -m textbox_like.tools.export``, loads with ``from_pretrained`` and
 gives our own eval's MLM loss; a new run starts from the exported directory."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from textbox_like.data.prepare_bert import main as prepare
-from textbox_like.export import main as export_main
+from textbox_like.tools.prepare_bert import main as prepare
+from textbox_like.tools.export import main as export_main
 
 from conftest import base_args, refusal_in_process, run_main
 from test_prepare_bert import write_corpus, write_vocab
@@ -31,7 +31,7 @@ def run(argv, timeout=300):
 
 
 def export_in_process(argv, capfd):
-    """``python -m textbox_like.export ARGV`` in-process, as a CompletedProcess
+    """``python -m textbox_like.tools.export ARGV`` in-process, as a CompletedProcess
     (its main is what the module's process runs: one line and 2 on a mistake)."""
     capfd.readouterr()
     code = export_main([str(a) for a in argv])
@@ -78,8 +78,8 @@ def fixed_batch(root):
 
 def our_model(checkpoint):
     """The checkpoint's model as our trainer and eval build it."""
-    from textbox_like.checkpoint import load_checkpoint
-    from textbox_like.export import run_config
+    from textbox_like.storage.checkpoint import load_checkpoint
+    from textbox_like.tools.export import run_config
     from textbox_like.tasks import TASKS
     state = load_checkpoint(checkpoint)
     task = TASKS.get("bert")(run_config(state))
@@ -151,7 +151,7 @@ def test_new_run_starts_from_the_exported_directory(exported, tmp_path):
     DIR/config.json and its weights at update 0 are the exported ones."""
     from safetensors.torch import load_file
 
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     from textbox_like.tasks import TASKS
 
     root, _, target = exported

@@ -40,9 +40,10 @@ def load(path):
 
 def build_trainer(argv):
     """A Trainer as cli.main/cli.run would build it for one process."""
-    from textbox_like import distributed
-    from textbox_like.cli import check, parse
-    from textbox_like.trainer import Trainer
+    from textbox_like.processes import distributed
+    from textbox_like.resolve.checks import check
+    from textbox_like.resolve.resolution import parse
+    from textbox_like.training.trainer import Trainer
     _reset_accelerate()
     ns = parse([str(a) for a in argv])
     check(ns)
@@ -52,8 +53,8 @@ def build_trainer(argv):
 
 
 def run_trainer(trainer):
-    """trainer.train() with the handling of textbox_like.trainer.train (exit codes, one line)."""
-    from textbox_like.faults import DataUnavailable, RunStopped
+    """trainer.train() with the handling of textbox_like.training.outcome.train (exit codes, one line)."""
+    from textbox_like.core.faults import DataUnavailable, RunStopped
     try:
         try:
             return trainer.train()
@@ -149,7 +150,7 @@ FUSED = ["--optim_conf", "fused=true"]
 
 
 def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     from textbox_like.optim import build_optimizer
 
     def built(device_type, *argv):
@@ -172,8 +173,8 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
     from accelerate.utils import TorchDynamoPlugin
 
     from textbox_like import optim
-    from textbox_like.distributed import Placement
-    from textbox_like.trainer import Trainer
+    from textbox_like.processes.distributed import Placement
+    from textbox_like.training.trainer import Trainer
     asked = []
     monkeypatch.setattr(optim, "build_optimizer", lambda cfg, groups, fused_default=False: asked.append(
         fused_default) or torch.optim.SGD(groups[0]["params"], lr=0.1))
@@ -186,7 +187,7 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
                                     param_groups=lambda m, wd: [{"params": list(m.parameters())}])
         fake.rank = 0
         fake.placement = Placement()  # one process: nothing to shard
-        monkeypatch.setattr("textbox_like.lr_scheduler.build_scheduler", lambda cfg, opt: None)
+        monkeypatch.setattr("textbox_like.optim.lr_scheduler.build_scheduler", lambda cfg, opt: None)
         Trainer.build_model(fake)
         assert asked[-1] is expected, (device, scaler)
 
@@ -196,7 +197,7 @@ def test_device_skip_reads_the_norm_one_update_late_and_skips_exactly(data, tmp_
     optimizer state alone, the LR schedule does not step, the host learns of
     it after the next update's backward (never before stepping), and the
     counts come out as on the host path."""
-    from textbox_like import faults
+    from textbox_like.core import faults
     trainer, ns, _ = build_trainer(mnist_args(data, tmp_path / "out", "--optimizer", "adam", *FUSED,
                                               "--log-interval", "100", "--no-save", "--disable-validation",
                                               max_update=8))
@@ -257,7 +258,7 @@ def test_first_update_nan_under_fused_sgd_momentum_is_checked_on_the_host(data, 
     """Fused SGD creates its momentum buffers with empty_like in its first
     step: a first step skipped in the kernel would keep them uninitialised.
     The step that creates the optimizer's state is checked on the host."""
-    from textbox_like import faults
+    from textbox_like.core import faults
     trainer, _, _ = build_trainer(mnist_args(data, tmp_path / "out", "--optimizer", "sgd", "--momentum", "0.9",
                                              *FUSED, "--log-interval", "100", "--no-save", "--disable-validation",
                                              max_update=4))
@@ -276,7 +277,7 @@ def test_first_update_nan_under_fused_sgd_momentum_is_checked_on_the_host(data, 
 
 # -------------------------------------------------------------- full disk
 def test_disk_full_on_second_checkpoint_exits_74_then_resume(data, tmp_path, monkeypatch):
-    import textbox_like.checkpoint as ckpt
+    import textbox_like.storage.checkpoint as ckpt
     out = tmp_path / "out"
     real_write = ckpt.atomic_write
     calls = {"n": 0}
@@ -354,7 +355,7 @@ def test_unwritable_save_dir_refused_before_data_loads(data, tmp_path, monkeypat
 @pytest.fixture(scope="module")
 def bert_data(tmp_path_factory):
     from test_prepare_bert import write_corpus, write_vocab
-    from textbox_like.data.prepare_bert import main as prepare
+    from textbox_like.tools.prepare_bert import main as prepare
     root = tmp_path_factory.mktemp("bert_faults")
     vocab = root / "vocab.txt"
     tokens = write_vocab(vocab)

@@ -7,8 +7,10 @@ import torch
 import yaml
 
 from textbox_like import search as S
-from textbox_like.cli import build_options, main, parse
-from textbox_like.errors import UserError
+from textbox_like.resolve.options import build_options
+from textbox_like.cli import main
+from textbox_like.resolve.resolution import parse
+from textbox_like.core.errors import UserError
 
 
 NO_CUDA = not torch.cuda.is_available()
@@ -170,7 +172,7 @@ def test_hetseq_scheduler_given_as_optimizer_points_at_lr_scheduler(capsys):
 def test_usable_cpus_is_the_affinity(monkeypatch):
     import os
 
-    from textbox_like import distributed
+    from textbox_like.processes import distributed
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3})
     assert distributed.usable_cpus() in (1, 2)      # 1 only where a cgroup quota allows less
 
@@ -236,7 +238,7 @@ def test_kanachan_training_and_validation_data_files_are_those_files(tmp_path):
     import shutil
 
     from test_prepare_bert import write_corpus, write_vocab
-    from textbox_like.data.prepare_bert import main as prepare
+    from textbox_like.tools.prepare_bert import main as prepare
 
     from textbox_like.tasks import TASKS
     vocab = tmp_path / "vocab.txt"
@@ -276,7 +278,7 @@ def test_a_short_run_logs_progress_about_ten_times(small_mnist_dir, tmp_path):
 
 
 def test_validation_batches_default_to_four_times_the_training_batch():
-    from textbox_like.trainer import valid_batch_size
+    from textbox_like.training.validation import valid_batch_size
     assert valid_batch_size(parse(MNIST).data) == 32                               # --max-sentences 8
     assert valid_batch_size(parse(MNIST + ["--max-sentences-valid", "5"]).data) == 5
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from textbox_like.sharded_checkpoint import read_extra_state
+from textbox_like.storage.sharded_checkpoint import read_extra_state
 
 from conftest import clean_env, read_jsonl, run_main
 
@@ -78,9 +78,9 @@ def train_records(save_dir):
 # ------------------------------------------------------------------ settings
 STRATEGIES_SCRIPT = '''
 import torch, torch.distributed as dist
-from textbox_like import sharding
-from textbox_like.config.resolution import resolve
-from textbox_like.distributed import Placement
+from textbox_like.parallel import sharding
+from textbox_like.resolve.resolution import resolve
+from textbox_like.processes.distributed import Placement
 dist.init_process_group("gloo")
 for strategy, nodes in (("none", 1), ("hybrid", 1), ("hybrid", 2), ("full", 1)):
     cfg, _ = resolve(["--fsdp", "--fsdp-sharding", strategy])
@@ -101,8 +101,8 @@ for strategy, nodes in (("none", 1), ("hybrid", 1), ("hybrid", 2), ("full", 1)):
 
 
 def test_accelerate_launch_fsdp_flags_are_the_runs_settings():
-    from textbox_like.config.resolution import resolve
-    from textbox_like.errors import UserError
+    from textbox_like.resolve.resolution import resolve
+    from textbox_like.core.errors import UserError
     environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
                "FSDP_MIN_NUM_PARAMS": "5000", "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_OFFLOAD_PARAMS": "true",
                "FSDP_ACTIVATION_CHECKPOINTING": "true"}

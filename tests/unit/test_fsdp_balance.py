@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from textbox_like.balance import Balancer
+from textbox_like.training.balance import Balancer
 
 from test_balance import oscillations_per_interval, simulate
 

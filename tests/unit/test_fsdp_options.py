@@ -49,8 +49,8 @@ def test_ddp_settings_that_fsdp_cannot_honour_are_refused(tmp_path, flags, messa
 
 
 def test_cpu_offload_on_cpu_says_it_changes_nothing(capsys):
-    from textbox_like import sharding
-    from textbox_like.config.resolution import resolve
+    from textbox_like.parallel import sharding
+    from textbox_like.resolve.resolution import resolve
     cfg, _ = resolve(["--fsdp", "--fsdp-cpu-offload", "--cpu"])
     sharding.check_settings(cfg)
     assert capsys.readouterr().err == ("note: --fsdp-cpu-offload changes nothing on CPU: parameters, gradients and "
@@ -64,15 +64,15 @@ def test_cpu_offload_on_cpu_says_it_changes_nothing(capsys):
 def test_accelerate_reshard_values_read_as_fsdp2_settings(value, sharding_strategy, reshard):
     """accelerate launch lowercases --fsdp_reshard_after_forward; FSDP1's
     strategy names mean a sharding and a resharding under FSDP2."""
-    from textbox_like.config.resolution import resolve
+    from textbox_like.resolve.resolution import resolve
     environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": value}
     s = resolve([], environ=environ)[0].sharding
     assert (s.fsdp_sharding, s.fsdp_reshard_after_forward) == (sharding_strategy, reshard)
 
 
 def test_an_unknown_reshard_value_is_refused():
-    from textbox_like.config.resolution import resolve
-    from textbox_like.errors import UserError
+    from textbox_like.resolve.resolution import resolve
+    from textbox_like.core.errors import UserError
     with pytest.raises(UserError, match="FSDP2 takes true or false there"):
         resolve([], environ={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "2"})
 
@@ -81,8 +81,8 @@ def test_an_unknown_reshard_value_is_refused():
 def test_optimizer_state_figure_follows_the_optimizers_arguments():
     """SGD keeps a momentum buffer only with momentum > 0: in one process
     (run_hyper's trials), each configuration gets its own figure."""
-    from textbox_like import sharding
-    from textbox_like.config.resolution import resolve
+    from textbox_like.parallel import sharding
+    from textbox_like.resolve.resolution import resolve
     plain = resolve(["--optimizer", "sgd", "--momentum", "0"])[0].optim
     heavy = resolve(["--optimizer", "sgd", "--momentum", "0.9"])[0].optim
     assert (sharding.optimizer_state_elements(plain), sharding.optimizer_state_elements(heavy)) == (0, 1)
@@ -91,10 +91,10 @@ def test_optimizer_state_figure_follows_the_optimizers_arguments():
 def test_a_tied_layer_that_accelerates_plugin_would_shard_alone_is_refused_in_one_line():
     import torch
 
-    from textbox_like import sharding
-    from textbox_like.config.resolution import resolve
-    from textbox_like.distributed import Placement
-    from textbox_like.errors import UserError
+    from textbox_like.parallel import sharding
+    from textbox_like.resolve.resolution import resolve
+    from textbox_like.processes.distributed import Placement
+    from textbox_like.core.errors import UserError
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -157,7 +157,7 @@ def exactness_args(model, data, save_dir, *extra):
 
 # ---------------------------------------------------------------- data: cache, files, columns
 def build(*args):
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     from textbox_like.tasks import TASKS
     return TASKS.get("hf")(parse(["--task", "hf", *[str(a) for a in args]]))
 

@@ -39,7 +39,7 @@ class Hostile:
 
 def update_manifest(directory: Path, *names):
     """Make the manifest agree with the replaced files, as an attacker would."""
-    from textbox_like.sharded_checkpoint import file_digest
+    from textbox_like.storage.sharded_checkpoint import file_digest
     manifest_path = directory / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     for name in names:

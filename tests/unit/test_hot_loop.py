@@ -32,9 +32,10 @@ def data30(tmp_path_factory):
 
 
 def build_trainer(argv):
-    from textbox_like import distributed
-    from textbox_like.cli import check, parse
-    from textbox_like.trainer import Trainer
+    from textbox_like.processes import distributed
+    from textbox_like.resolve.checks import check
+    from textbox_like.resolve.resolution import parse
+    from textbox_like.training.trainer import Trainer
     _reset_accelerate()
     ns = parse([str(a) for a in argv])
     check(ns)
@@ -265,9 +266,9 @@ def test_num_workers_reads_ahead_only_for_data_read_from_disk(data30, tmp_path, 
 
 
 def test_the_trainer_keeps_freed_heap_before_loading_data(data30, tmp_path, monkeypatch):
-    """The malloc setting (textbox_like/malloc.py) is made in every training
+    """The malloc setting (textbox_like/parallel/malloc.py) is made in every training
     process, before the data and the model are allocated."""
-    from textbox_like import malloc
+    from textbox_like.parallel import malloc
     from textbox_like.tasks import mnist as mnist_task
     order = []
     monkeypatch.setattr(malloc, "keep_freed_heap", lambda *threshold: order.append("malloc") or True)

@@ -131,7 +131,7 @@ def test_the_walker_finds_a_cycle_through_a_lazy_import(tmp_path):
 def test_no_import_cycle_among_textbox_like_modules():
     graph = import_graph(PACKAGE_DIR, "textbox_like")
     # the walk sees top-level and lazy imports alike (resolution imports the task registry inside functions)
-    assert {"textbox_like.config.schema", "textbox_like.tasks"} <= graph["textbox_like.config.resolution"]
+    assert {"textbox_like.config.schema", "textbox_like.tasks"} <= graph["textbox_like.resolve.resolution"]
     found = cycles(graph)
     assert not found, "import cycles: " + " | ".join(describe(c, graph) for c in found)
 
@@ -142,8 +142,86 @@ def test_the_configuration_is_layered():
     assert graph["textbox_like.config.value_types"] == set()
     assert graph["textbox_like.config.layers"] == set()
     assert graph["textbox_like.config.compat"] <= {"textbox_like.config.schema", "textbox_like.config.value_types",
-                                                   "textbox_like.errors"}
+                                                   "textbox_like.core.errors"}
     for name, deps in config.items():
         assert "textbox_like.config" not in deps, f"{name} imports the package's __init__; import the module"
-        assert not deps & {"textbox_like.launch", "textbox_like.distributed", "textbox_like.cli",
-                           "textbox_like.trainer"}, f"{name} imports launch or training code: {sorted(deps)}"
+        assert not deps & {"textbox_like.launch", "textbox_like.processes.distributed", "textbox_like.cli",
+                           "textbox_like.training.outcome"}, f"{name} imports launch or training code: {sorted(deps)}"
+
+
+#: the folders of textbox_like, top first: each imports only from its own folder
+#: and those below it (a lazy import inside a function too). The package's own
+#: top level is the entry points, in two tiers: the command and the package
+#: (which reach every tool by name), and the trainer's command line, Python API
+#: and launcher, which the tools call. docs/code-map.md tells the same story.
+LAYERS = (
+    ("textbox_like", "textbox_like.__main__", "textbox_like.commands"),
+    ("textbox_like.tools",),         # commands other than training: bench, export, eval, prepare_bert
+    ("textbox_like.cli", "textbox_like.api", "textbox_like.launch"),
+    ("textbox_like.search",),        # hyperparameter search and seeds, local and on Ray Tune
+    ("textbox_like.training",),      # the loop and its components, the balancer, the validator
+    ("textbox_like.resolve",),       # command line and settings to a checked RunConfig: knows every registry
+    ("textbox_like.tasks",),         # what is trained: a model, datasets, a loss
+    ("textbox_like.callbacks",),     # the public callback contract and its registry
+    ("textbox_like.models",),
+    ("textbox_like.data",),
+    ("textbox_like.parallel",),      # Accelerate's Accelerator, FSDP2 sharding, malloc
+    ("textbox_like.optim",),         # optimizers and LR schedulers
+    ("textbox_like.processes",),     # ranks, process groups, the torchrun agent's notes, signals
+    ("textbox_like.config",),        # the schema layer: value types, sections, registries, files
+    ("textbox_like.metrics",),       # meters, trackers, text metrics, curves
+    ("textbox_like.storage",),       # files, locks, checkpoints of both formats
+    ("textbox_like.core",),          # errors, faults, small leaves
+)
+ENTRY_POINTS = {"__init__", "__main__", "commands", "cli", "api", "launch"}
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the folder (or top-level entry point) holding ``module``."""
+    found = [i for i, group in enumerate(LAYERS) for name in group
+             if module == name or (name != "textbox_like" and module.startswith(name + "."))]
+    assert found, f"{module} is in no layer: add its folder to LAYERS"
+    return found[0]
+
+
+def upward_imports(graph) -> list:
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if layer_of(b) < layer_of(a))
+
+
+def test_every_folder_imports_only_from_itself_and_the_folders_below_it():
+    graph = import_graph(PACKAGE_DIR, "textbox_like")
+    assert upward_imports(graph) == []
+
+
+def test_the_layering_check_finds_an_upward_import_lazy_or_not(tmp_path):
+    graph = import_graph(PACKAGE_DIR, "textbox_like")
+    graph["textbox_like.core.errors"] = graph["textbox_like.core.errors"] | {"textbox_like.storage.fileio"}
+    graph["textbox_like.config.schema"] = graph["textbox_like.config.schema"] | {"textbox_like.cli"}
+    assert upward_imports(graph) == ["textbox_like.config.schema -> textbox_like.cli",
+                                     "textbox_like.core.errors -> textbox_like.storage.fileio"]
+    pkg = tmp_path / "textbox_like"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "errors.py").write_text("def f():\n    from textbox_like.cli import main\n")
+    (pkg / "cli.py").write_text("")
+    assert upward_imports(import_graph(pkg, "textbox_like")) == ["textbox_like.core.errors -> textbox_like.cli"]
+
+
+def test_the_top_level_holds_only_the_entry_points_and_every_folder_is_a_layer():
+    top = {p.stem for p in PACKAGE_DIR.glob("*.py")}
+    assert top == ENTRY_POINTS
+    folders = {p.name for p in PACKAGE_DIR.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    assert {f"textbox_like.{f}" for f in folders} == {name for group in LAYERS[1:] for name in group
+                                                      if name.count(".") == 1 and not name.endswith(
+                                                          tuple(ENTRY_POINTS))}
+
+
+def test_no_class_over_400_lines():
+    import ast
+    long = []
+    for path in PACKAGE_DIR.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+                long.append(f"{path.relative_to(PACKAGE_DIR)}:{node.name} ({node.end_lineno - node.lineno + 1})")
+    assert long == []

@@ -1,4 +1,4 @@
-"""Each use of another library's private parts (textbox_like/internals.py)
+"""Each use of another library's private parts (textbox_like/core/internals.py)
 still does what we rely on, with the installed versions."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from textbox_like import internals
+from textbox_like.core import internals
 
 
 def test_compile_errors_catch_a_model_that_does_not_compile():

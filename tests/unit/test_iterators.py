@@ -193,7 +193,7 @@ def test_resume_with_other_world_size_or_batch_sizes(new_sizes):
 
 
 def test_load_state_rejects_other_dataset_or_seed():
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     it = _it(n=100)
     run_epoch(it, 2)
     state = it.state_dict()

@@ -58,7 +58,7 @@ def test_lamb_state_dict_roundtrip():
 
 def cfg(name):
     """The optimizer section of a run of this optimizer at lr 0.05, weight decay 0.01."""
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     return parse(["--optimizer", name, "--lr", "0.05", "--weight-decay", "0.01"]).optim
 
 

@@ -1,10 +1,10 @@
 """glibc malloc kept from giving each update's freed heap back to the OS
-(textbox_like/malloc.py; issue 12: no cost a plain loop does not pay)."""
+(textbox_like/parallel/malloc.py; issue 12: no cost a plain loop does not pay)."""
 from __future__ import annotations
 
 import pytest
 
-from textbox_like.malloc import user_chose_malloc
+from textbox_like.parallel.malloc import user_chose_malloc
 
 
 @pytest.mark.parametrize("env, chose", [
@@ -24,5 +24,5 @@ def test_user_chose_malloc(env, chose):
 @pytest.mark.parametrize("fsdp, world_size, cuda, sharded", [
     (True, 2, False, True), (True, 1, False, False), (True, 2, True, False), (False, 2, False, False)])
 def test_freed_megabyte_chunks_are_unmapped_only_for_fsdp_on_cpu_ranks(fsdp, world_size, cuda, sharded):
-    from textbox_like.malloc import MMAP_THRESHOLD, SHARDED_MMAP_THRESHOLD, mmap_threshold_for
+    from textbox_like.parallel.malloc import MMAP_THRESHOLD, SHARDED_MMAP_THRESHOLD, mmap_threshold_for
     assert mmap_threshold_for(fsdp, world_size, cuda) == (SHARDED_MMAP_THRESHOLD if sharded else MMAP_THRESHOLD)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from textbox_like.cli import parse
+from textbox_like.resolve.resolution import parse
 from textbox_like.data import mnist as M
-from textbox_like.errors import UserError
+from textbox_like.core.errors import UserError
 from textbox_like.tasks import TASKS
 
 from conftest import NAMES, N_TEST, N_TRAIN, base_args, read_jsonl, run_main, write_mnist

@@ -9,8 +9,8 @@ import torch
 
 from conftest import base_args, read_jsonl, run_main
 
-from textbox_like.cli import parse
-from textbox_like.lr_scheduler import SCHEDULERS, build_scheduler
+from textbox_like.resolve.resolution import parse
+from textbox_like.optim.lr_scheduler import SCHEDULERS, build_scheduler
 from textbox_like.optim import build_optimizer
 
 
@@ -234,7 +234,7 @@ def test_logged_lr_follows_polynomial_schedule(mnist_dir, tmp_path):
 def test_optim_conf_weight_decay_applies_with_default_weight_decay():
     """--optim_conf weight_decay=X reaches every group but those the task exempts."""
     import torch
-    from textbox_like.cli import parse
+    from textbox_like.resolve.resolution import parse
     from textbox_like.optim import build_optimizer
     cfg = parse(["--task", "mnist", "--optimizer", "adamw", "--optim_conf", "weight_decay=0.01"])
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
@@ -254,7 +254,7 @@ def test_static_optimizer_list_covers_torch():
 def test_static_scheduler_list_covers_torch():
     from torch.optim import lr_scheduler as L
 
-    from textbox_like.lr_scheduler import TORCH_SCHEDULERS
+    from textbox_like.optim.lr_scheduler import TORCH_SCHEDULERS
     found = {n for n in dir(L) if isinstance(getattr(L, n), type) and not n.startswith("_")
              and n != "LRScheduler" and (issubclass(getattr(L, n), L.LRScheduler) or n == "ReduceLROnPlateau")}
     assert found <= set(TORCH_SCHEDULERS), found - set(TORCH_SCHEDULERS)
@@ -272,7 +272,7 @@ def test_every_torch_optimizer_by_name_any_case(name):
 
 
 def test_torch_optimizer_conf_is_checked_against_its_signature():
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     with pytest.raises(UserError, match="valid keys: lr, alpha, eps"):
         cfg_of("--optim", "rmsprop", "--optim_conf", "alpah=0.9")
     ns = cfg_of("--optim", "rmsprop", "--optim_conf", "alpha=0.9", "--epsilon", "1e-5")
@@ -282,8 +282,8 @@ def test_torch_optimizer_conf_is_checked_against_its_signature():
 
 @pytest.mark.parametrize("name", ["lbfgs", "sparseadam"])
 def test_optimizers_this_trainer_cannot_step_are_refused_at_check(name):
-    from textbox_like.cli import check
-    from textbox_like.errors import UserError
+    from textbox_like.resolve.checks import check
+    from textbox_like.core.errors import UserError
     ns = parse(["--optim", name, "--max-update", "1"])
     assert ns.optim.optim_conf  # printable
     with pytest.raises(UserError, match=name):
@@ -297,7 +297,7 @@ def test_optimizers_this_trainer_cannot_step_are_refused_at_check(name):
     ("onecyclelr", "max_lr=0.01"), ("CosineAnnealingWarmRestarts", "T_0=3"), ("reducelronplateau", "{}"),
 ])
 def test_every_torch_scheduler_by_name(name, conf):
-    from textbox_like.cli import check
+    from textbox_like.resolve.checks import check
     ns = parse(["--scheduler", name, "--scheduler_conf", conf, "--max-update", "10",
                             "--max-epoch", "3"])
     check(ns)
@@ -310,7 +310,7 @@ def test_every_torch_scheduler_by_name(name, conf):
 
 
 def test_torch_scheduler_conf_checked_and_required_arguments_named():
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     with pytest.raises(UserError, match="step_size.*gamma"):
         cfg_of("--scheduler", "steplr", "--scheduler_conf", "step=2")
     with pytest.raises(UserError, match="needs step_size"):
@@ -417,7 +417,7 @@ def test_a_later_layer_wins_between_option_and_optim_conf(tmp_path):
     ns = cfg_of("--config", path, "--lr", "0.25")
     assert ns.optim.optim_conf["lr"] == 0.25
     path.write_text("optimizer: adadelta\nadadelta_rho: 0.8\noptim_conf: {rho: 0.7}\n")
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     with pytest.raises(UserError, match="rho"):
         cfg_of("--config", path)
 

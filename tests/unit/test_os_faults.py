@@ -20,6 +20,7 @@ import torch
 
 from conftest import refusal_in_process, small_mnist_fixture, write_mnist
 from test_faults import mnist_args as fault_args
+from textbox_like.resolve.resolution import parse
 
 
 data = small_mnist_fixture("mnist_os_faults", seed=12)
@@ -38,7 +39,7 @@ def error_lines(stderr):
 def test_torch_writer_full_disk_is_recognised():
     """What torch's zip writer raises on a full disk: an OSError, then a
     RuntimeError while closing; both are a failed write, a plain bug is not."""
-    from textbox_like.faults import failed_writing, os_reason
+    from textbox_like.core.faults import failed_writing, os_reason
     try:
         try:
             raise OSError(28, "No space left on device")
@@ -50,8 +51,8 @@ def test_torch_writer_full_disk_is_recognised():
 
 
 def test_lock_of_another_host_refused_while_fresh_taken_over_when_stale(tmp_path, capsys):
-    from textbox_like import savelock
-    from textbox_like.errors import UserError
+    from textbox_like.storage import savelock
+    from textbox_like.core.errors import UserError
     lock_file = tmp_path / savelock.LOCK_NAME
     holder = {"host": "other-node-17", "pid": 4242, "started": time.time() - 50, "token": "x"}
     lock_file.write_text(json.dumps(holder))
@@ -80,7 +81,7 @@ def test_a_signal_while_the_lock_starts_its_refresh_thread_still_releases_it(tmp
     load, 2 in 25 tries of the start-up test): release() removes the file and
     does not fail on the thread that never ran (join() of a thread not started
     raised, and the run left a traceback and exit 1 instead of 75)."""
-    from textbox_like import savelock
+    from textbox_like.storage import savelock
 
     class Stopped(Exception):
         pass
@@ -112,9 +113,9 @@ def test_a_write_into_a_save_directory_taken_over_is_refused_before_it_lands(tmp
     is gone, nothing is written or removed in the directory (77; 74 for the
     lock holder, whose lock vanished with the directory's contents), and a
     file elsewhere (data a rank prepares) is not the run's to guard."""
-    from textbox_like import savelock
-    from textbox_like.faults import SaveFailed, Superseded
-    from textbox_like.fileio import atomic_write_text, remove
+    from textbox_like.storage import savelock
+    from textbox_like.core.faults import SaveFailed, Superseded
+    from textbox_like.storage.fileio import atomic_write_text, remove
     save = tmp_path / "save"
     save.mkdir()
     lock = savelock.SaveDirLock.acquire(save)
@@ -168,14 +169,14 @@ def test_out_of_memory_while_building_is_one_user_error(monkeypatch):
     """An allocation that really fails (more than any machine has) while the
     trainer is built: a UserError naming the batch size, not a traceback."""
     from textbox_like import cli
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
     from textbox_like.training import outcome as trainer
-    from textbox_like.faults import allocation_failed
+    from textbox_like.core.faults import allocation_failed
 
     def build(cfg, callbacks=()):
         return torch.empty(1 << 60, dtype=torch.uint8)
     monkeypatch.setattr(trainer, "Trainer", build)
-    cfg = cli.parse(["--task", "mnist", "--data", "x", "--max-sentences", "64", "--max-update", "1"])
+    cfg = parse(["--task", "mnist", "--data", "x", "--max-sentences", "64", "--max-update", "1"])
     with pytest.raises(UserError, match=r"out of memory while loading the data and building the model "
                                         r"\(DefaultCPUAllocator: can't allocate memory.*lower --max-sentences "
                                         r"\(now 64\)"):
@@ -230,7 +231,7 @@ def test_a_checkpoint_without_loss_scaler_state_leaves_the_scaler_at_its_start()
     state; back on the GPU its fresh scaler starts from the initial scale
     (tests/integration/test_gpu_processes.py runs the whole round trip on CUDA)."""
     from types import SimpleNamespace
-    from textbox_like.trainer import LossScalerPart
+    from textbox_like.training.state import LossScalerPart
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     part = LossScalerPart(SimpleNamespace(scaler=scaler))
     part.load_state_dict(None)

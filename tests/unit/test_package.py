@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_source_tree_reads_top_level_properties():
     """Running from the repository (and the editable install of scripts/bootstrap.sh)."""
-    from textbox_like.config import PROPERTIES
+    from textbox_like.config.layers import PROPERTIES
     assert PROPERTIES == ROOT / "properties"
     assert not (ROOT / "textbox_like" / "properties").exists()
     assert not [p for p in ROOT.glob("*.whl") if p.is_file()]   # a folder .whl/ (wheels for a device) is not a build

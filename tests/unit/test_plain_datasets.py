@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from textbox_like.eval import main as eval_main
+from textbox_like.tools.eval import main as eval_main
 
 from conftest import read_jsonl, refusal_in_process, run_main
 

@@ -1,9 +1,9 @@
-"""python -m textbox_like.plot: curves of runs from their metrics.jsonl."""
+"""python -m textbox_like.metrics.plot: curves of runs from their metrics.jsonl."""
 import json
 
 import pytest
 
-from textbox_like import plot  # noqa: E402
+from textbox_like.metrics import plot  # noqa: E402
 
 
 pytest.importorskip("matplotlib")

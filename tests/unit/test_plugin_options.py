@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from textbox_like.cli import parse
+from textbox_like.resolve.resolution import parse
 from textbox_like.config.schema import NoOptions, Section, setting
-from textbox_like.lr_scheduler import PolynomialDecayOptions
-from textbox_like.registry import Registry
+from textbox_like.optim.lr_scheduler import PolynomialDecayOptions
+from textbox_like.config.registry import Registry
 
 
 def test_the_registry_takes_a_section_and_subclasses_inherit_it():

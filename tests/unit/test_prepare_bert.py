@@ -1,4 +1,4 @@
-"""python -m textbox_like.data.prepare_bert on a tiny corpus and vocabulary."""
+"""python -m textbox_like.tools.prepare_bert on a tiny corpus and vocabulary."""
 import json
 
 import h5py
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from textbox_like.data.bert_hdf5 import KEYS
-from textbox_like.data.prepare_bert import main
+from textbox_like.tools.prepare_bert import main
 
 
 WORDS = ["the", "cat", "dog", "sat", "on", "a", "mat", "big", "small", "red", "blue", "house", "tree",
@@ -197,7 +197,7 @@ def test_random_other_document_after_ten_failed_draws():
     still labels B random); ours then draws among the other documents."""
     import random
 
-    from textbox_like.data.prepare_bert import random_other_document
+    from textbox_like.tools.prepare_bert import random_other_document
 
     class Stubborn(random.Random):
         def randint(self, a, b):

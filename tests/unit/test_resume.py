@@ -68,7 +68,7 @@ def compare_final(final, ref):
 
 
 def test_atomic_save_keeps_previous_file_when_write_fails(tmp_path, monkeypatch):
-    from textbox_like import checkpoint as ck
+    from textbox_like.storage import checkpoint as ck
     target = tmp_path / "checkpoint_last.pt"
     ck.atomic_save({"format": ck.FORMAT, "x": torch.ones(3)}, target)
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from textbox_like import search as S
-from textbox_like.cli import build_options
-from textbox_like.errors import UserError
+from textbox_like.resolve.options import build_options
+from textbox_like.core.errors import UserError
 from textbox_like.search import space as SP
-from textbox_like.settings import SearchConfig
+from textbox_like.config.schema import SearchConfig
 
 
 BASE = ["--task", "mnist", "--max-update", "1"]
@@ -329,7 +329,7 @@ def test_command_lines_become_one_typed_search_section(capsys):
     from dataclasses import FrozenInstanceError
 
     from textbox_like.search.commands import parse_search
-    from textbox_like.settings import SearchConfig
+    from textbox_like.config.schema import SearchConfig
     # TextBox's documented spellings (the shell has taken the quotes off --algo='exhaustive')
     search, rest = parse_search("run_hyper.py", ["--space=s.test", "--algo=exhaustive", "--max-evals", "3",
                                                  "--task", "mnist", "--max-update", "20", "--resume"])
@@ -451,7 +451,7 @@ def test_multi_seed_refuses_an_output_holding_an_earlier_run_of_a_seed_before_an
 def test_ray_trials_get_a_configuration_resolved_in_the_driver(tmp_path):
     import pickle
 
-    from textbox_like.config import read_resolved
+    from textbox_like.resolve.resolution import read_resolved
     from textbox_like.search.ray_backend import TrialPreparer
     spec = {"base_argv": BASE_B, "settings": {"best_checkpoint_metric": "loss"}, "names": ["lr"],
             "output": str(tmp_path)}

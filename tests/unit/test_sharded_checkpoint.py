@@ -1,4 +1,4 @@
-"""Sharded checkpoints (textbox_like.sharded_checkpoint): two real processes
+"""Sharded checkpoints (textbox_like.storage.sharded_checkpoint): two real processes
 over gloo shard an MLP and the MNIST network with FSDP2's ``fully_shard``,
 train them with Adam and save (tests/sharded_checkpoint_worker.py); the
 saves load bitwise in two ranks and go on training bitwise, load in one
@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from textbox_like.errors import UserError
-from textbox_like.sharded_checkpoint import is_sharded_checkpoint, load_sharded, read_manifest, save_sharded, sharded_checkpoints_newest_first
+from textbox_like.core.errors import UserError
+from textbox_like.storage.sharded_checkpoint import (
+    is_sharded_checkpoint,
+    load_sharded,
+    read_manifest,
+    save_sharded,
+    sharded_checkpoints_newest_first)
 
 
 WORKER = Path(__file__).resolve().parents[1] / "sharded_checkpoint_worker.py"  # both tiers use it
@@ -48,8 +53,8 @@ def assert_same(a, b, where="state"):
 
 
 def export_in_process(argv, capfd):
-    """``python -m textbox_like.export ARGV`` by the main its process runs, in-process."""
-    from textbox_like.export import main
+    """``python -m textbox_like.tools.export ARGV`` by the main its process runs, in-process."""
+    from textbox_like.tools.export import main
     capfd.readouterr()
     code = main([str(a) for a in argv])
     out, err = capfd.readouterr()
@@ -103,7 +108,7 @@ def test_manager_saves_prunes_and_resumes_from_the_newest_that_verifies(tmp_path
                       ".checkpoint_last.dcp.prev"], hidden
     assert (tmp_path / ".checkpoint_last.dcp.prev").resolve() != (tmp_path / "checkpoint_last.dcp").resolve()
     # a new run (no --resume) there is refused before anything is written, as for file checkpoints
-    from textbox_like.sharded_checkpoint import refuse_rerun
+    from textbox_like.storage.sharded_checkpoint import refuse_rerun
     # the newest named (this stand-in's train part has no num_updates to give)
     with pytest.raises(UserError, match=r"already holds a run \(checkpoint_last\.dcp and 2 other checkpoint\(s\)\)"):
         refuse_rerun(manager.cfg)
@@ -181,8 +186,8 @@ def test_failed_write_publishes_nothing_and_a_superseded_process_writes_nothing(
     longer owns the save directory writes nothing at all."""
     import resource
 
-    from textbox_like import savelock
-    from textbox_like.faults import SaveFailed, Superseded
+    from textbox_like.storage import savelock
+    from textbox_like.core.faults import SaveFailed, Superseded
     model, optimizer = worker.build("mlp", shard=False)
     worker.train("mlp", model, optimizer, 0, 1, rank=0)
     save_sharded(tmp_path, ["checkpoint_1_1.pt", "checkpoint_last.pt"], model, optimizer, {"task": "test"})

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from textbox_like.sharded_checkpoint import read_extra_state
+from textbox_like.storage.sharded_checkpoint import read_extra_state
 
 from conftest import refusal_in_process, run_main, write_mnist
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 
 from conftest import refusal_in_process
-from textbox_like.eval import main as eval_main
+from textbox_like.tools.eval import main as eval_main
 
 
 def eval_in_process(args, capfd):

@@ -1,4 +1,4 @@
-"""Generation metrics as sums (textbox_like/text_metrics.py): any split of a
+"""Generation metrics as sums (textbox_like/metrics/text_metrics.py): any split of a
 corpus into batches, summed as the trainer sums stats, scores as the whole
 corpus in one call, and the scores are the libraries' own."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import sacrebleu
 from rouge_score import rouge_scorer
 
-from textbox_like.errors import UserError
-from textbox_like.meters import StatSums
-from textbox_like.text_metrics import GENERATION_METRICS, generation_metrics, generation_sums
+from textbox_like.core.errors import UserError
+from textbox_like.metrics.meters import StatSums
+from textbox_like.metrics.text_metrics import GENERATION_METRICS, generation_metrics, generation_sums
 
 PREDICTIONS = [
     "the cat sat on the mat",

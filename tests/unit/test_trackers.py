@@ -121,7 +121,7 @@ def _one_error_line(proc):
 
 def test_report_to_wandb_not_installed_is_one_line(small_mnist_dir, tmp_path, monkeypatch, capfd):
     """In-process: find_spec sees no wandb (whether or not this machine has it)."""
-    import textbox_like.trackers as trackers
+    import textbox_like.metrics.trackers as trackers
     real = importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec",
                         lambda name, *a, **k: None if name.split(".")[0] == "wandb" else real(name, *a, **k))
@@ -138,7 +138,7 @@ def test_use_wandb_true_not_installed_is_one_line(small_mnist_dir, tmp_path, mon
     import contextlib
     import io
 
-    import textbox_like.trackers as trackers
+    import textbox_like.metrics.trackers as trackers
     from conftest import run_main
     real = importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec",

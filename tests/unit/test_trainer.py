@@ -326,7 +326,7 @@ def test_several_valid_subsets(small_mnist_dir, tmp_path):
 
 # ---------------------------------------------------------------- precision
 def test_mixed_precision_choice():
-    from textbox_like.accelerator import mixed_precision
+    from textbox_like.parallel.accelerator import mixed_precision
 
     def cfg(**kw):
         base = {"train_dtype": "float32", "fp16": False, "bf16": False}
@@ -446,7 +446,7 @@ def test_an_error_without_a_message_is_named_by_its_type(small_mnist_dir, tmp_pa
     """--initial-optimizer whose read fails with an empty message (EOFError()):
     one line naming the error's type, exit 2 (the first line of an empty
     message was an IndexError)."""
-    from textbox_like.errors import first_line
+    from textbox_like.core.errors import first_line
     assert first_line(KeyError()) == "KeyError" and first_line(ValueError("\n  two\nlines"), 3) == "two"
     path = tmp_path / "optimizer.pt"
     path.write_bytes(b"x")

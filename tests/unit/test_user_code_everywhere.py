@@ -16,7 +16,7 @@ from test_user_dir import refusal
 
 def test_an_unregistered_class_whose_name_is_taken_is_one_line():
     import textbox_like
-    from textbox_like.errors import UserError
+    from textbox_like.core.errors import UserError
 
     class Clash(textbox_like.Task):
         name = "mnist"

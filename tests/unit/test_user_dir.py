@@ -1,6 +1,6 @@
 """A user's own components from outside the package: ``--user-dir DIR``
-(``user_dir`` in YAML) and the entry-point group ``textbox_like.plugins``
-(textbox_like/plugins.py). The user's package is written into tmp_path,
+(``user_dir`` in YAML) and the entry-point group ``textbox_like.resolve.plugins``
+(textbox_like/resolve/plugins.py). The user's package is written into tmp_path,
 outside the repository, using only the public names of ``textbox_like``,
 and every run starts in another directory than the repository's."""
 from __future__ import annotations

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import UserError, note
-from .value_types import AMP_LEVELS
+from textbox_like.core.errors import UserError, note
+from textbox_like.config.value_types import AMP_LEVELS
 
 #: (flag, our setting, help); the help's "TOOL:" names whose spelling it is
 ALIASES = (
@@ -446,7 +446,7 @@ def _initial_weights(ns, task, dest, sources):
                         f"--task bert and --task hf); leave {flag} out")
     if not os.path.exists(path) and not getattr(task, "accepts_cached_names", False):  # hf: its resolve_config looks in the local cache
         raise UserError(f"{flag} {path}: no such file or directory; nothing can be downloaded here: pass a local "
-                        f"save_pretrained directory (python -m textbox_like.export makes one) or a checkpoint of "
+                        f"save_pretrained directory (python -m textbox_like.tools.export makes one) or a checkpoint of "
                         f"ours")
     current = getattr(ns, setting)
     if current and os.path.abspath(current) != os.path.abspath(path):

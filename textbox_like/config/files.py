@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import UserError
+from textbox_like.core.errors import UserError
 
 
 def read_text_file(path, what, kind) -> str:
@@ -73,7 +73,7 @@ def _plain(value):
 
 
 def write_config(cfg, directory):
-    from ..fileio import atomic_write_text
+    from textbox_like.storage.fileio import atomic_write_text
     return atomic_write_text(Path(directory) / "config.yaml", to_yaml(cfg))
 
 
@@ -82,6 +82,6 @@ def write_resolved(cfg, path):
     rank, a search trial): the values and where each came from. Read back by
     resolution.read_resolved, which finds the task's, optimizer's and
     scheduler's own sections from the values that choose them."""
-    from ..fileio import atomic_write_text
+    from textbox_like.storage.fileio import atomic_write_text
     data = {"config": _plain(cfg.as_dict()), "sources": dict(cfg.sources)}
     return atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))

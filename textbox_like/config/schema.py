@@ -27,10 +27,25 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping as MappingABC
 from typing import ClassVar, Mapping
 
-from ..errors import UserError, closest
-from . import layers
-from .value_types import (BOOL, INT_LIST, LITERAL_DICT, STR_LIST, absolute_path, device_name, dtype_name, float_list,
-                          gpu_ids, metric_name, metric_names, nonneg_int, positive_float, positive_int, seed_int, seed_list)
+from textbox_like.core.errors import UserError, closest
+from textbox_like.config import layers
+from textbox_like.config.value_types import (
+    BOOL,
+    INT_LIST,
+    LITERAL_DICT,
+    STR_LIST,
+    absolute_path,
+    device_name,
+    dtype_name,
+    float_list,
+    gpu_ids,
+    metric_name,
+    metric_names,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    seed_int,
+    seed_list)
 
 #: the printed groups, in order, with their titles in --help; a plugin's
 #: options follow them (plugin_group)

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError, first_line
-from ..faults import DataUnavailable, os_reason
-from ..fileio import what_file_holds
-from .base import BatchDataset, shuffled_blocks
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.core.faults import DataUnavailable, os_reason
+from textbox_like.storage.fileio import what_file_holds
+from textbox_like.data.base import BatchDataset, shuffled_blocks
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
         "masked_lm_ids", "next_sentence_labels")
@@ -71,7 +71,7 @@ def find_shards(data, split, num_file=0, training=False):
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
     if not files:
         raise UserError(f"--data {str(path)!r} holds no HDF5 shard (*.hdf5); "
-                        f"create them with python -m textbox_like.data.prepare_bert")
+                        f"create them with python -m textbox_like.tools.prepare_bert")
     chosen = [p for p in files if split in p.name]
     if not chosen:
         names = ", ".join(p.name for p in files[:5]) + (", ..." if len(files) > 5 else "")
@@ -99,10 +99,10 @@ def _open(path):
         kind = what_file_holds(path)
         if kind != "an HDF5 file":
             raise UserError(f"shard {str(path)!r} is {kind}, not an HDF5 file; "
-                            f"recreate it with python -m textbox_like.data.prepare_bert") from None
+                            f"recreate it with python -m textbox_like.tools.prepare_bert") from None
         first = first_line(exc)
         raise UserError(f"shard {str(path)!r} is not a readable HDF5 file ({first}); "
-                        f"recreate it with python -m textbox_like.data.prepare_bert") from None
+                        f"recreate it with python -m textbox_like.tools.prepare_bert") from None
 
 
 def inspect_shard(path):
@@ -138,7 +138,7 @@ class BertHDF5Dataset(BatchDataset):
     """The concatenated shards of one split; see the module docstring.
 
     Read from disk as training goes (``reads_from_disk``): a shard that
-    vanishes mid-run raises :class:`~textbox_like.faults.DataUnavailable`.
+    vanishes mid-run raises :class:`~textbox_like.core.faults.DataUnavailable`.
 
     ``block``: rows per shuffled block (the epoch order and the read unit).
     ``vocab_size``: when given, a block holding a larger token id raises
@@ -358,7 +358,7 @@ def write_shard(path, arrays, chunk_rows=1024, compression_level=1):
     the same size."""
     import h5py
 
-    from ..fileio import atomic_path
+    from textbox_like.storage.fileio import atomic_path
     path = Path(path)
     n = len(arrays["input_ids"])
     with atomic_path(path) as tmp, h5py.File(tmp, "w") as handle:

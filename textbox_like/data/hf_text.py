@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
-from .base import BatchDataset
+from textbox_like.core.errors import UserError
+from textbox_like.data.base import BatchDataset
 
 #: file suffix -> datasets' builder for it
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -196,7 +196,7 @@ def writable_cache(directory) -> Path:
                         f"({why_not_there}); set HF_DATASETS_CACHE to a writable directory")
     if directory not in _MOVED_CACHES:
         _MOVED_CACHES.add(directory)
-        from ..errors import note
+        from textbox_like.core.errors import note
         note(f"{directory} cannot be written ({why}): the tokenised data is cached in {fallback} instead "
              f"(HF_DATASETS_CACHE chooses where)")
     return fallback
@@ -334,7 +334,7 @@ def tokenize(raw, tokenizer, columns: TextColumns, cache_dir, label_ids=None, nu
     drop_abandoned_writes(cache_dir)
     drop_damaged_cache(cache_dir, key)
     if not cache_files(cache_dir, key):  # the one wait before the start line that grows with the data
-        from ..errors import note
+        from textbox_like.core.errors import note
         note(f"tokenizing {len(raw):,} rows into {cache_dir} (once: later runs read them from there)")
     tokenized = raw.map(fn, batched=True, num_proc=num_proc if num_proc > 1 else None,
                         remove_columns=raw.column_names, cache_file_name=str(cache_dir / f"tokenized-{key}.arrow"),
@@ -377,7 +377,7 @@ def drop_abandoned_writes(cache_dir: Path) -> None:
         except OSError:   # another run removed it first, or it cannot be: it stays
             continue
     if left:
-        from ..errors import note
+        from textbox_like.core.errors import note
         note(f"removed {len(left)} partial tokenised file(s) of a run killed while tokenising "
              f"({sum(size for _, size in left) / 2 ** 20:.1f} MiB in {cache_dir}: {', '.join(n for n, _ in left)})")
 
@@ -398,7 +398,7 @@ def drop_damaged_cache(cache_dir: Path, key: str) -> None:
     damaged = [f.name for f in files if expected.get(f.name) != file_digest(f)]
     if not damaged and set(expected) == {f.name for f in files}:
         return
-    from ..errors import note
+    from textbox_like.core.errors import note
     note(f"the tokenised cache {cache_dir / damaged[0] if damaged else record} is damaged or incomplete (its digest "
          f"does not match what was written); tokenising again")
     for path in [*files, record]:
@@ -413,7 +413,7 @@ def record_cache_digests(cache_dir: Path, key: str, tokenized) -> None:
     files = [Path(f["filename"]) for f in tokenized.cache_files
              if Path(f["filename"]).resolve().parent == cache_dir.resolve()]
     if files:
-        from ..fileio import atomic_write_text
+        from textbox_like.storage.fileio import atomic_write_text
         atomic_write_text(record, json.dumps({f.name: file_digest(f) for f in files}, sort_keys=True))
 
 

@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from ..errors import UserError
+from textbox_like.core.errors import UserError
 
 
 def round_batch_size(size: int, multiple: int) -> int:
@@ -145,7 +145,7 @@ def read_ahead_workers(num_workers: int, dataset, pin_memory: bool) -> int:
 
 def pin(batch):
     """``batch`` (a tensor, or a dict/list/tuple of them) in page-locked memory."""
-    from .base import map_tensors
+    from textbox_like.data.base import map_tensors
     return map_tensors(lambda v: v.pin_memory() if v.device.type == "cpu" else v, batch)
 
 

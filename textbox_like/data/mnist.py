@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError, first_line
-from ..fileio import what_file_holds
-from .base import BatchDataset
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.storage.fileio import what_file_holds
+from textbox_like.data.base import BatchDataset
 
 FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -142,7 +142,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 def _write_idx(path: Path, array: np.ndarray):
     header = struct.pack(">i", 0x0800 | array.ndim) + struct.pack(">" + "i" * array.ndim, *array.shape)
-    from ..fileio import atomic_write
+    from textbox_like.storage.fileio import atomic_write
 
     def write(raw):
         with gzip.open(raw, "wb", compresslevel=1) as handle:

@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 
-from ..errors import UserError
-from .base import BatchDataset, is_text_list, map_tensors
+from textbox_like.core.errors import UserError
+from textbox_like.data.base import BatchDataset, is_text_list, map_tensors
 
 ACCEPTED = ("a textbox_like.BatchDataset, a map-style torch.utils.data.Dataset (with __len__ and __getitem__, "
             "e.g. TensorDataset) or a datasets.Dataset")

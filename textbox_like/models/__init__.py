@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import UserError
+from textbox_like.core.errors import UserError
 
 #: the published BERT sizes; their values live in properties/model/<name>.yaml
 PRESETS = ("tiny", "mini", "small", "medium", "base", "large")

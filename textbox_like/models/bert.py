@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForPreTraining
 
-from ..config.files import load_yaml
-from ..config.layers import PROPERTIES
-from ..errors import UserError, first_line
-from . import PRESETS, check_init_checkpoint, checked_vocab_size, read_bert_json
+from textbox_like.config.files import load_yaml
+from textbox_like.config.layers import PROPERTIES
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.models import PRESETS, check_init_checkpoint, checked_vocab_size, read_bert_json
 IGNORE_INDEX = -100
 
 
@@ -122,7 +122,7 @@ class BertForPreTrainingMasked(BertForPreTraining):
             # An empty batch (e.g. a rank with nothing left): outputs of the
             # right shapes that still touch every trainable parameter, so that
             # backward and gradient all-reduce behave as for a real batch.
-            from ..sharding import is_sharded
+            from textbox_like.parallel.sharding import is_sharded
             if is_sharded(self):
                 # --fsdp: every layer's forward all-gathers its shards (the other ranks wait in
                 # them), and outside forward the parameters are shards: run them on one padding token
@@ -203,7 +203,7 @@ def check_weights_files(directory):
     (header and extent of a safetensors file; a weights-only, memory-mapped
     torch.load of a .bin): a truncated, garbage or code-carrying file is one
     line naming it, before transformers reaches it."""
-    from ..checkpoint import unreadable_weights_reason
+    from textbox_like.storage.checkpoint import unreadable_weights_reason
     for weights in weights_files(directory):
         if not weights.is_file():
             raise UserError(f"--init-checkpoint: weights file {str(weights)!r} is missing (named by the shard "
@@ -244,7 +244,7 @@ def read_init_state(path):
     try:
         data = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
-        from ..checkpoint import unreadable_weights_reason
+        from textbox_like.storage.checkpoint import unreadable_weights_reason
         raise UserError(f"--init-checkpoint {str(path)!r} is not a readable checkpoint "
                         f"({unreadable_weights_reason(exc)})") from None
     if isinstance(data, dict) and isinstance(data.get("model"), dict):

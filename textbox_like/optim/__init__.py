@@ -12,10 +12,10 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from ..config.schema import NoOptions, Section, setting
-from ..config.value_types import float_tuple
-from ..errors import UserError, closest
-from ..registry import Registry
+from textbox_like.config.schema import NoOptions, Section, setting
+from textbox_like.config.value_types import float_tuple
+from textbox_like.core.errors import UserError, closest
+from textbox_like.config.registry import Registry
 
 
 #: every optimizer class of torch.optim (a test checks this list against torch)
@@ -184,7 +184,7 @@ def resolve_optim_conf(ns, sources, conf_sources, layer_values, builtin_optimize
     optimizer than the one the properties files' lr was meant for, the
     optimizer's own default applies: 0.1 for sgd, 0.001 for the Adam family
     (adam, adamw, radam, lamb), the class's default for the others."""
-    from ..config.layers import CONFIG_FILE
+    from textbox_like.config.layers import CONFIG_FILE
     spec = OPTIMIZERS.get(ns.optimizer)
     defaults = spec.defaults()
     user_conf = dict(ns.optim_conf or {})
@@ -261,7 +261,7 @@ def lr_explained(cfg) -> str:
     meant_lr, meant_for = None, None
     name = "default"
     if source != "default" and Path(source).is_file():
-        from ..config.layers import PROPERTIES
+        from textbox_like.config.layers import PROPERTIES
         path = Path(source)
         name = str(path.relative_to(PROPERTIES.parent)) if path.is_relative_to(PROPERTIES.parent) else path.name
         import yaml

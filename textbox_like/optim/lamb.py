@@ -14,7 +14,7 @@ every tensor, also those without weight decay (as in the paper; NVIDIA's
 apex FusedLAMB skips it there unless use_nvlamb). Gradient clipping is the
 trainer's --clip-norm.
 """
-from . import BetasEpsSpec, betas_eps_options, register_optimizer
+from textbox_like.optim import BetasEpsSpec, betas_eps_options, register_optimizer
 
 
 def make_lamb():

@@ -1,8 +1,8 @@
 """The optimizers HetSeq offers, on torch.optim."""
 from dataclasses import dataclass
 
-from ..config.schema import Section, setting
-from . import BetasEpsSpec, OptimizerSpec, betas_eps_options, register_optimizer
+from textbox_like.config.schema import Section, setting
+from textbox_like.optim import BetasEpsSpec, OptimizerSpec, betas_eps_options, register_optimizer
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ They have no options of their own: their constructor arguments are
 against the class's signature and listed in full by ``--print_config``;
 ``--lr``, ``--weight-decay`` and ``--epsilon`` feed lr, weight_decay and eps.
 """
-from . import TORCH_OPTIMIZERS, OPTIMIZERS, OptimizerSpec
+from textbox_like.optim import TORCH_OPTIMIZERS, OPTIMIZERS, OptimizerSpec
 
 #: optimizers whose step this trainer cannot drive, and why
 UNUSABLE = {

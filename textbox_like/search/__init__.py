@@ -7,13 +7,28 @@ algorithms, ask/tell), ``trials`` (trainer runs as child processes, a pool),
 tables, CSV, PNG), ``commands`` (the two command lines, parsed into
 config.schema.SearchConfig), ``ray_backend`` (the same on Ray Tune). See docs/search.md.
 """
-from .algos import ALGO_NAMES, Sampler, canonical_algo
-from .commands import hyper_main, multi_seed_main
-from .hyper import INTERRUPTED, Search, Setup, check_space, resolve_metric, run_search, search_locally
-from .multi_seed import draw_seeds, plan_seeds, run_multi_seed, seeds_locally
-from .report import describe, summarize_runs
-from .space import KINDS, Param, detect_format, grid, load_space, parse_space, parse_textbox, parse_yaml
-from .trials import Outcome, SubprocessRunner, TrialConfigs, TrialRecord
+from textbox_like.search.algos import ALGO_NAMES, Sampler, canonical_algo
+from textbox_like.search.commands import hyper_main, multi_seed_main
+from textbox_like.search.hyper import (
+    INTERRUPTED,
+    Search,
+    Setup,
+    check_space,
+    resolve_metric,
+    run_search,
+    search_locally)
+from textbox_like.search.multi_seed import draw_seeds, plan_seeds, run_multi_seed, seeds_locally
+from textbox_like.search.report import describe, summarize_runs
+from textbox_like.search.space import (
+    KINDS,
+    Param,
+    detect_format,
+    grid,
+    load_space,
+    parse_space,
+    parse_textbox,
+    parse_yaml)
+from textbox_like.search.trials import Outcome, SubprocessRunner, TrialConfigs, TrialRecord
 
 __all__ = ["ALGO_NAMES", "INTERRUPTED", "KINDS", "Outcome", "Param", "Sampler", "Search", "Setup",
            "SubprocessRunner", "canonical_algo", "check_space", "describe", "detect_format", "draw_seeds", "grid",

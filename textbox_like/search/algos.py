@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import UserError, closest
-from ..internals import hyperopt_trial_documents
-from .space import grid, sample
+from textbox_like.core.errors import UserError, closest
+from textbox_like.core.internals import hyperopt_trial_documents
+from textbox_like.search.space import grid, sample
 
 # name -> canonical algorithm
 ALGO_NAMES = {

@@ -4,15 +4,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config.options import Options, program_name, raise_user_errors
-from ..errors import UserError, closest
+from textbox_like.resolve.options import Options, program_name, raise_user_errors
+from textbox_like.core.errors import UserError, closest
 
 
 def search_options(command, description, epilog):
     """The parser of ``command`` (run_hyper.py or run_multi_seed.py), from
     the declarations of config.schema.SearchConfig, as the trainer's parser is
     built from its sections (each flag in both spellings)."""
-    from ..config.schema import SearchConfig
+    from textbox_like.config.schema import SearchConfig
     own, differs = SearchConfig.COMMANDS[command]
     o = Options(program_name(command), description)
     o.parser.epilog, o.parser.formatter_class = epilog, argparse.RawDescriptionHelpFormatter
@@ -56,7 +56,7 @@ HELP = {
 def parse_search(command, argv):
     """(the typed SearchConfig, the rest of argv: the trainer's options),
     checked: names of choices, and the options that go together."""
-    from ..config.schema import SearchConfig
+    from textbox_like.config.schema import SearchConfig
     o = search_options(command, *HELP[command])
     ns, rest = o.parser.parse_known_args(argv)
     own = SearchConfig.COMMANDS[command][0]
@@ -67,14 +67,14 @@ def parse_search(command, argv):
 
 def check_search(search, command):
     """What argparse cannot see: a choice's name (with the closest), and the options that go together."""
-    from ..config.schema import SearchConfig
+    from textbox_like.config.schema import SearchConfig
     for f in SearchConfig.settings():
         choices, value = f.metadata["choices"], getattr(search, f.name)
         if choices and value not in choices:
             raise UserError(f"unknown --{f.name} {value!r}{closest(value, choices)}; choose from: "
                             f"{', '.join(choices)}")
     if command == "run_hyper.py":
-        from .algos import canonical_algo
+        from textbox_like.search.algos import canonical_algo
         canonical_algo(search.algo)
     if search.backend == "local":
         for name in ("ray_address", "cpus_per_trial"):
@@ -113,18 +113,18 @@ def _hyper(argv):
                         "or YAML)")
     if search.train_seed is not None:
         rest = rest + [f"--seed={search.train_seed}"]
-    from .. import cli
-    from ..config.resolution import import_plugins
-    from .space import load_space
+    from textbox_like.resolve.options import build_options
+    from textbox_like.resolve.resolution import import_plugins
+    from textbox_like.search.space import load_space
     import_plugins(rest)      # the trainer's options of a --user-dir's components are in the space's reach
-    space = load_space(search.space, cli.build_options())
-    from .trials import output_locked
+    space = load_space(search.space, build_options())
+    from textbox_like.search.trials import output_locked
     with output_locked(search.output):
         if search.backend == "ray":
-            from .ray_backend import ray_search
+            from textbox_like.search.ray_backend import ray_search
             code, _ = ray_search(space, search, rest)
             return code
-        from .hyper import search_locally
+        from textbox_like.search.hyper import search_locally
         code, _ = search_locally(space, search, rest)
         return code
 
@@ -136,12 +136,12 @@ def multi_seed_main(argv=None):
 
 def _multi_seed(argv):
     search, rest = parse_search("run_multi_seed.py", argv)
-    from .trials import output_locked
+    from textbox_like.search.trials import output_locked
     with output_locked(search.output):
         if search.backend == "ray":
-            from .ray_backend import ray_multi_seed
+            from textbox_like.search.ray_backend import ray_multi_seed
             code, _ = ray_multi_seed(search, rest)
             return code
-        from .multi_seed import seeds_locally
+        from textbox_like.search.multi_seed import seeds_locally
         code, _ = seeds_locally(search, rest)
         return code

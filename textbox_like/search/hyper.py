@@ -9,12 +9,21 @@ import math
 import time
 from pathlib import Path
 
-from ..errors import UserError, closest
-from ..sharded_checkpoint import checkpoints_of_both_formats_newest_first
-from .algos import DEFAULT_EVALS, Sampler, canonical_algo
-from .report import format_params, search_png, search_table, write_search_csv
-from .trials import (Job, SubprocessRunner, TrialConfigs, TrialRecord, plan_slots, read_json, read_jsonl, run_pool,
-                     write_json, write_jsonl)
+from textbox_like.core.errors import UserError, closest
+from textbox_like.storage.sharded_checkpoint import checkpoints_of_both_formats_newest_first
+from textbox_like.search.algos import DEFAULT_EVALS, Sampler, canonical_algo
+from textbox_like.search.report import format_params, search_png, search_table, write_search_csv
+from textbox_like.search.trials import (
+    Job,
+    SubprocessRunner,
+    TrialConfigs,
+    TrialRecord,
+    plan_slots,
+    read_json,
+    read_jsonl,
+    run_pool,
+    write_json,
+    write_jsonl)
 
 INTERRUPTED = 130
 DONE = ("ok", "fail", "stopped")
@@ -25,8 +34,8 @@ STATE_FILE = "hyper_search.json"
 def resolve_metric(ns, metric=None, maximize=None):
     """(metric, maximize) from --metric/--maximize/--minimize, the configured
     --best-checkpoint-metric, or the task's defaults."""
-    from ..tasks import TASKS
-    from ..tasks.base import higher_is_better
+    from textbox_like.tasks import TASKS
+    from textbox_like.tasks.base import higher_is_better
     task = TASKS.get(ns.data.task)
     configured = ns.validation.best_checkpoint_metric or task.default_best_metric
     metric = metric or configured
@@ -76,7 +85,7 @@ def space_candidates(space, options):
     of a number are bounds), and for a continuous parameter one draw."""
     import numpy as np
 
-    from .space import sample
+    from textbox_like.search.space import sample
     drawn = sample(space, [n for n, p in space.items() if not p.finite], np.random.default_rng(0))
     out = {}
     for name, p in space.items():
@@ -387,11 +396,11 @@ def finish(setup, records, interrupted, backend="local"):
 def run_search(space, algo="random", max_evals=None, seed=1, base_argv=(), output="checkpoints/hyper",
                metric=None, maximize=None, runner=None, out=print, parallel=1, gpus_per_trial=0, resume=False):
     """The search from Python, with run_hyper.py's options as arguments."""
-    from ..config.schema import SearchConfig
+    from textbox_like.config.schema import SearchConfig
     search = SearchConfig.for_command("run_hyper.py", algo=algo, max_evals=max_evals, seed=seed, output=str(output),
                                       metric=metric, maximize=maximize, parallel=parallel,
                                       gpus_per_trial=gpus_per_trial, resume=resume)
-    from .trials import output_locked
+    from textbox_like.search.trials import output_locked
     with output_locked(search.output):
         return search_locally(space, search, base_argv, runner, out)
 

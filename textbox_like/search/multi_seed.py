@@ -6,10 +6,18 @@ import random
 import time
 from pathlib import Path
 
-from ..errors import UserError
-from .hyper import INTERRUPTED, resolve_metric
-from .report import describe, fmt, seed_png, seed_table, summarize_runs, write_seed_csv
-from .trials import Job, SubprocessRunner, TrialConfigs, TrialRecord, plan_slots, read_json, run_pool, write_json
+from textbox_like.core.errors import UserError
+from textbox_like.search.hyper import INTERRUPTED, resolve_metric
+from textbox_like.search.report import describe, fmt, seed_png, seed_table, summarize_runs, write_seed_csv
+from textbox_like.search.trials import (
+    Job,
+    SubprocessRunner,
+    TrialConfigs,
+    TrialRecord,
+    plan_slots,
+    read_json,
+    run_pool,
+    write_json)
 
 #: TextBox's draw, random.randint(0, 2**32 - 1): every drawn seed is one the trainer's --seed takes
 #: (config.seed_int, the one check of a seed, also of --seeds and --seed here)
@@ -57,7 +65,7 @@ def refuse_earlier_runs(output, seeds):
     """Every seed starts afresh in ``output/seed_<seed>``: a directory that
     holds an earlier run of that seed is refused before any seed starts (the
     trainer would refuse it alone, after the others had run)."""
-    from ..sharded_checkpoint import run_held_in
+    from textbox_like.storage.sharded_checkpoint import run_held_in
     for seed in seeds:
         held = run_held_in(Path(output) / f"seed_{seed}")
         if held:
@@ -68,10 +76,10 @@ def refuse_earlier_runs(output, seeds):
 def run_multi_seed(seeds, base_argv=(), output="checkpoints/multi_seed", metric=None, maximize=None,
                    runner=None, out=print, parallel=1, gpus_per_trial=0):
     """These seeds from Python, with run_multi_seed.py's options as arguments; returns (exit code, summary)."""
-    from ..config.schema import SearchConfig
+    from textbox_like.config.schema import SearchConfig
     search = SearchConfig.for_command("run_multi_seed.py", seeds=list(seeds), output=str(output), metric=metric,
                                       maximize=maximize, parallel=parallel, gpus_per_trial=gpus_per_trial)
-    from .trials import output_locked
+    from textbox_like.search.trials import output_locked
     with output_locked(search.output):
         return seeds_locally(search, base_argv, runner, out)
 

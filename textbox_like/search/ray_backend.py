@@ -18,15 +18,22 @@ import socket
 import time
 from pathlib import Path
 
-from ..config.files import write_resolved
-from ..config.resolution import read_resolved
-from ..distributed import usable_cpus
-from ..errors import UserError, first_line
-from ..fileio import atomic_write_text
-from ..internals import ray_init_local
-from .algos import plain_value
-from .hyper import Setup, finish, holds_checkpoint, objective
-from .trials import TRIAL_CONFIG, Handle, TrialConfigs, TrialRecord, read_json, read_jsonl, write_json
+from textbox_like.config.files import write_resolved
+from textbox_like.resolve.resolution import read_resolved
+from textbox_like.processes.distributed import usable_cpus
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.storage.fileio import atomic_write_text
+from textbox_like.core.internals import ray_init_local
+from textbox_like.search.algos import plain_value
+from textbox_like.search.hyper import Setup, finish, holds_checkpoint, objective
+from textbox_like.search.trials import (
+    TRIAL_CONFIG,
+    Handle,
+    TrialConfigs,
+    TrialRecord,
+    read_json,
+    read_jsonl,
+    write_json)
 
 INSTALL = 'pip install -e ".[ray]"  (or: pip install "ray[tune]")'
 USER_ERROR = 2
@@ -304,7 +311,7 @@ def _searcher(setup, hspace, prepare):
 
     from hyperopt import anneal, rand, tpe
 
-    from .ray_searcher import ResolvingHyperOptSearch
+    from textbox_like.search.ray_searcher import ResolvingHyperOptSearch
     searcher = ResolvingHyperOptSearch(prepare, space=hspace, metric=setup.metric,
                                        mode="max" if setup.maximize else "min", random_state_seed=setup.seed)
     searcher.algo = {"random": rand.suggest, "anneal": anneal.suggest,
@@ -314,7 +321,7 @@ def _searcher(setup, hspace, prepare):
 
 def ray_search(space, search, rest, out=print):
     """run_hyper.py --backend ray; ``search``: its typed config.schema.SearchConfig."""
-    from .trials import ROOT
+    from textbox_like.search.trials import ROOT
     if search.algo and search.algo.strip().lower() in ("atpe", "atpe.suggest", "hyperopt.atpe.suggest"):
         raise UserError("--backend ray runs exhaustive, random, tpe and anneal (HyperOptSearch); "
                         "use --backend local for atpe")
@@ -360,7 +367,7 @@ def _tune_run(ray, trainable, resources, param_space, tune_config, output, max_f
 
 def _ray_search(ray, setup, out):
     from ray import tune
-    from .ray_asha import MarkingASHA
+    from textbox_like.search.ray_asha import MarkingASHA
     search = setup.search
     resources = trial_resources(ray, setup.parallel, search.cpus_per_trial, search.gpus_per_trial)
     setup.print_space()
@@ -435,9 +442,9 @@ def ray_multi_seed(search, rest, out=print):
     """run_multi_seed.py --backend ray; ``search``: its typed config.schema.SearchConfig."""
     from ray import tune
 
-    from .hyper import resolve_metric
-    from .multi_seed import plan_seeds, summarize_and_report
-    from .trials import ROOT
+    from textbox_like.search.hyper import resolve_metric
+    from textbox_like.search.multi_seed import plan_seeds, summarize_and_report
+    from textbox_like.search.trials import ROOT
     require_ray()
     _, ns, seeds = plan_seeds(search, rest, out)
     metric, maximize = resolve_metric(ns, search.metric, search.maximize)

@@ -8,8 +8,8 @@ import io
 import math
 from pathlib import Path
 
-from ..fileio import atomic_write, atomic_write_text
-from .trials import read_jsonl
+from textbox_like.storage.fileio import atomic_write, atomic_write_text
+from textbox_like.search.trials import read_jsonl
 
 
 # ====================================================================== statistics

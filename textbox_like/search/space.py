@@ -26,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from ..config.files import read_text_file
-from ..config.value_types import with_numbers
-from ..errors import UserError, closest, first_line, nearest
+from textbox_like.config.files import read_text_file
+from textbox_like.config.value_types import with_numbers
+from textbox_like.core.errors import UserError, closest, first_line, nearest
 
 # kind -> argument names (hyperopt's order)
 KINDS = {
@@ -48,7 +48,7 @@ KINDS = {
 FINITE = ("choice", "pchoice", "randint", "uniformint", "quniform", "qloguniform")
 MAX_GRID_VALUES = 100_000
 
-from ..config.compat import TEXTBOX_ALIASES  # noqa: E402  TextBox's option names with a counterpart here
+from textbox_like.config.compat import TEXTBOX_ALIASES  # noqa: E402  TextBox's option names with a counterpart here
 
 
 def _g(value):

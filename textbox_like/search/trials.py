@@ -26,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from ..distributed import die_with_parent, usable_cpus
-from ..errors import UserError
-from ..fileio import atomic_write_text
+from textbox_like.processes.distributed import die_with_parent, usable_cpus
+from textbox_like.core.errors import UserError
+from textbox_like.storage.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TRAINER = "import sys; from textbox_like.cli import leave, run_resolved; leave(run_resolved(sys.argv[1]))"
@@ -61,27 +61,28 @@ class TrialConfigs:
     checks it; the trial's process runs it as it is (``cli.run_resolved``)."""
 
     def __init__(self, base_argv):
-        from .. import cli
-        from ..config.resolution import import_plugins
+        from textbox_like.resolve.options import build_options
+        from textbox_like.resolve.resolution import import_plugins
         self.base_argv = [str(a) for a in base_argv]
         import_plugins(self.base_argv)      # a --user-dir's components, before the parser
-        self.options = cli.build_options()
+        self.options = build_options()
         self.given = given_dests(self.options, self.base_argv)
 
     def resolve(self, settings=None):
         """The RunConfig of the base command line with ``settings`` (by name;
         ``OPTION.KEY`` for one key of a dict option) on top; UserError if the
         trainer would refuse it."""
-        from .. import cli
-        cfg = cli.parse(self.base_argv, overrides=nested(settings or {}), overrides_name=SOURCE)
-        cli.check(cfg)
+        from textbox_like.resolve.checks import check
+        from textbox_like.resolve.resolution import parse
+        cfg = parse(self.base_argv, overrides=nested(settings or {}), overrides_name=SOURCE)
+        check(cfg)
         return cfg
 
     def task(self):
         """The task class of the base command line."""
-        from .. import cli
-        from ..tasks import TASKS
-        return TASKS.get(cli.parse(self.base_argv).data.task)
+        from textbox_like.resolve.resolution import parse
+        from textbox_like.tasks import TASKS
+        return TASKS.get(parse(self.base_argv).data.task)
 
     def command(self, settings):
         """The equivalent trainer command line, for people (command.txt,
@@ -130,7 +131,7 @@ def output_locked(output):
     search on it, a second ``--resume`` too, is refused in one line instead
     of running the same trials and recording the other's running trials as
     failed. A lock whose search died is taken over (savelock's rules)."""
-    from ..savelock import SaveDirLock
+    from textbox_like.storage.savelock import SaveDirLock
     directory = Path(output)
     made = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
@@ -302,7 +303,7 @@ class Handle:
     it (written to the trial's directory as trial_config.yaml)."""
 
     def __init__(self, cfg, save_dir, env=None):
-        from ..config.files import write_resolved
+        from textbox_like.config.files import write_resolved
         self.save_dir = Path(save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
         self.stopping = False

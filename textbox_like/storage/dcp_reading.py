@@ -10,7 +10,7 @@ Here ``.metadata`` is read once, by an unpickler that admits only the classes
 DCP writes into it, and that checked object is what the load plans with; the
 bytes items are read by ``torch.load(weights_only=True)`` alone. Anything else
 is refused in one line (:class:`UnsafeCheckpoint`, a
-:class:`~textbox_like.errors.UserError`: exit 2).
+:class:`~textbox_like.core.errors.UserError`: exit 2).
 
     check_metadata(path)                     # the Metadata, or one line (exit 2)
     safe_load(state, path, no_dist=True)     # dcp.load through the safe reader and planner
@@ -24,7 +24,7 @@ import io
 import pickle
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from ..errors import UserError, first_line
+from textbox_like.core.errors import UserError, first_line
 
 METADATA = ".metadata"
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"

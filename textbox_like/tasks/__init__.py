@@ -2,8 +2,8 @@
 import importlib
 import pkgutil
 
-from ..registry import Registry
-from .base import Task
+from textbox_like.config.registry import Registry
+from textbox_like.tasks.base import Task
 
 TASKS = Registry("task", base=Task, base_name="textbox_like.Task")
 register_task = TASKS.register

@@ -10,8 +10,8 @@ fast), so they import torch and friends inside methods, not at module top.
 """
 from __future__ import annotations
 
-from ..config.schema import NoOptions
-from ..data.base import map_tensors
+from textbox_like.config.schema import NoOptions
+from textbox_like.data.base import map_tensors
 
 #: words of a metric's name that mean lower is better (loss, mlm_loss, ppl, error rates);
 #: any other metric (accuracy, F1, ROUGE*, BLEU, ...) is better higher. Whole words:
@@ -126,7 +126,7 @@ class Task:
     def batch_dataset(self, split: str):
         """``build_dataset(split)`` as a BatchDataset: what the trainer,
         validation and ``textbox_like.evaluate`` read."""
-        from ..data.plain import as_batch_dataset
+        from textbox_like.data.plain import as_batch_dataset
         return as_batch_dataset(self.build_dataset(split), self.collate,
                                 source=f"{type(self).__name__}.build_dataset({split!r})")
 

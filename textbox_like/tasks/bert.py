@@ -1,7 +1,7 @@
 """BERT pre-training (masked LM + next sentence prediction) on HDF5 shards.
 
 Data: ``--data`` holds NVIDIA-layout shards (make them with
-``python -m textbox_like.data.prepare_bert``); a split is the shards whose
+``python -m textbox_like.tools.prepare_bert``); a split is the shards whose
 names contain it. Model: ``transformers.BertForPreTraining`` from
 ``--config_file`` (Google/NVIDIA bert_config.json) or ``--model-preset``,
 with the MLM head evaluated only at the masked positions.
@@ -18,13 +18,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.schema import Section, setting
-from ..config.value_types import nonneg_int, positive_int
-from ..errors import UserError
-from . import register_task
-from .base import Task
+from textbox_like.config.schema import Section, setting
+from textbox_like.config.value_types import nonneg_int, positive_int
+from textbox_like.core.errors import UserError
+from textbox_like.tasks import register_task
+from textbox_like.tasks.base import Task
 
-from ..models import PRESETS
+from textbox_like.models import PRESETS
 
 
 def _probability(text):
@@ -74,13 +74,13 @@ class BertTask(Task):
             return
         init = getattr(ns, "init_checkpoint", None)
         if not ns.model_preset and init:
-            from ..models import saved_model_sizes
+            from textbox_like.models import saved_model_sizes
             sizes = saved_model_sizes(init)
             if sizes is None:  # one of our checkpoints, or a bad directory (check_config says so)
                 return
         else:
-            from ..config.files import load_yaml
-            from ..config.layers import PROPERTIES
+            from textbox_like.config.files import load_yaml
+            from textbox_like.config.layers import PROPERTIES
             sizes = load_yaml(PROPERTIES / "model" / f"{ns.model_preset or 'base'}.yaml", "model preset")
         if ns.dim_feedforward is None:
             ns.dim_feedforward = 4 * ns.dimension if ns.dimension else sizes["intermediate_size"]
@@ -93,7 +93,7 @@ class BertTask(Task):
         data, options = cfg.data.data, cfg.task_options
         if not data:
             raise UserError("BERT needs --data DIR_OR_FILE with HDF5 shards; "
-                            "create them with python -m textbox_like.data.prepare_bert")
+                            "create them with python -m textbox_like.tools.prepare_bert")
         if not Path(data).exists():
             raise UserError(f"--data {data!r} does not exist; check the path")
         for flag in ("dict", "config_file"):
@@ -102,13 +102,13 @@ class BertTask(Task):
                 raise UserError(f"--{flag} {value!r} does not exist; check the path")
         init = options.init_checkpoint
         if init:
-            from ..models import check_init_checkpoint
+            from textbox_like.models import check_init_checkpoint
             check_init_checkpoint(init)
         if cfg.task_options.dict and cfg.task_options.config_file:
             _check_vocab(cfg.task_options.dict, cfg.task_options.config_file)
         unknown = set(cfg.model.model_conf) - _BERT_CONF_KEYS
         if unknown:
-            from ..errors import closest
+            from textbox_like.core.errors import closest
             key = sorted(unknown)[0]
             raise UserError(f"unknown key {key!r} in --model_conf for bert{closest(key, _BERT_CONF_KEYS)}; "
                             f"valid keys: {', '.join(sorted(_BERT_CONF_KEYS))}")
@@ -123,7 +123,7 @@ class BertTask(Task):
 
     # -- data ---------------------------------------------------------------
     def build_dataset(self, split):
-        from ..data.bert_hdf5 import BertHDF5Dataset, find_shards
+        from textbox_like.data.bert_hdf5 import BertHDF5Dataset, find_shards
 
         data = self.cfg.data
         training = split == data.train_subset
@@ -153,7 +153,7 @@ class BertTask(Task):
 
     def config_without_model_conf(self):
         """The BertConfig of the preset, config file or weights and the size options, before --model_conf."""
-        from ..models.bert import build_bert_config, is_transformers_dir
+        from textbox_like.models.bert import build_bert_config, is_transformers_dir
 
         cfg = self.cfg
         base = None
@@ -172,7 +172,7 @@ class BertTask(Task):
         return {key: getattr(config, key) for key in sorted(_BERT_CONF_KEYS) if hasattr(config, key)}
 
     def build_model(self):
-        from ..models.bert import BertForPreTrainingMasked, freeze_encoder, load_init_checkpoint
+        from textbox_like.models.bert import BertForPreTrainingMasked, freeze_encoder, load_init_checkpoint
 
         model = BertForPreTrainingMasked(self.model_config())
         if self.cfg.task_options.init_checkpoint:
@@ -193,7 +193,7 @@ class BertTask(Task):
         return model
 
     def param_groups(self, model, weight_decay):
-        from ..models.bert import no_decay
+        from textbox_like.models.bert import no_decay
 
         decay, plain = [], []
         for name, p in model.named_parameters():
@@ -204,7 +204,7 @@ class BertTask(Task):
         return [g for g in groups if g["params"]]
 
     def loss(self, model, batch):
-        from ..models.bert import pretraining_sums
+        from textbox_like.models.bert import pretraining_sums
 
         mlm_logits, nsp_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                        token_type_ids=batch["token_type_ids"],
@@ -223,7 +223,7 @@ class BertTask(Task):
         return {"masked_tokens": sums["mlm_loss_sum"], "nsamples": sums["nsp_loss_sum"]}, stats
 
     def count(self, batch):
-        from ..models.bert import IGNORE_INDEX
+        from textbox_like.models.bert import IGNORE_INDEX
         return {"masked_tokens": int((batch["masked_lm_ids"] != IGNORE_INDEX).sum())}
 
     metric_names = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "ppl")
@@ -244,7 +244,7 @@ class BertTask(Task):
 
 def _check_vocab(vocab_file, config_file):
     """vocab.txt size against config_file's vocab_size, without heavy imports."""
-    from ..models import checked_vocab_size, read_bert_json
+    from textbox_like.models import checked_vocab_size, read_bert_json
 
     declared = read_bert_json(config_file).get("vocab_size")
     checked_vocab_size(vocab_file, declared, f"config file {config_file!r}")

@@ -21,7 +21,7 @@ give the update of one process over the same global batch.
 Metrics: loss and accuracy, and macro F1 (from per-class counts, which add up
 over ranks) for classification; perplexity and token accuracy for language
 models; and for seq2seq, at validation, ROUGE and BLEU of greedy (or beam)
-generations (``textbox_like/text_metrics.py``; TextBox's ``--metrics`` picks
+generations (``textbox_like/metrics/text_metrics.py``; TextBox's ``--metrics`` picks
 which, ``--metrics_for_best_model ROUGE-1`` ranks checkpoints by one).
 """
 from __future__ import annotations
@@ -32,11 +32,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.schema import Section, setting
-from ..config.value_types import positive_int
-from ..errors import UserError, closest, first_line
-from . import register_task
-from .base import Task
+from textbox_like.config.schema import Section, setting
+from textbox_like.config.value_types import positive_int
+from textbox_like.core.errors import UserError, closest, first_line
+from textbox_like.tasks import register_task
+from textbox_like.tasks.base import Task
+from textbox_like.tasks.hf_head import fit_to_the_trained_head
 
 HEADS = ("sequence_classification", "causal_lm", "masked_lm", "seq2seq")
 
@@ -50,7 +51,7 @@ ARCHITECTURE_SUFFIXES = (("ForSequenceClassification", "sequence_classification"
                          ("LMHeadModel", "causal_lm"), ("ForMaskedLM", "masked_lm"), ("ForPreTraining", "masked_lm"),
                          ("ForConditionalGeneration", "seq2seq"), ("ForSeq2SeqLM", "seq2seq"))
 
-from ..text_metrics import GENERATION_METRICS as GENERATION  # noqa: E402  (rouge, bleu -> the metrics reported)
+from textbox_like.metrics.text_metrics import GENERATION_METRICS as GENERATION  # noqa: E402  (rouge, bleu -> the metrics reported)
 
 #: each head's metrics
 HEAD_METRICS = {"sequence_classification": ("loss", "accuracy", "f1"),
@@ -116,7 +117,7 @@ def local_model_dir(name, flag="--model_name_or_path"):
     if os.path.exists(name):
         raise UserError(f"{flag} {name} is a file; give the directory save_pretrained wrote (config.json, weights, "
                         f"tokenizer files)")
-    from ..data.hf_text import offline
+    from textbox_like.data.hf_text import offline
     offline()  # nothing is downloaded
     try:
         from huggingface_hub import snapshot_download
@@ -137,6 +138,21 @@ def read_model_config(directory) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{str(path)!r} is not valid JSON ({exc})") from None
+
+
+def trained_head(model_dir):
+    """(its classes, their names or None) of the classification head the
+    model in ``model_dir`` was trained with, or None where its weights hold none."""
+    config = read_model_config(model_dir)
+    if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or ()) or \
+            not any((Path(model_dir) / name).is_file() for name in WEIGHT_FILES):
+        return None
+    id2label = config.get("id2label") or {}
+    count = int(config.get("num_labels") or len(id2label) or 2)
+    names = [str(id2label.get(str(i), id2label.get(i, ""))) for i in range(count)] if id2label else None
+    if names is not None and all(name == f"LABEL_{i}" for i, name in enumerate(names)):
+        names = None   # transformers' placeholders: a head of numbered classes
+    return count, names
 
 
 #: config.json's names of the most positions a model embeds (the first found counts)
@@ -233,7 +249,7 @@ class HFTask(Task):
             raise UserError("--task hf needs data: --data DIR (train.* and valid.* files: csv, tsv, json, jsonl, "
                             "parquet, txt; or a save_to_disk directory), --data FILE (training only) or --data NAME "
                             "(a dataset in the local Hugging Face datasets cache)")
-        from ..data.hf_text import cached_dataset, looks_like_path
+        from textbox_like.data.hf_text import cached_dataset, looks_like_path
         if data.data and not Path(data.data).exists():
             if looks_like_path(data.data):
                 raise UserError(f"--data {data.data!r} does not exist; check the path")
@@ -274,7 +290,7 @@ class HFTask(Task):
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from ..data.hf_text import offline
+            from textbox_like.data.hf_text import offline
             offline()  # nothing is downloaded
             from transformers import AutoTokenizer
             try:
@@ -292,13 +308,13 @@ class HFTask(Task):
         return 0
 
     def columns(self):
-        from ..data.hf_text import TextColumns
+        from textbox_like.data.hf_text import TextColumns
         o = self.cfg.task_options
         return TextColumns(head=self.head, text=o.text_column, text_pair=o.text_pair_column, label=o.label_column,
                            target=o.target_column, max_length=o.max_length, max_target_length=o.max_target_length)
 
     def raw_split(self, split):
-        from ..data.hf_text import check_columns, load_raw
+        from textbox_like.data.hf_text import check_columns, load_raw
         data = self.cfg.data
         training = split == data.train_subset
         named = data.training_data if training else data.validation_data   # kanachan's FILE for this split
@@ -313,66 +329,15 @@ class HFTask(Task):
         classes, which every label must be one of (else one line), unless
         --new_head."""
         if self._classes is None:
-            from ..data.hf_text import label_names
+            from textbox_like.data.hf_text import label_names
             split = self.cfg.data.train_subset
             raw, _ = self.raw_split(split)
             names = label_names(raw, self.columns(), f"the {split!r} split")
             count = len(names) if names is not None else int(max(raw.unique(self.columns().label), default=0)) + 1
-            self._classes = self.fit_to_the_trained_head(raw, split, names, count)
+            self._classes, self.head_note = fit_to_the_trained_head(
+                raw, split, names, count, trained_head(self.model_dir), self.model_dir, self.columns().label,
+                self.cfg.task_options.new_head)
         return self._classes
-
-    def trained_head(self):
-        """(its classes, their names or None) of the classification head the
-        model was trained with, or None where its weights hold none."""
-        config = read_model_config(self.model_dir)
-        if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or ()) or \
-                not any((Path(self.model_dir) / name).is_file() for name in WEIGHT_FILES):
-            return None
-        id2label = config.get("id2label") or {}
-        count = int(config.get("num_labels") or len(id2label) or 2)
-        names = [str(id2label.get(str(i), id2label.get(i, ""))) for i in range(count)] if id2label else None
-        if names is not None and all(name == f"LABEL_{i}" for i, name in enumerate(names)):
-            names = None   # transformers' placeholders: a head of numbered classes
-        return count, names
-
-    def fit_to_the_trained_head(self, raw, split, names, count):
-        """The training split's classes on the model's trained head: its size
-        and its names' order kept (a label outside it is one line naming the
-        sample); with --new_head, or a model without such a head, the data's
-        own, and the start line says a new head is trained."""
-        from ..data.hf_text import first_row
-        head = self.trained_head()
-        label = self.columns().label
-        if head is None or self.cfg.task_options.new_head:
-            same = head is not None and head[0] == count and (head[1] or None) == (names if head[1] else None)
-            self.head_note = (f"--new_head: the model's trained head already has the data's {count} classes; kept"
-                              if same else f"new classification head: {count} classes"
-                              + (f" (the model's trained head of {head[0]} dropped: --new_head)" if head else ""))
-            return names, count
-        trained, trained_names = head
-        if names is None:   # class numbers
-            allowed = range(trained)
-            outside = count > trained
-        else:
-            allowed = trained_names or [str(i) for i in range(trained)]
-            outside = (set(names) - set(allowed)) if trained_names else len(names) > trained
-        if outside:
-            if names is None:
-                wrong = first_row(raw, label, lambda v: int(v) not in allowed)
-            elif trained_names:
-                wrong = first_row(raw, label, lambda v: str(v) not in allowed)
-            else:
-                wrong = first_row(raw, label, lambda v: sorted(names).index(str(v)) >= trained)
-            shown = ", ".join(map(str, allowed[:6])) + (", ..." if len(allowed) > 6 else "")
-            raise UserError(f"sample {wrong} of the {split!r} split has label {raw[wrong][label]!r}, not one of the "
-                            f"{trained} classes the model's trained head has ({shown}; {self.model_dir}/config.json); "
-                            f"fix the label, or pass --new_head to train a new head of the data's classes")
-        self.head_note = None
-        if trained_names:
-            return list(trained_names), trained
-        if names is not None:   # names on a head of numbered classes: its size kept
-            return names + [f"LABEL_{i}" for i in range(len(names), trained)], trained
-        return None, trained
 
     def start_notes(self):
         return [self.head_note] if self.head_note else []
@@ -386,7 +351,7 @@ class HFTask(Task):
             self.tokenized(split)
 
     def build_dataset(self, split):
-        from ..data.hf_text import HFTextDataset
+        from textbox_like.data.hf_text import HFTextDataset
         tokenized = self.tokenized(split)
         masking = None
         if self.head == "masked_lm":
@@ -399,7 +364,7 @@ class HFTask(Task):
 
     def tokenized(self, split):
         """``split`` tokenised (a ``datasets.Dataset``), from the cache where it is there."""
-        from ..data.hf_text import label_names, tokenize
+        from textbox_like.data.hf_text import label_names, tokenize
         raw, cache = self.raw_split(split)
         label_ids = None
         if self.head == "sequence_classification":
@@ -423,7 +388,7 @@ class HFTask(Task):
 
     # -- model --------------------------------------------------------------
     def model_config(self):
-        from ..data.hf_text import offline
+        from textbox_like.data.hf_text import offline
         offline()  # nothing is downloaded
         from transformers import AutoConfig
         try:
@@ -553,7 +518,7 @@ class HFTask(Task):
         inputs = {"input_ids": token, "attention_mask": torch.ones_like(token)}
         if self.head == "seq2seq":
             inputs["labels"] = token  # the decoder's inputs come from them
-        from .. import sharding
+        from textbox_like.parallel import sharding
         # under --fsdp the parameters are shards (DTensors) outside forward: the forward alone touches them
         touched = 0.0 if sharding.is_sharded(model) else sum(p.reshape(-1)[:1].sum() for p in params)
         anchor = (model(**inputs).logits.float().sum() + touched) * 0.0
@@ -578,8 +543,8 @@ class HFTask(Task):
         new one is whole."""
         import shutil
 
-        from ..fileio import atomic_directory
-        from ..savelock import check_owner
+        from textbox_like.storage.fileio import atomic_directory
+        from textbox_like.storage.savelock import check_owner
         target = Path(save_dir) / "hf_model"
         check_owner(target)  # a process that no longer owns the run moves nothing of it
         earlier = target.with_name(f".hf_model.{os.getpid()}.old") if target.exists() else None
@@ -601,7 +566,7 @@ class HFTask(Task):
         """seq2seq: generate from the batch's inputs and score against its targets."""
         if self.head != "seq2seq" or not self.generation:
             return {}
-        from ..text_metrics import generation_sums
+        from textbox_like.metrics.text_metrics import generation_sums
         tok = self.tokenizer()
         if batch["input_ids"].shape[0]:
             o = self.cfg.task_options
@@ -634,6 +599,6 @@ class HFTask(Task):
         if "correct" in sums:  # token accuracy: counted at validation only
             out["accuracy"] = sums["correct"] / tokens
         if self.generation and "gen_nsamples" in sums:
-            from ..text_metrics import generation_metrics
+            from textbox_like.metrics.text_metrics import generation_metrics
             out.update(generation_metrics(sums, self.generation))
         return out

@@ -1,7 +1,7 @@
 """MNIST digit classification with HetSeq's CNN."""
-from ..errors import UserError, closest, note
-from . import register_task
-from .base import Task
+from textbox_like.core.errors import UserError, closest, note
+from textbox_like.tasks import register_task
+from textbox_like.tasks.base import Task
 
 
 MODEL_OPTIONS = {"hidden": 128, "dropout1": 0.25, "dropout2": 0.5}
@@ -17,7 +17,7 @@ class MNISTTask(Task):
         """HetSeq's --data may name an MNIST file: its directory holds the splits."""
         import os
 
-        from ..data.mnist import has_mnist_files
+        from textbox_like.data.mnist import has_mnist_files
         if ns.data and os.path.isfile(ns.data):
             directory = os.path.dirname(os.path.abspath(ns.data))
             if not has_mnist_files(directory):
@@ -43,11 +43,11 @@ class MNISTTask(Task):
                 raise UserError(f"--model_conf {key}={value!r}: expects {want}")
 
     def prepare_data(self):
-        from ..data.mnist import ensure_mnist
+        from textbox_like.data.mnist import ensure_mnist
         self.data_dir = ensure_mnist(self.cfg.data.data)
 
     def build_dataset(self, split):
-        from ..data.mnist import FILES, MNISTDataset, ensure_mnist, load_split
+        from textbox_like.data.mnist import FILES, MNISTDataset, ensure_mnist, load_split
         if split not in FILES:
             raise UserError(f"MNIST has no split {split!r}; use one of: {', '.join(FILES)}")
         if not hasattr(self, "data_dir"):
@@ -55,7 +55,7 @@ class MNISTTask(Task):
         return MNISTDataset(*load_split(self.data_dir, split))
 
     def build_model(self):
-        from ..models.mnist_cnn import MNISTNet
+        from textbox_like.models.mnist_cnn import MNISTNet
         if self.cfg.model.checkpointing:
             import sys
             print("note: --checkpointing (activation checkpointing) has no use for mnist's 1.2M-parameter CNN, "

@@ -18,10 +18,10 @@ the names go into config.yaml) or, from Python, as instances:
 """
 from __future__ import annotations
 
-from .. import collectives
-from ..callbacks import CALLBACKS, Callback
-from ..errors import UserError
-from ..faults import RunStopped
+from textbox_like.core import collectives
+from textbox_like.callbacks import CALLBACKS, Callback
+from textbox_like.core.errors import UserError
+from textbox_like.core.faults import RunStopped
 
 
 class CallbackFailed(RunStopped):

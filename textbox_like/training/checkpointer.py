@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 
-from .. import collectives, distributed, sharding
-from ..config import to_yaml
-from ..faults import Diverged, SaveFailed
-from ..sharded_checkpoint import ShardedCheckpointManager
-from .due import crosses, every
-from .state import LossScalerPart, ModelPart, OptimizerPart, RNGPart
+from textbox_like.core import collectives
+from textbox_like.processes import distributed
+from textbox_like.parallel import sharding
+from textbox_like.config.files import to_yaml
+from textbox_like.core.faults import Diverged, SaveFailed
+from textbox_like.storage.sharded_checkpoint import ShardedCheckpointManager
+from textbox_like.training.due import crosses, every
+from textbox_like.training.state import LossScalerPart, ModelPart, OptimizerPart, RNGPart
 
 
 def weights_finite(params, world: int, group=None) -> bool:

@@ -1,7 +1,7 @@
 """A peer lost mid-run: every survivor saves the last completed update from
 its own state (one of them writes, under a claim), writes the hand-off note
 for the restart, and exits 75 (torchrun restarts on it). The agent's side
-is :mod:`textbox_like.elastic`.
+is :mod:`textbox_like.processes.elastic`.
 
 Under --fsdp a survivor can save alone where every rank holds whole tensors
 (``--fsdp-sharding none``, or hybrid with one rank per node): each DTensor's
@@ -17,11 +17,11 @@ from __future__ import annotations
 import sys
 import time
 
-from .. import distributed
-from ..checkpoint import rng_state
-from ..errors import UserError, first_line
-from ..faults import SaveFailed, failed_writing, os_reason
-from ..preemption import PREEMPTED_EXIT_CODE
+from textbox_like.processes import distributed
+from textbox_like.storage.checkpoint import rng_state
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.core.faults import SaveFailed, failed_writing, os_reason
+from textbox_like.processes.preemption import PREEMPTED_EXIT_CODE
 
 
 def holds_whole_tensors(trainer) -> bool:
@@ -30,7 +30,7 @@ def holds_whole_tensors(trainer) -> bool:
     between forward and post-backward FSDP2 puts plain gathered Parameters
     in the modules (the root always; every unit under
     --fsdp-reshard-after-forward false), which say nothing of the shards."""
-    from .. import sharding
+    from textbox_like.parallel import sharding
     return sharding.shard_degree(trainer.cfg, trainer.placement) == 1
 
 
@@ -58,7 +58,7 @@ def restart_notes(trainer, update: int, emergency_save: bool) -> None:
     """The hand-off note for the restart (from the emergency checkpoint of
     ``update``, or from the last checkpoint), and the rendezvous file gone
     (one survivor, under the claim)."""
-    from .. import elastic
+    from textbox_like.processes import elastic
     t = trainer
     elastic.write_handoff(t.cfg.checkpoint.save_dir, t.agent, update, t.global_batch.total(), "lost peer",
                           emergency_save=emergency_save)
@@ -68,8 +68,8 @@ def restart_notes(trainer, update: int, emergency_save: bool) -> None:
 def this_runs_handoff(trainer):
     """The hand-off note another survivor of this run wrote (it names this
     run's owner token), or None."""
-    from ..elastic import read_handoff
-    from ..savelock import owner_token
+    from textbox_like.processes.elastic import read_handoff
+    from textbox_like.storage.savelock import owner_token
     note, token = read_handoff(trainer.cfg.checkpoint.save_dir), owner_token()
     return note if note is not None and token is not None and note.get("owner") == token else None
 
@@ -87,7 +87,7 @@ def write_once(trainer, update: str, write):
     lost peer at different times (under load, seconds apart): one that comes
     after the writer let go of its claim (and, where the writer held the run's
     lock, of the run) finds the writer's hand-off note, and writes nothing."""
-    from ..faults import Superseded
+    from textbox_like.core.faults import Superseded
     try:
         with run_claim(trainer, update) as claim:
             if not claim.held:
@@ -114,7 +114,7 @@ def run_name(trainer) -> str:
     """This run's files among the survivors' (its claim, its replica's
     shards), named by its owner token: what a killed writer of an earlier
     run left blocks nothing and is never read as this run's."""
-    from .. import savelock
+    from textbox_like.storage import savelock
     return (savelock.owner_token() or "run")[:16]
 
 
@@ -123,7 +123,7 @@ def run_claim(trainer, note: str):
     update: a collective can complete on one survivor and fail on another
     (gloo's ring all-reduce), so survivors may stand one update apart and
     must still write once."""
-    from ..elastic import Claim
+    from textbox_like.processes.elastic import Claim
     return Claim(trainer.checkpointer.checkpoints.dir / f".emergency-{run_name(trainer)}.claim",
                  stale_after=trainer.cfg.distributed.distributed_timeout, note=note)
 
@@ -148,7 +148,7 @@ def last_update_state(trainer):
 def write_emergency(trainer, parts: dict, rng: list, path) -> None:
     """The emergency checkpoint of whole tensors (DDP's file format), and the
     hand-off note; the one writer's."""
-    from ..checkpoint import FORMAT, atomic_save
+    from textbox_like.storage.checkpoint import FORMAT, atomic_save
     t = trainer
     ck = t.checkpointer.checkpoints
     try:
@@ -166,7 +166,7 @@ def emergency_save(trainer):
     alone (:func:`last_update_state`). One writer among the survivors (a
     claim file, one for the run: survivors may stand one update apart);
     (the path, or None where another survivor writes it; the update saved)."""
-    from .. import sharding
+    from textbox_like.parallel import sharding
     t = trainer
     parts, rng, path = last_update_state(t)
     if sharding.is_sharded(t.model):  # whole tensors on every rank (peer_lost): DDP's file checkpoint
@@ -190,7 +190,7 @@ def peer_lost(trainer, exc) -> int:
     if not trainer.checkpointer.checkpoints.enabled:
         print(f"error: {where}; nothing saved (--no-save)", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
-    from .. import sharding
+    from textbox_like.parallel import sharding
     if sharding.is_sharded(trainer.model) and not holds_whole_tensors(trainer):
         if replicated_over_nodes(trainer):
             return replica_save(trainer, where)
@@ -213,7 +213,7 @@ def saved_line(trainer, where: str, path, update) -> str:
 def last_checkpoint(trainer):
     """The newest good checkpoint of the run, and its update where it can be
     read cheaply (a courtesy of the line: the path is what counts)."""
-    from ..sharded_checkpoint import is_sharded_checkpoint, read_extra_state
+    from textbox_like.storage.sharded_checkpoint import is_sharded_checkpoint, read_extra_state
     last = trainer.checkpointer.checkpoints.newest_good()
     update = None
     if last is not None:
@@ -266,7 +266,7 @@ def shards_lost(trainer, where: str) -> int:
 def replicated_over_nodes(trainer) -> bool:
     """--fsdp-sharding hybrid over several nodes: every node holds a whole
     copy of the weights and optimizer state, sharded over its ranks."""
-    from .. import sharding
+    from textbox_like.parallel import sharding
     return trainer.cfg.sharding.fsdp_sharding == "hybrid" and sharding.nodes(trainer.placement) > 1
 
 
@@ -355,9 +355,9 @@ def replica_save(trainer, where: str) -> int:
     DDP writes, and the restart goes on from it on any number of ranks.
     Where the lost ranks held every copy of a shard, nothing is saved: the
     run goes on from the last checkpoint. One line, and 75."""
-    from .. import sharding
-    from ..checkpoint import FORMAT, atomic_save, load_checkpoint
-    from ..faults import Superseded
+    from textbox_like.parallel import sharding
+    from textbox_like.storage.checkpoint import FORMAT, atomic_save, load_checkpoint
+    from textbox_like.core.faults import Superseded
     t = trainer
     degree = sharding.shard_degree(t.cfg, t.placement)
     parts, rng, path = last_update_state(t)

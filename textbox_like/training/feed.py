@@ -6,9 +6,9 @@ import itertools
 import math
 import time
 
-from .. import collectives
-from ..checkpoint import rng_state
-from ..faults import DataCorrupt, DataUnavailable
+from textbox_like.core import collectives
+from textbox_like.storage.checkpoint import rng_state
+from textbox_like.core.faults import DataCorrupt, DataUnavailable
 
 
 class Feed:
@@ -16,7 +16,7 @@ class Feed:
     epochs over it."""
 
     def __init__(self, trainer):
-        from ..data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
+        from textbox_like.data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
         self.trainer = t = trainer
         cfg, batches = t.cfg, t.global_batch
         pin_memory = pin_for(t.accelerator.device)

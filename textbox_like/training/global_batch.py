@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import itertools
 
-from .. import collectives, sharding
-from ..errors import UserError, note
+from textbox_like.core import collectives
+from textbox_like.parallel import sharding
+from textbox_like.core.errors import UserError, note
 
 
 class RankTiming:
@@ -17,7 +18,7 @@ class RankTiming:
     reader's mark, so that each sees its own window of it."""
 
     def __init__(self, trainer):
-        from .. import balance
+        from textbox_like.training import balance
         self.timer = balance.RankTimer(trainer.grad_params, trainer.accelerator.device, trainer.model) \
             if trainer.world > 1 or trainer.global_batch.balancer is not None else None
         if self.timer is not None and trainer.global_batch.balancer is not None:
@@ -26,7 +27,7 @@ class RankTiming:
 
     def window(self, consumer) -> dict:
         """This rank's timer totals since ``consumer`` last asked."""
-        from ..balance import since
+        from textbox_like.training.balance import since
         now = self.timer.totals()
         window = since(now, self.marks.get(consumer))
         self.marks[consumer] = now
@@ -52,7 +53,7 @@ class GlobalBatch:
     micro-batch caps, the memory guard and the balancer."""
 
     def __init__(self, trainer):
-        from ..balance import Balancer
+        from textbox_like.training.balance import Balancer
         self.trainer = t = trainer
         cfg = t.cfg
         self.batch_sizes = collectives.one_per_rank(
@@ -77,7 +78,7 @@ class GlobalBatch:
 
     def build_memory_guard(self):
         """The memory cap of a share's micro-batches on CUDA."""
-        from .. import balance
+        from textbox_like.training import balance
         t = self.trainer
         # not under --fsdp: every forward all-gathers, so a rank that runs out
         # of memory mid-update cannot redo it while the others wait in a collective
@@ -171,7 +172,7 @@ class GlobalBatch:
         """This rank's micro-batches; under --fsdp as many as the rank with
         the most (empty ones added): every forward and backward all-gathers
         and reduce-scatters, and FSDP has no Join as DDP has."""
-        from ..data.base import cut_batch
+        from textbox_like.data.base import cut_batch
         t = self.trainer
         batches = cut_batch(batch, sizes)
         if t.world > 1 and sharding.is_sharded(t.model):
@@ -182,8 +183,8 @@ class GlobalBatch:
     def try_share(self, batch, sizes, units, totals, update, by_hand):
         """One attempt at this rank's share under the memory guard: (stats,
         None), or (None, the units of the micro-batch that ran out of memory)."""
-        from ..balance import is_out_of_memory
-        from ..data.base import cut_batch
+        from textbox_like.training.balance import is_out_of_memory
+        from textbox_like.data.base import cut_batch
         t = self.trainer
         try:
             stats = t.step.backward([t.to_device(b) for b in cut_batch(batch, sizes)], totals, sync=not by_hand)
@@ -221,8 +222,8 @@ class GlobalBatch:
     def micro_batch_plan(self, batch, tokens):
         """This rank's share cut under its cap: the micro-batches' sample
         counts and their units (samples, or tokens under --max-tokens)."""
-        from ..balance import micro_batch_sizes, micro_batches_by_tokens
-        from ..data.base import batch_samples
+        from textbox_like.training.balance import micro_batch_sizes, micro_batches_by_tokens
+        from textbox_like.data.base import batch_samples
         if tokens is None:
             sizes = micro_batch_sizes(batch_samples(batch), self.micro_cap)
             return sizes, sizes
@@ -239,7 +240,7 @@ class GlobalBatch:
         balancer, t = self.balancer, self.trainer
         if balancer is None:
             return
-        from ..balance import since
+        from textbox_like.training.balance import since
         state, timing = t.state, t.timing
         new, was = None, list(balancer.split)
         if balancer.due(state.num_updates):

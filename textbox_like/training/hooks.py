@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from ..balance import slow_rank
-from ..faults import limit_address_space, memory_limit_hook, test_delay
+from textbox_like.training.balance import slow_rank
+from textbox_like.core.faults import limit_address_space, memory_limit_hook, test_delay
 
 
 class TestHooks:

@@ -9,14 +9,16 @@ import sys
 import time
 from pathlib import Path
 
-from .. import collectives, distributed, sharding
-from ..checkpoint import changes_numbers
-from ..config import to_yaml
-from ..errors import UserError, first_line
-from ..faults import SaveFailed, os_reason, test_delay
-from ..fileio import atomic_write_text
-from ..preemption import raise_if_stopped
-from ..sharded_checkpoint import drop_kept_copies, full_state_dicts, refuse_rerun
+from textbox_like.core import collectives
+from textbox_like.processes import distributed
+from textbox_like.parallel import sharding
+from textbox_like.storage.checkpoint import changes_numbers
+from textbox_like.config.files import to_yaml
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.core.faults import SaveFailed, os_reason, test_delay
+from textbox_like.storage.fileio import atomic_write_text
+from textbox_like.processes.preemption import raise_if_stopped
+from textbox_like.storage.sharded_checkpoint import drop_kept_copies, full_state_dicts, refuse_rerun
 
 
 #: seconds a rank that does not see rank 0's lock file under --fsdp looks again before the run stops
@@ -42,7 +44,7 @@ class Lifecycle:
         got it, so a refusal ends all of them alike, and the lock's token,
         which each rank's writes into the directory check from then on
         (savelock.check_owner)."""
-        from .. import savelock
+        from textbox_like.storage import savelock
         t = self.trainer
         save_dir = t.cfg.checkpoint.save_dir
         refusal = None
@@ -89,7 +91,7 @@ class Lifecycle:
         stop looking at the same one."""
         import time
 
-        from .. import savelock
+        from textbox_like.storage import savelock
         t = self.trainer
         looks = max(1, int(test_delay("lock_looks") or LOCK_LOOKS))
         for look in range(looks + 1):
@@ -105,7 +107,7 @@ class Lifecycle:
                 sees_lock = savelock.not_owner(Path(save_dir) / savelock.LOCK_NAME, token, False) is None
 
     def release_save_dir(self):
-        from ..savelock import disown
+        from textbox_like.storage.savelock import disown
         disown()
         lock, self.save_lock = self.save_lock, None
         if lock is not None:
@@ -204,12 +206,12 @@ class Lifecycle:
         # drift apart or hang
         distributed.check_ranks_agree(self.agreed_settings(), t.world, t.host_group)
         if t.is_main and not cfg.checkpoint.no_save:
-            from ..config import write_config
+            from textbox_like.config.files import write_config
             write_config(cfg, cfg.checkpoint.save_dir)
         if acc.log_with:
             import yaml
 
-            from ..trackers import hyperparameters
+            from textbox_like.metrics.trackers import hyperparameters
             acc.init_trackers("textbox_like", config=hyperparameters(yaml.safe_load(to_yaml(cfg))))
         memory = t.global_batch.memory
         if memory is not None:  # measured on the second update of this start (a resume too)
@@ -239,7 +241,7 @@ class Lifecycle:
         if t.is_main and not cfg.checkpoint.no_save:
             self.write_results(results)
             time.sleep(t.hooks.finish_delay)  # test-only: a slow end (a peer dies, the directory turns read-only)
-            from .. import elastic
+            from textbox_like.processes import elastic
             if reason != "preempted":
                 elastic.clear_handoff(cfg.checkpoint.save_dir)
                 self.remove_kept_copies()
@@ -254,7 +256,7 @@ class Lifecycle:
         t.log.info(t.reporting.last_line(reason))
         timer = t.timing.timer
         if t.world > 1 and timer is not None:
-            from ..balance import slowest_rank_line
+            from textbox_like.training.balance import slowest_rank_line
             totals = timer.totals()
             keys = ("compute", "data", "wait", "updates")
             rows = collectives.one_per_rank([float(totals[k]) for k in keys], t.world, t.host_group)
@@ -307,7 +309,7 @@ class Lifecycle:
         else:
             done = f"update {state.num_updates} finished" + (f"; saved last at update {saved}" if saved is not None
                                                               else "; not saved by this run")
-        from ..tasks.base import Task
+        from textbox_like.tasks.base import Task
         unexported = (t.is_main and not cfg.checkpoint.no_save and self.finishing != "preempted"
                       and not self.exported and type(t.task).export_at_end is not Task.export_at_end)
         print(f"warning: rank {t.rank}: a peer was lost during the run's end ({done}: {first_line(exc, 160)}); "
@@ -362,7 +364,7 @@ class Lifecycle:
         if os.environ.get("TEXTBOX_LIKE_CURVES") == "0":  # drawing takes ~1 s: the test suite's hundreds of runs skip it
             return
         try:
-            from ..plot import plot_runs
+            from textbox_like.metrics.plot import plot_runs
         except ImportError:  # matplotlib missing: curves are a convenience
             return
         save_dir = self.trainer.cfg.checkpoint.save_dir

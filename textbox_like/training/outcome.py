@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import sys
 
-from .. import distributed
-from ..errors import UserError
-from ..faults import DataUnavailable, OutOfMemory, RunStopped, Superseded, allocation_failed, allocation_reason
-from .elastic import peer_lost
-from .trainer import Trainer
+from textbox_like.processes import distributed
+from textbox_like.core.errors import UserError
+from textbox_like.core.faults import (
+    DataUnavailable,
+    OutOfMemory,
+    RunStopped,
+    Superseded,
+    allocation_failed,
+    allocation_reason)
+from textbox_like.training.elastic import peer_lost
+from textbox_like.training.trainer import Trainer
 
 
 def batch_size_option(cfg, batch_size) -> str:

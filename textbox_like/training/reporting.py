@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import time
 
-from .. import collectives
-from ..compat import default_notes
-from ..meters import StatSums
-from .due import every
+from textbox_like.core import collectives
+from textbox_like.config.compat import default_notes
+from textbox_like.metrics.meters import StatSums
+from textbox_like.training.due import every
 
 #: the longest a run goes without a progress record, in seconds of rank 0's
 #: wall clock (as near as a schedule decided at log time can keep it)
@@ -163,7 +163,7 @@ class Reporting:
     def start_line(self) -> str:
         """What the run is: task, size, devices, precision and where it was
         chosen, optimizer and lr (and why that lr), batches, data."""
-        from ..optim import lr_explained
+        from textbox_like.optim import lr_explained
         t = self.trainer
         cfg, acc = t.cfg, t.accelerator
         precision_source = t.sources.get("precision", "default")

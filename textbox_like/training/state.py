@@ -1,12 +1,12 @@
 """Where the run is (:class:`TrainState`), and the objects a checkpoint is
 made of: each stateful part of the run as a ``state_dict`` /
-``load_state_dict`` pair for :class:`~textbox_like.checkpoint.CheckpointManager`."""
+``load_state_dict`` pair for :class:`~textbox_like.storage.checkpoint.CheckpointManager`."""
 from __future__ import annotations
 
-from .. import collectives
-from ..checkpoint import rng_state, set_rng_state
-from ..errors import UserError
-from ..meters import StatSums, TrainClock
+from textbox_like.core import collectives
+from textbox_like.storage.checkpoint import rng_state, set_rng_state
+from textbox_like.core.errors import UserError
+from textbox_like.metrics.meters import StatSums, TrainClock
 
 
 class TrainState:

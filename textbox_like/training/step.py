@@ -9,9 +9,9 @@ import contextlib
 import math
 import time
 
-from .. import sharding
-from ..errors import UserError, first_line
-from ..faults import Diverged, HostCopy
+from textbox_like.parallel import sharding
+from textbox_like.core.errors import UserError, first_line
+from textbox_like.core.faults import Diverged, HostCopy
 
 
 class InFlight:
@@ -145,7 +145,7 @@ class UpdateStep:
         compile trains eager after one line."""
         import copy
 
-        from ..internals import compile_errors
+        from textbox_like.core.internals import compile_errors
         t = self.trainer
         started = time.perf_counter()
         t.in_flight.compile_pending = False
@@ -153,7 +153,7 @@ class UpdateStep:
         try:
             stepped = t.train_step(micro_batches, totals)
         except compile_errors() as e:
-            from ..accelerator import uncompile, warn
+            from textbox_like.parallel.accelerator import uncompile, warn
             cause = getattr(e, "inner_exception", None) or e  # the backend's own error
             reason = f"{type(cause).__name__}: " + first_line(cause, 200, empty="")
             name = type(t.accelerator.unwrap_model(t.model, keep_torch_compile=False)).__name__

@@ -13,7 +13,7 @@ each owning its state and its own "is it due" check:
 - :class:`~.reporting.Reporting`: ``should_log``, the records and lines;
 - :class:`~.validation.Validation`: ``should_validate``;
 - :class:`~.checkpointer.Checkpointer`: ``should_save`` and the save;
-- :class:`~textbox_like.preemption.Preemption`: ``due``, stopping on SIGTERM/SIGUSR1;
+- :class:`~textbox_like.processes.preemption.Preemption`: ``due``, stopping on SIGTERM/SIGUSR1;
 - :class:`~.lifecycle.Lifecycle`: restore, start, finish, the save-dir lock;
 - :mod:`.outcome`: an exception as (save or not, one line, exit code);
   :mod:`.elastic`: a lost peer;
@@ -28,23 +28,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import distributed, sharding
-from ..errors import UserError
-from ..faults import check_writable
-from ..meters import Logger
-from ..preemption import Preemption, raise_if_stopped
-from ..tasks import TASKS
-from ..tasks.base import best_metric_direction
-from .callbacks import Callbacks, run_callbacks
-from .checkpointer import Checkpointer
-from .feed import Feed
-from .global_batch import GlobalBatch, RankTiming
-from .hooks import TestHooks
-from .lifecycle import Lifecycle
-from .reporting import Reporting
-from .state import TrainState
-from .step import InFlight, UpdateStep
-from .validation import Validation
+from textbox_like.processes import distributed
+from textbox_like.parallel import sharding
+from textbox_like.core.errors import UserError
+from textbox_like.core.faults import check_writable
+from textbox_like.metrics.meters import Logger
+from textbox_like.processes.preemption import Preemption, raise_if_stopped
+from textbox_like.tasks import TASKS
+from textbox_like.tasks.base import best_metric_direction
+from textbox_like.training.callbacks import Callbacks, run_callbacks
+from textbox_like.training.checkpointer import Checkpointer
+from textbox_like.training.feed import Feed
+from textbox_like.training.global_batch import GlobalBatch, RankTiming
+from textbox_like.training.hooks import TestHooks
+from textbox_like.training.lifecycle import Lifecycle
+from textbox_like.training.reporting import Reporting
+from textbox_like.training.state import TrainState
+from textbox_like.training.step import InFlight, UpdateStep
+from textbox_like.training.validation import Validation
 
 
 class Trainer:
@@ -60,7 +61,7 @@ class Trainer:
             # before minutes of data loading, not at the first save; only the writer
             # creates the directory (on another node it would stay empty)
             check_writable(cfg.checkpoint.save_dir, create=placement is None or placement.rank == 0)
-        from ..elastic import Agent
+        from textbox_like.processes.elastic import Agent
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
         self.lifecycle = Lifecycle(self)
@@ -80,9 +81,9 @@ class Trainer:
             raise
 
     def setup_processes(self):
-        from ..accelerator import build_accelerator
-        from ..malloc import keep_freed_heap, mmap_threshold_for
-        from ..trackers import log_with, requested
+        from textbox_like.parallel.accelerator import build_accelerator
+        from textbox_like.parallel.malloc import keep_freed_heap, mmap_threshold_for
+        from textbox_like.metrics.trackers import log_with, requested
         cfg = self.cfg
         trackers = requested(cfg.logging)  # before any process group: a missing package is one line
         self.placement = placement = distributed.placement_from_env(cfg) or distributed.Placement()
@@ -130,12 +131,12 @@ class Trainer:
     def build_model(self):
         import torch
 
-        from ..accelerator import compile_regions
-        from ..lr_scheduler import build_scheduler
-        from ..optim import build_optimizer
+        from textbox_like.parallel.accelerator import compile_regions
+        from textbox_like.optim.lr_scheduler import build_scheduler
+        from textbox_like.optim import build_optimizer
         cfg = self.cfg
         if cfg.numerics.train_dtype == "float64":
-            from ..distributed import remember_torch_settings
+            from textbox_like.processes.distributed import remember_torch_settings
             remember_torch_settings()  # distributed.cleanup() puts the default back
             torch.set_default_dtype(torch.float64)
         model = self.task.build_model()
@@ -287,7 +288,7 @@ class Trainer:
     def to_device(self, batch):
         batch = self.task.collate_to_device(batch, self.accelerator.device)
         if self.cfg.numerics.train_dtype == "float64":
-            from ..data.base import map_tensors
+            from textbox_like.data.base import map_tensors
             batch = map_tensors(lambda v: v.double() if v.is_floating_point() else v, batch)
         return batch
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from .. import collectives
-from ..validate import Validator
-from .due import every
-from .global_batch import clamped_batch_size
+from textbox_like.core import collectives
+from textbox_like.training.validate import Validator
+from textbox_like.training.due import every
+from textbox_like.training.global_batch import clamped_batch_size
 
 
 def valid_batch_size(data) -> int:

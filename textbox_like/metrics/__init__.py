@@ -1,0 +1,1 @@
+"""Meters, experiment trackers, text metrics, curves."""

@@ -1,0 +1,1 @@
+"""Ranks and process groups, the torchrun agent's hand-off notes, signals."""

@@ -1,0 +1,1 @@
+"""Commands other than training: bench, export, eval, prepare_bert."""
