@@ -23,6 +23,7 @@ import pytest
 
 from conftest import free_port, refusal_in_process, run_main
 from test_distributed import params
+import test_elastic
 from test_elastic import (GLOBAL, PY, REPO, UPDATES, Node, args, children, data, env,  # noqa: F401
                           resumed_updates, running, start)
 from test_fsdp import assert_close, checkpoint
@@ -34,7 +35,10 @@ pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_p
 @pytest.fixture(scope="module")
 def one_process(data, tmp_path_factory):  # noqa: F811
     """The reference: one process, batch 64, no interruption: test_elastic's, run in this process (one
-    process, no group: the same run without a process's imports)."""
+    process, no group: the same run without a process's imports), or test_elastic's own where a module
+    of this worker made it already (of the same data: test_elastic's, shared the same way)."""
+    if "one_process" in test_elastic._SHARED:
+        return test_elastic._SHARED["one_process"]
     out = tmp_path_factory.mktemp("fsdp_elastic_one")
     assert run_main(args(data, out, "--max-sentences", GLOBAL)) == 0
     return params(out)
