@@ -33,7 +33,7 @@ def test_long_barrier_outlasts_the_training_timeout(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, time
         import torch, torch.distributed as dist
-        from textbox_like import distributed
+        from textbox_like.processes import distributed
         from textbox_like.resolve.resolution import parse
         rank = int(sys.argv[1])
         cfg = parse(["--task", "mnist", "--cpu", "--distributed-timeout", "1"])

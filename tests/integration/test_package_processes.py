@@ -52,7 +52,7 @@ def installed(tmp_path_factory):
 def test_the_wheel_is_what_runs(installed):
     bin_dir, work = installed
     proc = run([str(bin_dir / "python"), "-c",
-                "import textbox_like, textbox_like.config as c; print(textbox_like.__file__); print(c.PROPERTIES)"],
+                "import textbox_like, textbox_like.config.layers as c; print(textbox_like.__file__); print(c.PROPERTIES)"],
                cwd=work)
     module, properties = proc.stdout.split()
     venv = bin_dir.parent
