@@ -136,10 +136,19 @@ def test_help_is_fast():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_help_imports_no_torch():
-    proc = subprocess.run([sys.executable, "-c",
-                           "import sys; from textbox_like.resolve.options import build_options; build_options(); "
-                           "print('torch' in sys.modules, 'accelerate' in sys.modules)"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+def test_help_print_config_and_a_refusal_import_no_torch():
+    """The options, --print_config (which reads the optimizer's constructor
+    defaults: optim/signatures.py's table where torch is its version) and a
+    command refused by the checks answer without importing torch (1.7 s)."""
+    script = ("import sys\n"
+              "from textbox_like.resolve.options import build_options\n"
+              "from textbox_like.cli import main\n"
+              "build_options()\n"
+              "print_config = main(['--task', 'mnist', '--print_config'])\n"
+              "refused = main(['--task', 'mnist', '--data', '/nonexistent-mnist-dir'])\n"
+              "print(print_config, refused, 'torch' in sys.modules, 'accelerate' in sys.modules, file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "False"]
+    assert "optim_conf:" in proc.stdout and "--data /nonexistent-mnist-dir: no such directory" in proc.stderr
+    assert proc.stderr.splitlines()[-1].split() == ["0", "2", "False", "False"], proc.stderr

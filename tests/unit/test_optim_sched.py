@@ -251,6 +251,33 @@ def test_static_optimizer_list_covers_torch():
     assert found <= set(TORCH_OPTIMIZERS), found - set(TORCH_OPTIMIZERS)
 
 
+def test_the_signature_table_is_this_torchs_and_defaults_read_it_without_torch(monkeypatch):
+    """optim/signatures.py's table is the installed torch's signatures (after
+    a torch upgrade: rewrite it, as its docstring says); every optimizer's
+    defaults() are its signature's, through the table or torch; where torch
+    is another version, the table is not used."""
+    from textbox_like.optim import OPTIMIZERS, TORCH_OPTIMIZERS
+    from textbox_like.optim import signatures
+    installed = torch.__version__.split("+")[0]
+    assert signatures.TORCH_VERSION == installed, (
+        f"optim/signatures.py is for torch {signatures.TORCH_VERSION}, this is {installed}: run "
+        f"python -c 'from textbox_like.optim import signatures; signatures.rewrite()'")
+    for name in TORCH_OPTIMIZERS:
+        if hasattr(torch.optim, name):
+            live = signatures.signature_defaults(getattr(torch.optim, name))
+            assert signatures.known_defaults(name) == live, name
+    with open(signatures.__file__) as f:
+        assert signatures.table_source() == f.read()  # rewrite() would write the file as it is
+    read = []
+    monkeypatch.setattr(signatures, "signature_defaults", lambda cls: read.append(cls) or {"lr": 0.5})
+    through_table = {name: spec.defaults() for name, spec in OPTIMIZERS.items() if spec.torch_name}
+    assert all(cls.__name__ == "Lamb" for cls in read), read  # only our own class is read from torch
+    assert through_table["adam"]["betas"] == [0.9, 0.999] and through_table["sgd"]["lr"] == 0.001
+    monkeypatch.setattr(signatures, "TORCH_VERSION", "0.0.1")
+    adam = OPTIMIZERS.get("adam")
+    assert adam.defaults()["lr"] == 0.5 and read[-1] is adam.optimizer_class()
+
+
 def test_static_scheduler_list_covers_torch():
     from torch.optim import lr_scheduler as L
 

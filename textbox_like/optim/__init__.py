@@ -16,11 +16,10 @@ from textbox_like.config.schema import NoOptions, Section, setting
 from textbox_like.config.value_types import float_tuple
 from textbox_like.core.errors import UserError, closest
 from textbox_like.config.registry import Registry
+from textbox_like.optim import signatures
+from textbox_like.optim.signatures import TORCH_OPTIMIZERS
 
 
-#: every optimizer class of torch.optim (a test checks this list against torch)
-TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon",
-                    "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
 
 
 class OptimizerSpec:
@@ -46,12 +45,12 @@ class OptimizerSpec:
     @classmethod
     def defaults(cls) -> dict:
         """Every constructor argument with its default (ours where we differ)."""
-        import inspect
+        own_class = cls.optimizer_class.__func__ is not OptimizerSpec.optimizer_class.__func__
+        found = None if own_class else signatures.known_defaults(cls.torch_name)  # without importing torch
+        if found is None:
+            found = signatures.signature_defaults(cls.optimizer_class())
         out = {}
-        for name, param in inspect.signature(cls.optimizer_class()).parameters.items():
-            if name in ("self", "params") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                continue
-            default = None if param.default is param.empty else param.default
+        for name, default in found.items():
             if hasattr(default, "item") and getattr(default, "numel", lambda: 2)() == 1:
                 default = default.item()  # lr given as a tensor
             out[name] = list(default) if isinstance(default, tuple) else default

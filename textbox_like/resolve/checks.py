@@ -44,7 +44,6 @@ def check(cfg):
         raise UserError("--distributed-no-spawn needs --distributed-init-method (or a launcher that sets RANK)")
     if os.path.exists(ckpt.save_dir) and not os.path.isdir(ckpt.save_dir):
         raise UserError(f"--save-dir {ckpt.save_dir} is a file, not a directory; choose another path")
-    _check_optimizer_values(optim)
     sharding.check_settings(cfg)
     task = TASKS.get(data.task)
     task.check_config(cfg)
@@ -53,6 +52,7 @@ def check(cfg):
         raise UserError(f"--best-checkpoint-metric {metric!r} is not a metric of task "
                         f"{data.task}{closest(metric, task.metric_names)}; "
                         f"choose from: {', '.join(task.metric_names)}")
+    _check_optimizer_values(optim)  # last: the one check that imports torch (a refusal above needs none)
 
 
 def _check_global_batch(cfg):
