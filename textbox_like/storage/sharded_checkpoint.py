@@ -248,92 +248,21 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
     returns the published paths. On every rank of ``group``. A failure to
     write raises :class:`~textbox_like.core.faults.SaveFailed` on every rank and
     publishes nothing; the previous checkpoints stay as they were."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
-
     save_dir = Path(save_dir)
     names = [sharded_name(n) for n in names]
     if not names:
         return []
     world, rank = world_and_rank(group)
     targets = [save_dir / n for n in names]
-
-    def make_partials():
-        for target in targets:
-            check_owner(target)  # every rank proves ownership before any write
-        if rank != 0:
-            return None
-        # never recreated: a save directory removed under a run is a fault, not a fresh start
-        made = []
-        for target in targets:
-            partial = save_dir / f".{target.name}.{uuid.uuid4().hex[:8]}{PARTIAL}"
-            partial.mkdir()
-            made.append(partial.name)
-        return made
     # the names alone cross: each node may reach the save directory through a path of its own
     # (another mount point, a symlinked /home), so each rank finds them in its own save_dir
-    partials = [save_dir / name for name in from_rank0(agree(make_partials, group, f"{targets[0]}"), world, group)]
-
-    def write_and_publish():
-        if optimizer is not None:
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optimizer": optimizer_state}
-        else:
-            state = {"model": get_model_state_dict(model)}
-
-        from torch.distributed.checkpoint.api import CheckpointException
-        try:  # DCP's own collectives carry a failing rank's exception to every rank
-            with one_process_is_no_news():
-                dcp.save(state, checkpoint_id=str(partials[0]), process_group=group, no_dist=not distributed())
-        except CheckpointException as exc:
-            failed_rank, inner = first_failure(exc)
-            if failed_writing(inner):
-                raise SaveFailed(f"rank {failed_rank} could not write the shards of {targets[0]} "
-                                 f"({os_reason(inner)})") from None
-            raise
-
-        def digest_share():  # the ranks share the reading: each hashes every world-th file
-            files = sorted(p.name for p in partials[0].iterdir() if p.is_file())
-            return {name: {"bytes": (partials[0] / name).stat().st_size, "blake2b": file_digest(partials[0] / name)}
-                    for name in files[rank::world]}
-        files = {}
-        for share in one_per_rank(agree(digest_share, group, f"{targets[0]}"), world, group):
-            files.update(share)
-
-        def write_extra_and_manifest():
-            # every rank copies the files it hashed into the other names' directories
-            for partial in partials[1:]:
-                for name in sorted(files)[rank::world]:
-                    copy_synced(partials[0] / name, partial / name)
-            if rank != 0:
-                return
-            import torch
-            with open(partials[0] / EXTRA, "wb") as handle:
-                torch.save(extra_state, handle)
-                synced(handle)
-            files[EXTRA] = {"bytes": (partials[0] / EXTRA).stat().st_size, "blake2b": file_digest(partials[0] / EXTRA)}
-            manifest = {"format": FORMAT, "world_size": world, "optimizer": optimizer is not None,
-                        "saved": time.time(), "files": files}
-            for partial in partials:
-                if partial is not partials[0]:
-                    copy_synced(partials[0] / EXTRA, partial / EXTRA)
-                with open(partial / MANIFEST, "w", encoding="utf-8") as handle:
-                    json.dump(manifest, handle, indent=1, sort_keys=True)
-                    synced(handle)
-                fsync_dir(partial)
-        agree(write_extra_and_manifest, group, f"{targets[0]}")
-
-        def publish():
-            if rank != 0:
-                return
-            time.sleep(test_delay("publish"))  # test hook: a save killed after its writes, before its rename
-            for partial, target in zip(partials, targets):
-                publish_directory(partial, target)
-            fsync_dir(save_dir)
-        agree(publish, group, f"{targets[0]}")
-
+    made = agree(lambda: make_partials(save_dir, targets, rank), group, f"{targets[0]}")
+    partials = [save_dir / name for name in from_rank0(made, world, group)]
     try:
-        write_and_publish()
+        files = save_shards(partials, targets, model, optimizer, group)
+        agree(lambda: write_extra_and_manifest(partials, files, extra_state, optimizer is not None, world, rank),
+              group, f"{targets[0]}")
+        agree(lambda: publish(save_dir, partials, targets, rank), group, f"{targets[0]}")
     except BaseException as exc:
         # a failed save leaves nothing behind; a superseded process writes (and removes) nothing
         if rank == 0 and not isinstance(exc, Superseded):
@@ -341,6 +270,92 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
                 shutil.rmtree(partial, ignore_errors=True)
         raise
     return targets
+
+
+def make_partials(save_dir: Path, targets: list, rank: int):
+    """save_sharded's first step: every rank proves it owns the save
+    directory before any write; rank 0 makes a partial directory per target
+    (never the save directory itself: one removed under a run is a fault,
+    not a fresh start) and returns their names."""
+    for target in targets:
+        check_owner(target)
+    if rank != 0:
+        return None
+    made = []
+    for target in targets:
+        partial = save_dir / f".{target.name}.{uuid.uuid4().hex[:8]}{PARTIAL}"
+        partial.mkdir()
+        made.append(partial.name)
+    return made
+
+
+def save_shards(partials: list, targets: list, model, optimizer, group) -> dict:
+    """Every rank's shards of the model (and optimizer) into the first
+    partial directory with DCP, then each file's size and digest, the ranks
+    sharing the reading (each hashes every world-th file): {name: entry}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    world, rank = world_and_rank(group)
+    if optimizer is not None:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    try:  # DCP's own collectives carry a failing rank's exception to every rank
+        with one_process_is_no_news():
+            dcp.save(state, checkpoint_id=str(partials[0]), process_group=group, no_dist=not distributed())
+    except CheckpointException as exc:
+        failed_rank, inner = first_failure(exc)
+        if failed_writing(inner):
+            raise SaveFailed(f"rank {failed_rank} could not write the shards of {targets[0]} "
+                             f"({os_reason(inner)})") from None
+        raise
+
+    def digest_share():
+        files = sorted(p.name for p in partials[0].iterdir() if p.is_file())
+        return {name: {"bytes": (partials[0] / name).stat().st_size, "blake2b": file_digest(partials[0] / name)}
+                for name in files[rank::world]}
+    files = {}
+    for share in one_per_rank(agree(digest_share, group, f"{targets[0]}"), world, group):
+        files.update(share)
+    return files
+
+
+def write_extra_and_manifest(partials: list, files: dict, extra_state: dict, with_optimizer: bool, world: int,
+                             rank: int) -> None:
+    """Every rank copies the files it hashed into the other names'
+    directories; rank 0 writes the extra state and, into every partial
+    directory, the manifest (``files`` gains the extra state's entry)."""
+    for partial in partials[1:]:
+        for name in sorted(files)[rank::world]:
+            copy_synced(partials[0] / name, partial / name)
+    if rank != 0:
+        return
+    import torch
+    with open(partials[0] / EXTRA, "wb") as handle:
+        torch.save(extra_state, handle)
+        synced(handle)
+    files[EXTRA] = {"bytes": (partials[0] / EXTRA).stat().st_size, "blake2b": file_digest(partials[0] / EXTRA)}
+    manifest = {"format": FORMAT, "world_size": world, "optimizer": with_optimizer,
+                "saved": time.time(), "files": files}
+    for partial in partials:
+        if partial is not partials[0]:
+            copy_synced(partials[0] / EXTRA, partial / EXTRA)
+        with open(partial / MANIFEST, "w", encoding="utf-8") as handle:
+            json.dump(manifest, handle, indent=1, sort_keys=True)
+            synced(handle)
+        fsync_dir(partial)
+
+
+def publish(save_dir: Path, partials: list, targets: list, rank: int) -> None:
+    """Rank 0 renames each complete partial directory to its name."""
+    if rank != 0:
+        return
+    time.sleep(test_delay("publish"))  # test hook: a save killed after its writes, before its rename
+    for partial, target in zip(partials, targets):
+        publish_directory(partial, target)
+    fsync_dir(save_dir)
 
 
 def synced(handle) -> None:

@@ -439,13 +439,7 @@ def prepare(args):
     files = list_inputs(args.input)
     output = Path(args.output)
     documents = read_documents(files, args.split_sentences)
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        probe = output / ".prepare_bert.probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write to --output {str(output)!r} ({exc.strerror or exc})") from None
+    make_writable_output(output)
     if args.train_vocab:
         vocab_file = train_vocab(files, args.train_vocab, args.do_lower_case, output)
     else:
@@ -483,7 +477,33 @@ def prepare(args):
     arrays = create_instances(splits, params, dupes, args.num_proc, progress)
     if arrays["train"] is None or len(arrays["train"]["input_ids"]) == 0:
         raise UserError("no training instance could be built from the corpus; give more text")
+    plan, written = write_shards(arrays, output, prefix, args.seed, args.shards, progress)
+    info = {
+        "files": [str(f) for f in files], "vocab": str(vocab_file), "vocab_size": len(vocab),
+        "documents": {"train": len(train_idx), "test": len(valid_idx)},
+        "instances": written, "shards": [p.name for p, _ in plan],
+        "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
+        "seconds": round(time.time() - t0, 2),
+    }
+    atomic_write_text(output / "prepare_bert.json", json.dumps(info, indent=1) + "\n")
+    return info
 
+
+def make_writable_output(output: Path) -> None:
+    """--output made, and proven writable before minutes of tokenizing."""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".prepare_bert.probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to --output {str(output)!r} ({exc.strerror or exc})") from None
+
+
+def write_shards(arrays: dict, output: Path, prefix: str, seed: int, shards: int, progress: bool) -> tuple:
+    """Each split's instances shuffled and cut into HDF5 shards (``shards``
+    for train, one for test) in ``output``, replacing a previous run's
+    shards of ``prefix``: (the plan of (path, arrays), instances per split)."""
     from tqdm.auto import tqdm
 
     from textbox_like.data.bert_hdf5 import write_shard
@@ -497,9 +517,9 @@ def prepare(args):
     for split, data in arrays.items():
         if data is None or len(data["input_ids"]) == 0:
             continue
-        order = np.random.default_rng([args.seed, 2, 0 if split == "train" else 1]).permutation(len(data["input_ids"]))
+        order = np.random.default_rng([seed, 2, 0 if split == "train" else 1]).permutation(len(data["input_ids"]))
         data = {k: v[order] for k, v in data.items()}
-        n_shards = min(args.shards if split == "train" else 1, len(order))
+        n_shards = min(shards if split == "train" else 1, len(order))
         bounds = np.linspace(0, len(order), n_shards + 1).astype(int)
         for i in range(n_shards):
             plan.append((output / f"{prefix}_{split}_{i}.hdf5",
@@ -507,15 +527,7 @@ def prepare(args):
         written[split] = len(order)
     for path, part in tqdm(plan, desc="writing shards", unit="shard", disable=not progress):
         write_shard(path, part)
-    info = {
-        "files": [str(f) for f in files], "vocab": str(vocab_file), "vocab_size": len(vocab),
-        "documents": {"train": len(train_idx), "test": len(valid_idx)},
-        "instances": written, "shards": [p.name for p, _ in plan],
-        "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
-        "seconds": round(time.time() - t0, 2),
-    }
-    atomic_write_text(output / "prepare_bert.json", json.dumps(info, indent=1) + "\n")
-    return info
+    return plan, written
 
 
 def main(argv=None):
