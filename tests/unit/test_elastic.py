@@ -180,10 +180,10 @@ def test_nccl_dead_peer_is_saved_from_the_start_of_the_update_in_flight(data, tm
     from test_faults import build_trainer
     from textbox_like.core import collectives
     from textbox_like.training import outcome as T
-    from textbox_like.training.global_batch import RankTiming
+    from textbox_like.training.balance import RankTimer
     trainer, _, _ = build_trainer(args(data, tmp_path / "save", "--max-sentences", 16, "--max-update", 10))
     trainer.world, trainer.feed.data_can_fail = 2, True  # one of two ranks: every update sums a flag over them
-    trainer.timing = RankTiming(trainer)
+    trainer.timing.timer = RankTimer(trainer.grad_params, trainer.accelerator.device, trainer.model)  # as 2 ranks time
     seen = {}
 
     def sum_over_ranks(numbers, group=None):

@@ -174,6 +174,7 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
 
     from textbox_like import optim
     from textbox_like.processes.distributed import Placement
+    from textbox_like.training.state import Ranks
     from textbox_like.training.trainer import Trainer
     asked = []
     monkeypatch.setattr(optim, "build_optimizer", lambda cfg, groups, fused_default=False: asked.append(
@@ -185,7 +186,7 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
                                            state=SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend="no")))
         fake.task = SimpleNamespace(build_model=lambda: torch.nn.Linear(2, 2),
                                     param_groups=lambda m, wd: [{"params": list(m.parameters())}])
-        fake.rank = 0
+        fake.ranks = Ranks(0, 1, None, True)
         fake.placement = Placement()  # one process: nothing to shard
         monkeypatch.setattr("textbox_like.optim.lr_scheduler.build_scheduler", lambda cfg, opt: None)
         Trainer.build_model(fake)

@@ -207,11 +207,11 @@ def test_the_last_line_of_a_stopped_run_says_stopped_and_whose_figures():
     from types import SimpleNamespace
 
     from textbox_like.training.reporting import Reporting
-    run = SimpleNamespace(state=SimpleNamespace(num_updates=15, last_valid={"loss": 0.5, "accuracy": 0.9},
-                                                best_metric="accuracy",
-                                                clock=SimpleNamespace(elapsed=lambda: 12.0)),
-                          cfg=SimpleNamespace(validation=SimpleNamespace(patience=-1)))
-    fake = SimpleNamespace(trainer=run, saved_where=lambda: "saved in /runs/a")
+    fake = SimpleNamespace(state=SimpleNamespace(num_updates=15, last_valid={"loss": 0.5, "accuracy": 0.9},
+                                                 best_metric="accuracy",
+                                                 clock=SimpleNamespace(elapsed=lambda: 12.0)),
+                           cfg=SimpleNamespace(validation=SimpleNamespace(patience=-1)),
+                           saved_where=lambda: "saved in /runs/a")
     line = Reporting.last_line(fake, "preempted")
     assert line == ("stopped by a signal at update 15 | last validation: loss 0.5000 | accuracy 0.9000 | wall 12.0s"
                     " | saved in /runs/a")

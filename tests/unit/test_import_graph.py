@@ -225,3 +225,62 @@ def test_no_class_over_400_lines():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
                 long.append(f"{path.relative_to(PACKAGE_DIR)}:{node.name} ({node.end_lineno - node.lineno + 1})")
     assert long == []
+
+
+def long_functions(package_dir: Path, limit: int = 80) -> list:
+    """Every function (method, nested function) of the package longer than ``limit`` lines, nested ones counted
+    in the function that holds them."""
+    long = []
+    for path in sorted(package_dir.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit:
+                long.append(f"{path.relative_to(package_dir)}:{node.name} ({node.end_lineno - node.lineno + 1})")
+    return long
+
+
+def test_no_function_over_80_lines():
+    assert long_functions(PACKAGE_DIR) == []
+
+
+def given_the_trainer(path: Path) -> list:
+    """Where a module gives a component the whole trainer: an ``__init__`` that takes a parameter named
+    ``trainer``, or a ``self.trainer``. A component is given the few objects it uses (issue 48)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "__init__":
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            found += [f"{path.name}:{node.lineno} __init__ takes trainer" for a in arguments if a.arg == "trainer"]
+        if isinstance(node, ast.Attribute) and node.attr == "trainer" and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            found.append(f"{path.name}:{node.lineno} self.trainer")
+    return sorted(set(found), key=lambda line: int(line.split(":")[1].split()[0]))
+
+
+def test_training_components_are_given_their_collaborators_not_the_trainer():
+    """Only trainer.py holds the trainer; what two components share is one object both are given."""
+    found = []
+    for path in sorted((PACKAGE_DIR / "training").glob("*.py")):
+        if path.name != "trainer.py":
+            found += given_the_trainer(path)
+    assert found == []
+
+
+def test_the_collaborator_check_finds_a_component_given_the_trainer(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("class Given:\n"
+                       "    def __init__(self, cfg, *, trainer):\n"
+                       "        self.cfg = cfg\n"
+                       "\n"
+                       "\n"
+                       "class Keeps:\n"
+                       "    def __init__(self, t):\n"
+                       "        self.trainer = t\n"
+                       "\n"
+                       "    def step(self):\n"
+                       "        return self.trainer.step\n")
+    assert given_the_trainer(planted) == ["planted.py:2 __init__ takes trainer", "planted.py:8 self.trainer",
+                                          "planted.py:11 self.trainer"]
+    fine = tmp_path / "fine.py"
+    fine.write_text("class Step:\n    def __init__(self, cfg, optimizer):\n        self.optimizer = optimizer\n\n\n"
+                    "def peer_lost(trainer, exc):\n    return trainer.state\n")
+    assert given_the_trainer(fine) == []

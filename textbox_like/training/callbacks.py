@@ -121,6 +121,10 @@ class Callbacks:
         """Whether a callback acts after every update (the update step then settles its count at once)."""
         return bool(self.overriding("on_update_end"))
 
+    def due(self, update: int) -> bool:
+        """After an update: where a callback acts after every update (its count is settled first)."""
+        return self.every_update
+
     def _call(self, hook, *args):
         called = self.overriding(hook)
         if not called or self.failed:

@@ -27,5 +27,10 @@ class EveryUpdates:
     def should_run(self, update: int) -> bool:
         return every(update, self.interval)
 
+    def due(self, update: int) -> bool:
+        """The trainer's one question to everything that can be due after an
+        update (Trainer.due_after_update): this event's own check."""
+        return self.should_run(update)
+
     def run(self, trainer) -> None:
         raise NotImplementedError

@@ -11,40 +11,45 @@ from textbox_like.storage.checkpoint import rng_state
 from textbox_like.core.faults import DataCorrupt, DataUnavailable
 
 
+def update_freq_of(schedule, epoch: int) -> int:
+    """--update-freq of ``epoch`` (a list: one per epoch, the last for the rest)."""
+    freqs = schedule.update_freq
+    return freqs[min(epoch - 1, len(freqs) - 1)]
+
+
 class Feed:
     """The epoch batch iterator (the data position is its offset) and the
     epochs over it."""
 
-    def __init__(self, trainer):
+    def __init__(self, cfg, ranks, train_data, batch_sizes, max_tokens, device, *, task, state, scheduler, in_flight,
+                 timing, log):
         from textbox_like.data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
-        self.trainer = t = trainer
-        cfg, batches = t.cfg, t.global_batch
-        pin_memory = pin_for(t.accelerator.device)
-        self.iterator = EpochBatchIterator(t.train_data, cfg.numerics.seed, t.rank, t.world, batches.batch_sizes,
-                                           batches.max_tokens, shuffle=not cfg.data.no_shuffle,
+        self.cfg, self.ranks, self.task, self.state, self.scheduler = cfg, ranks, task, state, scheduler
+        self.in_flight, self.timing, self.log = in_flight, timing, log
+        pin_memory = pin_for(device)
+        self.iterator = EpochBatchIterator(train_data, cfg.numerics.seed, ranks.rank, ranks.world, batch_sizes,
+                                           max_tokens, shuffle=not cfg.data.no_shuffle,
                                            multiple=cfg.data.required_batch_size_multiple,
-                                           num_workers=read_ahead_workers(cfg.data.num_workers, t.train_data,
+                                           num_workers=read_ahead_workers(cfg.data.num_workers, train_data,
                                                                           pin_memory),
                                            pin_memory=pin_memory)
         # a dataset read from disk as it goes can fail mid-run: ranks agree on every update's data
-        self.data_can_fail = t.world > 1 and getattr(t.train_data, "reads_from_disk", False)
+        self.data_can_fail = ranks.world > 1 and getattr(train_data, "reads_from_disk", False)
         self.previous_data_failure = None  # where the attempt resumed from failed to read data, if it did
 
     def update_freq(self, epoch=None):
-        freqs = self.trainer.cfg.schedule.update_freq
-        return freqs[min((epoch or self.trainer.state.epoch) - 1, len(freqs) - 1)]
+        return update_freq_of(self.cfg.schedule, epoch or self.state.epoch)
 
     def updates_of_epochs(self, epochs):
         """Updates in the first ``epochs`` epochs (what 'decay over the run' means under --max-epoch)."""
         steps = self.iterator.steps_in_epoch()
-        cap = self.trainer.cfg.data.num_iters_per_epoch or steps
+        cap = self.cfg.data.num_iters_per_epoch or steps
         return sum(min(math.ceil(steps / self.update_freq(e)), cap) for e in range(1, epochs + 1))
 
     def begin_epoch(self):
-        t = self.trainer
-        cfg, state = t.cfg, t.state
+        cfg, state = self.cfg, self.state
         k = self.update_freq()
-        t.scheduler.step_epoch(state.epoch)
+        self.scheduler.step_epoch(state.epoch)
         total = self.iterator.steps_in_epoch()
         done = math.ceil((total - len(self.iterator)) / k)
         bar = math.ceil(total / k)
@@ -52,15 +57,15 @@ class Feed:
             bar = min(bar, cfg.data.num_iters_per_epoch)
         if cfg.schedule.max_update:
             bar = min(bar, done + cfg.schedule.max_update - state.num_updates)
-        t.log.start_epoch(state.epoch, bar, done)
+        self.log.start_epoch(state.epoch, bar, done)
 
     def updates(self):
         """The rest of this epoch as (``update_freq`` micro-batches, the
         update's denominators), timing the wait for data. A data file that
         fails mid-run rewinds the position to the update's start, so the
         checkpoint saved on the way out skips nothing."""
-        t = self.trainer
-        k, clock, task, flight, timer = self.update_freq(), t.state.clock, t.task, t.in_flight, t.timing.timer
+        state, ranks = self.state, self.ranks
+        k, clock, task, flight, timer = self.update_freq(), state.clock, self.task, self.in_flight, self.timing.timer
         batches, plan = iter(self.iterator), self.iterator.plan_version
         while True:
             if self.iterator.plan_version != plan:  # re-split: read on from the new plan
@@ -68,8 +73,8 @@ class Feed:
                 batches, plan = iter(self.iterator), self.iterator.plan_version
             started, offset = time.perf_counter(), self.iterator.offset
             flight.began = started  # a whole update's time runs from here (RankTimer.update_took)
-            if t.world > 1:  # what an emergency save rewinds to if a peer is lost during this update
-                flight.start = {"offset": offset, "updates": t.state.num_updates, "rng": rng_state()}
+            if ranks.world > 1:  # what an emergency save rewinds to if a peer is lost during this update
+                flight.start = {"offset": offset, "updates": state.num_updates, "rng": rng_state()}
             failure = None
             try:
                 micro_batches = list(itertools.islice(batches, k))
@@ -83,15 +88,15 @@ class Feed:
             # other denominators (BERT's masked tokens) are host numbers summed
             # over ranks, with the data's health, in one host all-reduce
             counts = [sum(task.count(batch)[name] for batch, _ in micro_batches) for name in task.denominators]
-            if (task.denominators or self.data_can_fail) and t.world > 1:
-                failed, counts = collectives.any_rank_failed(failure is not None, t.world, t.host_group, counts)
+            if (task.denominators or self.data_can_fail) and ranks.world > 1:
+                failed, counts = collectives.any_rank_failed(failure is not None, ranks.world, ranks.group, counts)
                 if failed and failure is None:
                     failure = DataUnavailable("another rank could not read its data (see its message)")
             if failure is not None:
                 self.iterator.offset = offset
                 if self.previous_data_failure == self.data_position():
                     failure = DataCorrupt(f"{failure}; the previous attempt failed at this same position "
-                                          f"(update {t.state.num_updates + 1}): the data is damaged, not "
+                                          f"(update {state.num_updates + 1}): the data is damaged, not "
                                           f"unavailable, and a retry would fail again; repair or regenerate it")
                 raise failure
             if not micro_batches:
@@ -104,13 +109,17 @@ class Feed:
     def data_position(self) -> dict:
         """Where the next update's data starts (the same on every rank)."""
         return {"epoch": int(self.iterator.epoch), "offset": int(self.iterator.offset),
-                "update": int(self.trainer.state.num_updates)}
+                "update": int(self.state.num_updates)}
 
     def end_of_epoch(self) -> bool:
-        cap = self.trainer.cfg.data.num_iters_per_epoch
-        return self.iterator.end_of_epoch or bool(cap and self.trainer.state.updates_in_epoch >= cap)
+        cap = self.cfg.data.num_iters_per_epoch
+        return self.iterator.end_of_epoch or bool(cap and self.state.updates_in_epoch >= cap)
+
+    def due(self, update: int) -> bool:
+        """After an update: the end of the epoch (its validation and save follow)."""
+        return self.end_of_epoch()
 
     def next_epoch(self):
-        state = self.trainer.state
+        state = self.state
         state.epoch, state.updates_in_epoch = state.epoch + 1, 0
         self.iterator.set_epoch(state.epoch)

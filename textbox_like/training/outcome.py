@@ -115,7 +115,7 @@ def save_on_fault(trainer, exc):
         # the position kept in the checkpoint: a retry failing at the same
         # place is known for damage at rest (DataCorrupt, exit 65)
         trainer.checkpointer.checkpoints.metadata["data_failure"] = trainer.feed.data_position()
-    trainer.checkpointer.save(end_of_epoch=False, is_best=False, final=True)
+    trainer.save(end_of_epoch=False, is_best=False, final=True)  # the last update settled first
 
 
 def trainer_stopped(trainer, exc) -> int:

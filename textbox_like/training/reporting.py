@@ -8,7 +8,6 @@ import time
 
 from textbox_like.core import collectives
 from textbox_like.config.compat import default_notes
-from textbox_like.metrics.meters import StatSums
 from textbox_like.training.due import every
 
 #: the longest a run goes without a progress record, in seconds of rank 0's
@@ -27,64 +26,79 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-class Reporting:
-    """The open log window and the schedule that decides when it is logged."""
+class RunFacts:
+    """What the trainer's build found, for the start line and the log
+    schedule: the model's size, the threads, where Accelerate's settings
+    came from (``sources``, updated in place by a --compile fallback), the
+    sharding's line, the training samples, whether the data is read inline,
+    and the updates of --max-epoch epochs."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.window = StatSums()  # the open log window's stats, this rank only
+    def __init__(self, n_params, threads, sources, sharding_line, train_samples, reads_inline, planned_updates):
+        self.n_params, self.threads, self.sources, self.sharding_line = n_params, threads, sources, sharding_line
+        self.train_samples, self.reads_inline, self.planned_updates = train_samples, reads_inline, planned_updates
+
+
+class Reporting:
+    """The open log window (the update step's :class:`~.state.StepRecord`)
+    and the schedule that decides when it is logged."""
+
+    def __init__(self, cfg, ranks, accelerator, *, state, record, timing, task, facts, log):
+        self.cfg, self.ranks, self.accelerator, self.state = cfg, ranks, accelerator, state
+        self.record, self.timing, self.task, self.facts, self.log = record, timing, task, facts, log
         # the wall-clock schedule (schedule_time_log), set at start()
         self.time_log_at, self.time_log_mark = None, None
         self.first_log_probe = True
         self.interval_for = (None, None)  # (target updates, the log interval worked out for it)
 
     def start(self):
-        """The wall-clock log schedule (schedule_time_log) learns the pace at this run's first update."""
-        state = self.trainer.state
+        """The throughput's marks, and the wall-clock log schedule
+        (schedule_time_log), which learns the pace at this run's first update."""
+        state = self.state
+        state.clock.mark_samples, state.clock.mark_updates = state.samples_seen, state.num_updates
         self.time_log_at, self.time_log_mark = state.num_updates + 1, (time.perf_counter(), state.num_updates)
         self.first_log_probe = True
 
     def fold_log_window(self, share_clock=False) -> dict:
         """Sum the open log window over ranks (one collective) into the
         epoch's meters; ``share_clock``: with rank 0's clock in the same sum,
-        for the wall-clock log schedule."""
-        t = self.trainer
-        t.step.settle()
+        for the wall-clock log schedule. The last update is settled by then:
+        the trainer settles it before anything that reads the counts."""
+        window = self.record.window
         if share_clock:
-            elapsed = time.perf_counter() - self.time_log_mark[0] if t.is_main else 0.0
-            self.window.add({CLOCK_KEY: elapsed})   # every rank the key: the same collective everywhere
-        sums = self.window.reduce(t.accelerator)
-        self.window.reset()
+            elapsed = time.perf_counter() - self.time_log_mark[0] if self.ranks.is_main else 0.0
+            window.add({CLOCK_KEY: elapsed})   # every rank the key: the same collective everywhere
+        sums = window.reduce(self.accelerator)
+        window.reset()
         if share_clock:
             self.schedule_time_log(sums.pop(CLOCK_KEY))
-        t.state.epoch_sums.add(sums)
-        t.state.samples_seen += int(sums.get("nsamples", 0))
+        self.state.epoch_sums.add(sums)
+        self.state.samples_seen += int(sums.get("nsamples", 0))
         return sums
 
     def target_updates(self) -> int:
         """The update the run will stop at (0: not known)."""
-        known = [n for n in (self.trainer.cfg.schedule.max_update, self.trainer.planned_updates) if n]
+        known = [n for n in (self.cfg.schedule.max_update, self.facts.planned_updates) if n]
         return min(known) if known else 0
 
     def log_interval(self) -> int:
         """--log-interval, shortened so that a short run still logs about ten
         times (a 20-update run with the default 100 would print nothing); a
         user's own --log-interval is kept. The longest spacing of records in
-        updates; should_log adds records by wall time."""
+        updates; due() adds records by wall time."""
         target = self.target_updates()
         if self.interval_for[0] != target:   # asked every update: worked out once
-            cfg = self.trainer.cfg
+            cfg = self.cfg
             interval = cfg.logging.log_interval
             if not (cfg.given("log_interval") or not target or interval <= 0):
                 interval = min(interval, max(1, target // 10))
             self.interval_for = (target, interval)
         return self.interval_for[1]
 
-    def should_log(self, ahead=0) -> bool:
-        """Whether the update ``num_updates + ahead`` logs: every --log-interval
-        updates (log_interval), and sooner where the wall-clock schedule
+    def due(self, update: int) -> bool:
+        """Whether ``update`` logs: every --log-interval updates
+        (log_interval), and sooner where the wall-clock schedule
         (schedule_time_log) says so; the same answer on every rank."""
-        interval, update = self.log_interval(), self.trainer.state.num_updates + ahead
+        interval = self.log_interval()
         return interval > 0 and (update % interval == 0 or update >= self.time_log_at)
 
     def schedule_time_log(self, rank0_seconds: float):
@@ -92,17 +106,15 @@ class Reporting:
         LOG_EVERY_S seconds: from rank 0's seconds per update since the last
         decision, which every rank received in the same sum, so all ranks
         pick the same update without a collective of their own."""
-        num_updates = self.trainer.state.num_updates
+        num_updates = self.state.num_updates
         updates = max(num_updates - self.time_log_mark[1], 1)
         spacing = max(1, int(LOG_EVERY_S * updates / max(rank0_seconds, 1e-9)))
         self.time_log_at = num_updates + spacing
         self.time_log_mark = (time.perf_counter(), num_updates)
 
     def log_train(self):
-        if not self.should_log():
-            return
-        t = self.trainer
-        state = t.state
+        """The record of the updates since the last one (the trainer asks due() first)."""
+        state = self.state
         sums = self.fold_log_window(share_clock=True)
         if self.first_log_probe:
             # the first update of a run is folded to learn its pace, not
@@ -111,8 +123,8 @@ class Reporting:
             if not every(state.num_updates, self.log_interval()):
                 return
         rates = state.clock.window(state.samples_seen, state.num_updates)
-        gnorm = t.step.gnorm
-        record = {"epoch": state.epoch, "update": state.num_updates, **t.task.metrics(sums), "lr": t.step.lr,
+        gnorm = self.record.gnorm
+        record = {"epoch": state.epoch, "update": state.num_updates, **self.task.metrics(sums), "lr": self.record.lr,
                   "gnorm": float(gnorm) if gnorm is not None else None, **rates}
         if "ntokens" in sums:
             record["tokens_per_s"] = rates["samples_per_s"] * sums["ntokens"] / max(sums.get("nsamples", 0), 1)
@@ -120,29 +132,27 @@ class Reporting:
         if target and rates["updates_per_s"] > 0:
             record["eta_s"] = max(target - state.num_updates, 0) / rates["updates_per_s"]
         record.update(self.peak_memory_per_rank())
-        if t.world > 1:
+        if self.ranks.world > 1:
             record.update(self.seconds_per_rank())
         record["wall"] = state.clock.elapsed()
-        t.log.log("train", record)
+        self.log.log("train", record)
 
     def seconds_per_rank(self) -> dict:
         """Each rank's compute, data and all-reduce wait seconds per update
         in this log window (one host collective)."""
-        t = self.trainer
-        window = t.timing.window("log")
+        window = self.timing.window("log")
         updates = max(window["updates"], 1)
         mine = [float(window["compute"] / updates), float(window["data"] / updates), float(window["wait"] / updates)]
-        rows = collectives.one_per_rank(mine, t.world, t.host_group)
+        rows = collectives.one_per_rank(mine, self.ranks.world, self.ranks.group)
         return {f"{name}_s_per_rank": [round(row[i], 5) for row in rows]
                 for i, name in enumerate(("compute", "data", "wait"))}
 
     def log_epoch(self):
-        t = self.trainer
-        state = t.state
+        state = self.state
         self.fold_log_window()
-        t.log.log("train_epoch", {"epoch": state.epoch, "update": state.num_updates,
-                                  **t.task.metrics(state.epoch_sums.state_dict()),
-                                  "wall": state.clock.elapsed()})
+        self.log.log("train_epoch", {"epoch": state.epoch, "update": state.num_updates,
+                                     **self.task.metrics(state.epoch_sums.state_dict()),
+                                     "wall": state.clock.elapsed()})
         state.epoch_sums.reset()
 
     def peak_memory_per_rank(self) -> dict:
@@ -151,55 +161,54 @@ class Reporting:
         other devices the process's peak resident set (``peak_rss_gib``:
         everything the process held, Python and torch themselves included)."""
         import torch
-        t = self.trainer
-        if t.accelerator.device.type == "cuda":
+        if self.accelerator.device.type == "cuda":
             # in the default dtype, as a device tensor of it held the figure before
             peak = torch.tensor(torch.cuda.max_memory_allocated() / 2 ** 30, dtype=torch.get_default_dtype()).item()
             key = "peak_mem_gib"
         else:
             peak, key = peak_rss_bytes() / 2 ** 30, "peak_rss_gib"
-        return {key: [round(float(v), 3) for v in collectives.one_per_rank(peak, t.world, t.host_group)]}
+        return {key: [round(float(v), 3) for v in collectives.one_per_rank(peak, self.ranks.world, self.ranks.group)]}
 
-    def start_line(self) -> str:
+    def start_line(self, batches: str, schedule: str) -> str:
         """What the run is: task, size, devices, precision and where it was
-        chosen, optimizer and lr (and why that lr), batches, data."""
+        chosen, optimizer and lr (and why that lr), ``schedule`` (the lr
+        schedule's description), ``batches`` (the global batch's), data."""
         from textbox_like.optim import lr_explained
-        t = self.trainer
-        cfg, acc = t.cfg, t.accelerator
-        precision_source = t.sources.get("precision", "default")
+        cfg, acc, facts, state = self.cfg, self.accelerator, self.facts, self.state
+        precision_source = facts.sources.get("precision", "default")
         # each setting Accelerate honours where it did not come from our default: its own field, so that
         # the precision's parenthesis names the precision's source only
-        others = "".join(f" | {k} from {v}" for k, v in t.sources.items() if k != "precision" and v != "default")
-        return (f"task {cfg.data.task} | {t.n_params:,} parameters | world size {t.world} | "
-                f"device {acc.device}" + (f" ({t.threads} thread{'s' if t.threads > 1 else ''})"
+        others = "".join(f" | {k} from {v}" for k, v in facts.sources.items() if k != "precision" and v != "default")
+        return (f"task {cfg.data.task} | {facts.n_params:,} parameters | world size {self.ranks.world} | "
+                f"device {acc.device}" + (f" ({facts.threads} thread{'s' if facts.threads > 1 else ''})"
                                           if acc.device.type == "cpu" else "")
                 + f" | precision {self.precision_name()}"
                 + (f" (precision from {precision_source})" if precision_source != "default" else "") + others
-                + f" | {cfg.optim.optimizer} {lr_explained(cfg)} | lr schedule: {t.scheduler.describe()}"
-                + (f" | {t.sharding_line}" if t.sharding_line else "")
-                + f" | {t.global_batch.describe()} | train {len(t.train_data):,} samples"
+                + f" | {cfg.optim.optimizer} {lr_explained(cfg)} | lr schedule: {schedule}"
+                + (f" | {facts.sharding_line}" if facts.sharding_line else "")
+                + f" | {batches} | train {facts.train_samples:,} samples"
                 + ("" if cfg.validation.disable_validation else
-                   f" | best {t.state.best_metric} ({'higher' if t.state.maximize else 'lower'} is better)")
+                   f" | best {state.best_metric} ({'higher' if state.maximize else 'lower'} is better)")
                 + (" (in memory: read inline, --num-workers not needed)"
-                   if cfg.data.num_workers and not t.iterator.num_workers else "")
+                   if cfg.data.num_workers and facts.reads_inline else "")
                 + f" | {self.saved_where()}"
-                + "".join(f" | {line}" for line in [*t.task.start_notes(), *default_notes(cfg)]))
+                + "".join(f" | {line}" for line in [*self.task.start_notes(), *default_notes(cfg)]))
 
     def precision_name(self) -> str:
         """Accelerate's mixed precision (fp16, bf16), or where it has none
         ("no"), the dtype the model trains in: float32 (float64)."""
-        chosen = self.trainer.accelerator.mixed_precision
-        return self.trainer.cfg.numerics.train_dtype if chosen == "no" else chosen
+        chosen = self.accelerator.mixed_precision
+        return self.cfg.numerics.train_dtype if chosen == "no" else chosen
 
     def saved_where(self) -> str:
         """Where the run is saved, for its start and done lines."""
-        if self.trainer.cfg.checkpoint.no_save:
+        if self.cfg.checkpoint.no_save:
             return "not saved (--no-save)"
-        return f"saved in {os.path.abspath(self.trainer.cfg.checkpoint.save_dir)}"
+        return f"saved in {os.path.abspath(self.cfg.checkpoint.save_dir)}"
 
     def last_line(self, reason):
         """How the run ended, and whose the figures are (the last validation's)."""
-        state, cfg = self.trainer.state, self.trainer.cfg
+        state, cfg = self.state, self.cfg
         head = {"preempted": f"stopped by a signal at update {state.num_updates}",
                 "patience": f"done: no better {state.best_metric} in {cfg.validation.patience} validations "
                             f"(--patience) at update {state.num_updates}"}.get(reason, f"done | updates {state.num_updates}")

@@ -1,12 +1,79 @@
-"""Where the run is (:class:`TrainState`), and the objects a checkpoint is
-made of: each stateful part of the run as a ``state_dict`` /
-``load_state_dict`` pair for :class:`~textbox_like.storage.checkpoint.CheckpointManager`."""
+"""Where the run is (:class:`TrainState`), the small objects two components
+share (:class:`Ranks`, :class:`StepRecord`, :class:`SamplesTrained`: built
+once by the trainer and given to each component that uses them), and the
+objects a checkpoint is made of: each stateful part of the run as a
+``state_dict`` / ``load_state_dict`` pair for
+:class:`~textbox_like.storage.checkpoint.CheckpointManager`."""
 from __future__ import annotations
 
 from textbox_like.core import collectives
 from textbox_like.storage.checkpoint import rng_state, set_rng_state
 from textbox_like.core.errors import UserError
 from textbox_like.metrics.meters import StatSums, TrainClock
+from textbox_like.training.due import crosses
+
+
+class Ranks:
+    """This process among the run's: its rank, the world size, the host
+    group of host collectives, whether it is the main one. One object every
+    component reads, so that all see the same world."""
+
+    def __init__(self, rank: int, world: int, group, is_main: bool):
+        self.rank, self.world, self.group, self.is_main = rank, world, group, is_main
+
+
+class Reseeding:
+    """A fresh RNG stream for this rank at the current update, where a
+    checkpoint brings none for it (another world size, one survivor's
+    emergency save) or --reset-dataloader starts a new pass."""
+
+    def __init__(self, seed: int, state, ranks, log):
+        self.seed, self.state, self.ranks, self.log = seed, state, ranks, log
+
+    def __call__(self, why: str):
+        import torch
+        torch.manual_seed(self.seed + 7919 * self.state.num_updates + self.ranks.rank)
+        self.log.info(f"{why}: reseeding")
+
+
+class StepRecord:
+    """What the update step leaves for the log: the open log window's stats
+    (this rank only, summed over its updates), the last gradient norm and
+    the learning rate. Written by :class:`~.step.UpdateStep`, read and
+    folded by :class:`~.reporting.Reporting`."""
+
+    def __init__(self, lr):
+        self.window = StatSums()
+        self.gnorm = None
+        self.lr = lr
+
+
+class SamplesTrained:
+    """The samples of the updates taken (``TrainState.samples_trained``), and
+    kanachan's --snapshot-interval: whether the last update taken crossed a
+    multiple of N training samples. Counted by the update step, read by the
+    checkpointer's schedule."""
+
+    def __init__(self, state, snapshot_interval: int):
+        self.state, self.snapshot_interval = state, snapshot_interval
+        self.crossed_snapshot = False
+
+    def count(self, samples_in_update: int):
+        """An update taken: its samples, and whether they crossed a snapshot."""
+        before = self.state.samples_trained
+        self.state.samples_trained += samples_in_update
+        self.crossed_snapshot = crosses(before, self.state.samples_trained, self.snapshot_interval)
+
+    def take_back(self, samples_in_update: int):
+        """The last update turned out skipped (UpdateStep.settle, one update
+        late): its samples are not trained. It crossed no snapshot (an update
+        that crosses one is due, so settled at once); an earlier crossing was
+        saved when it happened."""
+        self.state.samples_trained -= samples_in_update
+        self.crossed_snapshot = False
+
+    def new_epoch(self):
+        self.crossed_snapshot = False
 
 
 class TrainState:

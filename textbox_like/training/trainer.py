@@ -2,19 +2,27 @@
 
 Accelerate places the model, wraps it in DDP and runs mixed precision; the
 trainer builds the run in the order it needs, then runs epochs of updates,
-asking each component after every update whether it is due. The components,
-each owning its state and its own "is it due" check:
+asking each component after every update whether it is due. Each component
+is given the few objects it uses (never the trainer); what two share is one
+object both are given (:class:`~.state.Ranks`, :class:`~.state.StepRecord`,
+:class:`~.state.SamplesTrained`, :class:`~.global_batch.RankTiming`,
+:class:`~.step.InFlight`), and where one needs another's work, the loop
+asks for it (settling the update before anything reads the counts, the
+start, the restored position) or the one is given the other. The
+components, each owning its state and its one check ``due(update)``:
 
 - :class:`~.step.UpdateStep` (step.py): one update and the non-finite guard;
+  :class:`~.step.ForwardBackward`: forward and backward over micro-batches;
   :class:`~.step.InFlight`: the update under way;
 - :class:`~.global_batch.GlobalBatch`: the split of ``--global-batch-size``
   over the ranks, micro-batches, the memory guard, ``--balance``;
-- :class:`~.feed.Feed`: epochs and the data position;
-- :class:`~.reporting.Reporting`: ``should_log``, the records and lines;
-- :class:`~.validation.Validation`: ``should_validate``;
-- :class:`~.checkpointer.Checkpointer`: ``should_save`` and the save;
+- :class:`~.feed.Feed`: epochs and the data position; ``due`` at an epoch's end;
+- :class:`~.reporting.Reporting`: ``due`` to log, the records and lines;
+- :class:`~.validation.Validation`: ``due`` to validate;
+- :class:`~.checkpointer.Checkpointer`: ``due`` to save, and the save;
 - :class:`~textbox_like.processes.preemption.Preemption`: ``due``, stopping on SIGTERM/SIGUSR1;
-- :class:`~.lifecycle.Lifecycle`: restore, start, finish, the save-dir lock;
+- :class:`~.lifecycle.Lifecycle`: restore, start, finish;
+  :class:`~.lifecycle.SaveDir`: the save-dir lock;
 - :mod:`.outcome`: an exception as (save or not, one line, exit code);
   :mod:`.elastic`: a lost peer;
 - :class:`~.callbacks.Callbacks`: the run's callbacks (``--callbacks``,
@@ -22,15 +30,20 @@ each owning its state and its own "is it due" check:
   start, after each update, validation and checkpoint, and at the end;
 - periodic events of one's own: a :class:`~.due.EveryUpdates` registered
   with :meth:`Trainer.add_event`.
+
+:attr:`Trainer.due_after_update` is the one list of what can be due after an
+update: :meth:`Trainer.anything_due` asks it, and :meth:`Trainer.after_update`
+asks the same components, each once.
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from textbox_like.processes import distributed
 from textbox_like.parallel import sharding
-from textbox_like.core.errors import UserError
+from textbox_like.core.errors import UserError, first_line
 from textbox_like.core.faults import check_writable
 from textbox_like.metrics.meters import Logger
 from textbox_like.processes.preemption import Preemption, raise_if_stopped
@@ -39,12 +52,12 @@ from textbox_like.tasks.base import best_metric_direction
 from textbox_like.training.callbacks import Callbacks, run_callbacks
 from textbox_like.training.checkpointer import Checkpointer
 from textbox_like.training.feed import Feed
-from textbox_like.training.global_batch import GlobalBatch, RankTiming
+from textbox_like.training.global_batch import GlobalBatch, RankTiming, per_rank_batch_sizes
 from textbox_like.training.hooks import TestHooks
-from textbox_like.training.lifecycle import Lifecycle
-from textbox_like.training.reporting import Reporting
-from textbox_like.training.state import TrainState
-from textbox_like.training.step import InFlight, UpdateStep
+from textbox_like.training.lifecycle import Lifecycle, SaveDir
+from textbox_like.training.reporting import Reporting, RunFacts
+from textbox_like.training.state import Ranks, Reseeding, SamplesTrained, StepRecord, TrainState
+from textbox_like.training.step import ForwardBackward, InFlight, ToDevice, UpdateStep
 from textbox_like.training.validation import Validation
 
 
@@ -64,11 +77,11 @@ class Trainer:
         from textbox_like.processes.elastic import Agent
         self.agent = Agent.from_env()  # torchrun's, if it started this worker
         self.setup_processes()
-        self.lifecycle = Lifecycle(self)
+        self.save_dir = SaveDir(cfg, self.ranks)
         if made is not None and (placement is None or placement.rank == 0):
-            self.lifecycle.made_save_dir = Path(made)
+            self.save_dir.made_save_dir = Path(made)
         try:
-            self.lifecycle.claim_save_dir()  # inside: a signal during it ends here, where the lock is released
+            self.save_dir.claim()  # inside: a signal during it ends here, where the lock is released
             self.hooks = TestHooks(self.rank)
             from accelerate.utils import set_seed
             set_seed(cfg.numerics.seed)
@@ -77,8 +90,29 @@ class Trainer:
                 raise_if_stopped()  # a start-up signal whose stop the code it landed in swallowed
                 build()
         except BaseException:
-            self.lifecycle.release_save_dir()
+            self.save_dir.release()
             raise
+
+    # one view of the processes (state.Ranks), which every component is given
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world(self) -> int:
+        return self.ranks.world
+
+    @world.setter
+    def world(self, world: int):  # one process standing in for one of several (the lost-peer tests)
+        self.ranks.world = world
+
+    @property
+    def is_main(self) -> bool:
+        return self.ranks.is_main
+
+    @property
+    def host_group(self):
+        return self.ranks.group
 
     def setup_processes(self):
         from textbox_like.parallel.accelerator import build_accelerator
@@ -102,8 +136,7 @@ class Trainer:
         self.accelerator, self.sources = build_accelerator(
             cfg, placement, log_with(trackers, cfg.checkpoint.save_dir) if trackers and not cfg.checkpoint.no_save else None)
         acc = self.accelerator
-        self.rank, self.world, self.is_main = acc.process_index, acc.num_processes, acc.is_main_process
-        self.host_group = distributed.host_group()
+        self.ranks = Ranks(acc.process_index, acc.num_processes, distributed.host_group(), acc.is_main_process)
         if not cfg.runtime.threads and self.world > 1:  # ranks started one by one share a machine's cores too
             sharing = max(placement.local_world_size, distributed.ranks_on_this_machine(self.host_group))
             threads = max(1, distributed.usable_cpus() // sharing)
@@ -170,38 +203,81 @@ class Trainer:
             torch.manual_seed(cfg.numerics.seed + self.rank)
 
     def build_components(self):
-        """In the order of their collectives (the same on every rank)."""
-        best_metric, maximize = best_metric_direction(self.cfg.validation, self.task)
-        self.state = TrainState(best_metric, maximize)
-        self.callbacks = Callbacks(run_callbacks(self.cfg, self.given_callbacks), self.state, self.rank, self.world,
-                                   self.host_group, self.cfg)
-        self.global_batch = GlobalBatch(self)
-        self.feed = Feed(self)
+        """In the order of their collectives (the same on every rank); each
+        component given what it uses, the shared objects built once here."""
+        cfg, ranks, acc, task, model = self.cfg, self.ranks, self.accelerator, self.task, self.model
+        optimizer, scheduler, grad_params, log, hooks = \
+            self.optimizer, self.scheduler, self.grad_params, self.log, self.hooks
+        best_metric, maximize = best_metric_direction(cfg.validation, task)
+        self.state = state = TrainState(best_metric, maximize)
+        self.callbacks = callbacks = Callbacks(run_callbacks(cfg, self.given_callbacks), state, ranks.rank,
+                                               ranks.world, ranks.group, cfg)
+        self.reseed = Reseeding(cfg.numerics.seed, state, ranks, log)
+        self.in_flight = in_flight = InFlight(compile_pending=self.sources["compile"] != "default")
+        batch_sizes, max_tokens = per_rank_batch_sizes(cfg.data, self.train_data, ranks)
+        # several ranks to compare, or a global batch to balance: timed
+        self.timing = timing = RankTiming.for_run(grad_params, acc.device, model,
+                                                  ranks.world > 1 or bool(cfg.data.global_batch_size))
+        self.feed = Feed(cfg, ranks, self.train_data, batch_sizes, max_tokens, acc.device, task=task, state=state,
+                         scheduler=scheduler, in_flight=in_flight, timing=timing, log=log)
         self.iterator = self.feed.iterator
+        self.global_batch = GlobalBatch(cfg, ranks, batch_sizes, max_tokens, train_data=self.train_data,
+                                        iterator=self.iterator, feed=self.feed, state=state, optimizer=optimizer,
+                                        grad_params=grad_params, sharded=sharding.is_sharded(model),
+                                        in_flight=in_flight, timing=timing, log=log)
         if self.global_batch.balancer is not None:
             self.global_batch.check_token_caps()
             self.global_batch.apply_split()
-        self.planned_updates = self.scheduler.planned_updates = \
-            self.feed.updates_of_epochs(self.cfg.schedule.max_epoch or 0)
-        self.validation = Validation(self, best_metric, maximize, self.callbacks)
-        self.checkpointer = Checkpointer(self, self.callbacks)
-        self.timing = RankTiming(self)
-        self.global_batch.build_memory_guard()
-        self.in_flight = InFlight(compile_pending=self.sources["compile"] != "default")
-        self.step = UpdateStep(self)
-        self.reporting = Reporting(self)
+        self.planned_updates = scheduler.planned_updates = self.feed.updates_of_epochs(cfg.schedule.max_epoch or 0)
+        self.to_device = ToDevice(task, acc.device, cfg.numerics.train_dtype == "float64")
+        self.validation = Validation(cfg, ranks, self.valid_data, task=task, accelerator=acc, model=model,
+                                     to_device=self.to_device, state=state, scheduler=scheduler,
+                                     callbacks=callbacks, log=log)
+        self.record = StepRecord(scheduler.get_lr())  # the step writes it, the reporting folds it
+        self.samples = SamplesTrained(state, cfg.checkpoint.snapshot_interval)  # the step counts, the saves read
+        facts = RunFacts(self.n_params, self.threads, self.sources, self.sharding_line, len(self.train_data),
+                         not self.iterator.num_workers, self.planned_updates)
+        self.reporting = Reporting(cfg, ranks, acc, state=state, record=self.record, timing=timing, task=task,
+                                   facts=facts, log=log)
+        self.checkpointer = Checkpointer(cfg, ranks, acc, model=model, optimizer=optimizer, scheduler=scheduler,
+                                         iterator=self.iterator, balancer=self.global_batch.balancer, state=state,
+                                         samples=self.samples, grad_params=grad_params, sources=self.sources,
+                                         reseed=self.reseed, reporting=self.reporting, callbacks=callbacks,
+                                         hooks=hooks)
+        self.global_batch.build_memory_guard(acc.device)
+        self.forward_backward = ForwardBackward(acc, task, model, ranks, state, in_flight, timing, hooks,
+                                                self.to_device)
+        self.step = UpdateStep(cfg, acc, model, optimizer, scheduler, grad_params, state=state, in_flight=in_flight,
+                               timing=timing, forward_backward=self.forward_backward, global_batch=self.global_batch,
+                               record=self.record, samples=self.samples, logs_at=self.reporting.due,
+                               checkpoints=self.checkpointer.checkpoints, log=log)
+        self.lifecycle = Lifecycle(cfg, ranks, acc, save_dir=self.save_dir, agent=self.agent, task=task,
+                                   train_data=self.train_data, model=model, optimizer=optimizer, scheduler=scheduler,
+                                   state=state, iterator=self.iterator, checkpointer=self.checkpointer,
+                                   reporting=self.reporting, timing=timing, preemption=self.preemption,
+                                   callbacks=callbacks, hooks=hooks, reseed=self.reseed, log=log)
         self.events = []  # periodic events of one's own (add_event)
+        # what can be due after an update, each asking its own due(update): the one list anything_due asks
+        self.due_after_update = [self.reporting, self.preemption, self.callbacks, self.feed, self.checkpointer,
+                                 self.validation]
 
     def add_event(self, event):
         """A periodic event (a due.EveryUpdates): asked after every update
         taken, and counted in anything_due."""
         self.events.append(event)
+        self.due_after_update.append(event)
+
+    def use_model(self, model):
+        """The model every component holds, replaced (--compile's fallback to eager)."""
+        self.model = model
+        for holder in (self.forward_backward, self.step, self.validation, self.lifecycle):
+            holder.model = model
 
     # ------------------------------------------------------------------ loop
     def train(self) -> int:
         """Restore, start, epochs of updates until stop_reason() names one, finish: the exit code."""
-        self.lifecycle.restore()
-        self.lifecycle.start()
+        self.restore()
+        self.start()
         self.hooks.limit_memory(self.state.num_updates)
         while self.stop_reason() is None:
             self.feed.begin_epoch()
@@ -215,55 +291,67 @@ class Trainer:
             if self.feed.end_of_epoch():
                 self.end_epoch()
         self.step.refuse_a_run_of_skips()
-        return self.lifecycle.finish()
+        self.step.settle()
+        return self.lifecycle.finish(self.stop_reason() or "completed", self.global_batch.total())
 
     def after_update(self) -> bool:
         """Whatever is due after an update that moved the weights, each
-        component deciding by its own check; True where the epoch's loop
+        component asked once by its own check; True where the epoch's loop
         ends here: at the end of the epoch, or of the run."""
         state = self.state
-        self.reporting.log_train()
-        self.global_batch.rebalance()
+        if self.reporting.due(state.num_updates):
+            self.step.settle()
+            self.reporting.log_train()
+        self.global_batch.rebalance()  # every update (the balancer's marks); its exchanges read no count
         self.preemption.poll(state.num_updates)
         self.hooks.limit_memory(state.num_updates)
         for event in self.events:
-            if event.should_run(state.num_updates):
+            if event.due(state.num_updates):
                 event.run(self)
         self.callbacks.update_end()
-        if self.feed.end_of_epoch():
+        if self.feed.due(state.num_updates):
             return True
         stopping = self.stop_reason() is not None
-        saving = self.checkpointer.should_save(state.num_updates)
+        saving = self.checkpointer.due(state.num_updates)
         # HetSeq validates at every interval save; a run that ends
         # validates its final weights (unless preempted: leave fast)
-        improved = self.validation.validate() if (self.validation.should_validate(state.num_updates) or saving or (
+        improved = self.validate() if (self.validation.due(state.num_updates) or saving or (
             stopping and not self.preemption.agreed)) else False
         stopping = stopping or self.stop_reason() is not None  # a callback (--patience) asked at this validation
         if saving or improved or stopping:
-            self.checkpointer.save(end_of_epoch=False, is_best=improved, final=stopping,
-                                   snapshot=self.checkpointer.snapshot)
+            self.save(end_of_epoch=False, is_best=improved, final=stopping)
         return stopping
 
     def anything_due(self) -> bool:
         """Whether after_update will act after this update beyond the next
-        one: the same components' checks (UpdateStep reads the gradient norm
-        at once then, so every decision sees the settled count)."""
+        one: the same components asked (due_after_update), and the run's end
+        (the trainer then settles an update a fused optimizer left unsettled,
+        so that every decision sees the settled count)."""
         update = self.state.num_updates
-        return (self.reporting.should_log() or self.checkpointer.should_save(update)
-                or self.validation.should_validate(update) or self.preemption.due(update)
-                or self.feed.end_of_epoch() or self.stop_reason() is not None or self.callbacks.every_update
-                or any(event.should_run(update) for event in self.events))
+        return self.stop_reason() is not None or any(component.due(update) for component in self.due_after_update)
 
     def end_epoch(self):
         """The epoch's record, its validation (every --validate-interval epochs), its save, the next epoch."""
+        self.step.settle()
         self.reporting.log_epoch()
         final = self.stop_reason(next_epoch=True) is not None
         due = self.validation.should_validate_epoch(self.state.epoch, self.state.num_updates,
                                                     final and not self.preemption.agreed)
-        improved = self.validation.validate() if due else False
-        self.checkpointer.save(end_of_epoch=True, is_best=improved, final=final, snapshot=self.checkpointer.snapshot)
+        improved = self.validate() if due else False
+        self.save(end_of_epoch=True, is_best=improved, final=final)
         if not self.preemption.agreed:
             self.feed.next_epoch()
+
+    def validate(self) -> bool:
+        """Validation.validate, the last update settled first."""
+        self.step.settle()
+        return self.validation.validate()
+
+    def save(self, end_of_epoch, is_best, final):
+        """Checkpointer.save, the last update settled first."""
+        snapshot = self.checkpointer.snapshot  # as the update left it (a taken-back update crossed none)
+        self.step.settle()
+        self.checkpointer.save(end_of_epoch=end_of_epoch, is_best=is_best, final=final, snapshot=snapshot)
 
     def stop_reason(self, next_epoch=False):
         """Why the run stops now, or None: the one place that knows."""
@@ -277,22 +365,68 @@ class Trainer:
         return self.callbacks.stop_reason  # agreed by every rank (--patience's early stopping is one)
 
     def train_step(self, micro_batches, totals) -> bool:
-        """One update (UpdateStep.update); False when it was skipped."""
-        return self.step.update(micro_batches, totals)
+        """One update (UpdateStep.update); False when it was skipped. An
+        update a fused optimizer left unsettled (UpdateStep.step_on_device)
+        is settled at once where anything is due after it."""
+        if self.in_flight.compile_pending:
+            return self.first_compiled_step(micro_batches, totals)
+        stepped = self.step.update(micro_batches, totals)
+        if self.in_flight.unsettled is not None and self.anything_due():
+            return self.step.settle()
+        return stepped
 
     def updates_of_this_epoch(self):
         """The rest of this epoch, update by update (Feed.updates)."""
         return self.feed.updates()
 
-    # ------------------------------------------------------------- helpers
-    def to_device(self, batch):
-        batch = self.task.collate_to_device(batch, self.accelerator.device)
-        if self.cfg.numerics.train_dtype == "float64":
-            from textbox_like.data.base import map_tensors
-            batch = map_tensors(lambda v: v.double() if v.is_floating_point() else v, batch)
-        return batch
+    # ------------------------------------------------------------- start
+    def restore(self):
+        """Lifecycle.restore, then what the restored position means for the split and the epoch."""
+        restored = self.lifecycle.restore()
+        if restored is None:
+            return
+        path, self.feed.previous_data_failure = restored
+        if self.global_batch.balancer is not None:  # the saved split, or an even one on another world size
+            self.global_batch.apply_split()
+        if self.feed.end_of_epoch():
+            self.feed.next_epoch()
+        self.log.forget_after(self.state.num_updates)
+        self.log.info(f"resumed from {path}: epoch {self.state.epoch}, update {self.state.num_updates}")
 
-    def reseed(self, why):
-        import torch
-        torch.manual_seed(self.cfg.numerics.seed + 7919 * self.state.num_updates + self.rank)
-        self.log.info(f"{why}: reseeding")
+    def start(self):
+        """The checks and the start line before the first update, each component's start."""
+        self.lifecycle.start()
+        self.global_batch.start(self.state.num_updates)
+        self.log.info(self.reporting.start_line(self.global_batch.describe(), self.scheduler.describe()))
+        self.reporting.start()
+        self.step.decide_device_skips()
+        self.lifecycle.into_training()
+
+    def first_compiled_step(self, micro_batches, totals) -> bool:
+        """The first update under --compile includes compiling: timed and
+        reported apart, and left out of the throughput. A model that cannot
+        compile trains eager after one line (every component given the
+        eager model: use_model)."""
+        import copy
+
+        from textbox_like.core.internals import compile_errors
+        started = time.perf_counter()
+        self.in_flight.compile_pending = False
+        window = copy.deepcopy(self.record.window)
+        try:
+            stepped = self.train_step(micro_batches, totals)
+        except compile_errors() as e:
+            from textbox_like.parallel.accelerator import uncompile, warn
+            cause = getattr(e, "inner_exception", None) or e  # the backend's own error
+            reason = f"{type(cause).__name__}: " + first_line(cause, 200, empty="")
+            name = type(self.accelerator.unwrap_model(self.model, keep_torch_compile=False)).__name__
+            warn(f"--compile: {name} did not compile ({reason}); training eager")
+            self.use_model(uncompile(self.model, self.compiled_regions))
+            self.sources["compile"] = "default"
+            self.optimizer.zero_grad(set_to_none=True)
+            self.record.window = window
+            return self.train_step(micro_batches, totals)
+        took = time.perf_counter() - started
+        self.state.clock.paused += took
+        self.log.info(f"compiled: the first update took {took:.1f}s (compilation; not counted in throughput)")
+        return stepped

@@ -21,22 +21,22 @@ def valid_batch_size(data) -> int:
 class Validation:
     """The validator over the validation subsets, and its schedule."""
 
-    def __init__(self, trainer, best_metric, maximize, callbacks):
-        self.trainer = t = trainer
-        self.callbacks = callbacks
-        cfg = t.cfg
-        largest = max(t.valid_data.values(), key=len, default=None)
+    def __init__(self, cfg, ranks, valid_data, *, task, accelerator, model, to_device, state, scheduler, callbacks,
+                 log):
+        self.cfg, self.model, self.state, self.scheduler = cfg, model, state, scheduler
+        self.callbacks, self.log = callbacks, log
+        largest = max(valid_data.values(), key=len, default=None)
         size = valid_batch_size(cfg.data)
         if not cfg.data.max_sentences_valid and largest is not None and len(largest):
             size = min(size, len(largest))   # our default, not the user's: no note
         valid_batch_sizes = collectives.one_per_rank(
-            clamped_batch_size(size, largest, "the validation batch size"), t.world, t.host_group)
-        self.validator = Validator(t.task, t.valid_data, valid_batch_sizes, t.accelerator, best_metric, maximize,
-                                   t.to_device)
+            clamped_batch_size(size, largest, "the validation batch size"), ranks.world, ranks.group)
+        self.validator = Validator(task, valid_data, valid_batch_sizes, accelerator, state.best_metric,
+                                   state.maximize, to_device)
 
-    def should_validate(self, update: int) -> bool:
+    def due(self, update: int) -> bool:
         """Every --validate-interval-updates (a save validates too: Trainer.after_update)."""
-        return every(update, self.trainer.cfg.validation.validate_interval_updates)
+        return every(update, self.cfg.validation.validate_interval_updates)
 
     def should_validate_epoch(self, epoch: int, update: int, final: bool) -> bool:
         """At an epoch's end: where it ends the run (its final weights), where
@@ -44,30 +44,29 @@ class Validation:
         epoch, unless the schedule is by updates alone (--validate-interval-updates
         given, --validate-interval not): a seq2seq run that ended its epoch at
         update 94 validated, and generated, again at 100."""
-        cfg = self.trainer.cfg
-        if final or self.should_validate(update):
+        cfg = self.cfg
+        if final or self.due(update):
             return True
         if cfg.validation.validate_interval_updates and not cfg.given("validate_interval"):
             return False
         return epoch % cfg.validation.validate_interval == 0
 
     def validate(self) -> bool:
-        """Validate every subset; True if the first one's metric improved."""
-        t = self.trainer
-        t.step.settle()
+        """Validate every subset; True if the first one's metric improved.
+        The last update is settled by then (the trainer settles it first)."""
         if not self.validator:
             return False
-        state = t.state
+        state = self.state
         started = time.perf_counter()
-        results = self.validator.validate(t.model)
+        results = self.validator.validate(self.model)
         for subset, metrics in results.items():
-            t.log.log(f"valid_{subset}" if len(results) > 1 else "valid",
+            self.log.log(f"valid_{subset}" if len(results) > 1 else "valid",
                       {"epoch": state.epoch, "update": state.num_updates, **metrics})
         state.clock.paused += time.perf_counter() - started  # not training time
-        first = results[t.cfg.data.valid_subset[0]]
+        first = results[self.cfg.data.valid_subset[0]]
         value = self.validator.value(first)
         state.last_valid = first
-        t.scheduler.step_valid(value)  # ReduceLROnPlateau and kin step here; the others ignore it
+        self.scheduler.step_valid(value)  # ReduceLROnPlateau and kin step here; the others ignore it
         improved = self.validator.is_better(value, state.best)
         if improved:
             state.best, state.best_valid = value, dict(first)
