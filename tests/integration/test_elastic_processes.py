@@ -424,14 +424,14 @@ def test_a_survivor_that_comes_after_the_writer_has_left_writes_nothing(data, tm
 LOSE_A_PEER = """
 import os, sys
 from textbox_like.core import collectives
-from textbox_like.training import elastic as E, global_batch as G, trainer as T
+from textbox_like.training import balance as B, elastic as E, trainer as T
 real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
 def init(self, *given, **named):
     real_init(self, *given, **named)
     self.world = 2  # one of two ranks, whose host collectives give its own numbers
     collectives.host_sum = lambda numbers, group=None: list(numbers)
     collectives.one_per_rank = lambda value, world, group=None: [value] * world
-    self.timing = G.RankTiming(self)
+    self.timing.timer = B.RankTimer(self.grad_params, self.accelerator.device, self.model)  # timed as 2 ranks are
 def step(self, micro_batches, totals):
     if self.state.num_updates == 6:
         os.environ["WORLD_SIZE"] = "2"
@@ -481,7 +481,7 @@ def lose_a_peer_in_process(argv, monkeypatch, capfd):
     """LOSE_A_PEER's run (the same patches, undone after the test) in this process: main()'s exit code and
     output, as lose_a_peer's CompletedProcess."""
     from textbox_like.core import collectives
-    from textbox_like.training import global_batch as G, trainer as T
+    from textbox_like.training import balance as B, trainer as T
     real_init, real_step = T.Trainer.__init__, T.Trainer.train_step
 
     def init(self, *given, **named):
@@ -489,7 +489,7 @@ def lose_a_peer_in_process(argv, monkeypatch, capfd):
         self.world = 2  # one of two ranks, whose host collectives give its own numbers
         monkeypatch.setattr(collectives, "host_sum", lambda numbers, group=None: list(numbers))
         monkeypatch.setattr(collectives, "one_per_rank", lambda value, world, group=None: [value] * world)
-        self.timing = G.RankTiming(self)
+        self.timing.timer = B.RankTimer(self.grad_params, self.accelerator.device, self.model)  # timed as 2 ranks are
 
     def step(self, micro_batches, totals):
         if self.state.num_updates == 6:
