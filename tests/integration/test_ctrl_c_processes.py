@@ -34,10 +34,25 @@ def command(data, save_dir, *extra):
             "--save-dir", str(save_dir), "--save-interval-updates", "3", *map(str, extra)]
 
 
-def start_in_a_terminals_group(cmd, **env):
-    """The run as a shell starts a foreground job: a process group of its own."""
-    return subprocess.Popen(cmd, cwd=REPO, env={**clean_env(), **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+@pytest.fixture
+def start_in_a_terminals_group():
+    """Starts the run as a shell starts a foreground job: a process group of
+    its own; a group still alive when the test ends (a failed wait) is
+    killed, so a failure leaves no run training beside the next tests."""
+    started = []
+
+    def start(cmd, **env):
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**clean_env(), **env}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        started.append(proc)
+        return proc
+    yield start
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group: a launcher's ranks too
+        except ProcessLookupError:
+            pass                                 # the whole group has ended
+        proc.wait(timeout=60)
 
 
 def wait_for_updates(proc, save_dir, n, timeout=180):
@@ -79,7 +94,8 @@ def stop_line(err):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_ctrl_c_saves_the_update_under_way_says_how_to_resume_and_the_resume_goes_on(data, tmp_path, ranks, capfd):
+def test_ctrl_c_saves_the_update_under_way_says_how_to_resume_and_the_resume_goes_on(data, tmp_path, ranks, capfd,
+                                                                                     start_in_a_terminals_group):
     save = tmp_path / "run"
     spread = ["--distributed-world-size", 2, "--threads", 1] if ranks == 2 else []
     run = start_in_a_terminals_group(command(data, save, "--max-update", 100000, *spread))
@@ -105,7 +121,7 @@ def test_ctrl_c_saves_the_update_under_way_says_how_to_resume_and_the_resume_goe
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_second_ctrl_c_aborts_at_once_without_saving(data, tmp_path):
+def test_a_second_ctrl_c_aborts_at_once_without_saving(data, tmp_path, start_in_a_terminals_group):
     """Update 7 takes hours (the test-only slow-rank hook): the first Ctrl-C
     waits for it; the second, a moment later, aborts at once. The checkpoint
     of update 6 stays the newest; nothing of update 7 is saved."""
