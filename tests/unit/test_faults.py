@@ -182,7 +182,9 @@ def test_fused_optimizer_is_the_default_on_cuda_only(monkeypatch):
     for device, scaler, expected in (("cuda", None, True), ("cuda", object(), False), ("cpu", None, False)):
         fake = Trainer.__new__(Trainer)
         fake.cfg = parse(["--task", "mnist"])
-        fake.accelerator = SimpleNamespace(device=torch.device(device), scaler=scaler, prepare=lambda m, o: (m, o),
+        fake.accelerator = SimpleNamespace(device=torch.device(device), scaler=scaler,
+                                           prepare=lambda m, o, device_placement=None: (m, o),
+                                           device_placement=True, distributed_type="NO",
                                            state=SimpleNamespace(dynamo_plugin=TorchDynamoPlugin(backend="no")))
         fake.task = SimpleNamespace(build_model=lambda: torch.nn.Linear(2, 2),
                                     param_groups=lambda m, wd: [{"params": list(m.parameters())}])

@@ -23,6 +23,19 @@ def test_compile_errors_catch_a_model_that_does_not_compile():
     torch._dynamo.reset()
 
 
+def test_torchs_wrappers_that_import_dynamo_are_the_ones_import_dynamo_only_when_compiling_knows():
+    """On a torch upgrade that changes them this fails by name, and the run
+    is only slower (they are left as torch made them), never different."""
+    import inspect
+    step = inspect.unwrap(torch.optim.Adam.step, stop=lambda f: f.__code__.co_qualname == internals.STEP_WRAPPER)
+    assert step.__code__.co_qualname == internals.STEP_WRAPPER
+    # torch's, or already ours where an in-process run came first (a torch that changed it is left alone)
+    assert internals.is_torchs_step_wrapper(step.__code__) or internals.is_step_wrapper_without_dynamo(step.__code__)
+    zero_grad = torch.optim.Optimizer.zero_grad
+    assert zero_grad.__code__.co_qualname == internals.DISABLE_DYNAMO_WRAPPER
+    assert {"fn", "recursive"} <= set(zero_grad.__code__.co_freevars)
+
+
 def test_compiled_original_is_the_module_under_the_wrapper():
     model = torch.nn.Linear(2, 2)
     assert internals.compiled_original(torch.compile(model, backend="eager")) is model

@@ -7,37 +7,102 @@ Python that moves one fails there, by name, not deep inside a run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 
-# ---------------------------------------------------------------- torch.optim
+# ---------------------------------------------------------------- torch._dynamo
 DYNAMO_DISABLE = "__dynamo_disable"   # where torch._compile._disable_dynamo caches its wrapped function
+DISABLE_DYNAMO_WRAPPER = "_disable_dynamo.<locals>.inner"   # the function torch._disable_dynamo returns
+STEP_WRAPPER = "_use_grad_for_differentiable.<locals>._use_grad"   # torch.optim's wrapper of every step()
+#: the names torch's step wrapper uses (torch 2.x): where they differ, torch changed it, and it is left as it is
+STEP_WRAPPER_NAMES = ("torch._dynamo", "cast", "Optimizer", "is_grad_enabled", "set_grad_enabled", "defaults",
+                      "_dynamo", "graph_break")
+_modules_seen = 0   # len(sys.modules) at the last look: new modules may hold new wrappers
 
 
-@contextlib.contextmanager
-def optimizers_built_without_dynamo():
-    """While it lasts, building a torch optimizer does not import torch._dynamo.
+def import_dynamo_only_when_compiling():
+    """From now on, torch.optim and the methods torch marks "not to be traced
+    by torch.compile" import torch._dynamo (about 1 s of CPU, in every process
+    that trains) only once something has imported it, that is, only where a
+    compile can be under way. Nothing else changes.
 
-    ``Optimizer.add_param_group`` is wrapped by ``torch._disable_dynamo``, which
-    imports torch._dynamo (about 1 s) on its first call only to mark the method
-    as not to be traced. A launcher that builds an optimizer on a dummy
-    parameter to check its values, and trains nothing itself, need not pay
-    that before its ranks start: the cache is filled with the plain method
-    (nothing is compiled here, so not tracing it changes nothing) and emptied
-    again on the way out, so a later call wraps it as torch does."""
+    Two kinds of torch wrappers import it on their first call:
+    ``torch._disable_dynamo`` (``Optimizer.add_param_group``, ``zero_grad``,
+    the optimizers' functional steps, DDP's forward helper...) to build
+    ``torch._dynamo.disable(fn)``, which it caches on the function
+    (``fn.__dynamo_disable``); and the wrapper of every optimizer's
+    ``step()``, to call ``torch._dynamo.graph_break()``, which does nothing
+    outside a compile. The first cache is filled, for every such wrapper
+    loaded, with a function that calls ``fn`` while torch._dynamo is not
+    imported (nothing can be tracing it then) and otherwise exactly what torch
+    would have built; the step wrapper gets the same code with its two graph
+    breaks made where torch._dynamo is imported. Safe to call again."""
+    import gc
     import sys
-
-    import torch
-    plain = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
-    if plain is None or "torch._dynamo" in sys.modules or hasattr(plain, DYNAMO_DISABLE):
-        yield
+    import types
+    global _modules_seen
+    if len(sys.modules) == _modules_seen or "torch._dynamo" in sys.modules:
         return
-    setattr(plain, DYNAMO_DISABLE, plain)
-    try:
-        yield
-    finally:
-        if getattr(plain, DYNAMO_DISABLE, None) is plain:
-            delattr(plain, DYNAMO_DISABLE)
+    _modules_seen = len(sys.modules)
+    for obj in gc.get_objects():
+        if type(obj) is not types.FunctionType:  # type(), not isinstance: no object is asked for its __class__
+            continue
+        name = obj.__code__.co_qualname
+        if name == DISABLE_DYNAMO_WRAPPER:
+            cells = dict(zip(obj.__code__.co_freevars, obj.__closure__ or ()))
+            if "fn" in cells and "recursive" in cells and not hasattr(cells["fn"].cell_contents, DYNAMO_DISABLE):
+                fn = cells["fn"].cell_contents
+                setattr(fn, DYNAMO_DISABLE, _dynamo_disabled_when_imported(fn, cells["recursive"].cell_contents))
+        elif name == STEP_WRAPPER and is_torchs_step_wrapper(obj.__code__):
+            obj.__code__ = _step_with_graph_breaks_when_dynamo_is_imported(None).__code__.replace(
+                co_name=obj.__code__.co_name, co_qualname=name, co_filename=obj.__code__.co_filename,
+                co_firstlineno=obj.__code__.co_firstlineno)
+
+
+def is_torchs_step_wrapper(code) -> bool:
+    """Whether ``code`` is the step wrapper this module knows (the installed
+    torch's; tests/unit/test_internals.py says so by name on an upgrade)."""
+    return code.co_freevars == ("func",) and tuple(code.co_names) == STEP_WRAPPER_NAMES \
+        and "differentiable" in code.co_consts
+
+
+def is_step_wrapper_without_dynamo(code) -> bool:
+    """Whether ``code`` is the step wrapper as import_dynamo_only_when_compiling leaves it."""
+    return code.co_code == _step_with_graph_breaks_when_dynamo_is_imported(None).__code__.co_code
+
+
+def _dynamo_disabled_when_imported(fn, recursive):
+    import sys
+    disabled = None
+
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            import torch._dynamo
+            disabled = torch._dynamo.disable(fn, recursive, wrapping=False)
+        return disabled(*args, **kwargs)
+    return call
+
+
+def _step_with_graph_breaks_when_dynamo_is_imported(func):
+    """torch.optim.optimizer's ``_use_grad`` (the code above ``func``, which
+    runs in that module's globals), but for where its graph breaks run."""
+    def _use_grad(*args, **kwargs):
+        dynamo = torch.sys.modules.get("torch._dynamo")  # noqa: F821 (torch.optim.optimizer's global)
+        self = args[0]
+        prev_grad = torch.is_grad_enabled()  # noqa: F821
+        try:
+            torch.set_grad_enabled(self.defaults["differentiable"])  # noqa: F821
+            if dynamo is not None:
+                dynamo.graph_break()
+            ret = func(*args, **kwargs)
+        finally:
+            if dynamo is not None:
+                dynamo.graph_break()
+            torch.set_grad_enabled(prev_grad)  # noqa: F821
+        return ret
+    return _use_grad
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -300,6 +300,8 @@ def build_optimizer(optim, param_groups, fused_default=False):
             g.pop("weight_decay", None)
         else:
             g["weight_decay"] = 0.0 if exempt else wd
+    from textbox_like.core.internals import import_dynamo_only_when_compiling
+    import_dynamo_only_when_compiling()   # not 1 s of CPU in every process that steps an optimizer
     optimizer = OPTIMIZERS.get(optim.optimizer).build(groups, **kwargs)
     for group, source in zip(optimizer.param_groups, param_groups):
         group["no_decay"] = bool(source.get("no_decay", False))  # kept for --optimizer-overrides

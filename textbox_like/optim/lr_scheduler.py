@@ -417,10 +417,10 @@ def check_scheduler(cfg):
         return
     import torch
 
-    from textbox_like.core.internals import optimizers_built_without_dynamo
-    with optimizers_built_without_dynamo():  # a launcher trains nothing: its ranks import dynamo
-        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=max(float(cfg.optim.lr[0]), 1e-12),
-                                    momentum=0.9)
+    from textbox_like.core.internals import import_dynamo_only_when_compiling
+    import_dynamo_only_when_compiling()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=max(float(cfg.optim.lr[0]), 1e-12),
+                                momentum=0.9)
     scheduler = build_scheduler(cfg, optimizer)
     scheduler.planned_updates = max(cfg.schedule.max_update or 0, 1)
     try:

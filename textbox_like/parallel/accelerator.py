@@ -227,3 +227,16 @@ def build_accelerator(cfg, placement, log_with=None):
     if dist.is_initialized():
         note_group()
     return accelerator, sources
+
+
+def device_placement(accelerator, *objects) -> list | None:
+    """``prepare()``'s ``device_placement`` for ``objects``, as Accelerate
+    would decide it, where no DTensor exists yet: Accelerate asks whether the
+    model holds DTensors by importing torch.distributed.tensor (0.8 s of CPU in
+    a one-process run that has none). Without that module loaded no tensor
+    can be one; with it (a model we sharded) Accelerate decides (None)."""
+    from accelerate.utils import DistributedType
+    if "torch.distributed.tensor" in sys.modules:
+        return None
+    place = accelerator.device_placement and accelerator.distributed_type != DistributedType.FSDP
+    return [place] * len(objects)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 
 from textbox_like.parallel import malloc
 
@@ -323,6 +324,8 @@ def sharded_root(model):
     model that is not compiled by regions under torch.compile's
     OptimizedModule (``_orig_mod``), DDP under ``module``; None where the
     model is not sharded."""
+    if "torch.distributed.fsdp" not in sys.modules:  # no module is one before FSDP is loaded (0.8 s to load)
+        return None
     from torch.distributed.fsdp import FSDPModule
     while not isinstance(model, FSDPModule):
         model = model._modules.get("_orig_mod") or model._modules.get("module")

@@ -79,11 +79,34 @@ def raise_if_stopped():
         raise _stopped_early(_stopped_by)
 
 
+def _quiet_swallowed_stop(unraisable):
+    """``sys.unraisablehook`` while start-up may be stopped: a start-up stop
+    raised where Python cannot raise it (a finalizer, a weakref callback that
+    the garbage collector ran when the signal came) is not printed as
+    "Exception ignored ... Traceback": :func:`raise_if_stopped` raises it
+    again at the next phase. Everything else goes to the previous hook."""
+    if isinstance(unraisable.exc_value, StoppedEarly) and _stopped_by is not None:
+        return
+    _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = None
+
+
+def _quiet_swallowed_stops():
+    global _previous_unraisablehook
+    import sys
+    if sys.unraisablehook is not _quiet_swallowed_stop:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _quiet_swallowed_stop
+
+
 def guard_startup():
     """Until a Preemption takes over: SIGTERM/SIGUSR1 stop with 75 and a
     line, not by the signal (which a requeue script does not recognise)."""
     global _stopped_by
     _stopped_by = None   # a new command in this process (the Python API, the tests)
+    _quiet_swallowed_stops()
     for sig in SIGNALS:
         try:
             signal.signal(sig, _stop_now)

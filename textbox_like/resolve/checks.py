@@ -72,11 +72,9 @@ def _check_optimizer_values(optim):
     on one dummy parameter, before any data is read."""
     import torch
 
-    from textbox_like.core.internals import optimizers_built_without_dynamo
     from textbox_like.optim import build_optimizer
     try:
-        with optimizers_built_without_dynamo():  # a launcher trains nothing: its ranks import dynamo
-            build_optimizer(optim, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+        build_optimizer(optim, [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
     except IndexError:
         raise UserError(f"optimizer {optim.optimizer}: betas must be two numbers, like '(0.9, 0.999)'") from None
     except (ValueError, TypeError) as exc:

@@ -29,12 +29,13 @@ def weights_finite(params, world: int, group=None) -> bool:
 class Checkpointer:
     """The checkpoint parts of the run, the save schedule and the save."""
 
-    def __init__(self, cfg, ranks, accelerator, *, model, optimizer, scheduler, iterator, balancer, state, samples,
+    def __init__(self, cfg, ranks, accelerator, *, task_model, optimizer, scheduler, iterator, balancer, state, samples,
                  grad_params, sources, reseed, reporting, callbacks, hooks):
         self.cfg, self.ranks, self.state, self.samples = cfg, ranks, state, samples
         self.grad_params, self.reporting, self.callbacks, self.hooks = grad_params, reporting, callbacks, hooks
         acc = accelerator
-        parts = {"model": ModelPart(acc, model),
+        self.task_model = task_model  # the module the task built, under any wrapper
+        parts = {"model": ModelPart(task_model),
                  "optimizer": OptimizerPart(optimizer, cfg.optim.optimizer, not cfg.checkpoint.no_save_optimizer_state),
                  "scheduler": scheduler, "iterator": iterator, "train": state,
                  "scaler": LossScalerPart(acc), "rng": RNGPart(acc, reseed, ranks.group)}

@@ -358,7 +358,7 @@ class Lifecycle:
         self.exported = True  # tried: a failure to write is its own warning
         save_dir = self.cfg.checkpoint.save_dir
         if whole is None:
-            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            model = self.checkpointer.task_model
         else:
             model = self.task.build_model()
             model.load_state_dict(whole)

@@ -120,13 +120,17 @@ class TrainState:
 
 
 class ModelPart:
-    """The model as a checkpoint part: its unwrapped weights."""
+    """The model as a checkpoint part: the weights of the module the task
+    built, under DDP's and torch.compile's wrappers (the same keys compiled
+    or not). That module itself, not ``accelerator.unwrap_model``: Accelerate
+    asks ``hasattr(torch, "_dynamo")``, which imports torch._dynamo, 1 s of
+    CPU at every process's first save where nothing was compiled."""
 
-    def __init__(self, accelerator, model):
-        self.accelerator, self.model = accelerator, model
+    def __init__(self, task_model):
+        self.task_model = task_model
 
-    def module(self):  # without DDP and torch.compile wrappers: the same keys compiled or not
-        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+    def module(self):
+        return self.task_model
 
     def state_dict(self):
         return self.module().state_dict()

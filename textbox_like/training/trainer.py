@@ -164,7 +164,7 @@ class Trainer:
     def build_model(self):
         import torch
 
-        from textbox_like.parallel.accelerator import compile_regions
+        from textbox_like.parallel.accelerator import compile_regions, device_placement
         from textbox_like.optim.lr_scheduler import build_scheduler
         from textbox_like.optim import build_optimizer
         cfg = self.cfg
@@ -172,7 +172,7 @@ class Trainer:
             from textbox_like.processes.distributed import remember_torch_settings
             remember_torch_settings()  # distributed.cleanup() puts the default back
             torch.set_default_dtype(torch.float64)
-        model = self.task.build_model()
+        model = self.task_model = self.task.build_model()  # under the wrappers prepare() may add
         self.n_params = sum(p.numel() for p in model.parameters())
         acc = self.accelerator
         # before prepare(): a model may name the parts worth compiling here
@@ -189,7 +189,8 @@ class Trainer:
             self.model, self.optimizer = acc.prepare_model(model, evaluation_mode=True), acc.prepare_optimizer(optimizer)
         else:
             with sharding.units_for_accelerate(acc, model, cfg):  # Accelerate shards (CUDA): shard_model's units
-                self.model, self.optimizer = acc.prepare(model, optimizer)
+                self.model, self.optimizer = acc.prepare(model, optimizer,
+                                                         device_placement=device_placement(acc, model, optimizer))
         self.sharding_line = None  # the start line's sharding, where the model is sharded
         if sharding.is_sharded(self.model):
             sharding.reduce_unused_parameters(self.model, cfg)
@@ -239,7 +240,7 @@ class Trainer:
                          not self.iterator.num_workers, self.planned_updates)
         self.reporting = Reporting(cfg, ranks, acc, state=state, record=self.record, timing=timing, task=task,
                                    facts=facts, log=log)
-        self.checkpointer = Checkpointer(cfg, ranks, acc, model=model, optimizer=optimizer, scheduler=scheduler,
+        self.checkpointer = Checkpointer(cfg, ranks, acc, task_model=self.task_model, optimizer=optimizer, scheduler=scheduler,
                                          iterator=self.iterator, balancer=self.global_batch.balancer, state=state,
                                          samples=self.samples, grad_params=grad_params, sources=self.sources,
                                          reseed=self.reseed, reporting=self.reporting, callbacks=callbacks,
