@@ -40,6 +40,11 @@ def pytest_configure(config):
     # every process a test starts prints its Python threads' stacks if it dies of SIGSEGV/SIGABRT: a rare
     # crash at a two-rank run's teardown (gloo; "terminate called without an active exception") left no stack
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    # the suite's processes (hundreds) share compiled bytecode: where PYTHONDONTWRITEBYTECODE is set, each would
+    # compile textbox_like's modules again (0.3 s of CPU a process) and each pytest process rewrite every test
+    # module (4 s); the files go to __pycache__ folders, which git ignores
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     # torch's first import runs ldconfig (ctypes.util.find_library, for CUDA's libraries): done here, before any
     # test, so that a fast-tier test that is the first to import torch is not taken for one starting a process
     import torch  # noqa: F401

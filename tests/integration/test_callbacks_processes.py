@@ -2,7 +2,7 @@
 package, run in a folder outside the repository, sees every update once per
 rank, and a stop that rank 1 alone asks for ends both ranks at that update as
 a normal end would (exit 0, the same files, the weights of one process over the
-same global batches). In-process behaviour: tests/unit/test_callbacks.py."""
+same global batches); its on_log gets metrics.jsonl's records on both ranks. In-process behaviour: tests/unit/test_callbacks.py."""
 from __future__ import annotations
 
 import json
@@ -37,6 +37,9 @@ CALLBACK = textwrap.dedent("""
         def on_checkpoint(self, run, path):
             self.write({"event": "checkpoint", "update": run.update, "name": path.name})
 
+        def on_log(self, run, kind, record):
+            self.write({"event": "log", "record": {"kind": kind, **record}})
+
         def on_train_end(self, run, results):
             self.write({"event": "end", "update": run.update, "reason": results["stop_reason"]})
 """)
@@ -67,6 +70,15 @@ def test_a_user_dirs_callback_on_two_ranks_sees_every_update_and_one_ranks_stop_
         assert [(r["update"], r["name"]) for r in seen if r["event"] == "checkpoint"] == \
             [(3, "checkpoint_1_3.pt"), (4, "checkpoint1.pt"), (5, "checkpoint_last.pt")]   # 4: epoch 1's end
         assert seen[-1] == {"event": "end", "update": 5, "reason": "callback on rank 1: rank 1 has seen enough"}
+        # every record of metrics.jsonl once: rank 0's as written, rank 1's with the same figures (its clocks
+        # and throughput its own)
+        logged = [r["record"] for r in seen if r["event"] == "log"]
+        written = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+        assert [r["update"] for r in logged if r["kind"] == "train"], logged
+
+        def figures(records):
+            return [(r["kind"], r["update"], r.get("loss"), r.get("accuracy"), r.get("lr")) for r in records]
+        assert (logged if rank == 0 else figures(logged)) == (written if rank == 0 else figures(written)), rank
     results = json.loads((save / "results.json").read_text())
     assert (results["num_updates"], results["stopped"], results["world_size"]) == (5, "completed", 2)
 

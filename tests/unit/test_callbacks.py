@@ -165,3 +165,51 @@ def test_callback_objects_cannot_go_to_processes_a_run_starts_and_must_be_callba
                            callbacks=[Recorder.make()])
     with pytest.raises(UserError, match="is not a textbox_like.Callback"):
         textbox_like.train(settings(small_mnist_dir, tmp_path / "b", max_update=2), callbacks=[object()])
+
+
+def test_on_log_sees_each_record_of_metrics_jsonl_once_and_the_trainer_writes_them_through_callbacks(
+        small_mnist_dir, tmp_path):
+    """Users and the trainer share one mechanism: metrics.jsonl, the trackers
+    and the progress are callbacks (callbacks/records.py) taking the same
+    records a user's on_log gets."""
+    import textbox_like
+    from textbox_like.callbacks.records import MetricsFile, ProgressRecords, TrackerRecords, record_callbacks
+
+    class Records(textbox_like.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_log(self, run, kind, record):
+            assert record["update"] == run.update
+            self.seen.append({"kind": kind, **record})
+    records = Records()
+    results = textbox_like.train(settings(small_mnist_dir, tmp_path / "run", max_update=6, log_interval=2,
+                                          validate_interval_updates=3), callbacks=[records])
+    assert results["exit_code"] == 0
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records.seen == written
+    assert [r["update"] for r in written if r["kind"] == "train"] == [2, 4, 6]
+    assert [r["update"] for r in written if r["kind"] == "valid"] == [3, 6]
+
+    class Main:
+        is_main, format, bar = True, "simple", None
+    tracked = type("Tracked", (), {"log_with": ["tensorboard"]})()
+    kinds = [type(c) for c in record_callbacks(Main(), tracked, tmp_path / "run")]
+    assert kinds == [MetricsFile, TrackerRecords, ProgressRecords]
+    Main.is_main = False
+    assert record_callbacks(Main(), tracked, tmp_path / "run") == []   # rank 0's alone
+
+
+def test_the_progress_callback_prints_records_in_each_log_format(capsys):
+    from types import SimpleNamespace
+
+    from textbox_like.callbacks.records import ProgressRecords
+    from textbox_like.metrics.meters import Logger
+    record = {"epoch": 1, "update": 4, "loss": 0.25, "lr": 1e-5}
+    for fmt, expected in (("simple", "train | epoch 1 | update 4 | loss 0.2500 | lr 1.000e-05\n"),
+                          ("json", json.dumps({"kind": "train", **record}) + "\n")):
+        logger = Logger(SimpleNamespace(logging=SimpleNamespace(log_format=fmt)), True)
+        progress = ProgressRecords(logger)
+        progress.on_log(None, "train", record)
+        progress.on_log(None, "balance", {"update": 4})   # an event: its own line is printed where it happens
+        assert capsys.readouterr().err == expected

@@ -162,7 +162,7 @@ LAYERS = (
     ("textbox_like.training",),      # the loop and its components, the balancer, the validator
     ("textbox_like.resolve",),       # command line and settings to a checked RunConfig: knows every registry
     ("textbox_like.tasks",),         # what is trained: a model, datasets, a loss
-    ("textbox_like.callbacks",),     # the public callback contract and its registry
+    ("textbox_like.callbacks",),     # the public callback contract, its registry, the record callbacks
     ("textbox_like.models",),
     ("textbox_like.data",),
     ("textbox_like.parallel",),      # Accelerate's Accelerator, FSDP2 sharding, malloc

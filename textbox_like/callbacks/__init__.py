@@ -18,6 +18,12 @@ class Callback:
     def on_validation_end(self, run, metrics: dict) -> None:
         """After each validation: ``metrics`` of the first --valid-subset, summed over every rank."""
 
+    def on_log(self, run, kind: str, record: dict) -> None:
+        """At each record the run writes to metrics.jsonl, on every rank: ``kind`` is ``train`` (every
+        --log-interval updates), ``train_epoch``, ``valid`` (``valid_<subset>`` with several) or an event
+        (``balance``: a re-split); ``record`` its figures (``update``, ``loss``, ``lr``...), summed over the
+        ranks (clocks and throughput, ``wall``, ``samples_per_s``..., are each rank's own)."""
+
     def on_checkpoint(self, run, path) -> None:
         """After each checkpoint is written (``path``: its file, or a --fsdp run's .dcp directory)."""
 

@@ -3,18 +3,14 @@
 Statistics are sums (loss sums, correct counts, sample counts), kept as
 tensors on the device between log events so the training step never waits
 for a host sync; at a log event they are summed over ranks once and turned
-into metrics by the task. Only rank 0 prints and writes files.
+into metrics by the task. Only rank 0 prints; the records' files are
+callbacks/records.py's.
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
-from pathlib import Path
-
-from textbox_like.storage.fileio import atomic_write_text
-from textbox_like.storage.savelock import check_owner
 
 
 class StatSums:
@@ -93,7 +89,8 @@ class TrainClock:
         self.start = time.perf_counter()
 
 
-def _fmt(value):
+def formatted(value) -> str:
+    """A figure as a log line shows it: 4 decimals, or 4 significant digits where that hides it."""
     if isinstance(value, float):
         if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
             return f"{value:.3e}"
@@ -102,50 +99,18 @@ def _fmt(value):
 
 
 class Logger:
-    """Progress bar or log lines for people, metrics.jsonl for programs."""
+    """Lines for people (the progress bar or log lines); the run's records
+    (``log``, ``event``) go to its callbacks (``records``: metrics.jsonl,
+    the trackers and the progress are callbacks/records.py's)."""
 
-    def __init__(self, cfg, is_main: bool, accelerator=None):
+    def __init__(self, cfg, is_main: bool):
         self.is_main = is_main
-        self.accelerator = accelerator  # its trackers get every record as scalars
         fmt = cfg.logging.log_format
         if fmt is None:
             fmt = "tqdm" if sys.stderr.isatty() else "simple"
         self.format = fmt
         self.bar = None
-        self.jsonl = None          # metrics.jsonl, opened at the first record: a run refused before leaves none
-        self.jsonl_path = None
-        if is_main and not cfg.checkpoint.no_save and cfg.checkpoint.save_dir:
-            Path(cfg.checkpoint.save_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl_path = Path(cfg.checkpoint.save_dir) / "metrics.jsonl"
-
-    def forget_after(self, update):
-        """On resume: drop the records of updates after the checkpoint, which
-        the resumed run is about to log again."""
-        path = self.jsonl_path
-        if path is None or not path.exists():
-            return
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("update", 0) <= update]
-        try:
-            atomic_write_text(path, "".join(line + "\n" for line in kept))
-        except OSError as exc:
-            self.jsonl = open(path, "a", buffering=1)
-            self.jsonl_failed(exc)
-
-    def jsonl_failed(self, exc):
-        """metrics.jsonl could not be written: one line (SaveFailed, exit 74);
-        the file is closed here, so that nothing retries the failed write at exit."""
-        from textbox_like.core.faults import SaveFailed, os_reason
-        path, handle, self.jsonl = self.jsonl.name, self.jsonl, None
-        try:
-            handle.close()  # closes the file even when flushing the failed line fails again
-        except OSError:
-            pass
-        raise SaveFailed(f"could not write {path} ({os_reason(exc)}); stopping: the checkpoints saved so far are "
-                         f"kept; free space, then rerun with --resume") from None
+        self.records = None   # training/callbacks.Callbacks, once the run's are built: has log(kind, record)
 
     def info(self, message, everywhere=False):
         """A line for people (rank 0's; ``everywhere``: any rank's, for what only that rank knows)."""
@@ -171,46 +136,18 @@ class Logger:
             self.bar = None
 
     def log(self, kind, record: dict):
-        """kind: 'train' or 'valid' (or 'valid_<subset>')."""
-        if not self.is_main:
-            return
-        self.record(kind, record)
-        if self.format == "none":
-            return
-        if self.format == "json":
-            print(json.dumps({"kind": kind, **record}), file=sys.stderr, flush=True)
-            return
-        if self.format == "tqdm" and self.bar is not None and kind == "train":
-            self.bar.set_postfix({k: _fmt(v) for k, v in record.items()
-                                  if k in ("loss", "accuracy", "lr", "gnorm", "samples_per_s")}, refresh=False)
-            return
-        text = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items())
-        self.info(f"{kind} | {text}")
+        """A record of the run (kind: 'train', 'train_epoch', 'valid' or
+        'valid_<subset>'), on every rank at the same point: to its callbacks."""
+        self.records.log(kind, record)
 
     def event(self, kind, record: dict, line: str):
-        """Something that happened once (a re-split): ``line`` in every log
-        format, ``record`` in metrics.jsonl and the trackers."""
-        if not self.is_main:
-            return
-        self.record(kind, record)
+        """Something that happened once (a re-split): ``record`` to the
+        callbacks (metrics.jsonl and the trackers keep it), ``line`` in every
+        log format."""
+        self.records.log(kind, record)
         self.info(line)
-
-    def record(self, kind, record: dict):
-        """One record to metrics.jsonl and the trackers."""
-        if self.jsonl_path is not None:
-            check_owner(self.jsonl_path)  # a process woken after its run was taken over appends nothing
-            try:
-                if self.jsonl is None:
-                    self.jsonl = open(self.jsonl_path, "a", buffering=1)
-                self.jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
-            except OSError as exc:  # a full disk, a file size limit: a fault like a checkpoint's
-                self.jsonl_failed(exc)
-        if self.accelerator is not None and self.accelerator.trackers:
-            from textbox_like.metrics.trackers import scalars
-            self.accelerator.log(scalars(kind, record), step=record.get("update"))
 
     def close(self):
         self.end_epoch()
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
+        if self.records is not None:
+            self.records.close()

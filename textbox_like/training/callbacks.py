@@ -101,10 +101,14 @@ def from_names(names) -> list:
 
 class Callbacks:
     """The run's callbacks, called at their points, and the ranks' agreement
-    after each call: whether any asked to stop (``stop_reason``) or raised."""
+    after each call: whether any asked to stop (``stop_reason``) or raised.
+    ``records``: the trainer's own record callbacks (callbacks/records.py:
+    metrics.jsonl, the trackers, the progress), called first, on rank 0,
+    without agreement: a fault of theirs is the run's own."""
 
-    def __init__(self, callbacks, state, rank: int, world: int, group, cfg):
+    def __init__(self, callbacks, state, rank: int, world: int, group, cfg, records=()):
         self.callbacks = list(callbacks)
+        self.records = list(records)
         self.run = Run(state, rank, world, cfg)
         self.world, self.group, self.rank = world, group, rank
         self.stop_reason = None   # agreed by every rank: the run ends at this update
@@ -160,7 +164,19 @@ class Callbacks:
             self.stop_reason = reason if reason == EarlyStopping.builtin_reason else f"callback on rank {rank}: {reason}"
 
     def train_start(self):
+        for callback in self.records:
+            callback.on_train_start(self.run)
         self._call("on_train_start")
+
+    def log(self, kind, record):
+        """A record of the run, on every rank at the same point (metrics.meters.Logger's log and event)."""
+        for callback in self.records:
+            callback.on_log(self.run, kind, record)
+        self._call("on_log", kind, record)
+
+    def close(self):
+        for callback in self.records:
+            callback.close()
 
     def update_end(self):
         self._call("on_update_end")

@@ -49,6 +49,7 @@ from textbox_like.metrics.meters import Logger
 from textbox_like.processes.preemption import Preemption, raise_if_stopped
 from textbox_like.tasks import TASKS
 from textbox_like.tasks.base import best_metric_direction
+from textbox_like.callbacks.records import record_callbacks
 from textbox_like.training.callbacks import Callbacks, run_callbacks
 from textbox_like.training.checkpointer import Checkpointer
 from textbox_like.training.feed import Feed
@@ -141,7 +142,7 @@ class Trainer:
             sharing = max(placement.local_world_size, distributed.ranks_on_this_machine(self.host_group))
             threads = max(1, distributed.usable_cpus() // sharing)
         self.preemption = Preemption(self.host_group, self.world, announce=self.is_main)
-        self.log = Logger(cfg, self.is_main, acc)
+        self.log = Logger(cfg, self.is_main)
         torch.set_num_threads(threads)
         self.threads = threads
 
@@ -211,8 +212,10 @@ class Trainer:
             self.optimizer, self.scheduler, self.grad_params, self.log, self.hooks
         best_metric, maximize = best_metric_direction(cfg.validation, task)
         self.state = state = TrainState(best_metric, maximize)
+        records = record_callbacks(log, acc, None if cfg.checkpoint.no_save else cfg.checkpoint.save_dir)
         self.callbacks = callbacks = Callbacks(run_callbacks(cfg, self.given_callbacks), state, ranks.rank,
-                                               ranks.world, ranks.group, cfg)
+                                               ranks.world, ranks.group, cfg, records=records)
+        log.records = callbacks  # the run's records reach metrics.jsonl, the trackers and the progress through them
         self.reseed = Reseeding(cfg.numerics.seed, state, ranks, log)
         self.in_flight = in_flight = InFlight(compile_pending=self.sources["compile"] != "default")
         batch_sizes, max_tokens = per_rank_batch_sizes(cfg.data, self.train_data, ranks)
@@ -391,7 +394,6 @@ class Trainer:
             self.global_batch.apply_split()
         if self.feed.end_of_epoch():
             self.feed.next_epoch()
-        self.log.forget_after(self.state.num_updates)
         self.log.info(f"resumed from {path}: epoch {self.state.epoch}, update {self.state.num_updates}")
 
     def start(self):
