@@ -66,19 +66,6 @@ def pytest_collection_modifyitems(config, items):
     if misplaced:
         raise pytest.UsageError("tests marked slow in tests/unit (the fast tier): move them to tests/integration: "
                                 + ", ".join(misplaced))
-    # longest files first: xdist (--dist loadfile) hands out files in this order, so the last to start are short
-    # and no worker waits idle for one long file at the end (xdist's own order, by number of tests, is off here)
-    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))   # stable: the rest as collected
-    config.option.loadscopereorder = False
-
-
-#: the slow tier's longest files, longest first (measured: seconds of a worker each, on 2 cores)
-LONGEST_FILES_FIRST = (
-    "test_search_ray.py", "test_fsdp_elastic.py", "test_elastic_processes.py", "test_user_code_everywhere_processes.py",
-    "test_resume_processes.py", "test_fsdp_processes.py", "test_hf_task_processes.py", "test_os_faults_processes.py",
-    "test_distributed.py", "test_balance_processes.py", "test_bench_processes.py", "test_fsdp_options_processes.py",
-)
 
 
 class StartsAProcess(AssertionError):
