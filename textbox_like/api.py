@@ -134,8 +134,12 @@ def evaluate(checkpoint, subset=None, data=None, batch_size=None, cpu=False, use
     task.check_config(cfg)
     task.prepare_data()
     split = task.batch_dataset(subset)
-    model = task.build_model()
-    model.load_state_dict(state["model"])
+    from textbox_like.models import adapters
+    model = adapters.build_model(task, cfg.adapters)
+    if adapters.enabled(cfg.adapters):  # the checkpoint holds the weights that were trained
+        adapters.load_trained_state(model, state["model"], "the checkpoint")
+    else:
+        model.load_state_dict(state["model"])
     from textbox_like.processes.distributed import claim_accelerate_state, release_accelerate_state
     from textbox_like.training.validation import valid_batch_size
     claim_accelerate_state()  # else a later train() in this process would inherit this precision

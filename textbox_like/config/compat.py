@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 
 from textbox_like.core.errors import UserError, note
-from textbox_like.config.value_types import AMP_LEVELS
+from textbox_like.config.value_types import AMP_LEVELS, positive_float, positive_int, probability
 
 #: (flag, our setting, help); the help's "TOOL:" names whose spelling it is
 ALIASES = (
@@ -177,7 +177,7 @@ FOREIGN_OPTIONS = {
                      "experiment_name", "initial_encoder", "initial_decoder", "initial_optimizer", "epsilon",
                      "num_epoch_digits", "snapshot_interval", "dim_final_feedforward", "checkpointing"), "kanachan"),
     **dict.fromkeys(("ngpu", "use_tensorboard", "use_wandb"), "ESPnet2"),
-    **dict.fromkeys(("gpu_id", "model_path", "metrics"), "TextBox"),
+    **dict.fromkeys(("gpu_id", "model_path", "metrics", "efficient_methods", "efficient_kwargs"), "TextBox"),
     **dict.fromkeys(("fast_stat_sync", "distributed_port", "adadelta_weight_decay"), "HetSeq"),
 }
 
@@ -260,6 +260,7 @@ def apply_foreign_settings(ns, task, user_gave, rank_of, sources=None, espnet2_b
     _save_dir(ns, user_gave, rank_of, sources)
     _model(ns, task, sources)
     _metrics(ns, task)
+    _efficient_methods(ns, user_gave, sources)
     if ns.fast_stat_sync:
         note("--fast-stat-sync changes nothing here: the statistics of all ranks are always summed in one "
              "all-reduce per log interval, which is what it asks for")
@@ -466,3 +467,53 @@ def _metrics(ns, task):
     if unknown:
         raise UserError(f"--metrics {', '.join(unknown)}: not reported by task {ns.task}; it reports "
                         f"{', '.join(ours)} (all of them, always)")
+
+
+#: TextBox's efficient methods and their defaults (textbox/utils/argument_list.py),
+#: each --efficient_kwargs key as our option with its value type; TextBox's
+#: ``adapter`` has no counterpart in peft
+TEXTBOX_EFFICIENT_DEFAULTS = {
+    "lora": {"lora_r": 4, "lora_dropout": 0.1, "lora_alpha": 32},
+    "prefix-tuning": {"prefix_length": 100, "prefix_dropout": 0.1, "prefix_mid_dim": 512},
+    "p-tuning-v2": {"prefix_length": 100, "prefix_dropout": 0.1, "prefix_mid_dim": 512},
+    "prompt-tuning": {"prompt_length": 100},
+    "bitfit": {},
+}
+EFFICIENT_KWARG_TYPES = {"lora_r": positive_int, "lora_alpha": positive_float, "lora_dropout": probability,
+                         "prefix_length": positive_int, "prefix_mid_dim": positive_int, "prefix_dropout": probability,
+                         "prompt_length": positive_int}
+
+
+def _efficient_methods(ns, user_gave, sources):
+    """TextBox's --efficient_methods ['lora'] --efficient_kwargs {...} as
+    --peft lora --lora-r ...: TextBox's defaults for the options left out; a
+    value also given in our spelling must agree."""
+    methods, kwargs = ns.efficient_methods, ns.efficient_kwargs or {}
+    if not methods:
+        if kwargs:
+            raise UserError("--efficient_kwargs needs --efficient_methods (TextBox), e.g. \"['lora']\"; or use "
+                            "--peft lora and its options (--lora-r, ...)")
+        return
+    supported = ", ".join(TEXTBOX_EFFICIENT_DEFAULTS)
+    if len(methods) != 1:
+        raise UserError(f"--efficient_methods {methods}: one method at a time here; choose one of {supported}")
+    method = methods[0]
+    if method not in TEXTBOX_EFFICIENT_DEFAULTS:
+        why = " (TextBox's adapter layers have no counterpart in peft)" if method == "adapter" else ""
+        raise UserError(f"--efficient_methods ['{method}'] is not supported{why}; choose one of {supported}")
+    if user_gave("peft") and ns.peft != method:
+        raise UserError(f"--efficient_methods ['{method}'] and --peft {ns.peft} name different methods; keep one")
+    _rewrite(ns, sources, "peft", method, "efficient_methods")
+    unknown = sorted(set(kwargs) - set(TEXTBOX_EFFICIENT_DEFAULTS[method]))
+    if unknown:
+        known = ", ".join(TEXTBOX_EFFICIENT_DEFAULTS[method]) or "none"
+        raise UserError(f"--efficient_kwargs: {', '.join(unknown)} is no option of {method} (its options: {known})")
+    for key, value in {**TEXTBOX_EFFICIENT_DEFAULTS[method], **kwargs}.items():
+        try:
+            value = EFFICIENT_KWARG_TYPES[key](value)
+        except Exception as exc:  # argparse's error, which names no option here
+            raise UserError(f"--efficient_kwargs {key}: {exc}") from None
+        if user_gave(key) and getattr(ns, key) != value:
+            raise UserError(f"--efficient_kwargs {key} {value} and --{key.replace('_', '-')} {getattr(ns, key)} "
+                            f"disagree; keep one")
+        _rewrite(ns, sources, key, value, "efficient_kwargs")

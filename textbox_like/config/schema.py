@@ -43,7 +43,9 @@ from textbox_like.config.value_types import (
     metric_names,
     nonneg_int,
     positive_float,
+    names_list,
     positive_int,
+    probability,
     seed_int,
     seed_list)
 
@@ -51,7 +53,8 @@ from textbox_like.config.value_types import (
 #: options follow them (plugin_group)
 GROUPS = {"common": "task and data", "optimization": "optimization", "validation": "validation",
           "checkpoint": "checkpoints and resuming", "logging": "logging", "distributed": "distributed training",
-          "sharding": "sharded data parallel (printed and saved where --fsdp is on)"}
+          "sharding": "sharded data parallel (printed and saved where --fsdp is on)",
+          "adapters": "parameter-efficient fine-tuning (printed and saved where --peft is on)"}
 
 #: the plugins' own options in a RunConfig: its attribute -> (the setting that
 #: chooses the plugin, the plugin's kind in --help's group titles)
@@ -334,6 +337,32 @@ class ShardingConfig(Section):
     fsdp_cpu_offload: bool = setting(False, "with --fsdp on CUDA: keep parameters, gradients and optimizer states in CPU memory, copied to the GPU per unit (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)", switch=True)
 
 
+#: --peft's methods: peft's (prefix-tuning reparameterises its prefix by an MLP,
+#: p-tuning-v2 trains it directly, as in TextBox), and bitfit (biases only: no peft)
+PEFT_METHODS = ("none", "lora", "prefix-tuning", "p-tuning-v2", "prompt-tuning", "bitfit")
+
+
+@dataclass(frozen=True)
+class AdaptersConfig(Section):
+    """--peft: train a few weights of a frozen model (adapters through peft,
+    or its biases) instead of every weight; the update is still that of one
+    device over the global batch. Printed only where --peft is on."""
+    group = "adapters"
+
+    peft: str = setting('none', "parameter-efficient fine-tuning: {choices} (the base model's weights stay frozen; checkpoints hold only what is trained)", choices=list(PEFT_METHODS))
+    lora_r: int = setting(8, 'lora: the rank of each adapter', type=positive_int)
+    lora_alpha: float = setting(16.0, 'lora: the adapters are scaled by lora_alpha / lora_r', type=positive_float)
+    lora_dropout: float = setting(0.0, "lora: dropout on the adapters' input", type=probability)
+    lora_target_modules: list = setting('', "lora: the modules adapted, by the end of their names (e.g. q_proj,v_proj; default: peft's table for the model type, or a task's own lora_target_modules)", type=STR_LIST, metavar='NAMES')
+    prefix_length: int = setting(20, 'prefix-tuning, p-tuning-v2: virtual tokens of the prefix of every layer', type=positive_int)
+    prefix_mid_dim: int = setting(512, 'prefix-tuning: the hidden size of the MLP that makes the prefix (p-tuning-v2 trains the prefix itself)', type=positive_int)
+    prefix_dropout: float = setting(0.0, "prefix-tuning, p-tuning-v2: dropout on the prefix's keys and values", type=probability)
+    prompt_length: int = setting(20, 'prompt-tuning: virtual tokens prepended to the input', type=positive_int)
+    merge_on_export: bool = setting(False, "lora: the end-of-run hf_model/ is the model with the adapters folded in (default: the adapter alone, as PeftModel.save_pretrained writes it)", switch=True)
+    efficient_methods: list | None = setting(None, "TextBox: one method in a list like ['lora'] (sets --peft; TextBox's defaults for the options --efficient_kwargs leaves out)", type=names_list)
+    efficient_kwargs: dict = setting('{}', "TextBox: the method's options, e.g. \"{'lora_r': 4, 'lora_alpha': 32, 'lora_dropout': 0.1}\" (prefix_length, prefix_mid_dim, prefix_dropout, prompt_length)", type=LITERAL_DICT)
+
+
 @dataclass(frozen=True)
 class SearchConfig(Section):
     """The options of run_hyper.py and run_multi_seed.py themselves (not a
@@ -393,7 +422,11 @@ class SearchConfig(Section):
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "schedule": ScheduleConfig,
             "numerics": NumericsConfig, "validation": ValidationConfig, "checkpoint": CheckpointConfig,
             "logging": LoggingConfig, "callbacks": CallbacksConfig, "runtime": RuntimeConfig,
-            "distributed": DistributedConfig, "sharding": ShardingConfig}
+            "distributed": DistributedConfig, "sharding": ShardingConfig, "adapters": AdaptersConfig}
+
+#: sections printed (and saved) only where the run uses them: a configuration
+#: written without one means its defaults
+OPTIONAL_SECTIONS = ("sharding", "adapters")
 
 
 def declared_settings():
@@ -428,6 +461,7 @@ class RunConfig:
     runtime: RuntimeConfig
     distributed: DistributedConfig
     sharding: ShardingConfig
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     task_options: Section = field(default_factory=NoOptions)
     optimizer_options: Section = field(default_factory=NoOptions)
     scheduler_options: Section = field(default_factory=NoOptions)
@@ -439,10 +473,10 @@ class RunConfig:
         """From resolved values by setting name; ``plugin_sections``: the
         sections of the chosen task's, optimizer's and scheduler's own options
         (by PLUGIN_PARTS' names)."""
-        # the sharding group is printed only under --fsdp (resolution.groups_for):
-        # a configuration written from a run's keys may lack it, and means its defaults
+        # the sharding and adapters groups are printed only where used (resolution.groups_for):
+        # a configuration written from a run's keys may lack them, and means their defaults
         sections = {name: section(**{f.name: values[f.name] for f in section.settings()
-                                     if f.name in values or name != "sharding"})
+                                     if f.name in values or name not in OPTIONAL_SECTIONS})
                     for name, section in SECTIONS.items()}
         plugins = {part: section(**{f.name: values[f.name] for f in section.settings()})
                    for part, section in plugin_sections.items()}

@@ -185,6 +185,17 @@ def seed_list(text):
     return values
 
 
+def probability(text):
+    """A dropout probability: 0 <= p < 1."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expects a probability from 0 to below 1, got {text!r}")
+    return value
+
+
 def positive_float(text):
     try:
         value = float(text)
@@ -210,8 +221,9 @@ def dtype_name(text):
     return text
 
 
-def metric_names(text):
-    """Metric names: 'a,b', or TextBox's list literal "['a', 'b']"."""
+def names_list(text, example="a,b or ['a', 'b']"):
+    """Names: 'a,b', or TextBox's list literal "['a', 'b']" (read by
+    ast.literal_eval, never run)."""
     if isinstance(text, (list, tuple)):
         return [str(v) for v in text]
     text = str(text).strip()
@@ -219,10 +231,14 @@ def metric_names(text):
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            raise argparse.ArgumentTypeError(f"expects metric names like accuracy,loss or ['accuracy'], "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expects names like {example}, got {text!r}") from None
         return [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def metric_names(text):
+    """Metric names: 'a,b', or TextBox's list literal "['a', 'b']"."""
+    return names_list(text, "accuracy,loss or ['accuracy']")
 
 
 def metric_name(text):

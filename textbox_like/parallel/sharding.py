@@ -377,9 +377,10 @@ def optimizer_state_elements(optim_cfg) -> float:
     return STATE_PER_PARAMETER[key]
 
 
-def describe(model, cfg, placement, cuda: bool, elements: int) -> str:
+def describe(model, cfg, placement, cuda: bool, elements: int, trained: int | None = None) -> str:
     """The start line's sharding: strategy, who applied it, the units, and
-    the expected memory per rank."""
+    the expected memory per rank (``trained``: the elements that train,
+    where some are frozen, e.g. under --peft)."""
     from collections import Counter
 
     from torch.distributed.fsdp import FSDPModule
@@ -397,21 +398,24 @@ def describe(model, cfg, placement, cuda: bool, elements: int) -> str:
             f"reshard after forward {'on' if sharding.fsdp_reshard_after_forward else 'off'}"
             + ("; parameters offloaded to CPU" if sharding.fsdp_cpu_offload and cuda else "")
             + ("; activation checkpointing" if cfg.model.checkpointing else "")
-            + f") | {memory_line(elements, cfg, placement, offloaded=sharding.fsdp_cpu_offload and cuda)}")
+            + f") | {memory_line(elements, cfg, placement, offloaded=sharding.fsdp_cpu_offload and cuda, trained=trained)}")
 
 
-def memory_line(elements: int, cfg, placement, offloaded=False) -> str:
+def memory_line(elements: int, cfg, placement, offloaded=False, trained: int | None = None) -> str:
     """Expected memory per rank of parameters, gradients and optimizer states
     (float32 masters, split over the shard degree), beside DDP's; ``offloaded``
-    (--fsdp-cpu-offload on CUDA): they are in CPU memory, not the GPU's."""
+    (--fsdp-cpu-offload on CUDA): they are in CPU memory, not the GPU's.
+    ``trained``: the elements that take gradients and optimizer states
+    (all by default; the adapters under --peft)."""
     state = optimizer_state_elements(cfg.optim)
     degree = shard_degree(cfg, placement)
+    trained = elements if trained is None else trained
 
     def mib(n):
         return f"{n * 4 / degree / 2 ** 20:,.2f}"
-    figures = (f"parameters {mib(elements)} MiB, gradients {mib(elements)} MiB, "
-               f"optimizer states {mib(elements * state)} MiB")
-    full = f"{elements * (2 + state) * 4 / 2 ** 20:,.2f}"
+    figures = (f"parameters {mib(elements)} MiB, gradients {mib(trained)} MiB, "
+               f"optimizer states {mib(trained * state)} MiB")
+    full = f"{(elements + trained * (1 + state)) * 4 / 2 ** 20:,.2f}"
     held = " in CPU memory" if offloaded else ""
     return f"expected per rank{held}: {figures} (DDP: {full} MiB in all)"
 

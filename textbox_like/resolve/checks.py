@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from textbox_like.parallel import sharding
+from textbox_like.models import adapters
 from textbox_like.core.errors import UserError, closest
 
 
@@ -45,6 +46,7 @@ def check(cfg):
     if os.path.exists(ckpt.save_dir) and not os.path.isdir(ckpt.save_dir):
         raise UserError(f"--save-dir {ckpt.save_dir} is a file, not a directory; choose another path")
     sharding.check_settings(cfg)
+    adapters.check_options(cfg)
     task = TASKS.get(data.task)
     task.check_config(cfg)
     metric = cfg.validation.best_checkpoint_metric

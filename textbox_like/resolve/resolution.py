@@ -263,7 +263,8 @@ def groups_for(ns):
     compat.check_optimizer_name(ns.optimizer, OPTIMIZERS, SCHEDULERS)
     ns.optimizer = OPTIMIZERS.canonical(ns.optimizer)
     ns.lr_scheduler = SCHEDULERS.canonical(ns.lr_scheduler)
-    shown = [group for group in GROUPS if group != "sharding" or ns.fsdp]
+    used = {"sharding": ns.fsdp, "adapters": ns.peft != "none" or bool(ns.efficient_methods)}
+    shown = [group for group in GROUPS if used.get(group, True)]
     return [*shown, *(plugin_group(part, getattr(ns, chooser)) for part, (chooser, _) in PLUGIN_PARTS.items())]
 
 

@@ -48,7 +48,15 @@ CHANGES_NUMBERS = {
     "update_freq": (), "clip_norm": (), "train_dtype": (), "model_conf": (), "dim_final_feedforward": (),
     "dimension": (), "num_heads": (), "dim_feedforward": (), "num_layers": (), "activation_function": (),
     "dropout": (), "max_pred_length": (), "freeze_encoder": (),
+    "peft": (), "lora_r": (), "lora_alpha": (), "lora_dropout": (), "lora_target_modules": (), "prefix_length": (),
+    "prefix_mid_dim": (), "prefix_dropout": (), "prompt_length": (),
 }
+
+#: settings printed only where used (their group's switch on): a configuration
+#: without one had this value, and a resume compares it all the same
+ABSENT_MEANS = {"peft": "none"}
+
+MISSING = object()
 
 #: how a refusal of a setting without a --reset-* option ends
 NEW_RUN_FIX = ", or start a new run from its weights with --restore-file and another --save-dir"
@@ -75,10 +83,25 @@ def describe_precision(precision: dict) -> str:
 def changes_numbers(cfg) -> dict:
     """setting -> the --reset-* options that allow changing it on --resume,
     for this run's settings (its optimizer's and scheduler's own options too)."""
-    found = {key: resets for key, resets in CHANGES_NUMBERS.items() if key in cfg.keys}
+    found = {key: resets for key, resets in CHANGES_NUMBERS.items() if key in cfg.keys or key in ABSENT_MEANS}
     found.update((key, ("reset_optimizer",)) for key in vars(cfg.optimizer_options))
     found.update((key, ("reset_lr_scheduler",)) for key in vars(cfg.scheduler_options))
     return found
+
+
+def check_trained_keys(trained, saved, where) -> None:
+    """Under --peft a checkpoint holds exactly the weights that train
+    (``trained``: their names): a full model's state (a run without
+    --peft) or another method's is one line, not a silent partial load."""
+    extra = sorted(set(saved) - set(trained))
+    if extra:
+        raise UserError(f"{where} holds weights this run does not train (e.g. {extra[0]}): it was saved by a run "
+                        f"without --peft, or with another method; resume it with the --peft options it was trained "
+                        f"with, or start a new run in another --save-dir")
+    missing = sorted(set(trained) - set(saved))
+    if missing:
+        raise UserError(f"{where} lacks weights this run trains (e.g. {missing[0]}): it was saved with other --peft "
+                        f"options; resume with the ones it was trained with")
 
 
 def checkpoints_newest_first(directory) -> list:
@@ -429,9 +452,9 @@ class CheckpointManager:
                     config[key] = {**filled, **config[key]}
         overrides = self.cfg.optimizer_overrides or {}
         for key, resets in settings.items():
-            if key not in saved or key not in now:
+            was, is_ = (config.get(key, ABSENT_MEANS.get(key, MISSING)) for config in (saved, now))
+            if was is MISSING or is_ is MISSING:
                 continue
-            was, is_ = saved[key], now[key]
             flag = f"--{key.replace('_', '-')}"
             if isinstance(was, dict) and isinstance(is_, dict):
                 # one entry at a time; the entries that mirror a setting of their own are compared there

@@ -81,7 +81,7 @@ import time
 import uuid
 from pathlib import Path
 
-from textbox_like.storage.checkpoint import CheckpointManager, load_checkpoint
+from textbox_like.storage.checkpoint import CheckpointManager, check_trained_keys, load_checkpoint
 from textbox_like.core.collectives import from_rank0, one_per_rank
 from textbox_like.core.errors import UserError, first_line
 from textbox_like.core.faults import SaveFailed, Superseded, failed_writing, os_reason, test_delay
@@ -241,7 +241,24 @@ def agree(step, group=None, what="the save"):
 
 
 # ------------------------------------------------------------------- save
-def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=None) -> list:
+def state_options(trained_only=False, **options):
+    """DCP's state-dict options; ``trained_only`` (--peft): the frozen
+    weights are left out of the state saved, and a state without them loads."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only, **options)
+
+
+def trained_part(model, model_state: dict, trained_only: bool) -> dict:
+    """``model_state`` without frozen tensors under ``trained_only``: DCP's
+    ignore_frozen_params keeps a frozen weight tied under a second name
+    (GPT-2's lm_head.weight, the embedding's), the size of a vocabulary."""
+    if not trained_only:
+        return model_state
+    trained = {name for name, param in model.named_parameters() if param.requires_grad}
+    return {name: value for name, value in model_state.items() if name in trained}
+
+
+def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=None, trained_only=False) -> list:
     """Save ``model`` and ``optimizer`` (None: the model alone) sharded, with
     ``extra_state`` (plain values and tensors, rank 0's written), under each
     of ``names`` in ``save_dir`` (file names are mapped by :func:`sharded_name`);
@@ -259,7 +276,7 @@ def save_sharded(save_dir, names, model, optimizer, extra_state: dict, group=Non
     made = agree(lambda: make_partials(save_dir, targets, rank), group, f"{targets[0]}")
     partials = [save_dir / name for name in from_rank0(made, world, group)]
     try:
-        files = save_shards(partials, targets, model, optimizer, group)
+        files = save_shards(partials, targets, model, optimizer, group, trained_only)
         agree(lambda: write_extra_and_manifest(partials, files, extra_state, optimizer is not None, world, rank),
               group, f"{targets[0]}")
         agree(lambda: publish(save_dir, partials, targets, rank), group, f"{targets[0]}")
@@ -289,7 +306,7 @@ def make_partials(save_dir: Path, targets: list, rank: int):
     return made
 
 
-def save_shards(partials: list, targets: list, model, optimizer, group) -> dict:
+def save_shards(partials: list, targets: list, model, optimizer, group, trained_only=False) -> dict:
     """Every rank's shards of the model (and optimizer) into the first
     partial directory with DCP, then each file's size and digest, the ranks
     sharing the reading (each hashes every world-th file): {name: entry}."""
@@ -297,11 +314,12 @@ def save_shards(partials: list, targets: list, model, optimizer, group) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     world, rank = world_and_rank(group)
+    options = state_options(trained_only)
     if optimizer is not None:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+        state = {"model": trained_part(model, model_state, trained_only), "optimizer": optimizer_state}
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": trained_part(model, get_model_state_dict(model, options=options), trained_only)}
     try:  # DCP's own collectives carry a failing rank's exception to every rank
         with one_process_is_no_news():
             dcp.save(state, checkpoint_id=str(partials[0]), process_group=group, no_dist=not distributed())
@@ -523,7 +541,7 @@ def verify_sharded(path, group=None, alone=False, named=None) -> dict:
     return manifest
 
 
-def load_sharded(path, model, optimizer=None, group=None, verify=True, named=None) -> dict:
+def load_sharded(path, model, optimizer=None, group=None, verify=True, named=None, trained_only=False) -> dict:
     """Load the sharded checkpoint ``path`` into ``model`` (FSDP, DDP or plain;
     any world size: DCP reshards) and into ``optimizer`` when given and the
     checkpoint holds an optimizer state (``read_manifest(path)["optimizer"]``);
@@ -535,16 +553,18 @@ def load_sharded(path, model, optimizer=None, group=None, verify=True, named=Non
     path = Path(path)
     manifest = verify_sharded(path, group, named=named) if verify else read_manifest(path, named)
     from torch.distributed.checkpoint.api import CheckpointException
+    options = state_options(trained_only)
     try:
         if optimizer is not None and manifest["optimizer"]:
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optimizer": optimizer_state}
+            model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+            state = {"model": trained_part(model, model_state, trained_only), "optimizer": optimizer_state}
             safe_load(state, path, named, process_group=group, no_dist=not distributed())
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=options)
         else:
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": trained_part(model, get_model_state_dict(model, options=options), trained_only)}
             safe_load(state, path, named, process_group=group, no_dist=not distributed())
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=options)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
         reason = first_line(first_failure(exc)[1] if isinstance(exc, CheckpointException) else exc, 200)
         raise UserError(f"the model or optimizer state in {named or path} does not fit this run ({reason}); "
@@ -577,16 +597,17 @@ def optimizer_param_names(model, optimizer) -> list:
         raise ValueError("the optimizer holds a parameter that is not the model's") from None
 
 
-def full_state_dicts(model, optimizer=None) -> tuple:
+def full_state_dicts(model, optimizer=None, trained_only=False) -> tuple:
     """The model's and optimizer's full state (gathered from the shards;
     every rank takes part, rank 0 gets the values, the others empty dicts),
     in the DDP-style form a file checkpoint holds: the model's own keys, the
     optimizer's ``state_dict()`` with parameter ids."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    options = state_options(trained_only, full_state_dict=True, cpu_offload=True)
     if optimizer is None:
-        return get_model_state_dict(model, options=options), None
+        return trained_part(model, get_model_state_dict(model, options=options), trained_only), None
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    model_state = trained_part(model, model_state, trained_only)
     if not optimizer_state:
         return model_state, optimizer_state
     ids = {name: i for i, name in enumerate(optimizer_param_names(model, optimizer))}
@@ -595,12 +616,13 @@ def full_state_dicts(model, optimizer=None) -> tuple:
                                           for group in optimizer_state["param_groups"]]}
 
 
-def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict | None = None) -> None:
+def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict | None = None,
+                    trained_only=False) -> None:
     """Load a DDP-style full state (a file checkpoint's ``model`` and
     ``optimizer`` entries, every rank holding all of it) into a sharded
     ``model`` and its ``optimizer``: each rank keeps its own shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-    options = StateDictOptions(full_state_dict=True)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    options = state_options(trained_only, full_state_dict=True)
     if optimizer is None or optimizer_state is None:
         set_model_state_dict(model, model_state, options=options)
         return
@@ -680,6 +702,11 @@ class ShardedCheckpointManager(CheckpointManager):
     def file_name(self, name: str) -> str:
         return sharded_name(name) if self.saves_sharded else name
 
+    @property
+    def trained_only(self) -> bool:
+        """--peft: the model's checkpoint state is the weights that train."""
+        return getattr(self.parts["model"], "trained_only", False)
+
     def model_and_optimizer(self):
         model = self.parts["model"].module()
         part = self.parts.get("optimizer")
@@ -696,7 +723,8 @@ class ShardedCheckpointManager(CheckpointManager):
         extra = {**self.metadata, "optimizer_name": optimizer_part.name,
                  **{name: part.state_dict() for name, part in self.parts.items() if name not in ("model", "optimizer")}}
         try:
-            paths = save_sharded(self.dir, names, model, optimizer if optimizer_part.saved else None, extra, self.group)
+            paths = save_sharded(self.dir, names, model, optimizer if optimizer_part.saved else None, extra, self.group,
+                                 self.trained_only)
         except SaveFailed as exc:
             if not self.dir.is_dir():
                 raise SaveFailed(f"could not write {self.dir / sharded_name(names[0])}: the save directory {self.dir} "
@@ -808,11 +836,14 @@ class ShardedCheckpointManager(CheckpointManager):
             fresh.append("optimizer")
         if sharded_state:
             load_sharded(state[SHARDED_FROM], model, optimizer if keep_optimizer else None, self.group, verify=False,
-                         named=path)
+                         named=path, trained_only=self.trained_only)
         else:  # a DDP run's file checkpoint into this sharded run
             optimizer_state = {k: v for k, v in state["optimizer"].items() if k != "name"} if keep_optimizer else None
+            if self.trained_only:
+                check_trained_keys({n for n, p in model.named_parameters() if p.requires_grad}, state["model"], path)
             try:
-                load_full_state(model, optimizer if keep_optimizer else None, state["model"], optimizer_state)
+                load_full_state(model, optimizer if keep_optimizer else None, state["model"], optimizer_state,
+                                self.trained_only)
             except (ValueError, KeyError, RuntimeError, TypeError) as exc:
                 raise UserError(f"the model or optimizer state in {path} does not fit this run "
                                 f"({first_line(exc, 150)}); use the model options it was trained with, or pass "

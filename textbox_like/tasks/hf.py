@@ -59,6 +59,11 @@ HEAD_METRICS = {"sequence_classification": ("loss", "accuracy", "f1"),
                 "masked_lm": ("loss", "accuracy", "ppl"),
                 "seq2seq": ("loss", "accuracy", "ppl") + GENERATION["rouge"] + GENERATION["bleu"]}
 
+#: each head as peft's task type (--peft): the peft model class that feeds it
+#: (masked LM: feature extraction, whose forward passes the model's own output on)
+PEFT_TASK_TYPES = {"sequence_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM", "masked_lm": "FEATURE_EXTRACTION",
+                   "seq2seq": "SEQ_2_SEQ_LM"}
+
 #: macro F1 is reported up to this many classes (its counts are 3 sums per class)
 MAX_F1_CLASSES = 128
 
@@ -283,6 +288,11 @@ class HFTask(Task):
         self._tokenizer = self._classes = None
         self.head_note = None   # a classification head trained anew, for the start line
 
+    @property
+    def peft_task_type(self):
+        """--peft: peft's task type of the head (models/adapters.py)."""
+        return PEFT_TASK_TYPES[self.head]
+
     # -- tokenizer and data -------------------------------------------------
     @property
     def model_dir(self):
@@ -493,10 +503,11 @@ class HFTask(Task):
         if self.head == "seq2seq":
             logits = model(**self.inputs(batch), labels=labels).logits
         else:
-            logits = model(**self.inputs(batch)).logits
+            # --peft prompt-tuning: the logits of its virtual tokens come first
+            logits = model(**self.inputs(batch)).logits[:, -labels.shape[1]:]
             if self.head == "causal_lm":  # token t predicts token t + 1: the labels move, not the (large) logits
                 labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-        loss_sum = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.reshape(-1),
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                    ignore_index=-100, reduction="sum")
         predicted = labels != -100
         stats = {"loss_sum": loss_sum.detach(), "tokens": predicted.sum(), "nsamples": n,
@@ -550,6 +561,8 @@ class HFTask(Task):
         earlier = target.with_name(f".hf_model.{os.getpid()}.old") if target.exists() else None
         if earlier:
             os.rename(target, earlier)
+        from textbox_like.models.adapters import exported_model
+        model = exported_model(model, self.cfg.adapters.merge_on_export)
         try:
             with atomic_directory(target) as tmp:
                 model.save_pretrained(str(tmp))

@@ -167,7 +167,14 @@ def export_bert(checkpoint, target, vocab=None) -> dict:
 def model_with_weights(task, state, checkpoint, model_named, question):
     """``task``'s model with the checkpoint's weights, or one line saying
     they do not fit ``model_named`` (and ``question``: what likely changed)."""
-    model = task.build_model()
+    from textbox_like.models import adapters
+    model = adapters.build_model(task, task.cfg.adapters)
+    if adapters.enabled(task.cfg.adapters):  # the checkpoint holds what was trained, on this base model
+        adapters.check_same_base(state.get("base_model") or {}, adapters.base_identity(
+            model, task.cfg.adapters, getattr(task.cfg.task_options, task.initial_weights_setting or "", None)),
+            repr(str(checkpoint)))
+        adapters.load_trained_state(model, state["model"], repr(str(checkpoint)))
+        return model
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if missing or unexpected:
         first = (list(missing) + list(unexpected))[0]
@@ -187,7 +194,7 @@ def write_directory(target, fill):
                         f"was it filled meanwhile?") from None
 
 
-def export_hf(checkpoint, target, state=None) -> dict:
+def export_hf(checkpoint, target, state=None, merge=False) -> dict:
     """Write a ``--task hf`` checkpoint to ``target`` with the model's own
     ``save_pretrained`` and its tokenizer's: the run's model (its
     --model_name_or_path and, for classification, its training labels must
@@ -197,18 +204,32 @@ def export_hf(checkpoint, target, state=None) -> dict:
     target = check_target(target)
     state = state or read_bert_checkpoint(checkpoint, tasks=("hf",))
     task = TASKS.get("hf")(run_config(state))
+    check_merge(task.cfg, merge)
     model = model_with_weights(task, state, checkpoint, f"the run's model in {task.model_dir!r}",
                                "was that directory changed?")
+    from textbox_like.models.adapters import exported_model, is_peft_model
+    adapter = is_peft_model(model) and not merge
+    model = exported_model(model, merge)
 
     def fill(tmp):
         model.save_pretrained(str(tmp))
         task.tokenizer().save_pretrained(str(tmp))
     write_directory(target, fill)
     return {"checkpoint": str(checkpoint), "to": str(target), "num_updates": state.get("train", {}).get("num_updates"),
-            "class": type(model).__name__, "files": sorted(p.name for p in target.iterdir())}
+            "class": type(model).__name__, "files": sorted(p.name for p in target.iterdir()), "adapter": adapter,
+            "base": task.model_dir}
 
 
-def export_weights(checkpoint, target, state) -> dict:
+def check_merge(cfg, merge) -> None:
+    """--merge folds LoRA into the weights; prompt methods have nothing to fold."""
+    from textbox_like.models.adapters import PROMPT_METHODS
+    if merge and cfg.adapters.peft in PROMPT_METHODS:
+        raise UserError(f"--merge: the checkpoint's {cfg.adapters.peft} adapter has nothing to fold into the model's "
+                        f"weights (its virtual tokens come before the input); export it without --merge, as an "
+                        f"adapter (peft.PeftModel.from_pretrained loads it)")
+
+
+def export_weights(checkpoint, target, state, merge=False) -> dict:
     """Any other task's checkpoint: the model the run's task builds (its
     --user-dir or task class imported from the run's configuration), with
     the checkpoint's weights, written by its own ``save_pretrained`` where it
@@ -217,8 +238,11 @@ def export_weights(checkpoint, target, state) -> dict:
 
     target = check_target(target)
     cfg = run_config(state)
+    check_merge(cfg, merge)
     model = model_with_weights(TASKS.get(cfg.data.task)(cfg), state, checkpoint,
                                f"the model task {cfg.data.task!r} builds now", "was its code changed?")
+    from textbox_like.models.adapters import exported_model
+    model = exported_model(model, merge)
 
     def fill(tmp):
         if hasattr(model, "save_pretrained"):
@@ -254,6 +278,9 @@ def build_parser():
     parser.add_argument("checkpoint", metavar="CKPT", help="a run's checkpoint, e.g. OUT/checkpoint_best.pt (or a "
                         "sharded run's OUT/checkpoint_best.dcp)")
     parser.add_argument("--to", required=True, metavar="DIR", help="new or empty output directory")
+    parser.add_argument("--merge", action="store_true",
+                        help="a --peft lora checkpoint: write the model with the adapters folded into its weights (a "
+                             "plain transformers model) instead of the adapter alone")
     parser.add_argument("--dict", default=None, metavar="VOCAB",
                         help="vocab.txt to ship (default: the run's --dict, or the vocab.txt beside its data)")
     return parser
@@ -270,7 +297,7 @@ def export_and_report(args):
     check_target(args.to)
     state = read_bert_checkpoint(args.checkpoint, tasks=None)
     if state["task"] not in ("bert", "hf"):
-        info = export_weights(args.checkpoint, args.to, state)
+        info = export_weights(args.checkpoint, args.to, state, args.merge)
         how = (f"transformers' {info['class']}.from_pretrained({info['to']!r})" if "config.json" in info["files"] else
                f"safetensors.torch.load_model(model, {info['to'] + '/model.safetensors'!r}) into the model task "
                f"{info['task']!r} builds (its configuration: config.yaml there)")
@@ -278,9 +305,11 @@ def export_and_report(args):
               f"{info['to']}; load it with {how}")
         return
     if state["task"] == "hf":
-        info = export_hf(args.checkpoint, args.to, state)
-        print(f"exported {info['checkpoint']} (update {info['num_updates']}: {info['class']}) with its tokenizer "
-              f"to {info['to']}; load it with transformers.{info['class']}.from_pretrained({info['to']!r}) "
+        info = export_hf(args.checkpoint, args.to, state, args.merge)
+        how = (f"peft.PeftModel.from_pretrained(base, {info['to']!r}), base the model in {info['base']!r}"
+               if info["adapter"] else f"transformers.{info['class']}.from_pretrained({info['to']!r})")
+        print(f"exported {info['checkpoint']} (update {info['num_updates']}: {info['class']}"
+              f"{' adapter' if info['adapter'] else ''}) with its tokenizer to {info['to']}; load it with {how} "
               f"(or AutoTokenizer.from_pretrained)")
         return
     info = export_bert(args.checkpoint, args.to, args.dict)

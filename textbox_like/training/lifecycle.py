@@ -18,6 +18,7 @@ from textbox_like.core.errors import UserError, first_line
 from textbox_like.core.faults import SaveFailed, os_reason, test_delay
 from textbox_like.storage.fileio import atomic_write_text
 from textbox_like.processes.preemption import raise_if_stopped
+from textbox_like.models import adapters
 from textbox_like.storage.sharded_checkpoint import drop_kept_copies, full_state_dicts, refuse_rerun
 
 
@@ -360,7 +361,7 @@ class Lifecycle:
         if whole is None:
             model = self.checkpointer.task_model
         else:
-            model = self.task.build_model()
+            model = adapters.build_model(self.task, self.cfg.adapters)
             model.load_state_dict(whole)
         try:
             path = self.task.export_at_end(model, save_dir)

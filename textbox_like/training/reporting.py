@@ -33,8 +33,10 @@ class RunFacts:
     sharding's line, the training samples, whether the data is read inline,
     and the updates of --max-epoch epochs."""
 
-    def __init__(self, n_params, threads, sources, sharding_line, train_samples, reads_inline, planned_updates):
+    def __init__(self, n_params, threads, sources, sharding_line, train_samples, reads_inline, planned_updates,
+                 n_trained=None):
         self.n_params, self.threads, self.sources, self.sharding_line = n_params, threads, sources, sharding_line
+        self.n_trained = n_params if n_trained is None else n_trained
         self.train_samples, self.reads_inline, self.planned_updates = train_samples, reads_inline, planned_updates
 
 
@@ -179,7 +181,7 @@ class Reporting:
         # each setting Accelerate honours where it did not come from our default: its own field, so that
         # the precision's parenthesis names the precision's source only
         others = "".join(f" | {k} from {v}" for k, v in facts.sources.items() if k != "precision" and v != "default")
-        return (f"task {cfg.data.task} | {facts.n_params:,} parameters | world size {self.ranks.world} | "
+        return (f"task {cfg.data.task} | {self.parameters_text()} | world size {self.ranks.world} | "
                 f"device {acc.device}" + (f" ({facts.threads} thread{'s' if facts.threads > 1 else ''})"
                                           if acc.device.type == "cpu" else "")
                 + f" | precision {self.precision_name()}"
@@ -193,6 +195,15 @@ class Reporting:
                    if cfg.data.num_workers and facts.reads_inline else "")
                 + f" | {self.saved_where()}"
                 + "".join(f" | {line}" for line in [*self.task.start_notes(), *default_notes(cfg)]))
+
+    def parameters_text(self) -> str:
+        """The model's size, and where some weights are frozen (--peft) how many train."""
+        facts, method = self.facts, self.cfg.adapters.peft
+        if facts.n_trained == facts.n_params:
+            return f"{facts.n_params:,} parameters"
+        share = 100.0 * facts.n_trained / max(facts.n_params, 1)
+        return (f"{facts.n_params:,} parameters, {facts.n_trained:,} trained ({share:.2g}%"
+                + (f", --peft {method})" if method != "none" else ")"))
 
     def precision_name(self) -> str:
         """Accelerate's mixed precision (fp16, bf16), or where it has none

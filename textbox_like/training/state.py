@@ -10,6 +10,7 @@ from textbox_like.core import collectives
 from textbox_like.storage.checkpoint import rng_state, set_rng_state
 from textbox_like.core.errors import UserError
 from textbox_like.metrics.meters import StatSums, TrainClock
+from textbox_like.models import adapters
 from textbox_like.training.due import crosses
 
 
@@ -126,17 +127,37 @@ class ModelPart:
     asks ``hasattr(torch, "_dynamo")``, which imports torch._dynamo, 1 s of
     CPU at every process's first save where nothing was compiled."""
 
-    def __init__(self, task_model):
+    def __init__(self, task_model, trained_only=False):
         self.task_model = task_model
+        #: --peft: only the weights that train are saved and restored
+        self.trained_only = trained_only
 
     def module(self):
         return self.task_model
 
     def state_dict(self):
-        return self.module().state_dict()
+        return adapters.trained_state(self.module()) if self.trained_only else self.module().state_dict()
 
     def load_state_dict(self, state):
-        self.module().load_state_dict(state)
+        if self.trained_only:
+            adapters.load_trained_state(self.module(), state, "the checkpoint")
+        else:
+            self.module().load_state_dict(state)
+
+
+class BaseModelPart:
+    """--peft: the base model the adapters belong to (its path and a digest
+    of its frozen weights), checked on resume: adapters restored onto
+    another base model would train on silently from nonsense."""
+
+    def __init__(self, identity: dict):
+        self.identity = identity
+
+    def state_dict(self):
+        return dict(self.identity)
+
+    def load_state_dict(self, state):
+        adapters.check_same_base(state, self.identity, "the checkpoint")
 
 
 class OptimizerPart:

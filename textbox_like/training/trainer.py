@@ -43,6 +43,7 @@ from pathlib import Path
 
 from textbox_like.processes import distributed
 from textbox_like.parallel import sharding
+from textbox_like.models import adapters
 from textbox_like.core.errors import UserError, first_line
 from textbox_like.core.faults import check_writable
 from textbox_like.metrics.meters import Logger
@@ -173,8 +174,10 @@ class Trainer:
             from textbox_like.processes.distributed import remember_torch_settings
             remember_torch_settings()  # distributed.cleanup() puts the default back
             torch.set_default_dtype(torch.float64)
-        model = self.task_model = self.task.build_model()  # under the wrappers prepare() may add
+        # the task's model with the run's adapters (--peft), under the wrappers prepare() may add
+        model = self.task_model = adapters.build_model(self.task, cfg.adapters)
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         acc = self.accelerator
         # before prepare(): a model may name the parts worth compiling here
         self.compiled_regions = compile_regions(acc, model)
@@ -196,7 +199,7 @@ class Trainer:
         if sharding.is_sharded(self.model):
             sharding.reduce_unused_parameters(self.model, cfg)
         if sharding.enabled(cfg):
-            self.sharding_line = sharding.describe(self.model, cfg, self.placement, cuda, self.n_params) \
+            self.sharding_line = sharding.describe(self.model, cfg, self.placement, cuda, self.n_params, self.n_trained) \
                 if sharding.is_sharded(self.model) else "sharding none (--fsdp with one process: nothing to shard)"
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.grad_params = [p for p in self.model.parameters() if p.requires_grad]
@@ -240,7 +243,7 @@ class Trainer:
         self.record = StepRecord(scheduler.get_lr())  # the step writes it, the reporting folds it
         self.samples = SamplesTrained(state, cfg.checkpoint.snapshot_interval)  # the step counts, the saves read
         facts = RunFacts(self.n_params, self.threads, self.sources, self.sharding_line, len(self.train_data),
-                         not self.iterator.num_workers, self.planned_updates)
+                         not self.iterator.num_workers, self.planned_updates, n_trained=self.n_trained)
         self.reporting = Reporting(cfg, ranks, acc, state=state, record=self.record, timing=timing, task=task,
                                    facts=facts, log=log)
         self.checkpointer = Checkpointer(cfg, ranks, acc, task_model=self.task_model, optimizer=optimizer, scheduler=scheduler,

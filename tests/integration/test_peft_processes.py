@@ -1,0 +1,131 @@
+"""The tests of test_peft.py (tests/unit) that start processes: the slow tier.
+
+- 3+5 = 1 x 8: two ranks, one with --max-sentences 3 and one with 5 (a file:// rendezvous, each its own
+  command line, as two unlike nodes), train the losses and adapters of one process over 8, within 1e-5,
+  for every method on a tiny GPT-2, LoRA on a tiny BART, and LoRA under --fsdp (the frozen base weights
+  sharded, the adapters trained);
+- kill -9: both rank processes of a two-rank LoRA run killed with SIGKILL (their process group) after a
+  checkpoint, then --resume on two ranks gives the uninterrupted run's adapters and optimizer state bit for
+  bit; --resume on one rank and under --fsdp (DDP -> FSDP) give them within 1e-5.
+"""
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+
+from conftest import assert_bitwise_equal
+from test_fsdp import PY, assert_close, checkpoint, in_process, train_records
+from test_hf_task import hf_args, models, text_data  # noqa: F401 (fixtures)
+from test_peft import SEQ2SEQ, SMALL
+from _fsdp_runs import Plan, by_rank, one_rank, spawned
+
+EXACT = [("causal_lm", m, ()) for m in ("lora", "prefix-tuning", "p-tuning-v2", "prompt-tuning", "bitfit")] + \
+    [("seq2seq", "lora", ()), ("causal_lm", "lora", ("--fsdp",))]
+
+
+def run_name(head, method, extra):
+    return f"{head}_{method}" + ("_fsdp" if "--fsdp" in extra else "")
+
+
+def exact_args(models, data, save_dir, head, method, *extra, max_update=10):
+    """SGD (Adam would scale rounding noise where a gradient is ~0), one record per update, no validation."""
+    columns = SEQ2SEQ if head == "seq2seq" else ()
+    return hf_args(models[head], data, save_dir, "--peft", method, *SMALL[method], *columns, "--optimizer", "sgd",
+                   "--lr", "0.5", "--disable-validation", "--threads", "1", "--log-format", "simple",
+                   "--log-interval", "1", "--distributed-timeout", "120", *extra, max_update=max_update)
+
+
+def two_nodes(models, data, save_dir, rdzv, head, method, *extra):
+    """Rank 0 with 3 samples a step and rank 1 with 5, each its own command line (a file rendezvous)."""
+    common = ["--distributed-init-method", f"file://{rdzv}", "--distributed-world-size", "2",
+              "--distributed-gpus", "1", "--distributed-no-spawn", *extra]
+    return by_rank([exact_args(models, data, save_dir, head, method, "--max-sentences", batch, *common,
+                               "--distributed-rank", rank) for batch, rank in (("3", "0"), ("5", "1"))])
+
+
+def killed_args(models, data, save_dir, *extra):
+    """SGD with momentum (a state to save; Adam would turn the ranks' rounding of near-zero gradients into
+    lr-sized steps), a checkpoint every 3 updates, 12 updates of 4 + 4 samples."""
+    return hf_args(models["causal_lm"], data, save_dir, "--peft", "lora", "--lora-r", "2", "--optimizer", "sgd",
+                   "--momentum", "0.9", "--lr", "0.5", "--max-sentences", "4", "--save-interval-updates", "3", "--disable-validation",
+                   "--threads", "1", "--log-format", "simple", "--log-interval", "1", "--distributed-timeout", "120",
+                   *extra, max_update=12)
+
+
+@pytest.fixture(scope="module")
+def peft_runs(models, text_data, tmp_path_factory):
+    """Every multi-rank run of this file in one pair of rank processes (_fsdp_runs.Plan); the last,
+    "killed", is killed (both processes, SIGKILL) once its checkpoint at update 3 is there, at a moment up
+    to 0.5 s later; then a second Plan resumes it on two ranks, on one, and under --fsdp."""
+    from textbox_like.training import balance
+    root = tmp_path_factory.mktemp("peft_runs")
+    runs = {run_name(*case): two_nodes(models, text_data, root / run_name(*case), root / f"rdzv_{run_name(*case)}",
+                                       *case[:2], *case[2]) for case in EXACT}
+    runs["killed_ref"] = spawned(killed_args(models, text_data, root / "killed_ref", "--distributed-world-size", 2),
+                                 2, root / "rdzv_killed_ref")
+    # rank 1 20 ms a sample slower (the other waits for it): ~0.1 s an update, so that the kill falls mid-run
+    runs["killed"] = spawned(killed_args(models, text_data, root / "killed", "--distributed-world-size", 2), 2,
+                             root / "rdzv_killed", env={balance.SLOW_RANK_ENV: "1:0.02@0"})
+    with Plan(list(runs.values()), root / "plan") as plan:
+        plan.wait_for(lambda: (root / "killed" / "checkpoint_1_3.pt").exists(), timeout=1500)
+        time.sleep(random.Random(2).uniform(0.0, 0.5))
+        plan.kill()
+        plan.finish()
+    import shutil
+    for copy in ("killed_one", "killed_fsdp"):
+        shutil.copytree(root / "killed", root / copy)
+    killed_at = checkpoint(root / "killed")["train"]["num_updates"]
+    resumed = {"resumed": spawned(killed_args(models, text_data, root / "killed", "--distributed-world-size", 2,
+                                              "--resume"), 2, root / "rdzv_resumed"),
+               "resumed_one": one_rank(killed_args(models, text_data, root / "killed_one", "--max-sentences", 8,
+                                                   "--resume")),
+               "resumed_fsdp": spawned(killed_args(models, text_data, root / "killed_fsdp", "--distributed-world-size",
+                                                   2, "--fsdp", "--resume"), 2, root / "rdzv_resumed_fsdp")}
+    with Plan(list(resumed.values()), root / "plan_resumed") as plan:
+        plan.finish()
+    return root, {**runs, **resumed}, killed_at
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("head, method, extra", EXACT, ids=[run_name(*case) for case in EXACT])
+def test_three_and_five_equal_one_process_of_eight(models, text_data, peft_runs, tmp_path, head, method, extra):
+    root, runs, _ = peft_runs
+    name = run_name(head, method, extra)
+    stderr = runs[name].check()
+    start = next(line for line in stderr.splitlines() if line.startswith("task hf"))
+    assert "batch sizes per rank [3, 5]" in start and f"--peft {method})" in start, start
+    if "--fsdp" in extra:
+        assert "sharding full over 2 ranks" in start and "gradients" in start, start
+    one = tmp_path / "one"
+    in_process([PY, "run_hetseq.py", *exact_args(models, text_data, one, head, method, "--max-sentences", "8")])
+    two = root / name
+    losses = [[r["loss"] for r in train_records(d)] for d in (one, two)]
+    assert len(losses[0]) == len(losses[1]) == 10
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+    assert_close(checkpoint(two)["model"], checkpoint(one)["model"])
+    assert losses[0][-1] < losses[0][0]   # it learns
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_killed_and_resumed_equals_the_uninterrupted_run(peft_runs):
+    root, runs, killed_at = peft_runs
+    runs["killed_ref"].check()
+    assert runs["killed"].codes == {0: -signal.SIGKILL, 1: -signal.SIGKILL}, runs["killed"].stderr[-2000:]
+    assert 3 <= killed_at < 12
+    for name in ("resumed", "resumed_one", "resumed_fsdp"):
+        runs[name].check()
+    reference = checkpoint(root / "killed_ref")
+    resumed = checkpoint(root / "killed")
+    assert resumed["train"]["num_updates"] == 12
+    assert_bitwise_equal(resumed["model"], reference["model"], "adapters")
+    assert_bitwise_equal(resumed["optimizer"]["state"], reference["optimizer"]["state"], "optimizer state")
+    assert [r["loss"] for r in train_records(root / "killed_ref")][-3:] == \
+        [r["loss"] for r in train_records(root / "killed")][-3:]
+    for other in ("killed_one", "killed_fsdp"):
+        assert_close(checkpoint(root / other)["model"], reference["model"])
+    assert (root / "killed_fsdp" / "checkpoint_last.dcp").is_dir()

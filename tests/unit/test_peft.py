@@ -1,0 +1,262 @@
+"""--peft: LoRA, prefix-tuning, p-tuning-v2 and prompt-tuning through peft, and bitfit.
+
+What holds here, in one process (the ranks, --fsdp and kill -9 are test_peft_processes.py's):
+
+- the options are typed and TextBox's spelling (--efficient_methods, --efficient_kwargs) is ours, with
+  TextBox's defaults for what it leaves out; a method peft lacks, two methods, an unknown option: one line;
+- each method trains only its own weights: the base model's weights are bit-identical after training, the
+  checkpoint holds exactly the trained tensors (a small fraction of a full one), and the start line says
+  how many of the parameters train;
+- a resume continues bitwise; a resume onto another base model, a full run's checkpoint resumed with --peft
+  and a --peft checkpoint resumed without it are one line each;
+- the export writes the adapter (peft.PeftModel.from_pretrained loads it to the same logits) or, with
+  --merge, a plain transformers model with LoRA folded in (the same logits within 1e-5); --merge of a
+  prompt-tuning adapter is one line and writes nothing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import read_jsonl, refusal_in_process, run_main
+from test_faults import build_trainer, run_trainer
+from test_hf_task import hf_args, models, text_data  # noqa: F401 (fixtures)
+
+METHODS = ("lora", "prefix-tuning", "p-tuning-v2", "prompt-tuning", "bitfit")
+SMALL = {"lora": ["--lora-r", "2"], "prefix-tuning": ["--prefix-length", "3", "--prefix-mid-dim", "8"],
+         "p-tuning-v2": ["--prefix-length", "3"], "prompt-tuning": ["--prompt-length", "3"], "bitfit": []}
+SEQ2SEQ = ("--target_column", "target", "--generation_max_length", "4")
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def base_weights(model_dir, head):
+    import transformers
+
+    from textbox_like.tasks.hf import AUTO_CLASSES
+    model = getattr(transformers, AUTO_CLASSES[head]).from_pretrained(str(model_dir), dtype=torch.float32)
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def frozen_base_weights(model):
+    """The frozen weights of a trained model under the plain model's names (peft's base model inside; LoRA's
+    wrapped layers keep theirs as ``base_layer``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {n.replace(".base_layer.", "."): p for n, p in base.named_parameters() if not p.requires_grad}
+
+
+def peft_args(models, text_data, out, head, method, *extra, max_update=4):
+    columns = SEQ2SEQ if head == "seq2seq" else ()
+    return hf_args(models[head], text_data, out, "--peft", method, *SMALL[method], *columns, "--log-format", "json",
+                   "--log-interval", "1", *extra, max_update=max_update)
+
+
+# ---------------------------------------------------------------- options
+def adapters_of(*args):
+    from textbox_like.resolve.resolution import parse
+    return parse([str(a) for a in args]).adapters
+
+
+def test_textbox_spelling_is_ours_with_textboxs_defaults_for_what_it_leaves_out(models, text_data, tmp_path):
+    common = hf_args(models["causal_lm"], text_data, tmp_path / "x")
+    ours = adapters_of(*common, "--peft", "lora", "--lora-r", "4", "--lora-alpha", "32", "--lora-dropout", "0.1")
+    theirs = adapters_of(*common, "--efficient_methods", "['lora']", "--efficient_kwargs",
+                         "{'lora_r': 4, 'lora_alpha': 32, 'lora_dropout': 0.1}")
+    fields = ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields] == ["lora", 4, 32.0, 0.1, []]
+    defaults = adapters_of(*common, "--efficient_methods", "['lora']")
+    assert (defaults.lora_r, defaults.lora_alpha, defaults.lora_dropout) == (4, 32.0, 0.1)   # TextBox's
+    prefix = adapters_of(*common, "--efficient_methods", "['p-tuning-v2']", "--efficient_kwargs",
+                         "{'prefix_length': 7, 'prefix_mid_dim': 16, 'prefix_dropout': 0.0}")
+    assert (prefix.peft, prefix.prefix_length, prefix.prefix_mid_dim, prefix.prefix_dropout) == \
+        ("p-tuning-v2", 7, 16, 0.0)
+    prompt = adapters_of(*common, "--efficient_methods=['prompt-tuning']")
+    assert (prompt.peft, prompt.prompt_length) == ("prompt-tuning", 100)
+    assert adapters_of(*common).peft == "none"
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--efficient_methods", "['adapter']"], "not supported (TextBox's adapter layers have no counterpart in peft); "
+                                             "choose one of lora, prefix-tuning, p-tuning-v2, prompt-tuning, bitfit"),
+    (["--efficient_methods", "['lora', 'bitfit']"], "one method at a time"),
+    (["--efficient_methods", "['lora']", "--efficient_kwargs", "{'prefix_length': 3}"],
+     "prefix_length is no option of lora (its options: lora_r, lora_dropout, lora_alpha)"),
+    (["--efficient_methods", "['lora']", "--efficient_kwargs", "{'lora_r': 0}"], "--efficient_kwargs lora_r"),
+    (["--efficient_methods", "['lora']", "--peft", "bitfit"], "name different methods; keep one"),
+    (["--efficient_kwargs", "{'lora_r': 4}"], "--efficient_kwargs needs --efficient_methods"),
+    (["--peft", "adapter"], "--peft: invalid choice"),
+    (["--peft", "lora", "--lora-r", "0"], "--lora-r"),
+    (["--peft", "lora", "--lora-dropout", "1"], "expects a probability"),
+    (["--peft", "prompt-tuning", "--merge-on-export"], "has nothing to fold"),
+    (["--peft", "lora", "--lora-target-modules", "no_such_proj"], "has no such module; its linear layers: "),
+])
+def test_bad_options_are_one_line_and_write_nothing(models, text_data, tmp_path, capfd, extra, expected):
+    out = tmp_path / "out"
+    result = refusal_in_process(hf_args(models["causal_lm"], text_data, out, *extra), capfd)
+    assert result.returncode != 0
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.startswith(("error", "usage"))]) == 1, \
+        result.stderr
+    assert not (out / "checkpoint_last.pt").exists()
+
+
+def test_help_and_print_config_show_the_options(models, text_data, tmp_path, capsys):
+    from textbox_like.cli import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--peft", "--lora-r", "--lora-target-modules", "--prefix-length", "--prompt-length",
+                 "--merge-on-export", "--efficient_methods"):
+        assert flag in help_text, flag
+    assert run_main(hf_args(models["causal_lm"], text_data, tmp_path / "p", "--print_config")) == 0
+    assert "lora_r" not in capsys.readouterr().out   # printed only where --peft is on
+    assert run_main(hf_args(models["causal_lm"], text_data, tmp_path / "p", "--peft", "lora", "--print_config")) == 0
+    printed = capsys.readouterr().out
+    assert "peft: lora" in printed and "lora_r: 8" in printed
+
+
+# ---------------------------------------------------------------- what trains
+@pytest.mark.parametrize("head, method", [("causal_lm", m) for m in METHODS]
+                         + [("seq2seq", m) for m in ("lora", "prefix-tuning", "prompt-tuning", "bitfit")])
+def test_each_method_trains_only_its_weights_and_saves_only_them(models, text_data, tmp_path, head, method):
+    out = tmp_path / "run"
+    trainer, _, _ = build_trainer(peft_args(models, text_data, out, head, method))
+    initial = {n: p.detach().clone() for n, p in trainer.task_model.named_parameters() if p.requires_grad}
+    assert run_trainer(trainer) == 0
+    model = trainer.task_model
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if method == "bitfit":
+        assert trained and all(n.endswith(".bias") for n in trained), trained
+    else:
+        assert trained and all(("lora_" in n or "prompt_encoder" in n) for n in trained), trained
+    base = base_weights(models[head], head)
+    frozen = frozen_base_weights(model)
+    assert frozen
+    for name, value in frozen.items():   # the base model's weights, bit for bit
+        assert torch.equal(value, base[name]), name
+    saved = load(out / "checkpoint_last.pt")
+    assert set(saved["model"]) == trained
+    assert all(torch.equal(saved["model"][n], p.detach()) for n, p in model.named_parameters() if n in trained)
+    assert any(not torch.equal(saved["model"][n], initial[n]) for n in trained)   # it trained
+    assert saved["base_model"]["method"] == method and saved["base_model"]["path"] == str(models[head])
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(losses) == 4 and all(loss == loss for loss in losses)
+
+
+def test_the_start_line_says_what_trains_and_a_lora_checkpoint_is_small(models, text_data, tmp_path, capfd):
+    assert run_main(hf_args(models["causal_lm"], text_data, tmp_path / "full", "--max-update", "1")) == 0
+    assert run_main(peft_args(models, text_data, tmp_path / "lora", "causal_lm", "lora", max_update=1)) == 0
+    err = capfd.readouterr().err
+    import transformers
+    base = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(
+        str(models["causal_lm"])).parameters())
+    trained = sum(v.numel() for v in load(tmp_path / "lora" / "checkpoint_last.pt")["model"].values())
+    share = f"{100.0 * trained / (base + trained):.2g}"
+    assert f"task hf | {base + trained:,} parameters, {trained:,} trained ({share}%, --peft lora) | " in err, err
+    full_bytes = (tmp_path / "full" / "checkpoint_last.pt").stat().st_size
+    lora_bytes = (tmp_path / "lora" / "checkpoint_last.pt").stat().st_size
+    assert lora_bytes < 0.25 * full_bytes, (lora_bytes, full_bytes)
+
+
+# ---------------------------------------------------------------- resume
+def test_a_resume_continues_bitwise(models, text_data, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    constant = ("--lr-scheduler", "constant")   # the schedule of a run cut at 3 of 6 updates is the same
+    assert run_main(peft_args(models, text_data, straight, "causal_lm", "lora", *constant, max_update=6)) == 0
+    assert run_main(peft_args(models, text_data, split, "causal_lm", "lora", *constant, max_update=3)) == 0
+    assert run_main(peft_args(models, text_data, split, "causal_lm", "lora", *constant, "--resume",
+                              max_update=6)) == 0
+    a, b = load(straight / "checkpoint_last.pt"), load(split / "checkpoint_last.pt")
+    for key in ("model", "optimizer"):
+        from conftest import assert_bitwise_equal
+        assert_bitwise_equal(a[key], b[key], key)
+    losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "train"] for d in (straight, split)]
+    assert losses[0] == losses[1]
+
+
+def other_base(models, tmp_path, head="causal_lm"):
+    """The same architecture with other weights, in another directory."""
+    import shutil
+
+    import transformers
+
+    from textbox_like.tasks.hf import AUTO_CLASSES
+    target = tmp_path / "other_base"
+    shutil.copytree(models[head], target)
+    model = getattr(transformers, AUTO_CLASSES[head]).from_pretrained(str(target))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.add_(0.01)
+    model.save_pretrained(str(target))
+    return target
+
+
+def test_resumes_that_do_not_fit_are_one_line(models, text_data, tmp_path, capfd):
+    lora = tmp_path / "lora"
+    assert run_main(peft_args(models, text_data, lora, "causal_lm", "lora", max_update=2)) == 0
+    before = load(lora / "checkpoint_last.pt")
+    other = other_base(models, tmp_path)
+    moved = [a if a != str(models["causal_lm"]) else str(other)
+             for a in peft_args(models, text_data, lora, "causal_lm", "lora", "--resume", max_update=4)]
+    result = refusal_in_process(moved, capfd)
+    assert result.returncode != 0 and "resume onto the base model it was trained on" in result.stderr, result.stderr
+    assert f"this run's base model {other} is another" in result.stderr
+    # without --peft: the configuration says what changed
+    result = refusal_in_process(hf_args(models["causal_lm"], text_data, lora, "--resume", max_update=4), capfd)
+    assert result.returncode != 0 and "was trained with --peft 'lora', this run has 'none'" in result.stderr
+    # a full run's checkpoint resumed with --peft
+    full = tmp_path / "full"
+    assert run_main(hf_args(models["causal_lm"], text_data, full, max_update=2)) == 0
+    result = refusal_in_process(peft_args(models, text_data, full, "causal_lm", "lora", "--resume"), capfd)
+    assert result.returncode != 0 and "this run has 'lora'" in result.stderr, result.stderr
+    from conftest import assert_bitwise_equal
+    assert_bitwise_equal(load(lora / "checkpoint_last.pt")["model"], before["model"])   # nothing written
+
+
+# ---------------------------------------------------------------- export
+def logits_of(model, tokens):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+
+
+def test_export_writes_the_adapter_or_the_merged_model(models, text_data, tmp_path, capfd):
+    import peft
+    import transformers
+
+    from textbox_like.tools.export import main as export_main
+    out = tmp_path / "run"
+    trainer, _, _ = build_trainer(peft_args(models, text_data, out, "causal_lm", "lora", "--lr", "0.05"))
+    assert run_trainer(trainer) == 0
+    tokens = torch.tensor([[2, 7, 8, 9, 10, 3]])
+    trained = logits_of(trainer.task_model, tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(models["causal_lm"]))
+    assert not torch.allclose(logits_of(base, tokens), trained, atol=1e-4)   # the adapters changed something
+    # the end-of-run hf_model/ is the adapter
+    adapter = peft.PeftModel.from_pretrained(base, str(out / "hf_model"))
+    assert torch.allclose(logits_of(adapter, tokens), trained, atol=1e-6)
+    assert export_main([str(out / "checkpoint_last.pt"), "--to", str(tmp_path / "adapter")]) in (0, None)
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    again = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(str(models["causal_lm"])), str(tmp_path / "adapter"))
+    assert torch.allclose(logits_of(again, tokens), trained, atol=1e-6)
+    assert export_main([str(out / "checkpoint_last.pt"), "--to", str(tmp_path / "merged"), "--merge"]) in (0, None)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert torch.allclose(logits_of(merged, tokens), trained, atol=1e-5)
+    assert "peft.PeftModel.from_pretrained(base" in capfd.readouterr().out
+
+
+def test_merge_of_a_prompt_tuning_adapter_is_one_line_and_writes_nothing(models, text_data, tmp_path, capfd):
+    from textbox_like.tools.export import main as export_main
+    out = tmp_path / "run"
+    assert run_main(peft_args(models, text_data, out, "causal_lm", "prompt-tuning", max_update=1)) == 0
+    capfd.readouterr()
+    code = export_main([str(out / "checkpoint_last.pt"), "--to", str(tmp_path / "merged"), "--merge"])
+    err = capfd.readouterr().err
+    assert code not in (0, None) and "has nothing to fold" in err and "Traceback" not in err, err
+    assert not (tmp_path / "merged").exists() or not any((tmp_path / "merged").iterdir())
