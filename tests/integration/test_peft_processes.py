@@ -22,12 +22,16 @@ from test_hf_task import hf_args, models, text_data  # noqa: F401 (fixtures)
 from test_peft import SEQ2SEQ, SMALL
 from _fsdp_runs import Plan, by_rank, one_rank, spawned
 
+#: a global batch of 8 re-split by --balance (every 2 updates), each rank's 3 or 5 its micro-batch cap
+BALANCED = ("--global-batch-size", "8", "--balance", "--balance-interval", "2")
 EXACT = [("causal_lm", m, ()) for m in ("lora", "prefix-tuning", "p-tuning-v2", "prompt-tuning", "bitfit")] + \
-    [("seq2seq", "lora", ()), ("causal_lm", "lora", ("--fsdp",))]
+    [("seq2seq", "lora", ()), ("causal_lm", "lora", ("--fsdp",)), ("causal_lm", "lora", ("--update-freq", "2")),
+     ("causal_lm", "lora", BALANCED)]
 
 
 def run_name(head, method, extra):
-    return f"{head}_{method}" + ("_fsdp" if "--fsdp" in extra else "")
+    return f"{head}_{method}" + ("_fsdp" if "--fsdp" in extra else "") + \
+        ("_accumulated" if "--update-freq" in extra else "") + ("_balanced" if "--balance" in extra else "")
 
 
 def exact_args(models, data, save_dir, head, method, *extra, max_update=10):
@@ -97,14 +101,19 @@ def test_three_and_five_equal_one_process_of_eight(models, text_data, peft_runs,
     name = run_name(head, method, extra)
     stderr = runs[name].check()
     start = next(line for line in stderr.splitlines() if line.startswith("task hf"))
-    assert "batch sizes per rank [3, 5]" in start and f"--peft {method})" in start, start
+    split = "global batch 8 (balanced) | batch sizes per rank [4, 4] | micro-batch caps [3, 5]" if "--balance" in extra else \
+        "batch sizes per rank [3, 5]"
+    assert split in start and f"--peft {method})" in start, start
     if "--fsdp" in extra:
         assert "sharding full over 2 ranks" in start and "gradients" in start, start
     one = tmp_path / "one"
-    in_process([PY, "run_hetseq.py", *exact_args(models, text_data, one, head, method, "--max-sentences", "8")])
+    accumulated = extra[:2] if "--update-freq" in extra else ()   # one process accumulates as the ranks do
+    in_process([PY, "run_hetseq.py", *exact_args(models, text_data, one, head, method, "--max-sentences", "8",
+                                                 *accumulated)])
     two = root / name
     losses = [[r["loss"] for r in train_records(d)] for d in (one, two)]
-    assert len(losses[0]) == len(losses[1]) == 10
+    # 10 updates (9 with accumulation: the hf task's 3 epochs of 3 updates of 16)
+    assert len(losses[0]) == len(losses[1]) == (9 if "--update-freq" in extra else 10)
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
     assert_close(checkpoint(two)["model"], checkpoint(one)["model"])
     assert losses[0][-1] < losses[0][0]   # it learns
@@ -129,3 +138,30 @@ def test_killed_and_resumed_equals_the_uninterrupted_run(peft_runs):
     for other in ("killed_one", "killed_fsdp"):
         assert_close(checkpoint(root / other)["model"], reference["model"])
     assert (root / "killed_fsdp" / "checkpoint_last.dcp").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_search_over_lora_r_trains_each_trial_with_its_rank(models, text_data, tmp_path):
+    """run_hyper.py's space names the method's option like any other (TextBox's lines): each trial's
+    adapters have the rank the trial drew."""
+    import subprocess
+
+    import torch
+    import yaml
+
+    from conftest import REPO, clean_env
+    (tmp_path / "space.test").write_text("lora_r choice [2, 4]\n")
+    args = [a for a in hf_args(models["causal_lm"], text_data, tmp_path / "unused", "--peft", "lora", max_update=2)]
+    args = args[:args.index("--save-dir")] + args[args.index("--save-dir") + 2:]
+    proc = subprocess.run([PY, str(REPO / "run_hyper.py"), "--space=space.test", "--algo=exhaustive", "--output",
+                           str(tmp_path / "search"), *args], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = {}
+    for trial in ("trial_1", "trial_2"):
+        folder = tmp_path / "search" / trial
+        r = yaml.safe_load((folder / "config.yaml").read_text())["lora_r"]
+        state = torch.load(folder / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+        ranks[r] = {v.shape[0] for k, v in state.items() if "lora_A" in k}
+    assert ranks == {2: {2}, 4: {4}}

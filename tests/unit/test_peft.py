@@ -260,3 +260,87 @@ def test_merge_of_a_prompt_tuning_adapter_is_one_line_and_writes_nothing(models,
     err = capfd.readouterr().err
     assert code not in (0, None) and "has nothing to fold" in err and "Traceback" not in err, err
     assert not (tmp_path / "merged").exists() or not any((tmp_path / "merged").iterdir())
+
+
+# ---------------------------------------------------------------- a user's own task
+USER_TASK = '''
+import torch
+from textbox_like import Task, register_task
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 16)
+        self.hidden = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(torch.tanh(self.embed(x)))))
+
+
+@register_task("adapted_net")
+class AdaptedNet(Task):
+    lora_target_modules = ("hidden",)   # what --peft lora adapts unless --lora-target-modules says otherwise
+
+    def build_dataset(self, split):
+        g = torch.Generator().manual_seed(0 if split == "train" else 1)
+        x = torch.randn(64, 4, generator=g)
+        return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+
+    def build_model(self):
+        return Net()
+
+    def loss(self, model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y, reduction="sum"), {"nsamples": len(y)}
+'''
+
+
+@pytest.fixture
+def user_dir(tmp_path):
+    """A task of the user's own, in a folder outside the repository."""
+    folder = tmp_path / "elsewhere" / "my_adapted_task"
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(USER_TASK)
+    return folder
+
+
+def user_args(user_dir, out, *extra):
+    return ["--user-dir", str(user_dir), "--task", "adapted_net", "--max-sentences", "8", "--optimizer", "adam",
+            "--lr", "0.05", "--max-update", "6", "--log-format", "simple", "--save-dir", str(out), *extra]
+
+
+def test_a_user_task_trains_lora_on_the_modules_it_names(user_dir, tmp_path, capfd):
+    assert run_main(user_args(user_dir, tmp_path / "own", "--peft", "lora", "--lora-r", "2")) == 0
+    saved = load(tmp_path / "own" / "checkpoint_last.pt")
+    assert sorted(saved["model"]) == ["base_model.model.hidden.lora_A.default.weight",
+                                      "base_model.model.hidden.lora_B.default.weight"]
+    assert saved["model"]["base_model.model.hidden.lora_A.default.weight"].shape == (2, 16)
+    assert "parameters, 64 trained (" in capfd.readouterr().err   # 2 x 16 + 16 x 2
+    # --lora-target-modules overrides the task's choice; bitfit trains its three biases
+    assert run_main(user_args(user_dir, tmp_path / "named", "--peft", "lora", "--lora-target-modules", "embed,out")) == 0
+    assert {k.split(".")[2] for k in load(tmp_path / "named" / "checkpoint_last.pt")["model"]} == {"embed", "out"}
+    assert run_main(user_args(user_dir, tmp_path / "bitfit", "--peft", "bitfit")) == 0
+    assert sorted(load(tmp_path / "bitfit" / "checkpoint_last.pt")["model"]) == ["embed.bias", "hidden.bias", "out.bias"]
+    # a prompt method needs a transformers model: one line
+    result = refusal_in_process(user_args(user_dir, tmp_path / "prompt", "--peft", "prompt-tuning"), capfd)
+    assert result.returncode != 0 and "Net is not one: choose --peft lora" in result.stderr, result.stderr
+
+
+def test_the_python_api_trains_lora_on_a_task_class(user_dir, tmp_path):
+    import importlib
+    import sys
+
+    import textbox_like
+    sys.path.insert(0, str(user_dir.parent))
+    try:
+        module = importlib.import_module("my_adapted_task")
+        results = textbox_like.train(task=module.AdaptedNet, max_sentences=8, optimizer="adam", lr=0.05,
+                                     max_update=4, log_format="none", save_dir=str(tmp_path / "api"), peft="lora",
+                                     lora_r=4)
+    finally:
+        sys.path.remove(str(user_dir.parent))
+    assert results["exit_code"] == 0 and results["num_updates"] == 4
+    saved = load(tmp_path / "api" / "checkpoint_last.pt")
+    assert saved["model"]["base_model.model.hidden.lora_A.default.weight"].shape == (4, 16)

@@ -7,6 +7,7 @@
     python -m textbox_like.tools.bench scaling [--data DIR] [--processes 2] [--update-freq K] [--updates 300] [--hooks none,fp16,bf16,powersgd]
     python -m textbox_like.tools.bench bert-loader [--data DIR] [--batch 32] [--no-train]
     python -m textbox_like.tools.bench fsdp [--rounds 5] [--updates 3] [--model large] [--layers 12]
+    python -m textbox_like.tools.bench peft [--rounds 5] [--updates 3] [--layers 12] (tools/bench_peft.py)
 
 mnist, bert, hf: the trainer against a plain loop of the same work. Both sides
 use the same model, batch size, optimizer, clipping, threads and data; the
@@ -891,6 +892,8 @@ def build_parser():
     p.add_argument("--seq-length", type=int, default=32, help="synthetic shards' sequence length (default 32)")
     p.add_argument("--synthetic-samples", type=int, default=512, help="rows of synthetic shards without --data")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    from textbox_like.tools.bench_peft import add_parser as add_peft_parser
+    add_peft_parser(modes)
     p = modes.add_parser("bert-loader", aliases=["bert_loader"], allow_abbrev=False,
                          help="the BERT HDF5 loader alone vs tiny-BERT training",
                          description="samples/s of the BERT HDF5 loader against tiny-BERT training.")
@@ -915,6 +918,9 @@ def main(argv=None):
         return bert_loader_main(args, rest)
     if args.mode == "fsdp":
         return fsdp_main(args, rest)
+    if args.mode == "peft":
+        from textbox_like.tools.bench_peft import peft_main
+        return peft_main(args, rest)
     return compare_main(args, rest)
 
 
