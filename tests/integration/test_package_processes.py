@@ -117,7 +117,8 @@ def test_every_subcommand_answers_help(installed):
 def test_the_example_project_trains_from_the_wheel_with_its_user_dir(installed):
     """examples/my_task, copied outside the repository as a user's own folder,
     through the installed command: one process (loss falls), two spawned
-    ranks, and a two-trial search over the task's own option."""
+    ranks, LoRA on one of its layers, and a two-trial search over the task's
+    own option."""
     import json
     bin_dir, work = installed
     shutil.copytree(ROOT / "examples" / "my_task", work / "my_task", dirs_exist_ok=True)
@@ -135,6 +136,14 @@ def test_the_example_project_trains_from_the_wheel_with_its_user_dir(installed):
               cwd=work, timeout=300)
     assert "world size 2" in two.stdout + two.stderr
     assert json.loads((work / "two" / "results.json").read_text())["num_updates"] == 3
+
+    # LoRA on the example's middle layer (nn.Sequential's "2"), from the wheel: the checkpoint holds the adapter
+    import torch
+    run([command, "train", *common, "--max-update", "5", "--save-dir", "lora", "--peft", "lora",
+         "--lora-target-modules", "2", "--lora-r", "4"], cwd=work, timeout=300)
+    saved = torch.load(work / "lora" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    assert sorted(saved) == ["base_model.model.2.lora_A.default.weight", "base_model.model.2.lora_B.default.weight"]
+    assert saved["base_model.model.2.lora_A.default.weight"].shape[0] == 4
 
     (work / "space.txt").write_text("spiral_width choice [8, 16]\n")
     run([command, "hyper", "--space", "space.txt", "--max_evals", "2", "--output", "search", *common,

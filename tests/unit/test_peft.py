@@ -344,3 +344,15 @@ def test_the_python_api_trains_lora_on_a_task_class(user_dir, tmp_path):
     assert results["exit_code"] == 0 and results["num_updates"] == 4
     saved = load(tmp_path / "api" / "checkpoint_last.pt")
     assert saved["model"]["base_model.model.hidden.lora_A.default.weight"].shape == (4, 16)
+
+
+def test_lora_under_mixed_precision_trains_float32_adapters(models, text_data, tmp_path, capfd):
+    """--bf16 (Accelerate's autocast; on CPU too): the adapters stay float32 masters and learn."""
+    out = tmp_path / "bf16"
+    assert run_main(peft_args(models, text_data, out, "causal_lm", "lora", "--bf16", "--lr", "0.05",
+                              max_update=6)) == 0
+    assert "precision bf16" in capfd.readouterr().err
+    saved = load(out / "checkpoint_last.pt")["model"]
+    assert saved and all(v.dtype == torch.float32 for v in saved.values())
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
