@@ -164,13 +164,19 @@ def test_the_start_line_says_what_trains_and_a_lora_checkpoint_is_small(models, 
 
 
 # ---------------------------------------------------------------- resume
-def test_a_resume_continues_bitwise(models, text_data, tmp_path):
+EACH = [("causal_lm", m) for m in METHODS] + [("seq2seq", m) for m in ("lora", "prefix-tuning", "prompt-tuning",
+                                                                     "bitfit")]
+
+
+@pytest.mark.parametrize("head, method", EACH)
+def test_a_resume_continues_bitwise(models, text_data, tmp_path, head, method):
+    """Cut at update 3 of 6 and resumed: the adapters, the optimizer state and every loss of the run that
+    was never cut, bit for bit (kill -9 of two ranks: test_peft_processes.py)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    constant = ("--lr-scheduler", "constant")   # the schedule of a run cut at 3 of 6 updates is the same
-    assert run_main(peft_args(models, text_data, straight, "causal_lm", "lora", *constant, max_update=6)) == 0
-    assert run_main(peft_args(models, text_data, split, "causal_lm", "lora", *constant, max_update=3)) == 0
-    assert run_main(peft_args(models, text_data, split, "causal_lm", "lora", *constant, "--resume",
-                              max_update=6)) == 0
+    constant = ("--lr-scheduler", "constant", "--disable-validation")   # the same schedule cut at 3 of 6 updates
+    assert run_main(peft_args(models, text_data, straight, head, method, *constant, max_update=6)) == 0
+    assert run_main(peft_args(models, text_data, split, head, method, *constant, max_update=3)) == 0
+    assert run_main(peft_args(models, text_data, split, head, method, *constant, "--resume", max_update=6)) == 0
     a, b = load(straight / "checkpoint_last.pt"), load(split / "checkpoint_last.pt")
     for key in ("model", "optimizer"):
         from conftest import assert_bitwise_equal
@@ -222,6 +228,36 @@ def logits_of(model, tokens):
     model.eval()
     with torch.no_grad():
         return model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+
+
+@pytest.mark.parametrize("head, method", [(h, m) for h, m in EACH if m != "lora"])
+def test_each_methods_export_loads_to_the_trained_logits(models, text_data, tmp_path, head, method):
+    """The adapter (prefix, prompt) loads with peft.PeftModel.from_pretrained onto the base model; bitfit's
+    export is the whole model (it has no adapter); either gives the trained model's logits."""
+    import peft
+    import transformers
+
+    from textbox_like.tasks.hf import AUTO_CLASSES
+    from textbox_like.tools.export import main as export_main
+    out = tmp_path / "run"
+    trainer, _, _ = build_trainer(peft_args(models, text_data, out, head, method, "--lr", "0.05"))
+    assert run_trainer(trainer) == 0
+    tokens = torch.tensor([[2, 7, 8, 9, 10, 3]])
+    extra = {"decoder_input_ids": tokens} if head == "seq2seq" else {}
+
+    def logits(model):
+        model.eval()
+        with torch.no_grad():
+            return model(input_ids=tokens, attention_mask=torch.ones_like(tokens), **extra).logits
+    trained = logits(trainer.task_model)
+    assert export_main([str(out / "checkpoint_last.pt"), "--to", str(tmp_path / "export")]) in (0, None)
+    auto = getattr(transformers, AUTO_CLASSES[head])
+    if method == "bitfit":
+        loaded = auto.from_pretrained(str(tmp_path / "export"))
+    else:
+        assert (tmp_path / "export" / "adapter_config.json").is_file()
+        loaded = peft.PeftModel.from_pretrained(auto.from_pretrained(str(models[head])), str(tmp_path / "export"))
+    assert torch.allclose(logits(loaded), trained, atol=1e-6)
 
 
 def test_export_writes_the_adapter_or_the_merged_model(models, text_data, tmp_path, capfd):
