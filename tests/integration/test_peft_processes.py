@@ -142,9 +142,9 @@ def test_killed_and_resumed_equals_the_uninterrupted_run(peft_runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_search_over_lora_r_trains_each_trial_with_its_rank(models, text_data, tmp_path):
+def test_a_search_over_lora_r_and_seeds_train_adapters(models, text_data, tmp_path):
     """run_hyper.py's space names the method's option like any other (TextBox's lines): each trial's
-    adapters have the rank the trial drew."""
+    adapters have the rank the trial drew; run_multi_seed.py's seeds each train adapters."""
     import subprocess
 
     import torch
@@ -165,3 +165,12 @@ def test_a_search_over_lora_r_trains_each_trial_with_its_rank(models, text_data,
         state = torch.load(folder / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
         ranks[r] = {v.shape[0] for k, v in state.items() if "lora_A" in k}
     assert ranks == {2: {2}, 4: {4}}
+    # run_multi_seed.py: every seed's run trains the adapters
+    proc = subprocess.run([PY, str(REPO / "run_multi_seed.py"), "--multi_seed=2", "--output", str(tmp_path / "seeds"),
+                           *args], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seeds = sorted((tmp_path / "seeds").glob("seed_*"))
+    assert len(seeds) == 2
+    for folder in seeds:
+        state = torch.load(folder / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+        assert state and all("lora_" in key for key in state)
