@@ -15,7 +15,6 @@ What holds here, in one process (the ranks, --fsdp and kill -9 are test_peft_pro
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

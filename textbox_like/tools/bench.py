@@ -528,16 +528,8 @@ def describe_throughput(report):
 # ---------------------------------------------------------------- scaling
 def steady_samples_per_s(save_dir):
     """Samples/s over every train log window after the first, weighted by its length."""
-    records = [json.loads(line) for line in open(Path(save_dir) / "metrics.jsonl")]
-    train = [r for r in records if r["kind"] == "train"]
-    seconds = samples = 0.0
-    for prev, rec in zip(train, train[1:]):
-        dt = (rec["update"] - prev["update"]) / rec["updates_per_s"]
-        seconds += dt
-        samples += rec["samples_per_s"] * dt
-    if seconds <= 0:
-        raise SystemExit(f"too few log windows in {save_dir}/metrics.jsonl (raise --updates)")
-    return samples / seconds
+    from textbox_like.tools.bench_records import steady_rate, train_records
+    return steady_rate(train_records(save_dir), "samples_per_s", str(save_dir))
 
 
 def trainer_processes_run(base_argv, processes, args, read):

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from textbox_like.tools.bench_records import steady_rate, train_records
+
 #: the goals (LoRA / full): at most, at most, at most, at least
 GOALS = {"checkpoint_bytes": 0.05, "optimizer_state_bytes": 0.05, "peak_gib_per_rank": 0.7, "tokens_per_s": 1.0}
 
@@ -102,8 +104,7 @@ def run_once(model_dir, data, lora: bool, args):
             sys.stderr.write(done.stderr[-4000:])
             raise SystemExit(f"peft: the {'LoRA' if lora else 'full'} run exited with {done.returncode}")
         start = next(line for line in done.stderr.splitlines() if line.startswith("task hf"))
-        records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-        train = [r for r in records if r["kind"] == "train"]
+        train = train_records(out)
         key = "peak_mem_gib" if "peak_mem_gib" in train[-1] else "peak_rss_gib"
         checkpoint = Path(out) / "checkpoint_last.pt"
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
@@ -112,7 +113,7 @@ def run_once(model_dir, data, lora: bool, args):
         return {"trainable_params": trainable_of(start), "checkpoint_bytes": checkpoint.stat().st_size,
                 "optimizer_state_bytes": optimizer_bytes,
                 "peak_gib_per_rank": max(max(r[key]) for r in train),
-                "tokens_per_s": steady_tokens_per_s(train)}
+                "tokens_per_s": steady_rate(train, "tokens_per_s", "the peft run")}
 
 
 def trainable_of(start_line: str) -> int:
@@ -120,18 +121,6 @@ def trainable_of(start_line: str) -> int:
     import re
     found = re.search(r"\| ([\d,]+) parameters(?:, ([\d,]+) trained)?", start_line)
     return int((found.group(2) or found.group(1)).replace(",", ""))
-
-
-def steady_tokens_per_s(train) -> float:
-    """Tokens/s over the log windows after the first, weighted by their length."""
-    seconds = tokens = 0.0
-    for prev, rec in zip(train, train[1:]):
-        dt = (rec["update"] - prev["update"]) / rec["updates_per_s"]
-        seconds += dt
-        tokens += rec["tokens_per_s"] * dt
-    if seconds <= 0:
-        raise SystemExit("peft: too few log windows (raise --updates)")
-    return tokens / seconds
 
 
 def peft_main(args, rest):
