@@ -214,6 +214,13 @@ def load_trained_state(model, state: dict, where: str) -> None:
     model.load_state_dict(state, strict=False)
 
 
+def base_model_path(task_options, weights_setting):
+    """Where the base model's weights come from: the task's own setting for
+    its initial weights (``Task.initial_weights_setting``, e.g.
+    --model_name_or_path), or None for a model of random weights."""
+    return getattr(task_options, weights_setting, None) if weights_setting else None
+
+
 def base_identity(model, adapters, base_path) -> dict:
     """What a checkpoint records of the base model an adapter belongs to."""
     return {"method": adapters.peft, "path": str(base_path) if base_path else None,

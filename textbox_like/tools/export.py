@@ -170,9 +170,9 @@ def model_with_weights(task, state, checkpoint, model_named, question):
     from textbox_like.models import adapters
     model = adapters.build_model(task, task.cfg.adapters)
     if adapters.enabled(task.cfg.adapters):  # the checkpoint holds what was trained, on this base model
-        adapters.check_same_base(state.get("base_model") or {}, adapters.base_identity(
-            model, task.cfg.adapters, getattr(task.cfg.task_options, task.initial_weights_setting or "", None)),
-            repr(str(checkpoint)))
+        base = adapters.base_model_path(task.cfg.task_options, task.initial_weights_setting)
+        adapters.check_same_base(state.get("base_model") or {}, adapters.base_identity(model, task.cfg.adapters, base),
+                                 repr(str(checkpoint)))
         adapters.load_trained_state(model, state["model"], repr(str(checkpoint)))
         return model
     missing, unexpected = model.load_state_dict(state["model"], strict=False)

@@ -14,6 +14,7 @@ from textbox_like.core.faults import Diverged, SaveFailed
 from textbox_like.storage.sharded_checkpoint import ShardedCheckpointManager
 from textbox_like.training.due import every
 from textbox_like.models import adapters
+from textbox_like.tasks import TASKS
 from textbox_like.training.state import BaseModelPart, LossScalerPart, ModelPart, OptimizerPart, RNGPart
 
 
@@ -27,15 +28,6 @@ def weights_finite(params, world: int, group=None) -> bool:
     return not collectives.any_rank_failed(not finite, world, group)[0]
 
 
-def base_model_path(cfg):
-    """Where the model's initial weights come from (the task's own setting
-    for them, e.g. --model_name_or_path), for the checkpoint's record of
-    the base model an adapter belongs to."""
-    from textbox_like.tasks import TASKS
-    setting = TASKS.get(cfg.data.task).initial_weights_setting
-    return getattr(cfg.task_options, setting, None) if setting else None
-
-
 class Checkpointer:
     """The checkpoint parts of the run, the save schedule and the save."""
 
@@ -47,7 +39,8 @@ class Checkpointer:
         self.task_model = task_model  # the module the task built, under any wrapper
         trained_only = adapters.enabled(cfg.adapters)
         # --peft: the base model's identity first, so that a resume onto another base is refused before any load
-        parts = {"base_model": BaseModelPart(adapters.base_identity(task_model, cfg.adapters, base_model_path(cfg)))} \
+        base = adapters.base_model_path(cfg.task_options, TASKS.get(cfg.data.task).initial_weights_setting)
+        parts = {"base_model": BaseModelPart(adapters.base_identity(task_model, cfg.adapters, base))} \
             if trained_only else {}
         parts |= {"model": ModelPart(task_model, trained_only),
                  "optimizer": OptimizerPart(optimizer, cfg.optim.optimizer, not cfg.checkpoint.no_save_optimizer_state),
