@@ -160,7 +160,7 @@ def elastic_restart(cfg):
     keeping the first start's global batch (elastic.py)."""
     import signal
 
-    from textbox_like.processes import distributed, elastic
+    from textbox_like.processes import children, elastic
     from textbox_like.core.parent_process import STARTED_BY
     from textbox_like.core.errors import note
     agent = elastic.Agent.from_env()
@@ -169,7 +169,7 @@ def elastic_restart(cfg):
     # torchrun starts each worker in a session of its own, so nothing else
     # ends it when the agent is killed: SIGKILL, as the node's death would,
     # and the survivors go on from the update in flight (elastic.py)
-    distributed.signal_when_parent_dies(signal.SIGKILL, STARTED_BY)
+    children.signal_when_parent_dies(signal.SIGKILL, STARTED_BY)
     joining = elastic.joining_note(agent)
     if joining and os.environ.get("RANK", "0") == "0" and agent.restart_count == 0:
         note(joining)

@@ -18,12 +18,8 @@ from test_hf_task import write_long_text_data, write_model
 
 
 def children_of(pid):
+    """The processes ``pid`` started, in the order it started them (the kernel lists a task's children so)."""
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def rank_of(pid):
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next((int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"RANK=")), None)
 
 
 def test_rank_0_killed_while_tokenising_the_survivor_and_the_launcher_exit_75(tmp_path):
@@ -38,7 +34,9 @@ def test_rank_0_killed_while_tokenising_the_survivor_and_the_launcher_exit_75(tm
     while not list((data / ".hf_cache").glob("tmp*")):   # rank 0 is writing the tokenised train split
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
         time.sleep(0.05)
-    ranks = {rank_of(pid): pid for pid in children_of(launcher.pid)}
+    # the launcher starts its ranks in rank order; forked ranks set RANK after their start, which
+    # /proc/PID/environ (the environment a process started with) does not show
+    ranks = dict(enumerate(children_of(launcher.pid)))
     assert set(ranks) == {0, 1}, ranks
     os.kill(ranks[0], signal.SIGKILL)
     _, err = launcher.communicate(timeout=120)

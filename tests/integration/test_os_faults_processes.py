@@ -847,7 +847,7 @@ def test_a_stopped_rank_woken_in_a_newer_run_writes_nothing_and_exits_77(data, t
 # ------------------------------------------------ a child whose parent is already gone
 ORPHAN_SCRIPT = r"""
 import ctypes, os, time
-from textbox_like.processes.distributed import die_with_parent
+from textbox_like.processes.children import die_with_parent
 ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans below come to this process
 reaper = os.getpid()
 launcher = os.fork()

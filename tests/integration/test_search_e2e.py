@@ -37,12 +37,14 @@ def records(out):
     return {r["trial"]: r for r in S.hyper.read_jsonl(Path(out) / "hyper_results.jsonl")}
 
 
-def processes_with(text):
+def processes_writing(log):
+    """The processes whose standard output is the file ``log`` (a trial's stdout.log: forked or fresh, a trial
+    writes there; its search holds the file open too, but not as its stdout)."""
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if text in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                if os.readlink(f"/proc/{pid}/fd/1") == str(log):
                     found.append(int(pid))
             except OSError:
                 pass
@@ -67,7 +69,7 @@ def test_resume_after_kill_9_in_the_middle_of_trial_2(tmp_path, tiny_mnist):
         time.sleep(0.05)
     else:
         pytest.fail("trial 2 never started")
-    trial = processes_with(str(out / "trial_2"))
+    trial = processes_writing(out / "trial_2" / "stdout.log")
     assert trial
     search.kill()                     # kill -9 the search in the middle of trial 2
     search.wait()
@@ -75,9 +77,10 @@ def test_resume_after_kill_9_in_the_middle_of_trial_2(tmp_path, tiny_mnist):
     # the orphaned trial got SIGTERM (PR_SET_PDEATHSIG): it saves checkpoint_last.pt and ends within
     # seconds (measured: about 2 s from the kill to the process gone), not after training on
     deadline = time.time() + 10
-    while processes_with(str(out / "trial_2")) and time.time() < deadline:
+    while processes_writing(out / "trial_2" / "stdout.log") and time.time() < deadline:
         time.sleep(0.1)
-    assert not processes_with(str(out / "trial_2")), "the trial still runs 10 s after its search was killed"
+    assert not processes_writing(out / "trial_2" / "stdout.log"), \
+        "the trial still runs 10 s after its search was killed"
     assert "stopped by SIGTERM" in (out / "trial_2" / "stderr.log").read_text()
     trial1_log = (out / "trial_1" / "stdout.log").stat().st_mtime_ns
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from textbox_like.core import collectives
+from textbox_like.processes import children
 from textbox_like.core.errors import UserError, first_line
 
 CHILD_ENV = "TEXTBOX_LIKE_SPAWNED"
@@ -336,38 +337,6 @@ def _cgroup_cpu_quota():
         return None
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def signal_when_parent_dies(signum, parent: int) -> None:
-    """Ask the kernel (Linux; elsewhere nothing happens) to send this process
-    ``signum`` when ``parent``, the process that started it, dies, instead of
-    leaving it to run on as an orphan. A parent that died before the request
-    has already gone (this process was reparented: getppid differs), and the
-    signal would never come: the process exits now, as the signal would end it."""
-    try:
-        import ctypes
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):  # no C library to load, or no prctl in it
-        return
-    if os.getppid() != parent:
-        os._exit(128 + int(signum))
-
-
-def die_with_parent():
-    """A ``preexec_fn`` for a child of this process (this thread: the kernel
-    ties PR_SET_PDEATHSIG to the thread that forks): SIGTERM (save and stop)
-    when the parent dies, instead of training on as an orphan; a parent that
-    died between the fork and the prctl has already gone, so the child
-    stops before it starts."""
-    parent = os.getpid()
-
-    def preexec():
-        signal_when_parent_dies(signal.SIGTERM, parent)
-    return preexec
-
-
 def run_local_ranks(placements, resolved, timeout, environment=None):
     """Start one child per placement, each handed ``resolved``, the path of
     this run's resolved configuration, already written (launch.spawn), and
@@ -375,24 +344,27 @@ def run_local_ranks(placements, resolved, timeout, environment=None):
     the others are stopped after at most ``timeout`` seconds (30 at most).
     ``environment``: variables the children get on top of this process's.
     Returns the exit code for this node."""
-    argv = [sys.executable, "-c", "import sys; from textbox_like.cli import leave, run_resolved; "
-                                  "leave(run_resolved(sys.argv[1]))", resolved]
-    return _supervise(placements, argv, timeout, environment)
+    fork = children.can_fork(environment)
+    if fork:
+        children.prepare_forks()
+    environ = {**os.environ, **(environment or {})}
+    return _supervise(placements, lambda env: children.start_trainer(resolved, {**environ, **env}, fork), timeout)
 
 
-def _supervise(placements, argv, timeout, environment=None):
-    children = []
+def _supervise(placements, start, timeout):
+    """Start a child per placement (``start(its rank variables)``), forward
+    signals to them, and fail fast; the node's exit code."""
+    ranks = []
     for p in placements:
-        env = {**os.environ, **(environment or {})}
-        env.update({CHILD_ENV: "1", "RANK": str(p.rank), "WORLD_SIZE": str(p.world_size),
-                    "LOCAL_RANK": str(p.local_rank), "LOCAL_WORLD_SIZE": str(p.local_world_size),
-                    "MASTER_ADDR": p.master_addr, "TEXTBOX_LIKE_INIT_METHOD": p.init_method})
+        env = {CHILD_ENV: "1", "RANK": str(p.rank), "WORLD_SIZE": str(p.world_size),
+               "LOCAL_RANK": str(p.local_rank), "LOCAL_WORLD_SIZE": str(p.local_world_size),
+               "MASTER_ADDR": p.master_addr, "TEXTBOX_LIKE_INIT_METHOD": p.init_method}
         if p.master_port:
             env["MASTER_PORT"] = p.master_port
-        children.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent()))
+        ranks.append(start(env))
 
     def forward(signum, _frame):
-        for child in children:
+        for child in ranks:
             if child.poll() is None:
                 child.send_signal(signum)
 
@@ -402,8 +374,8 @@ def _supervise(placements, argv, timeout, environment=None):
     code = 0
     failed_at = None
     while True:
-        alive = [c for c in children if c.poll() is None]
-        for child in children:
+        alive = [c for c in ranks if c.poll() is None]
+        for child in ranks:
             rc = child.returncode
             if rc not in (None, 0) and (code == 0 or code > 128 and 0 < rc < 128):
                 # the node's code is the first a child chose (an error, 75 from a survivor of a lost peer)
@@ -422,7 +394,7 @@ def _supervise(placements, argv, timeout, environment=None):
                 child.kill()
         time.sleep(0.1)
     from textbox_like.core.faults import Superseded
-    for p, child in zip(placements, children):
+    for p, child in zip(placements, ranks):
         # a rank 0 that found its run taken over: the file may be the newer run's
         if p.init_method.startswith("file://") and p.rank == 0 and child.returncode != Superseded.exit_code:
             try:

@@ -19,19 +19,18 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
-from textbox_like.processes.distributed import die_with_parent, usable_cpus
+from textbox_like.processes.children import can_fork, start_trainer
+from textbox_like.processes.distributed import usable_cpus
 from textbox_like.core.errors import UserError
 from textbox_like.storage.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-TRAINER = "import sys; from textbox_like.cli import leave, run_resolved; leave(run_resolved(sys.argv[1]))"
 TRIAL_CONFIG = "trial_config.yaml"
 SEARCH_LOCK = "search.lock"
 PREEMPTED = 75
@@ -310,9 +309,8 @@ class Handle:
         resolved = write_resolved(cfg, self.save_dir / TRIAL_CONFIG)
         self._out = open(self.save_dir / "stdout.log", "a")
         self._err = open(self.save_dir / "stderr.log", "a")
-        self.child = subprocess.Popen([sys.executable, "-c", TRAINER, str(resolved)], stdout=self._out,
-                                      stderr=self._err, env=trainer_env(env),
-                                      start_new_session=True, preexec_fn=die_with_parent())
+        self.child = start_trainer(resolved, trainer_env(env), can_fork(), stdout=self._out, stderr=self._err,
+                                   new_session=True)
 
     @property
     def pid(self):

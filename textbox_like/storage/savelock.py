@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 from textbox_like.core.errors import UserError, note
@@ -150,6 +151,7 @@ class SaveDirLock:
         if self.agent is not None:  # lets the next worker group of this run take the lock over
             self.holder.update(elastic_run=self.agent.run_id, elastic_restart=self.agent.restart_count)
         self._stop = threading.Event()
+        self._busy = threading.Lock()   # held while the thread works: a fork waits for it (_pause_refreshers)
         self._lost = None
         self._thread = None
 
@@ -167,6 +169,8 @@ class SaveDirLock:
         :meth:`release` it (it removes the file only if it holds our token)."""
         self._acquire()
         self._thread = threading.Thread(target=self._refresh, name="textbox_like-save-lock", daemon=True)
+        self._thread.safe_to_fork = True  # what processes.children.can_fork asks: it pauses across a fork
+        _REFRESHING.add(self)
         self._thread.start()
 
     def _acquire(self):
@@ -236,13 +240,14 @@ class SaveDirLock:
     # --------------------------------------------------------------- refresh
     def _refresh(self):
         while not self._stop.wait(REFRESH_S):
-            self.check()
-            if self._lost:
-                return
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass  # checked again next time
+            with self._busy:
+                self.check()
+                if self._lost:
+                    return
+                try:
+                    os.utime(self.path)
+                except OSError:
+                    pass  # checked again next time
 
     def check(self):
         """Whether the file is still ours; records why not (see :meth:`lost`)."""
@@ -267,6 +272,28 @@ class SaveDirLock:
                 self.path.unlink()
             except OSError:
                 pass
+
+
+#: the locks whose thread runs in this process; a fork (a forked rank or trial,
+#: processes/children.py) waits until none of them is between its wait and its
+#: next, so the child starts with no lock or stream held by a thread it lacks
+_REFRESHING = weakref.WeakSet()
+_paused = []
+
+
+def _pause_refreshers():
+    for lock in list(_REFRESHING):
+        lock._busy.acquire()
+        _paused.append(lock)
+
+
+def _resume_refreshers():
+    while _paused:
+        _paused.pop()._busy.release()
+
+
+os.register_at_fork(before=_pause_refreshers, after_in_parent=_resume_refreshers,
+                    after_in_child=_resume_refreshers)
 
 
 def not_owner(path, token, holds_lock):
