@@ -87,6 +87,25 @@ def test_fsdp_runs_two_ranks_both_ways(capfd):
     assert "FSDP/DDP peak memory (max over ranks)" in err
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_peft_compares_a_full_fine_tune_with_lora_on_two_ranks(tmp_path, capfd):
+    """One round of one layer on generated sentences: each side's figures measured from its own run (the
+    trained parameters of its start line, its checkpoint's and optimizer state's bytes, each rank's peak), and
+    the LoRA side the smaller in every one of them."""
+    report, err = bench_here(capfd, "peft", "--layers", 1, "--rounds", 1, "--updates", 1, "--warmup", 1,
+                             "--max-length", 16, "--corpus", tmp_path / "none.txt")
+    assert report["mode"] == "peft" and report["processes"] == 2 and report["layers"] == 1
+    full, lora = report["full"], report["lora"]
+    # GPT-2's 50,257 x 768 embeddings and one block all trained, against LoRA r 8 on c_attn (768 in, 2,304 out)
+    assert full["trainable_params"] > 38_000_000 and lora["trainable_params"] == 8 * (768 + 2304)
+    for key in ("checkpoint_bytes", "optimizer_state_bytes"):
+        assert lora[key] < 0.05 * full[key], (key, lora[key], full[key])
+    assert 0.1 < lora["peak_gib_per_rank"] < full["peak_gib_per_rank"]
+    assert full["tokens_per_s"] > 0 and lora["tokens_per_s"] > 0
+    assert set(report["lora_over_full"]) == set(full) and "medians, LoRA / full" in err
+
+
 # ---------------------------------------------------------------- BERT loader
 @pytest.mark.slow
 @pytest.mark.timeout(300)
