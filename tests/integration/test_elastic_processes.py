@@ -91,10 +91,7 @@ def test_a_node_leaves_then_one_joins_and_the_run_equals_one_process(data, tmp_p
         b.die()
         killed = time.monotonic()
         # A notices, saves the last completed update, torchrun restarts it alone: it resumes there
-        deadline = time.monotonic() + 240
-        while not resumed_updates(a.text()):
-            assert a.proc.poll() is None and time.monotonic() < deadline, a.text()[-3000:]
-            time.sleep(0.1)
+        a.wait_for_resume()
         left_at = resumed_updates(a.text())[0]
         assert left_at in (k, k + 1) or left_at >= k - 1, (k, left_at)  # at most the update in flight is redone
         # then a node joins: A's workers stop by SIGTERM, save, and both resume at world size 2
@@ -156,10 +153,7 @@ def test_a_worker_dies_with_its_agent_and_the_survivor_goes_on_from_the_update_i
         while running(worker):
             assert time.monotonic() < deadline, f"the worker {worker} of the killed agent trains on"
             time.sleep(0.05)
-        deadline = time.monotonic() + 240  # A's worker lost its peer: torchrun restarts it alone
-        while not resumed_updates(a.text()):
-            assert a.proc.poll() is None and time.monotonic() < deadline, a.text()[-3000:]
-            time.sleep(0.1)
+        a.wait_for_resume()   # A's worker lost its peer: torchrun restarts it alone
         assert a.finish(400) == 0, a.text()[-3000:]
     finally:
         for node in (a, b):

@@ -208,7 +208,7 @@ def test_a_lora_run_whose_node_dies_goes_on_alone_and_equals_one_process(models,
     import os
 
     from conftest import free_port
-    from test_elastic import Node, resumed_updates, start
+    from test_elastic import Node, start
     save = tmp_path / "save"
 
     def lora(save_dir, *extra):
@@ -221,10 +221,7 @@ def test_a_lora_run_whose_node_dies_goes_on_alone_and_equals_one_process(models,
         a.wait_for_update(4)
         os.killpg(b.proc.pid, signal.SIGKILL)   # the agent's group; its worker dies by its parent-death signal
         b.proc.wait()
-        deadline = time.monotonic() + 240
-        while not resumed_updates(a.text()):
-            assert a.proc.poll() is None and time.monotonic() < deadline, a.text()[-3000:]
-            time.sleep(0.1)
+        a.wait_for_resume()
         assert a.finish(400) == 0, a.text()[-3000:]
     finally:
         for node in (a, b):

@@ -117,6 +117,13 @@ class Node:
             assert time.monotonic() < deadline, self.text()[-3000:]
             time.sleep(0.05)
 
+    def wait_for_resume(self, timeout=240):
+        """Until this node's worker says it resumed (torchrun restarted it after a lost peer), its agent running."""
+        deadline = time.monotonic() + timeout
+        while not resumed_updates(self.text()):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.1)
+
     def die(self):
         """SIGKILL of the agent and its workers at once (torchrun puts each worker in a session of its own)."""
         pids = [self.proc.pid] + children(self.proc.pid)
