@@ -262,6 +262,7 @@ class SaveDirLock:
 
     def release(self):
         self._stop.set()
+        _REFRESHING.discard(self)
         # not alive: a signal ended take() while the thread was starting (a thread not yet
         # started cannot be joined); once running it sees the stop at once, touching nothing
         if self._thread is not None and self._thread is not threading.current_thread() and self._thread.is_alive():
