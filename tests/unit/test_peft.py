@@ -43,9 +43,11 @@ def base_weights(model_dir, head):
 
 def frozen_base_weights(model):
     """The frozen weights of a trained model under the plain model's names (peft's base model inside; LoRA's
-    wrapped layers keep theirs as ``base_layer``)."""
+    wrapped layers keep theirs as ``base_layer``, a head trained whole its untouched copy as
+    ``original_module``)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {n.replace(".base_layer.", "."): p for n, p in base.named_parameters() if not p.requires_grad}
+    return {n.replace(".base_layer.", ".").replace(".original_module.", "."): p
+            for n, p in base.named_parameters() if not p.requires_grad}
 
 
 def peft_args(models, text_data, out, head, method, *extra, max_update=4):
@@ -143,6 +145,30 @@ def test_each_method_trains_only_its_weights_and_saves_only_them(models, text_da
     assert all(torch.equal(saved["model"][n], p.detach()) for n, p in model.named_parameters() if n in trained)
     assert any(not torch.equal(saved["model"][n], initial[n]) for n in trained)   # it trained
     assert saved["base_model"]["method"] == method and saved["base_model"]["path"] == str(models[head])
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(losses) == 4 and all(loss == loss for loss in losses)
+
+
+@pytest.mark.parametrize("head, method", [(h, m) for h in ("sequence_classification", "masked_lm")
+                                          for m in ("lora", "bitfit")])
+def test_the_classification_and_masked_lm_heads_train_adapters_too(models, text_data, tmp_path, head, method):
+    """peft's task type follows the head (SEQ_CLS; masked LM as FEATURE_EXTRACTION): LoRA trains its adapters
+    and, for classification, the new classifier head whole (peft's modules_to_save); bitfit its biases and the
+    classifier; every other weight of a saved base model stays as it was."""
+    out = tmp_path / "run"
+    trainer, _, _ = build_trainer(peft_args(models, text_data, out, head, method))
+    assert run_trainer(trainer) == 0
+    model = trainer.task_model
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    classifier = {n for n in trained if any(f"{h}." in n for h in ("classifier", "score"))}
+    assert bool(classifier) == (head == "sequence_classification"), classifier
+    adapted = trained - classifier
+    assert adapted and all(("lora_" in n) if method == "lora" else n.endswith(".bias") for n in adapted), adapted
+    assert set(load(out / "checkpoint_last.pt")["model"]) == trained
+    if head == "sequence_classification":   # masked_lm's base is built from its config: no saved weights
+        base = base_weights(models[head], head)
+        for name, value in frozen_base_weights(model).items():
+            assert torch.equal(value, base[name]), name
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "train"]
     assert len(losses) == 4 and all(loss == loss for loss in losses)
 
