@@ -2,8 +2,8 @@
 
 - 3+5 = 1 x 8: two ranks, one with --max-sentences 3 and one with 5 (a file:// rendezvous, each its own
   command line, as two unlike nodes), train the losses and adapters of one process over 8, within 1e-5,
-  for every method on a tiny GPT-2, lora, prefix-tuning, prompt-tuning and bitfit on a tiny BART, and LoRA
-  under --fsdp (the frozen base weights sharded, the adapters trained);
+  for every method on a tiny GPT-2, lora, prefix-tuning, prompt-tuning and bitfit on a tiny BART, and those
+  four under --fsdp (the frozen base weights sharded, the adapters trained);
 - kill -9: both rank processes of a two-rank run killed with SIGKILL (their process group) after a
   checkpoint, then --resume on two ranks gives the uninterrupted run's trained weights (adapters, prefixes,
   prompts, biases) and optimizer state bit for bit, for lora, prefix-tuning, prompt-tuning and bitfit; for
@@ -27,8 +27,8 @@ from _fsdp_runs import Plan, by_rank, one_rank, spawned
 BALANCED = ("--global-batch-size", "8", "--balance", "--balance-interval", "2")
 EXACT = [("causal_lm", m, ()) for m in ("lora", "prefix-tuning", "p-tuning-v2", "prompt-tuning", "bitfit")] + \
     [("seq2seq", m, ()) for m in ("lora", "prefix-tuning", "prompt-tuning", "bitfit")] + \
-    [("causal_lm", "lora", ("--fsdp",)), ("causal_lm", "lora", ("--update-freq", "2")),
-     ("causal_lm", "lora", BALANCED)]
+    [("causal_lm", m, ("--fsdp",)) for m in ("lora", "prefix-tuning", "prompt-tuning", "bitfit")] + \
+    [("causal_lm", "lora", ("--update-freq", "2")), ("causal_lm", "lora", BALANCED)]
 #: the methods killed with kill -9 and resumed (LoRA also on one rank and under --fsdp)
 KILLED = ("lora", "prefix-tuning", "prompt-tuning", "bitfit")
 
