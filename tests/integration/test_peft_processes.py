@@ -91,6 +91,10 @@ def peft_runs(models, text_data, tmp_path_factory):
     # rank 1 20 ms a sample slower (the other waits for it): ~0.1 s an update, so that the kill falls mid-run
     slow = {balance.SLOW_RANK_ENV: "1:0.02@0"}
     runs.update({f"killed_ref_{m}": killed(m, f"killed_ref_{m}") for m in KILLED})
+    # --fsdp cut at update 6 and resumed: under --fsdp (every rank's adapter shard restored) and under DDP
+    constant = ("--fsdp", "--lr-scheduler", "constant")   # the same schedule for a run cut at 6 of 12 updates
+    runs["fsdp_ref"] = killed("lora", "fsdp_ref", *constant)
+    runs["fsdp_cut"] = killed("lora", "fsdp_cut", *constant, "--max-update", 6)
     runs["killed_lora"] = killed("lora", "killed_lora", env=slow)
     with Plan(list(runs.values()), root / "plan") as plan:
         kill_after_first_checkpoint(plan, root / "killed_lora", 2)
@@ -101,11 +105,15 @@ def peft_runs(models, text_data, tmp_path_factory):
     import shutil
     for copy in ("killed_lora_one", "killed_lora_fsdp"):
         shutil.copytree(root / "killed_lora", root / copy)
+    shutil.copytree(root / "fsdp_cut", root / "fsdp_cut_ddp")
     killed_at = {m: checkpoint(root / f"killed_{m}")["train"]["num_updates"] for m in KILLED}
     resumed = {f"resumed_{m}": killed(m, f"killed_{m}", "--resume", rdzv=f"resumed_{m}") for m in KILLED}
     resumed["resumed_lora_one"] = one_rank(killed_args(models, text_data, root / "killed_lora_one", "lora",
                                                        "--max-sentences", 8, "--resume"))
     resumed["resumed_lora_fsdp"] = killed("lora", "killed_lora_fsdp", "--fsdp", "--resume", rdzv="resumed_lora_fsdp")
+    resumed["fsdp_resumed"] = killed("lora", "fsdp_cut", *constant, "--resume", rdzv="fsdp_resumed")
+    resumed["fsdp_to_ddp"] = killed("lora", "fsdp_cut_ddp", "--lr-scheduler", "constant", "--resume",
+                                    rdzv="fsdp_to_ddp")
     with Plan(list(resumed.values()), root / "plan_resumed") as plan:
         plan.finish()
     return root, {**runs, **resumed}, killed_at
@@ -160,6 +168,25 @@ def test_killed_and_resumed_equals_the_uninterrupted_run(peft_runs, method):
             assert_close(checkpoint(root / other)["model"], reference["model"])
         assert (root / "killed_lora_fsdp" / "checkpoint_last.dcp").is_dir()
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_an_fsdp_run_resumed_under_fsdp_restores_every_ranks_shard_and_under_ddp_goes_on(peft_runs):
+    """LoRA under --fsdp cut at update 6 of 12: resumed under --fsdp on 2 ranks it trains, bit for bit, the
+    adapters of the run never cut (each rank's shard of them restored, not rank 0's alone); resumed under DDP,
+    the same within 1e-5."""
+    root, runs, _ = peft_runs
+    for name in ("fsdp_ref", "fsdp_cut", "fsdp_resumed", "fsdp_to_ddp"):
+        runs[name].check()
+    reference = checkpoint(root / "fsdp_ref")
+    resumed = checkpoint(root / "fsdp_cut")
+    assert reference["train"]["num_updates"] == resumed["train"]["num_updates"] == 12
+    assert_bitwise_equal(resumed["model"], reference["model"], "adapters")
+    assert [r["loss"] for r in train_records(root / "fsdp_ref")][-6:] == \
+        [r["loss"] for r in train_records(root / "fsdp_cut")][-6:]
+    assert checkpoint(root / "fsdp_cut_ddp")["train"]["num_updates"] == 12
+    assert_close(checkpoint(root / "fsdp_cut_ddp")["model"], reference["model"])
 
 
 @pytest.mark.slow
