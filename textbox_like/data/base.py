@@ -145,3 +145,9 @@ def cut_batch(batch, sizes) -> list:
         out.append(map_tensors(cut, batch, text=cut))
         start += size
     return out
+
+
+def samples_held(data):
+    """The samples of a dataset held whole, or None for a stream (its length
+    is known only at its epoch's end)."""
+    return None if getattr(data, "streaming", False) else len(data)

@@ -290,6 +290,8 @@ def tokenize_rows(rows, *, tokenizer, columns, label_ids):
         targets = [t if isinstance(t, str) else "" if t is None else str(t) for t in rows[columns.target]]
         out["labels"] = tokenizer(text_target=targets, truncation=True,
                                   max_length=columns.max_target_length)["input_ids"]
+    if "id" in rows:  # a stream's sample ids, kept beside their samples
+        out["id"] = list(rows["id"])
     if columns.head in ("causal_lm", "masked_lm"):  # empty lines of a text file teach nothing
         keep = [i for i, ids in enumerate(out["input_ids"]) if len(ids) > 1]
         if len(keep) < len(out["input_ids"]):
@@ -475,6 +477,17 @@ class HFTextDataset(BatchDataset):
     def batch_num_tokens(self, batch):
         return batch["attention_mask"].sum(dim=1).numpy()
 
+    def sample(self, index: int) -> dict:
+        """Sample ``index`` as data/text_batches.py's samples are (its arrays, its id)."""
+        def row(column):
+            return column.values[column.starts[index]:column.starts[index] + column.lengths[index]]
+        out = {"input_ids": row(self.input_ids), "id": int(index)}
+        if self.token_type_ids is not None:
+            out["token_type_ids"] = row(self.token_type_ids)
+        if self.labels is not None:
+            out["labels"] = row(self.labels) if self.head == "seq2seq" else int(self.labels[index])
+        return out
+
     def get_batch(self, indices):
         import torch
 
@@ -488,29 +501,39 @@ class HFTextDataset(BatchDataset):
         elif self.head == "causal_lm":
             batch["labels"] = np.where(real, ids, IGNORE_INDEX)
         elif self.head == "masked_lm":
-            batch["input_ids"], batch["labels"] = self.mask(ids, real, indices)
+            from textbox_like.data.text_batches import mask_tokens
+            batch["input_ids"], batch["labels"] = mask_tokens(ids, real, indices, self.masking)
         elif self.head == "seq2seq":
             targets, target_real = self.labels.padded(indices, IGNORE_INDEX)
             batch["labels"] = np.where(target_real, targets, IGNORE_INDEX)
         return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in batch.items()}
 
-    def mask(self, ids, real, indices):
-        """BERT's masking: of the non-special tokens, ``probability`` are
-        predicted; of those 80% become the mask token, 10% a random token,
-        10% stay."""
-        seed, probability, mask_id, vocab_size, special = self.masking
-        inputs, labels = ids.copy(), np.full_like(ids, IGNORE_INDEX)
-        candidates = real & ~np.isin(ids, special)
-        for row, index in enumerate(indices):
-            # drawn over the sample's own tokens: the same masks whatever the batch's padding
-            rng, n = np.random.default_rng([seed, int(index)]), int(real[row].sum())
-            draw, how = np.ones(ids.shape[1]), np.ones(ids.shape[1])
-            draw[:n], how[:n] = rng.random(n), rng.random(n)
-            chosen = candidates[row] & (draw < probability)
-            if not chosen.any() and candidates[row].any():  # every sample teaches something
-                chosen[np.flatnonzero(candidates[row])[rng.integers(candidates[row].sum())]] = True
-            labels[row, chosen] = ids[row, chosen]
-            inputs[row, chosen & (how < 0.8)] = mask_id
-            randomised = chosen & (how >= 0.8) & (how < 0.9)
-            inputs[row, randomised] = rng.integers(0, vocab_size, size=int(randomised.sum()))
-        return inputs, labels
+
+class StreamEncoder:
+    """--streaming: a chunk of records (with their ids) tokenised as
+    ``tokenize_rows`` tokenises a batch of ``datasets.map``, as the samples of
+    data/text_batches.py (picklable: it runs in the --num-workers processes)."""
+
+    def __init__(self, tokenizer, columns: TextColumns, label_ids=None):
+        self.tokenizer, self.columns, self.label_ids = tokenizer, columns, label_ids
+
+    def __call__(self, chunk) -> list:
+        c = self.columns
+        names = [c.text] + [n for n in (c.text_pair, c.target) if n] + \
+            ([c.label] if c.head == "sequence_classification" else [])
+        first = chunk[0][0] if chunk else {}
+        for name in names:
+            if name not in first:
+                raise UserError(f"a streamed record has no column {name!r}; its columns: {', '.join(first)} (choose "
+                                f"with --text_column, --text_pair_column, --label_column, --target_column)")
+        rows = {name: [record.get(name) for record, _ in chunk] for name in names}
+        rows["id"] = [sample_id for _, sample_id in chunk]
+        out = tokenize_rows(rows, tokenizer=self.tokenizer, columns=c, label_ids=self.label_ids)
+        keys = list(out)
+        return [{k: (np.asarray(out[k][i], dtype=np.int64) if isinstance(out[k][i], list) else out[k][i])
+                 for k in keys} for i in range(len(out["id"]))]
+
+
+def sample_tokens(sample) -> int:
+    """A streamed sample's token count (its input ids)."""
+    return len(sample["input_ids"])

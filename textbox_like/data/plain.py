@@ -19,7 +19,8 @@ from textbox_like.core.errors import UserError
 from textbox_like.data.base import BatchDataset, is_text_list, map_tensors
 
 ACCEPTED = ("a textbox_like.BatchDataset, a map-style torch.utils.data.Dataset (with __len__ and __getitem__, "
-            "e.g. TensorDataset) or a datasets.Dataset")
+            "e.g. TensorDataset), a datasets.Dataset, or an iterable one (torch's IterableDataset, "
+            "datasets.IterableDataset)")
 
 
 def as_batch_dataset(data, collate=None, source="build_dataset"):
@@ -27,7 +28,7 @@ def as_batch_dataset(data, collate=None, source="build_dataset"):
     ``collate``: a function of a list of samples to a batch (None: torch's
     ``default_collate``; for a datasets.Dataset, its columns as they are).
     ``source``: what returned ``data``, for the one line refusing it."""
-    if isinstance(data, BatchDataset):
+    if isinstance(data, BatchDataset) or getattr(data, "streaming", False):
         return data
     hf = sys.modules.get("datasets")  # a datasets object means the library is imported already
     if hf is not None and isinstance(data, hf.Dataset):
@@ -38,8 +39,7 @@ def as_batch_dataset(data, collate=None, source="build_dataset"):
     from torch.utils.data import Dataset, IterableDataset
     named = f"{type(data).__module__}.{type(data).__qualname__}".removeprefix("builtins.")
     if isinstance(data, IterableDataset) or hf is not None and isinstance(data, hf.IterableDataset):
-        raise UserError(f"{source} returned {named}, an iterable dataset: training reads samples by index (an "
-                        f"epoch order that resumes exactly and is the same on every rank); return {ACCEPTED}")
+        return streamed(data, collate)
     if isinstance(data, Dataset):
         if not hasattr(type(data), "__len__"):
             raise UserError(f"{source} returned {named}, a torch Dataset without __len__: an epoch needs the "
@@ -107,3 +107,16 @@ class HFBatches(BatchDataset):
                                 f"make no one tensor; pad them in the dataset (Dataset.map) or give the task a "
                                 f"collate method (e.g. padding)")
         return columns
+
+
+def streamed(data, collate=None):
+    """A task's iterable dataset (torch's ``IterableDataset``, a
+    ``datasets.IterableDataset``) as streamed training data (data/streams.py):
+    its own order, the same on every rank, each update's samples cut over the
+    ranks; a batch is ``collate`` of a rank's samples (torch's
+    ``default_collate`` by default)."""
+    from torch.utils.data import default_collate
+
+    from textbox_like.data.stream_batches import StreamedData
+    from textbox_like.data.streams import IterableSource, SampleStream
+    return StreamedData(SampleStream(IterableSource(data), seed=0), collate or default_collate)

@@ -103,6 +103,18 @@ class HFOptions(Section):
     num_beams: int = setting(1, "seq2seq validation: beams of generation (1: greedy)", type=positive_int)
     new_head: bool = setting(False, "sequence_classification: train a new head of the data's classes where the "
                                     "model was trained with one of other classes (its head is dropped)", switch=True)
+    streaming: bool = setting(False, "read the training split as a stream as training goes (txt, jsonl, csv, tsv, "
+                                     "parquet files; never held whole), tokenised on the fly in --num-workers "
+                                     "processes; its position is saved in checkpoints", switch=True)
+    shuffle_buffer: int = setting(1000, "--streaming: samples are shuffled in a seeded buffer of this many (1: the "
+                                        "files' order; the files' order itself is shuffled per epoch unless "
+                                        "--no-shuffle)", type=positive_int, metavar="N")
+    packing: bool = setting(False, "causal_lm, masked_lm: whole documents packed into rows of --max_length tokens, "
+                                   "position ids restarting per document, no attention across documents (see "
+                                   "docs: packing)", switch=True)
+    cache_dir: str | None = setting(None, "where tokenised data is cached (default: HF_DATASETS_CACHE/textbox_like, "
+                                          "~/.cache/huggingface/datasets/textbox_like); a read-only data directory "
+                                          "is fine", metavar="DIR")
 
 
 def architecture_head(architectures):
@@ -264,6 +276,7 @@ class HFTask(Task):
                             f"Hugging Face datasets cache; --data {data.data or data.training_data} is a path")
         if options.hf_head == "seq2seq" and not options.target_column:
             raise UserError("--hf_head seq2seq needs --target_column NAME: the column of the texts to generate")
+        cls.check_streaming_and_packing(cfg)
         ours = HEAD_METRICS[options.hf_head]
         if options.hf_head == "seq2seq":  # generation metrics only of the families --metrics asks for
             asked = {m for family in requested_generation(cfg.validation.metrics) for m in GENERATION[family]}
@@ -277,6 +290,30 @@ class HFTask(Task):
                 raise UserError(f"--metrics {name}: not reported by --hf_head {options.hf_head}; it reports "
                                 f"{', '.join(ours)}" + (" (rouge, bleu: generation metrics)"
                                                          if options.hf_head == "seq2seq" else ""))
+
+    @classmethod
+    def check_streaming_and_packing(cls, cfg):
+        """--streaming and --packing: heads and data they take, one line each where not."""
+        options, data = cfg.task_options, cfg.data
+        if options.packing and options.hf_head not in ("causal_lm", "masked_lm"):
+            raise UserError(f"--packing packs documents for language modelling (--hf_head causal_lm or masked_lm); "
+                            f"--hf_head {options.hf_head} takes one text per sample: drop --packing")
+        if not options.streaming:
+            return
+        if options.hf_head == "sequence_classification":
+            raise UserError("--streaming is for the text heads (causal_lm, masked_lm, seq2seq): a classification "
+                            "head's classes come from a pass over all labels; drop --streaming")
+        from textbox_like.data.streams import sniff_columns, stream_files
+        named = data.training_data if data.training_data and Path(data.training_data).is_file() else None
+        if not named and not Path(data.data).exists():
+            raise UserError(f"--streaming reads local files: --data {data.data} is not a file or directory")
+        first = stream_files(named or data.data, data.train_subset)[0]
+        columns = sniff_columns(first)
+        wanted = [options.text_column] + ([options.target_column] if options.hf_head == "seq2seq" else [])
+        for name in wanted:
+            if columns and name not in columns:
+                raise UserError(f"{first} has no column {name!r}; its columns: {', '.join(columns)} (choose with "
+                                f"--text_column / --target_column)")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -357,20 +394,46 @@ class HFTask(Task):
         system (the other ranks wait, then read it: no two processes write
         the same cache file)."""
         data = self.cfg.data
+        streamed = [data.train_subset] if self.cfg.task_options.streaming else []   # tokenised as it is read
         for split in [data.train_subset] + ([] if self.cfg.validation.disable_validation else data.valid_subset):
-            self.tokenized(split)
+            if split not in streamed:
+                self.tokenized(split)
 
     def build_dataset(self, split):
         from textbox_like.data.hf_text import HFTextDataset
-        tokenized = self.tokenized(split)
-        masking = None
-        if self.head == "masked_lm":
-            tok = self.tokenizer()
-            if tok.mask_token_id is None:
-                raise UserError(f"--hf_head masked_lm needs a tokenizer with a mask token; {self.model_dir!r}'s has none")
-            masking = (self.cfg.numerics.seed, self.cfg.task_options.mlm_probability, tok.mask_token_id, len(tok),
-                       list(tok.all_special_ids))
-        return HFTextDataset(tokenized, self.head, self.pad_id(), masking)
+        from textbox_like.data.text_batches import PackedTextDataset, TextBatcher
+        options, training = self.cfg.task_options, split == self.cfg.data.train_subset
+        batcher = TextBatcher(self.head, self.pad_id(), self.masking())
+        if training and options.streaming:
+            return self.streamed(split, batcher)
+        documents = HFTextDataset(self.tokenized(split), self.head, self.pad_id(), self.masking())
+        if training and options.packing:
+            return PackedTextDataset(documents, options.max_length, self.cfg.numerics.seed, batcher)
+        return documents
+
+    def masking(self):
+        """masked_lm: (seed, probability, mask id, vocabulary size, special ids) of data/text_batches.mask_tokens."""
+        if self.head != "masked_lm":
+            return None
+        tok = self.tokenizer()
+        if tok.mask_token_id is None:
+            raise UserError(f"--hf_head masked_lm needs a tokenizer with a mask token; {self.model_dir!r}'s has none")
+        return (self.cfg.numerics.seed, self.cfg.task_options.mlm_probability, tok.mask_token_id, len(tok),
+                list(tok.all_special_ids))
+
+    def streamed(self, split, batcher):
+        """--streaming: the training split's files as a stream (data/streams.py)."""
+        from textbox_like.data.hf_text import StreamEncoder, sample_tokens
+        from textbox_like.data.stream_batches import StreamedData
+        from textbox_like.data.streams import FileSource, SampleStream, stream_files
+        data, options = self.cfg.data, self.cfg.task_options
+        named = data.training_data if data.training_data and Path(data.training_data).is_file() else None
+        files = stream_files(named or data.data, split)
+        source = FileSource(files, self.cfg.numerics.seed, shuffle=not data.no_shuffle)
+        stream = SampleStream(source, seed=self.cfg.numerics.seed, encode=StreamEncoder(self.tokenizer(), self.columns()),
+                              tokens=sample_tokens, shuffle_buffer=1 if data.no_shuffle else options.shuffle_buffer,
+                              pack_to=options.max_length if options.packing else None, workers=data.num_workers)
+        return StreamedData(stream, batcher.rows if options.packing else batcher.samples)
 
     def tokenized(self, split):
         """``split`` tokenised (a ``datasets.Dataset``), from the cache where it is there."""
@@ -470,7 +533,17 @@ class HFTask(Task):
 
     # -- loss and metrics -------------------------------------------------------
     def inputs(self, batch):
-        return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids", "position_ids")}
+        if "position_ids" in batch and self.head == "causal_lm":
+            # packed rows (transformers' flattened format): the model finds the documents from the position ids
+            # only without a cache (data/packing.py)
+            inputs["use_cache"] = False
+        return inputs
+
+    @staticmethod
+    def real_tokens(batch):
+        """The batch's real (non-padding) tokens: packed rows mark them, padded batches have their 2-D mask."""
+        return batch["real"].sum() if "real" in batch else batch["attention_mask"].sum()
 
     def count(self, batch):
         if self.head == "sequence_classification":
@@ -491,7 +564,7 @@ class HFTask(Task):
             loss_sum = F.cross_entropy(logits, labels, reduction="sum")
             predicted = logits.argmax(dim=-1)
             stats = {"loss_sum": loss_sum.detach(), "correct": (predicted == labels).sum(), "nsamples": n,
-                     "ntokens": batch["attention_mask"].sum()}
+                     "ntokens": self.real_tokens(batch)}
             classes = logits.shape[-1]
             if classes <= MAX_F1_CLASSES:  # per-class counts: sums, so F1 adds up over ranks
                 hits = torch.bincount(labels[predicted == labels], minlength=classes)
@@ -511,7 +584,7 @@ class HFTask(Task):
                                    ignore_index=-100, reduction="sum")
         predicted = labels != -100
         stats = {"loss_sum": loss_sum.detach(), "tokens": predicted.sum(), "nsamples": n,
-                 "ntokens": batch["attention_mask"].sum()}
+                 "ntokens": self.real_tokens(batch)}
         if not model.training:  # an argmax over the vocabulary costs ~4% of a training update: validation only
             stats["correct"] = ((logits.argmax(dim=-1) == labels) & predicted).sum()
         return {"tokens": loss_sum}, stats

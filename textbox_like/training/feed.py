@@ -24,15 +24,19 @@ class Feed:
     def __init__(self, cfg, ranks, train_data, batch_sizes, max_tokens, device, *, task, state, scheduler, in_flight,
                  timing, log):
         from textbox_like.data.iterators import EpochBatchIterator, pin_for, read_ahead_workers
+        from textbox_like.data.stream_batches import StreamBatchIterator
         self.cfg, self.ranks, self.task, self.state, self.scheduler = cfg, ranks, task, state, scheduler
         self.in_flight, self.timing, self.log = in_flight, timing, log
         pin_memory = pin_for(device)
-        self.iterator = EpochBatchIterator(train_data, cfg.numerics.seed, ranks.rank, ranks.world, batch_sizes,
-                                           max_tokens, shuffle=not cfg.data.no_shuffle,
-                                           multiple=cfg.data.required_batch_size_multiple,
-                                           num_workers=read_ahead_workers(cfg.data.num_workers, train_data,
-                                                                          pin_memory),
-                                           pin_memory=pin_memory)
+        if getattr(train_data, "streaming", False):
+            self.iterator = StreamBatchIterator(train_data, cfg.numerics.seed, ranks.rank, ranks.world, batch_sizes,
+                                                max_tokens, shuffle=not cfg.data.no_shuffle,
+                                                multiple=cfg.data.required_batch_size_multiple)
+        else:
+            self.iterator = EpochBatchIterator(
+                train_data, cfg.numerics.seed, ranks.rank, ranks.world, batch_sizes, max_tokens,
+                shuffle=not cfg.data.no_shuffle, multiple=cfg.data.required_batch_size_multiple,
+                num_workers=read_ahead_workers(cfg.data.num_workers, train_data, pin_memory), pin_memory=pin_memory)
         # a dataset read from disk as it goes can fail mid-run: ranks agree on every update's data
         self.data_can_fail = ranks.world > 1 and getattr(train_data, "reads_from_disk", False)
         self.previous_data_failure = None  # where the attempt resumed from failed to read data, if it did
@@ -43,6 +47,9 @@ class Feed:
     def updates_of_epochs(self, epochs):
         """Updates in the first ``epochs`` epochs (what 'decay over the run' means under --max-epoch)."""
         steps = self.iterator.steps_in_epoch()
+        if steps is None:  # a stream: its epochs' lengths are known at their ends
+            cap = self.cfg.data.num_iters_per_epoch
+            return cap * epochs if cap else 0
         cap = self.cfg.data.num_iters_per_epoch or steps
         return sum(min(math.ceil(steps / self.update_freq(e)), cap) for e in range(1, epochs + 1))
 
@@ -51,12 +58,16 @@ class Feed:
         k = self.update_freq()
         self.scheduler.step_epoch(state.epoch)
         total = self.iterator.steps_in_epoch()
-        done = math.ceil((total - len(self.iterator)) / k)
-        bar = math.ceil(total / k)
+        if total is None:  # a stream: the bar runs to --max-update (or the epoch's updates cap)
+            done, bar = state.updates_in_epoch, None
+        else:
+            done = math.ceil((total - len(self.iterator)) / k)
+            bar = math.ceil(total / k)
         if cfg.data.num_iters_per_epoch:
-            bar = min(bar, cfg.data.num_iters_per_epoch)
+            bar = min(bar or cfg.data.num_iters_per_epoch, cfg.data.num_iters_per_epoch)
         if cfg.schedule.max_update:
-            bar = min(bar, done + cfg.schedule.max_update - state.num_updates)
+            left = done + cfg.schedule.max_update - state.num_updates
+            bar = min(bar, left) if bar is not None else left
         self.log.start_epoch(state.epoch, bar, done)
 
     def updates(self):

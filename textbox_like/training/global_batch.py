@@ -44,9 +44,11 @@ class RankTiming:
 def clamped_batch_size(size, dataset, what) -> int:
     """A batch larger than the dataset holds nothing more, but its
     buffers are allocated in full: clamped, with a note."""
-    if size and dataset is not None and 0 < len(dataset) < size:
-        note(f"{what} {size} is larger than the {len(dataset):,} samples of the data: using {len(dataset)}")
-        return len(dataset)
+    from textbox_like.data.base import samples_held
+    held = samples_held(dataset) if dataset is not None else None
+    if size and held and held < size:
+        note(f"{what} {size} is larger than the {held:,} samples of the data: using {held}")
+        return held
     return size or 0
 
 

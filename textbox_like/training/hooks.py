@@ -12,7 +12,9 @@ from textbox_like.core.faults import limit_address_space, memory_limit_hook, tes
 class TestHooks:
     """``TEXTBOX_LIKE_SLOW_RANK`` (a slower device), ``TEXTBOX_LIKE_TEST_DELAY``
     (a slow file system at start, at each save and at the run's end) and
-    ``TEXTBOX_LIKE_TEST_MEMORY_LIMIT`` (allocations that really fail)."""
+    ``TEXTBOX_LIKE_TEST_MEMORY_LIMIT`` (allocations that really fail);
+    ``TEXTBOX_LIKE_TEST_SAMPLE_LOG=PATH``: a streamed run's ranks write the
+    ids of the samples each step hands them to PATH.rankR (what trained)."""
     __test__ = False  # not a pytest class, whatever its name
 
     def __init__(self, rank: int):
@@ -21,6 +23,9 @@ class TestHooks:
         self.save_delay = test_delay("save")
         self.finish_delay = test_delay("finish")
         self.memory_limit = memory_limit_hook()  # (megabytes, from update) or None
+        import os
+        log = os.environ.get("TEXTBOX_LIKE_TEST_SAMPLE_LOG")
+        self.sample_log = f"{log}.rank{rank}" if log else None
 
     def slow_down(self, update: int, samples: int):
         """A slower device: sleep per sample of a micro-batch, from the given update on."""

@@ -206,9 +206,11 @@ class Lifecycle:
         """What every rank must have alike: the position, the data, the
         precision actually chosen, and every setting that is not per node."""
         import yaml
+
+        from textbox_like.data.base import samples_held
         state, iterator = self.state, self.iterator
         settings = {"position (update, epoch, offset)": (state.num_updates, iterator.epoch, iterator.offset),
-                    "training samples": len(self.train_data),
+                    "training samples": samples_held(self.train_data),
                     "precision": self.accelerator.mixed_precision}
         for key, value in yaml.safe_load(to_yaml(self.cfg)).items():
             if key not in distributed.PER_NODE_SETTINGS:

@@ -188,7 +188,8 @@ class Reporting:
                 + (f" (precision from {precision_source})" if precision_source != "default" else "") + others
                 + f" | {cfg.optim.optimizer} {lr_explained(cfg)} | lr schedule: {schedule}"
                 + (f" | {facts.sharding_line}" if facts.sharding_line else "")
-                + f" | {batches} | train {facts.train_samples:,} samples"
+                + f" | {batches} | train " + (f"{facts.train_samples:,} samples" if facts.train_samples is not None
+                                           else "streamed")
                 + ("" if cfg.validation.disable_validation else
                    f" | best {state.best_metric} ({'higher' if state.maximize else 'lower'} is better)")
                 + (" (in memory: read inline, --num-workers not needed)"

@@ -46,6 +46,7 @@ from textbox_like.parallel import sharding
 from textbox_like.models import adapters
 from textbox_like.core.errors import UserError, first_line
 from textbox_like.core.faults import check_writable
+from textbox_like.data.base import samples_held
 from textbox_like.metrics.meters import Logger
 from textbox_like.processes.preemption import Preemption, raise_if_stopped
 from textbox_like.tasks import TASKS
@@ -156,7 +157,7 @@ class Trainer:
         with distributed.main_then_local_main_first(self.accelerator):
             task.prepare_data()
         self.train_data = task.batch_dataset(cfg.data.train_subset)
-        if len(self.train_data) == 0:
+        if samples_held(self.train_data) == 0:
             where = (f"--data {cfg.data.data}" if cfg.data.data else
                      f"task {cfg.data.task} ({type(task).__qualname__}.build_dataset({cfg.data.train_subset!r}) returned "
                      f"an empty dataset)")
@@ -228,6 +229,8 @@ class Trainer:
         self.feed = Feed(cfg, ranks, self.train_data, batch_sizes, max_tokens, acc.device, task=task, state=state,
                          scheduler=scheduler, in_flight=in_flight, timing=timing, log=log)
         self.iterator = self.feed.iterator
+        if hooks.sample_log and hasattr(self.iterator, "sample_log"):
+            self.iterator.sample_log = hooks.sample_log
         self.global_batch = GlobalBatch(cfg, ranks, batch_sizes, max_tokens, train_data=self.train_data,
                                         iterator=self.iterator, feed=self.feed, state=state, optimizer=optimizer,
                                         grad_params=grad_params, sharded=sharding.is_sharded(model),
@@ -242,7 +245,8 @@ class Trainer:
                                      callbacks=callbacks, log=log)
         self.record = StepRecord(scheduler.get_lr())  # the step writes it, the reporting folds it
         self.samples = SamplesTrained(state, cfg.checkpoint.snapshot_interval)  # the step counts, the saves read
-        facts = RunFacts(self.n_params, self.threads, self.sources, self.sharding_line, len(self.train_data),
+        facts = RunFacts(self.n_params, self.threads, self.sources, self.sharding_line,
+                         samples_held(self.train_data),
                          not self.iterator.num_workers, self.planned_updates, n_trained=self.n_trained)
         self.reporting = Reporting(cfg, ranks, acc, state=state, record=self.record, timing=timing, task=task,
                                    facts=facts, log=log)
