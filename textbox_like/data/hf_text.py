@@ -118,15 +118,21 @@ def load_cached(name, config, split):
     return raw, beside / CACHE_DIR
 
 
-def load_raw(data, split, named_file=None, training=False, dataset_config=None):
+def load_raw(data, split, named_file=None, training=False, dataset_config=None, cache_dir=None):
     """The raw rows of ``split`` (a ``datasets.Dataset``) and the directory its
-    tokenised cache goes to."""
+    tokenised cache goes to: ``cache_dir`` (--cache-dir) where given, else
+    beside the data (the user's cache where that cannot be written)."""
+    raw, beside = load_raw_beside(data, split, named_file, training, dataset_config, cache_dir)
+    return raw, Path(cache_dir) if cache_dir else beside
+
+
+def load_raw_beside(data, split, named_file, training, dataset_config, cache_dir):
     offline()
     import datasets
 
     datasets.disable_progress_bars()
     if named_file:
-        return load_file(named_file), Path(named_file).parent / CACHE_DIR
+        return load_file(named_file, cache_dir), Path(named_file).parent / CACHE_DIR
     path = Path(data)
     if not path.exists() and not looks_like_path(data):
         return load_cached(str(data), dataset_config, split)
@@ -144,7 +150,7 @@ def load_raw(data, split, named_file=None, training=False, dataset_config=None):
                         f"with --validation-data FILE, or --disable-validation")
     if path.is_file():
         if training:
-            return load_file(path), path.parent / CACHE_DIR
+            return load_file(path, cache_dir), path.parent / CACHE_DIR
         raise UserError(f"--data {str(path)!r} is one file, the training data; give validation data with "
                         f"--validation-data FILE (or --data DIR holding train.* and valid.*), or "
                         f"--disable-validation")
@@ -152,12 +158,12 @@ def load_raw(data, split, named_file=None, training=False, dataset_config=None):
     if found is None:
         raise UserError(f"no {split}.* file (csv, tsv, json, jsonl, parquet, txt) in --data {str(path)!r}; "
                         f"name the split's file so, or choose the split with --train-subset/--valid-subset")
-    return load_file(found), path / CACHE_DIR
+    return load_file(found, cache_dir), path / CACHE_DIR
 
 
-def load_file(path):
-    """One local file as a ``datasets.Dataset`` (datasets' own cache of it
-    beside the file)."""
+def load_file(path, cache_dir=None):
+    """One local file as a ``datasets.Dataset`` (datasets' own cache of it in
+    ``cache_dir``, else beside the file)."""
     import datasets
 
     path = Path(path)
@@ -172,7 +178,8 @@ def load_file(path):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return datasets.load_dataset(builder, data_files={"rows": str(path)}, split="rows",
-                                     cache_dir=str(writable_cache(path.parent / CACHE_DIR)), **extra)
+                                     cache_dir=str(writable_cache(Path(cache_dir) if cache_dir
+                                                                  else path.parent / CACHE_DIR)), **extra)
     except (ValueError, datasets.exceptions.DatasetGenerationError) as exc:
         cause = exc.__cause__ or exc
         raise UserError(f"{str(path)!r} could not be read as {builder}: {str(cause).splitlines()[0]}") from None
@@ -333,15 +340,20 @@ def tokenize(raw, tokenizer, columns: TextColumns, cache_dir, label_ids=None, nu
         num_proc = min(8, os.cpu_count() or 1) if len(raw) >= 20000 else 1
     num_proc = max(1, min(num_proc, len(raw)))
     fn = functools.partial(tokenize_rows, tokenizer=tokenizer, columns=columns, label_ids=label_ids)
-    drop_abandoned_writes(cache_dir)
-    drop_damaged_cache(cache_dir, key)
-    if not cache_files(cache_dir, key):  # the one wait before the start line that grows with the data
-        from textbox_like.core.errors import note
-        note(f"tokenizing {len(raw):,} rows into {cache_dir} (once: later runs read them from there)")
-    tokenized = raw.map(fn, batched=True, num_proc=num_proc if num_proc > 1 else None,
-                        remove_columns=raw.column_names, cache_file_name=str(cache_dir / f"tokenized-{key}.arrow"),
-                        load_from_cache_file=True, new_fingerprint=key, desc="tokenizing")
-    record_cache_digests(cache_dir, key, tokenized)
+    from filelock import FileLock
+    # two runs on the same data at once (another job, another node of a shared file system): one tokenises, the
+    # other waits for it and reads its whole cache (never judges a file written a moment ago, its digest not yet
+    # recorded, damaged); the lock is the kernel's, gone with a killed holder
+    with FileLock(str(cache_dir / f"tokenized-{key}.lock")):
+        drop_abandoned_writes(cache_dir)
+        drop_damaged_cache(cache_dir, key)
+        if not cache_files(cache_dir, key):  # the one wait before the start line that grows with the data
+            from textbox_like.core.errors import note
+            note(f"tokenizing {len(raw):,} rows into {cache_dir} (once: later runs read them from there)")
+        tokenized = raw.map(fn, batched=True, num_proc=num_proc if num_proc > 1 else None,
+                            remove_columns=raw.column_names, cache_file_name=str(cache_dir / f"tokenized-{key}.arrow"),
+                            load_from_cache_file=True, new_fingerprint=key, desc="tokenizing")
+        record_cache_digests(cache_dir, key, tokenized)
     return tokenized
 
 

@@ -366,7 +366,8 @@ class HFTask(Task):
         training = split == data.train_subset
         named = data.training_data if training else data.validation_data   # kanachan's FILE for this split
         named = named if named and Path(named).is_file() else None
-        raw, cache = load_raw(data.data, split, named, training, self.cfg.task_options.dataset_config)
+        options = self.cfg.task_options
+        raw, cache = load_raw(data.data, split, named, training, options.dataset_config, options.cache_dir)
         check_columns(raw, self.columns(), f"the {split!r} split")
         return raw, cache
 

@@ -8,6 +8,7 @@
     python -m textbox_like.tools.bench bert-loader [--data DIR] [--batch 32] [--no-train]
     python -m textbox_like.tools.bench fsdp [--rounds 5] [--updates 3] [--model large] [--layers 12]
     python -m textbox_like.tools.bench peft [--rounds 5] [--updates 3] [--layers 12] (tools/bench_peft.py)
+    python -m textbox_like.tools.bench hf --packing --streaming [--rounds 5] (tools/bench_data.py)
 
 mnist, bert, hf: the trainer against a plain loop of the same work. Both sides
 use the same model, batch size, optimizer, clipping, threads and data; the
@@ -856,6 +857,9 @@ def build_parser():
         p.add_argument("--peak-tflops", "--peak_tflops", type=float, default=None,
                        help="the GPU's dense bf16 peak in TFLOP/s for MFU (default: from a table by GPU name: "
                             "H100 SXM 989, H100 PCIe 756, H200 989, A100 312)")
+        if task == "hf":
+            from textbox_like.tools.bench_data import add_arguments
+            add_arguments(p)
         p.add_argument("--trainer-timing", "--trainer_timing", choices=sorted(TRAINER_TIMINGS), default="window",
                        help="window: the plain loop's window of updates in one trainer run; difference: a run "
                             "of warm-up + N updates minus one of warm-up (default window)")
@@ -913,6 +917,9 @@ def main(argv=None):
     if args.mode == "peft":
         from textbox_like.tools.bench_peft import peft_main
         return peft_main(args, rest)
+    if args.mode == "hf" and (args.packing or args.streaming):
+        from textbox_like.tools.bench_data import data_main
+        return data_main(args, rest)
     return compare_main(args, rest)
 
 
