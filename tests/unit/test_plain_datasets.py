@@ -110,13 +110,34 @@ USER_TASKS = textwrap.dedent('''
 
     @register_task("plain_stream")
     class StreamTask(Classifier):
+        """Training data streamed from the task's own IterableDataset (a sample: (features, label)); validation
+        held whole, unless PLAIN_STREAM_VALID."""
         def build_dataset(self, split):
-            from torch.utils.data import IterableDataset
+            from torch.utils.data import IterableDataset, TensorDataset
 
             class Stream(IterableDataset):
                 def __iter__(self):
                     yield from zip(*points(split))
-            return Stream()
+            if split == "train" or os.environ.get("PLAIN_STREAM_VALID"):
+                return Stream()
+            return TensorDataset(*points(split))
+
+        def inputs(self, batch):
+            x, y = batch
+            return x, y
+
+
+    @register_task("plain_hf_stream")
+    class HFStreamTask(Classifier):
+        """Training data as a datasets.IterableDataset (a sample: a dict of columns)."""
+        def build_dataset(self, split):
+            import datasets
+            x, y = points(split)
+            held = datasets.Dataset.from_dict({"x": x.tolist(), "label": y.tolist()}).with_format("torch")
+            return held.to_iterable_dataset() if split == "train" else held
+
+        def inputs(self, batch):
+            return batch["x"], batch["label"]
 ''')
 
 
@@ -181,16 +202,31 @@ def test_eval_reads_a_plain_dataset(plain_runs, tmp_path, capfd):
 
 
 @pytest.mark.timeout(300)
-def test_an_iterable_dataset_is_refused_in_one_line(user_dir, tmp_path, capfd):
+@pytest.mark.parametrize("task", ["plain_stream", "plain_hf_stream"])
+def test_an_iterable_dataset_trains_streamed_and_resumes_where_it_was(user_dir, tmp_path, task, capfd):
+    """A task's torch IterableDataset or datasets.IterableDataset trains (streamed: 'train streamed' on the
+    start line, its loss falls over two epochs of 57 samples), and a run cut at update 5 and resumed trains
+    the uninterrupted run's losses exactly (the stream read again up to its saved position)."""
+    whole = refusal_in_process(train_args(user_dir, task, tmp_path / "whole", "--max-update", "14"), capfd)
+    assert whole.returncode == 0 and "| train streamed |" in whole.stderr, whole.stderr[-3000:]
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics.jsonl") if r.get("kind") == "train"]
+    assert len(losses) == 14 and np.mean(losses[-4:]) < 0.6 * np.mean(losses[:4]), losses
+    cut = train_args(user_dir, task, tmp_path / "cut", "--lr-scheduler", "constant")
+    assert refusal_in_process(cut + ["--max-update", "5"], capfd).returncode == 0
+    assert refusal_in_process(cut + ["--max-update", "14", "--resume"], capfd).returncode == 0
+    resumed = [r["loss"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl") if r.get("kind") == "train"]
+    assert resumed == losses
+
+
+@pytest.mark.timeout(300)
+def test_a_streamed_validation_split_is_refused_in_one_line(user_dir, tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("PLAIN_STREAM_VALID", "1")
     proc = refusal_in_process(train_args(user_dir, "plain_stream", tmp_path / "stream", "--max-update", "2"), capfd)
-    err = proc.stderr
-    assert proc.returncode == 2 and "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert lines == [
-        "error: StreamTask.build_dataset('train') returned plaintasks.StreamTask.build_dataset.<locals>.Stream, an "
-        "iterable dataset: training reads samples by index (an epoch order that resumes exactly and is the same on "
-        "every rank); return a textbox_like.BatchDataset, a map-style torch.utils.data.Dataset (with __len__ and "
-        "__getitem__, e.g. TensorDataset) or a datasets.Dataset"], err
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert lines == ["error: StreamTask.build_dataset('valid') returned an iterable dataset: a stream trains (the "
+                     "training split), validation reads its split whole; return a map-style dataset for 'valid'"], \
+        proc.stderr[-3000:]
 
 
 def test_nested_batches_are_moved_cut_and_counted_in_their_structure():

@@ -113,6 +113,12 @@ def map_tensors(fn, batch, text=None):
     return walk(batch)
 
 
+def empty_like_batch(read_one):
+    """A batch of no samples with the structure and dtypes of a real one:
+    ``read_one()`` (a batch of one sample) cut to none."""
+    return map_tensors(lambda v: v[:0], read_one(), text=lambda v: v[:0])
+
+
 def batch_samples(batch) -> int:
     """The samples in a batch of the protocol above: the leading dimension
     of its first tensor, or the length of its first list of strings (depth

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from textbox_like.core.errors import UserError
-from textbox_like.data.base import BatchDataset, is_text_list, map_tensors
+from textbox_like.data.base import BatchDataset, empty_like_batch, is_text_list, map_tensors
 
 ACCEPTED = ("a textbox_like.BatchDataset, a map-style torch.utils.data.Dataset (with __len__ and __getitem__, "
             "e.g. TensorDataset), a datasets.Dataset, or an iterable one (torch's IterableDataset, "
@@ -46,12 +46,6 @@ def as_batch_dataset(data, collate=None, source="build_dataset"):
                             f"number of samples; give it a __len__")
         return MapBatches(data, collate)
     raise UserError(f"{source} returned {'None' if data is None else named}; return {ACCEPTED}")
-
-
-def empty_like_batch(read_one):
-    """A batch of no samples with the structure and dtypes of a real one:
-    ``read_one()`` (a batch of one sample) cut to none."""
-    return map_tensors(lambda v: v[:0], read_one(), text=lambda v: v[:0])
 
 
 class MapBatches(BatchDataset):

@@ -17,6 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from textbox_like.core.errors import UserError
+from textbox_like.data.base import empty_like_batch
 from textbox_like.data.iterators import plan_fixed, plan_global_tokens, plan_tokens, round_batch_size
 
 #: the states of this many recent step boundaries are kept (an update redone starts at one of them)
@@ -186,7 +187,6 @@ class StreamedData:
         batch of no samples shaped as the step's first one would be."""
         if mine:
             return self.collate(mine)
-        from textbox_like.data.plain import empty_like_batch
         return empty_like_batch(lambda: self.collate(step[:1]))
 
     def identity(self):

@@ -112,7 +112,13 @@ class Task:
           read in torch format, a dict of column tensors (with ``collate``,
           that function of the batch's rows, each a dict).
 
-        The last two are wrapped by data/plain.py (:meth:`batch_dataset`):
+        - for the training split, an iterable dataset (torch's
+          ``IterableDataset``, a ``datasets.IterableDataset``): streamed
+          (data/streams.py), its own order on every rank, each update's
+          samples cut over the ranks, a resume reading the epoch again up to
+          its position.
+
+        The map-style ones are wrapped by data/plain.py (:meth:`batch_dataset`):
         their epoch order is a uniform permutation, a pure function of
         (seed, epoch), the same on every rank, resumed exactly mid-epoch.
         Raise ``UserError`` for a split that does not exist."""
@@ -126,9 +132,14 @@ class Task:
     def batch_dataset(self, split: str):
         """``build_dataset(split)`` as a BatchDataset: what the trainer,
         validation and ``textbox_like.evaluate`` read."""
+        from textbox_like.core.errors import UserError
         from textbox_like.data.plain import as_batch_dataset
-        return as_batch_dataset(self.build_dataset(split), self.collate,
-                                source=f"{type(self).__name__}.build_dataset({split!r})")
+        source = f"{type(self).__name__}.build_dataset({split!r})"
+        data = as_batch_dataset(self.build_dataset(split), self.collate, source=source)
+        if getattr(data, "streaming", False) and split != self.cfg.data.train_subset:
+            raise UserError(f"{source} returned an iterable dataset: a stream trains (the training split), "
+                            f"validation reads its split whole; return a map-style dataset for {split!r}")
+        return data
 
     def collate_to_device(self, batch, device):
         """Move one batch (tensors in a dict, list or tuple, nested) to ``device``."""

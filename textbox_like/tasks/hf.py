@@ -37,6 +37,7 @@ from textbox_like.config.value_types import positive_int
 from textbox_like.core.errors import UserError, closest, first_line
 from textbox_like.tasks import register_task
 from textbox_like.tasks.base import Task
+from textbox_like.tasks.hf_data import check_streaming_and_packing, streamed_split
 from textbox_like.tasks.hf_head import fit_to_the_trained_head
 
 HEADS = ("sequence_classification", "causal_lm", "masked_lm", "seq2seq")
@@ -226,6 +227,35 @@ def unwrapped(model):
     return getattr(model, "_orig_mod", model)
 
 
+def export_hf_model(model, tokenizer, merge: bool, save_dir):
+    """SAVE_DIR/hf_model: the trained model's own save_pretrained and its
+    tokenizer, as HF Trainer leaves one (``textbox-like export`` writes
+    any checkpoint's). A resumed run's earlier export is replaced once the
+    new one is whole."""
+    import shutil
+
+    from textbox_like.storage.fileio import atomic_directory
+    from textbox_like.storage.savelock import check_owner
+    target = Path(save_dir) / "hf_model"
+    check_owner(target)  # a process that no longer owns the run moves nothing of it
+    earlier = target.with_name(f".hf_model.{os.getpid()}.old") if target.exists() else None
+    if earlier:
+        os.rename(target, earlier)
+    from textbox_like.models.adapters import exported_model
+    model = exported_model(model, merge)
+    try:
+        with atomic_directory(target) as tmp:
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+    except BaseException:
+        if earlier:
+            os.rename(earlier, target)
+        raise
+    if earlier:
+        shutil.rmtree(earlier, ignore_errors=True)
+    return target
+
+
 @register_task("hf", dataclass=HFOptions)
 class HFTask(Task):
     initial_weights_setting = "model_name_or_path"
@@ -276,7 +306,7 @@ class HFTask(Task):
                             f"Hugging Face datasets cache; --data {data.data or data.training_data} is a path")
         if options.hf_head == "seq2seq" and not options.target_column:
             raise UserError("--hf_head seq2seq needs --target_column NAME: the column of the texts to generate")
-        cls.check_streaming_and_packing(cfg)
+        check_streaming_and_packing(cfg)
         ours = HEAD_METRICS[options.hf_head]
         if options.hf_head == "seq2seq":  # generation metrics only of the families --metrics asks for
             asked = {m for family in requested_generation(cfg.validation.metrics) for m in GENERATION[family]}
@@ -290,30 +320,6 @@ class HFTask(Task):
                 raise UserError(f"--metrics {name}: not reported by --hf_head {options.hf_head}; it reports "
                                 f"{', '.join(ours)}" + (" (rouge, bleu: generation metrics)"
                                                          if options.hf_head == "seq2seq" else ""))
-
-    @classmethod
-    def check_streaming_and_packing(cls, cfg):
-        """--streaming and --packing: heads and data they take, one line each where not."""
-        options, data = cfg.task_options, cfg.data
-        if options.packing and options.hf_head not in ("causal_lm", "masked_lm"):
-            raise UserError(f"--packing packs documents for language modelling (--hf_head causal_lm or masked_lm); "
-                            f"--hf_head {options.hf_head} takes one text per sample: drop --packing")
-        if not options.streaming:
-            return
-        if options.hf_head == "sequence_classification":
-            raise UserError("--streaming is for the text heads (causal_lm, masked_lm, seq2seq): a classification "
-                            "head's classes come from a pass over all labels; drop --streaming")
-        from textbox_like.data.streams import sniff_columns, stream_files
-        named = data.training_data if data.training_data and Path(data.training_data).is_file() else None
-        if not named and not Path(data.data).exists():
-            raise UserError(f"--streaming reads local files: --data {data.data} is not a file or directory")
-        first = stream_files(named or data.data, data.train_subset)[0]
-        columns = sniff_columns(first)
-        wanted = [options.text_column] + ([options.target_column] if options.hf_head == "seq2seq" else [])
-        for name in wanted:
-            if columns and name not in columns:
-                raise UserError(f"{first} has no column {name!r}; its columns: {', '.join(columns)} (choose with "
-                                f"--text_column / --target_column)")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -406,7 +412,7 @@ class HFTask(Task):
         options, training = self.cfg.task_options, split == self.cfg.data.train_subset
         batcher = TextBatcher(self.head, self.pad_id(), self.masking())
         if training and options.streaming:
-            return self.streamed(split, batcher)
+            return streamed_split(self.cfg, split, self.tokenizer(), self.columns(), batcher)
         documents = HFTextDataset(self.tokenized(split), self.head, self.pad_id(), self.masking())
         if training and options.packing:
             return PackedTextDataset(documents, options.max_length, self.cfg.numerics.seed, batcher)
@@ -421,20 +427,6 @@ class HFTask(Task):
             raise UserError(f"--hf_head masked_lm needs a tokenizer with a mask token; {self.model_dir!r}'s has none")
         return (self.cfg.numerics.seed, self.cfg.task_options.mlm_probability, tok.mask_token_id, len(tok),
                 list(tok.all_special_ids))
-
-    def streamed(self, split, batcher):
-        """--streaming: the training split's files as a stream (data/streams.py)."""
-        from textbox_like.data.hf_text import StreamEncoder, sample_tokens
-        from textbox_like.data.stream_batches import StreamedData
-        from textbox_like.data.streams import FileSource, SampleStream, stream_files
-        data, options = self.cfg.data, self.cfg.task_options
-        named = data.training_data if data.training_data and Path(data.training_data).is_file() else None
-        files = stream_files(named or data.data, split)
-        source = FileSource(files, self.cfg.numerics.seed, shuffle=not data.no_shuffle)
-        stream = SampleStream(source, seed=self.cfg.numerics.seed, encode=StreamEncoder(self.tokenizer(), self.columns()),
-                              tokens=sample_tokens, shuffle_buffer=1 if data.no_shuffle else options.shuffle_buffer,
-                              pack_to=options.max_length if options.packing else None, workers=data.num_workers)
-        return StreamedData(stream, batcher.rows if options.packing else batcher.samples)
 
     def tokenized(self, split):
         """``split`` tokenised (a ``datasets.Dataset``), from the cache where it is there."""
@@ -622,32 +614,8 @@ class HFTask(Task):
         return {"tokens": anchor}, stats
 
     def export_at_end(self, model, save_dir):
-        """SAVE_DIR/hf_model: the trained model's own save_pretrained and its
-        tokenizer, as HF Trainer leaves one (``textbox-like export`` writes
-        any checkpoint's). A resumed run's earlier export is replaced once the
-        new one is whole."""
-        import shutil
-
-        from textbox_like.storage.fileio import atomic_directory
-        from textbox_like.storage.savelock import check_owner
-        target = Path(save_dir) / "hf_model"
-        check_owner(target)  # a process that no longer owns the run moves nothing of it
-        earlier = target.with_name(f".hf_model.{os.getpid()}.old") if target.exists() else None
-        if earlier:
-            os.rename(target, earlier)
-        from textbox_like.models.adapters import exported_model
-        model = exported_model(model, self.cfg.adapters.merge_on_export)
-        try:
-            with atomic_directory(target) as tmp:
-                model.save_pretrained(str(tmp))
-                self.tokenizer().save_pretrained(str(tmp))
-        except BaseException:
-            if earlier:
-                os.rename(earlier, target)
-            raise
-        if earlier:
-            shutil.rmtree(earlier, ignore_errors=True)
-        return target
+        """SAVE_DIR/hf_model: the trained model's own save_pretrained and its tokenizer (export_hf_model)."""
+        return export_hf_model(model, self.tokenizer(), self.cfg.adapters.merge_on_export, save_dir)
 
     def validation_stats(self, model, batch):
         """seq2seq: generate from the batch's inputs and score against its targets."""
