@@ -51,6 +51,13 @@ def pytest_configure(config):
     # likewise platform.processor() runs `uname -p` once and caches it: h5py's first import asks it
     import platform
     platform.processor()
+    # the Python processes tests start are forks of a process that imported torch once (tests/_zygote.py;
+    # a suite copied without it, as test_tiers copies this file, starts them as before)
+    try:
+        import _zygote
+    except ImportError:
+        return
+    _zygote.install()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,6 +73,14 @@ def pytest_collection_modifyitems(config, items):
     if misplaced:
         raise pytest.UsageError("tests marked slow in tests/unit (the fast tier): move them to tests/integration: "
                                 + ", ".join(misplaced))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreters(request, monkeypatch):
+    """A test marked ``fresh_interpreter`` starts its Python processes by exec, not from the zygote
+    (tests/_zygote.py): it tests what a fresh interpreter imports or how the OS sees it started."""
+    if request.node.get_closest_marker("fresh_interpreter"):
+        monkeypatch.setenv("TEXTBOX_LIKE_TEST_ZYGOTE", "0")
 
 
 class StartsAProcess(AssertionError):
@@ -130,6 +145,8 @@ def pytest_runtest_teardown(item):
 
 def pytest_unconfigure(config):
     import shutil
+    if "_zygote" in sys.modules:
+        sys.modules["_zygote"].uninstall()
     if _CACHE:
         shutil.rmtree(_CACHE, ignore_errors=True)
 

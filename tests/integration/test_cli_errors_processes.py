@@ -134,6 +134,7 @@ def test_help_is_fast():
         assert flag in proc.stdout, flag
 
 
+@pytest.mark.fresh_interpreter
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_help_print_config_and_a_refusal_import_no_torch():

@@ -46,6 +46,7 @@ def two_ranks(data, save, cwd, fork):
     return launcher.pid, argv, starts
 
 
+@pytest.mark.fresh_interpreter
 def test_forked_and_fresh_ranks_train_the_same_weights_and_are_the_launchers_children(small_mnist_dir, tmp_path):
     package = tmp_path / "outside" / "rank_start"
     package.mkdir(parents=True)
@@ -65,6 +66,7 @@ def test_forked_and_fresh_ranks_train_the_same_weights_and_are_the_launchers_chi
         assert torch.equal(forked["model"][key], fresh["model"][key]), key
 
 
+@pytest.mark.fresh_interpreter
 def test_a_searchs_trials_are_forks_of_it_with_their_own_session_and_output(small_mnist_dir, tmp_path):
     package = tmp_path / "outside" / "rank_start"
     package.mkdir(parents=True)

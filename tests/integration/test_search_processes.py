@@ -115,6 +115,7 @@ def test_bad_space_file_through_the_script_is_one_line_and_runs_nothing(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fresh_interpreter
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["run_hyper.py", "run_multi_seed.py"])
 def test_help_is_fast_and_imports_no_torch(name):

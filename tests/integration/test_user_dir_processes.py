@@ -68,6 +68,7 @@ NO_TORCH_PROBE = ("import sys, textbox_like\n"
                   "print('torch' in sys.modules, file=sys.stderr)\n")
 
 
+@pytest.mark.fresh_interpreter
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_help_and_print_config_show_the_user_dirs_typed_options(project):

@@ -115,7 +115,8 @@ class DataConfig(Section):
     max_tokens: int | None = setting(None, 'limit of real tokens per batch and process', type=positive_int)
     global_batch_size: int | None = setting(None, 'samples of one update over all ranks, split over them (evenly; by measured speed with --balance); a share above a rank\'s --max-sentences runs as several micro-batches with one all-reduce (unset: each rank trains --max-sentences per step). With --max-tokens N counts real tokens: each rank\'s --max-tokens caps its micro-batches', type=positive_int, metavar='N')
     required_batch_size_multiple: int = setting(1, 'batch sizes are rounded down to a multiple of this (a batch smaller than it is kept)', type=positive_int)
-    num_workers: int = setting(0, 'batches read ahead in a background thread, for data read from disk or pinned for CUDA (0: inline)', type=nonneg_int)
+    num_workers: int = setting(0, 'batches read ahead in a background thread, for data read from disk or pinned for '
+                                  'CUDA (0: inline); --streaming: processes tokenising the stream', type=nonneg_int)
     no_shuffle: bool = setting(False, 'train in data order', switch=True)
     num_iters_per_epoch: int = setting(0, 'cap on updates per epoch (0: whole epoch)', type=nonneg_int)
     fast_stat_sync: bool = setting(False, 'HetSeq compatibility, accepted and changes nothing: we always do what it asks for, summing the statistics over ranks in one all-reduce per log interval', switch=True)

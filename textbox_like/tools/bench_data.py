@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from textbox_like.tools.bench_peft import SHARED_CORPUS
+from textbox_like.tools.bench_peft import SHARED_CORPUS, text_and_tokenizer
 from textbox_like.tools.bench_records import steady_rate, train_records
 
 GOALS = {"packed_over_padded": (">=", 1.5), "streamed_over_held": (">=", 0.9),
@@ -91,30 +91,17 @@ def add_arguments(p):
 def write_model_and_data(root: Path, args):
     """A GPT-2 directory (config, random weights, a word-level tokenizer of the corpus) and train.txt."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     source = Path(args.corpus) if args.corpus else SHARED_CORPUS
     if not source.is_file():
         raise SystemExit(f"no corpus: {source} is not there; give --corpus FILE (one sample a line)")
     lines = [line.strip() for line in source.read_text(errors="replace").splitlines() if line.strip()]
-    data = root / "data"
-    data.mkdir()
-    (data / "train.txt").write_text("\n".join(lines) + "\n")
-    counts = {}
-    for line in lines:
-        for word in line.split():
-            counts[word] = counts.get(word, 0) + 1
-    special = ["<pad>", "<unk>", "<eos>"]
-    vocab = {tok: i for i, tok in enumerate(special + sorted(counts, key=lambda w: -counts[w])[:20000 - 3])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
-                                   bos_token="<eos>")
+    data, fast = text_and_tokenizer(root, lines, 20000)
     model_dir = root / "gpt2"
     torch.manual_seed(0)
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=4, n_positions=args.max_length,
-                        vocab_size=len(vocab), bos_token_id=2, eos_token_id=2, pad_token_id=0,
+                        vocab_size=len(fast), bos_token_id=2, eos_token_id=2, pad_token_id=0,
                         architectures=["GPT2LMHeadModel"])
     GPT2LMHeadModel(config).save_pretrained(str(model_dir))
     fast.save_pretrained(str(model_dir))

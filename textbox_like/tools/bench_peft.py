@@ -49,11 +49,31 @@ def add_parser(modes):
     return p
 
 
+def text_and_tokenizer(root: Path, lines, vocab_size: int):
+    """ROOT/data/train.txt of ``lines``, and a word-level tokenizer of their ``vocab_size`` commonest words
+    (<pad> 0, <unk> 1, <eos> 2 first)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    data = root / "data"
+    data.mkdir()
+    (data / "train.txt").write_text("\n".join(lines) + "\n")
+    counts = {}
+    for line in lines:
+        for word in line.split():
+            counts[word] = counts.get(word, 0) + 1
+    special = ["<pad>", "<unk>", "<eos>"]
+    vocab = {tok: i for i, tok in enumerate(special + sorted(counts, key=lambda w: -counts[w])[:vocab_size - 3])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return data, PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                         eos_token="<eos>", bos_token="<eos>")
+
+
 def write_model_and_data(root: Path, layers: int, corpus, rows: int = 2000):
     """The model directory (config, random weights, a word-level tokenizer) and a data directory."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     source = Path(corpus) if corpus else SHARED_CORPUS
     if source.is_file():
@@ -64,19 +84,7 @@ def write_model_and_data(root: Path, layers: int, corpus, rows: int = 2000):
         words = [f"w{i}" for i in range(5000)]
         lines = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 200))) for _ in range(rows)]
     lines = (lines * (rows // max(len(lines), 1) + 1))[:rows]
-    data = root / "data"
-    data.mkdir()
-    (data / "train.txt").write_text("\n".join(lines) + "\n")
-    counts = {}
-    for line in lines:
-        for word in line.split():
-            counts[word] = counts.get(word, 0) + 1
-    special = ["<pad>", "<unk>", "<eos>"]
-    vocab = {tok: i for i, tok in enumerate(special + sorted(counts, key=lambda w: -counts[w])[:50257 - 3])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
-                                   bos_token="<eos>")
+    data, fast = text_and_tokenizer(root, lines, 50257)
     model_dir = root / "gpt2_small"
     torch.manual_seed(0)
     config = GPT2Config(n_layer=layers, vocab_size=50257, bos_token_id=2, eos_token_id=2, pad_token_id=0,

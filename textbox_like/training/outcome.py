@@ -61,6 +61,9 @@ def run(trainer) -> int:
     finally:
         trainer.preemption.hand_back_interrupt()
         trainer.lifecycle.release_save_dir()
+        close = getattr(getattr(trainer, "train_data", None), "close", None)
+        if close is not None:  # a stream's tokenising worker processes
+            close()
 
 
 def train_or_stop(trainer) -> int:
