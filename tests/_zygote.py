@@ -116,7 +116,7 @@ def child(req, fds, ready):
             import sitecustomize   # noqa: F401
     except Exception:
         traceback.print_exc()
-    if env.get("COVERAGE_PROCESS_START"):
+    if env.get("COVERAGE_PROCESS_START") or env.get("COVERAGE_PROCESS_CONFIG"):
         try:
             import coverage
             coverage.process_startup()

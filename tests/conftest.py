@@ -36,6 +36,8 @@ def pytest_configure(config):
     import tempfile
     _CACHE = tempfile.mkdtemp(prefix="textbox_like_cache_")
     os.environ["TEXTBOX_LIKE_CACHE"] = _CACHE
+    # the Hugging Face datasets cache (the tokenised data's default place): the session's, not ~/.cache
+    os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "hf_datasets")
     os.environ["TEXTBOX_LIKE_CURVES"] = "0"   # no curves.png per run (~1 s each); test_trackers draws one
     # every process a test starts prints its Python threads' stacks if it dies of SIGSEGV/SIGABRT: a rare
     # crash at a two-rank run's teardown (gloo; "terminate called without an active exception") left no stack

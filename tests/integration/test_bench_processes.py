@@ -106,6 +106,28 @@ def test_peft_compares_a_full_fine_tune_with_lora_on_two_ranks(tmp_path, capfd):
     assert set(report["lora_over_full"]) == set(full) and "medians, LoRA / full" in err
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hf_packing_and_streaming_compare_ours_with_transformers_trainer(tmp_path, capfd):
+    """One round on a corpus of varied lengths: every side trains and reports real tokens/s (ours padded,
+    packed, streamed, streamed and packed; transformers' Trainer padded and packed; the figures are the
+    benchmark's to report, not asserted), and a streamed run saved at update 3 and one saved at update 10
+    each resume for one more update."""
+    import random
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(300)]
+    (tmp_path / "corpus.txt").write_text("".join(" ".join(rng.choice(words) for _ in range(rng.randint(2, 60)))
+                                                 + "\n" for _ in range(400)))
+    report, err = bench_here(capfd, "hf", "--packing", "--streaming", "--rounds", 1, "--updates", 6, "--warmup", 2,
+                             "--layers", 1, "--hidden", 32, "--max-length", 64, "--max-sentences", 8,
+                             "--resume-at", 3, "--corpus", tmp_path / "corpus.txt")
+    rates = report["real_tokens_per_s"]
+    assert set(rates) == {"padded", "packed", "streamed", "streamed_packed", "trainer_padded", "trainer_packed"}
+    assert all(rate > 0 for rate in rates.values()), rates
+    assert set(report["ratios"]) == set(report["goals"]) and set(report["resume_seconds"]) == {"10", "3"}
+    assert "medians:" in err
+
+
 # ---------------------------------------------------------------- BERT loader
 @pytest.mark.slow
 @pytest.mark.timeout(300)

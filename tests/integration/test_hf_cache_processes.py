@@ -20,7 +20,7 @@ def test_a_partial_file_of_a_run_killed_while_tokenising_is_removed_by_the_next(
     model = write_model(tmp_path / "model", "sequence_classification")
     data = write_long_text_data(tmp_path / "data")
     args = ["--task", "hf", "--model_name_or_path", model, "--data", data, "--max-sentences", 4, "--max-update", 1,
-            "--log-format", "none", "--cpu"]
+            "--log-format", "none", "--cpu", "--cache-dir", data / ".hf_cache"]
     cache = data / ".hf_cache"
     # --num-workers 1: tokenised in the process itself (a pool's workers outlive a killed parent and finish)
     killed = subprocess.Popen([sys.executable, "run_hetseq.py", *map(str, args), "--num-workers", "1",

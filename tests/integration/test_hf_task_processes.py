@@ -233,13 +233,14 @@ def batches_of(data):
 
 
 @pytest.mark.slow
-def test_tokenised_data_is_cached_beside_the_data_and_reused(models, tmp_path, monkeypatch):
+def test_tokenised_data_is_cached_in_the_cache_dir_and_reused(models, tmp_path, monkeypatch):
     import textbox_like.data.hf_text as hf_text
 
     data = write_text_data(tmp_path / "data")
-    args = ("--model_name_or_path", models["sequence_classification"], "--data", data)
+    store = tmp_path / "cache"
+    args = ("--model_name_or_path", models["sequence_classification"], "--data", data, "--cache-dir", store)
     first = build(*args).build_dataset("train")
-    cached = sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow"))
+    cached = sorted(store.glob("tokenized-*.arrow"))
     assert len(cached) == 1
     written = cached[0].stat().st_mtime_ns
 
@@ -248,12 +249,12 @@ def test_tokenised_data_is_cached_beside_the_data_and_reused(models, tmp_path, m
     with monkeypatch.context() as patch:   # a second run reads the cache, never the tokenizer
         patch.setattr(hf_text, "tokenize_rows", refuse)
         second = build(*args).build_dataset("train")
-    assert sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow")) == cached
+    assert sorted(store.glob("tokenized-*.arrow")) == cached
     assert cached[0].stat().st_mtime_ns == written
     assert_bitwise_equal(batches_of(first), batches_of(second), "batches")
     # another setting is another cache; worker processes tokenise to the same ids
     shorter = build(*args, "--max_length", "6", "--num-workers", "2").build_dataset("train")
-    assert len(sorted((data / hf_text.CACHE_DIR).glob("tokenized-*.arrow"))) > 1
+    assert len(sorted(store.glob("tokenized-*.arrow"))) > 1
     assert int(shorter.num_tokens().max()) == 6
     batch = first.get_batch(np.arange(8))
     assert batch["input_ids"].shape[1] == int(first.num_tokens()[:8].max())   # padded to this batch's longest
@@ -310,7 +311,7 @@ def test_a_dataset_name_in_the_local_datasets_cache_trains_offline_or_says_how_t
     train, valid = records(tmp_path / "named", "train"), records(tmp_path / "named", "valid")
     assert valid[-1]["loss"] < train[0]["loss"] - 0.05, (train[0], valid[-1])
     assert_bitwise_equal(params(tmp_path / "named"), params(tmp_path / "from_files"), "model")  # the same rows
-    assert list((tmp_path / "datasets_cache").rglob("tokenized-*.arrow"))   # tokenised beside the cached dataset
+    assert list((tmp_path / "datasets_cache").rglob("tokenized-*.arrow"))   # tokenised into the datasets cache
     # not in the cache, another config only, a path that is not there: one line each
     threads = torch.get_num_threads()
     try:   # a path, not a name: the cache is not asked, and this process says it as well as another

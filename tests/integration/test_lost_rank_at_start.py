@@ -28,7 +28,7 @@ def test_rank_0_killed_while_tokenising_the_survivor_and_the_launcher_exit_75(tm
     launcher = subprocess.Popen([sys.executable, "run_hetseq.py", "--task", "hf", "--model_name_or_path", str(model),
                                  "--data", str(data), "--max-sentences", "4", "--max-update", "2", "--log-format",
                                  "none", "--num-workers", "1", "--distributed-world-size", "2", "--distributed-timeout",
-                                 "60", "--save-dir", str(tmp_path / "run")],
+                                 "60", "--save-dir", str(tmp_path / "run"), "--cache-dir", str(data / ".hf_cache")],
                                 cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not list((data / ".hf_cache").glob("tmp*")):   # rank 0 is writing the tokenised train split

@@ -1,7 +1,8 @@
 """The tokenised cache (issue 51, items 3, 4 and 10): a truncated cache file,
 or one with bytes overwritten inside, is found by the digests written with
-it, removed with a line and tokenised again (never trained on); where the
-data's directory cannot hold the cache, a line says where it goes instead;
+it, removed with a line and tokenised again (never trained on); by default
+the cache is the datasets cache's, never beside the data; where --cache-dir
+cannot hold it, a line says where it goes instead;
 where no place can, one line names the variable that chooses it, exit 2.
 Real files: truncated and overwritten on disk; an unwritable place is a path
 under a regular file (ENOTDIR, whatever the user's rights: root ignores
@@ -15,9 +16,30 @@ from test_hf_task import write_model, write_text_data
 
 
 def run(model, data, save, capfd, *extra):
+    """A run whose tokenised cache is DATA/.hf_cache (--cache-dir)."""
     return refusal_in_process(["--task", "hf", "--model_name_or_path", model, "--data", data, "--save-dir", save,
-                               "--max-sentences", 4, "--max-update", 2, "--log-format", "simple", "--cpu", *extra],
-                              capfd)
+                               "--max-sentences", 4, "--max-update", 2, "--log-format", "simple", "--cpu",
+                               "--cache-dir", data / ".hf_cache", *extra], capfd)
+
+
+def test_the_default_cache_is_the_datasets_cache_not_the_data_directory(tmp_path, capfd, monkeypatch):
+    """Without --cache-dir nothing is written beside the data (a read-only data directory works): the
+    tokenised splits go to HF_DATASETS_CACHE/textbox_like, and a second run reads them from there."""
+    model = write_model(tmp_path / "model", "causal_lm")
+    data = write_text_data(tmp_path / "data")
+    before = sorted(p.name for p in data.iterdir())
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    args = ["--task", "hf", "--model_name_or_path", model, "--data", data, "--max-sentences", 4, "--max-update", 2,
+            "--log-format", "simple", "--cpu"]
+    first = refusal_in_process([*args, "--save-dir", tmp_path / "a"], capfd)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in data.iterdir()) == before
+    cache = tmp_path / "hf" / "textbox_like"
+    assert len(list(cache.glob("tokenized-*.arrow"))) == 2
+    assert [n for n in notes(first) if n.startswith("note: tokenizing")][0].endswith(
+        f"into {cache} (once: later runs read them from there)")
+    second = refusal_in_process([*args, "--save-dir", tmp_path / "b"], capfd)
+    assert second.returncode == 0 and not [n for n in notes(second) if "tokenizing" in n]
 
 
 def notes(out):
@@ -47,7 +69,7 @@ def test_a_damaged_cache_is_found_removed_and_tokenised_again(tmp_path, capfd):
     assert third.returncode == 0 and not [n for n in notes(third) if "damaged" in n], third.stderr[-3000:]
 
 
-def test_an_unwritable_data_directory_moves_the_cache_and_says_where(tmp_path, capfd, monkeypatch):
+def test_an_unwritable_cache_dir_moves_the_cache_and_says_where(tmp_path, capfd, monkeypatch):
     model = write_model(tmp_path / "model", "sequence_classification")
     data = write_text_data(tmp_path / "data")
     (data / ".hf_cache").write_text("a file where the cache directory would be")

@@ -5,7 +5,7 @@ For each head: it trains (the loss falls), validates, and its export loads
 with from_pretrained to the same eval loss. The language-model and
 classification denominators make two ranks with unlike batches equal one
 process of the same global batch; kill -9 and resume is bitwise; the
-tokenised data is cached beside the data and reused; a dataset name in the
+tokenised data is cached (--cache-dir, by default the datasets cache) and reused; a dataset name in the
 local datasets cache trains offline."""
 from __future__ import annotations
 

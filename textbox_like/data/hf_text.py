@@ -8,7 +8,8 @@ one named file per split (kanachan's ``--training-data FILE`` /
 that ``datasets.load_dataset`` left in the local datasets cache (read
 offline). It is tokenised by the model's tokenizer with ``datasets.map``
 (batched, several processes for large data) into Arrow files in
-``.hf_cache/`` beside the data, named by a fingerprint of the raw data, the
+``--cache-dir`` (by default the Hugging Face datasets cache's ``textbox_like``
+folder, never beside the data), named by a fingerprint of the raw data, the
 tokenizer and the settings, so a second run (and every other rank) reads them
 instead of tokenising again.
 
@@ -37,7 +38,6 @@ SPLIT_ALIASES = {"valid": ("valid", "validation", "dev", "val"), "validation": (
                  "test": ("test",), "train": ("train", "training")}
 
 IGNORE_INDEX = -100
-CACHE_DIR = ".hf_cache"
 
 
 def offline():
@@ -112,27 +112,33 @@ def load_cached(name, config, split):
     if found is None:
         raise UserError(f"the cached dataset {name!r} has no split {split!r}; it has {', '.join(held) or 'none'} "
                         f"(choose with --train-subset/--valid-subset)")
-    raw = datasets.load_dataset(name, config, split=found)
-    # the tokenised cache beside the dataset's own Arrow files (writable_cache moves it where that is read-only)
-    beside = Path(raw.cache_files[0]["filename"]).parent if raw.cache_files else Path(builder.cache_dir)
-    return raw, beside / CACHE_DIR
+    return datasets.load_dataset(name, config, split=found)
+
+
+def default_cache_dir() -> Path:
+    """Where tokenised data goes without --cache-dir: the Hugging Face datasets
+    cache's ``textbox_like`` folder (HF_DATASETS_CACHE, else HF_HOME/datasets,
+    else ~/.cache/huggingface/datasets), never beside the data: a data
+    directory may be read-only, or shared by people who did not ask for it."""
+    base = os.environ.get("HF_DATASETS_CACHE") or \
+        Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "datasets"
+    return Path(base) / "textbox_like"
 
 
 def load_raw(data, split, named_file=None, training=False, dataset_config=None, cache_dir=None):
     """The raw rows of ``split`` (a ``datasets.Dataset``) and the directory its
-    tokenised cache goes to: ``cache_dir`` (--cache-dir) where given, else
-    beside the data (the user's cache where that cannot be written)."""
-    raw, beside = load_raw_beside(data, split, named_file, training, dataset_config, cache_dir)
-    return raw, Path(cache_dir) if cache_dir else beside
+    tokenised cache goes to: ``cache_dir`` (--cache-dir), else default_cache_dir()."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    return read_split(data, split, named_file, training, dataset_config, cache), cache
 
 
-def load_raw_beside(data, split, named_file, training, dataset_config, cache_dir):
+def read_split(data, split, named_file, training, dataset_config, cache_dir):
     offline()
     import datasets
 
     datasets.disable_progress_bars()
     if named_file:
-        return load_file(named_file, cache_dir), Path(named_file).parent / CACHE_DIR
+        return load_file(named_file, cache_dir)
     path = Path(data)
     if not path.exists() and not looks_like_path(data):
         return load_cached(str(data), dataset_config, split)
@@ -141,16 +147,16 @@ def load_raw_beside(data, split, named_file, training, dataset_config, cache_dir
         if isinstance(saved, datasets.DatasetDict):
             for name in SPLIT_ALIASES.get(split, (split,)):
                 if name in saved:
-                    return saved[name], path / CACHE_DIR
+                    return saved[name]
             raise UserError(f"the saved dataset {str(path)!r} has no split {split!r}; it has "
                             f"{', '.join(saved)} (choose with --train-subset/--valid-subset)")
         if training:
-            return saved, path / CACHE_DIR
+            return saved
         raise UserError(f"the saved dataset {str(path)!r} is one split, the training data; give validation data "
                         f"with --validation-data FILE, or --disable-validation")
     if path.is_file():
         if training:
-            return load_file(path, cache_dir), path.parent / CACHE_DIR
+            return load_file(path, cache_dir)
         raise UserError(f"--data {str(path)!r} is one file, the training data; give validation data with "
                         f"--validation-data FILE (or --data DIR holding train.* and valid.*), or "
                         f"--disable-validation")
@@ -158,12 +164,11 @@ def load_raw_beside(data, split, named_file, training, dataset_config, cache_dir
     if found is None:
         raise UserError(f"no {split}.* file (csv, tsv, json, jsonl, parquet, txt) in --data {str(path)!r}; "
                         f"name the split's file so, or choose the split with --train-subset/--valid-subset")
-    return load_file(found, cache_dir), path / CACHE_DIR
+    return load_file(found, cache_dir)
 
 
-def load_file(path, cache_dir=None):
-    """One local file as a ``datasets.Dataset`` (datasets' own cache of it in
-    ``cache_dir``, else beside the file)."""
+def load_file(path, cache_dir):
+    """One local file as a ``datasets.Dataset`` (datasets' own cache of it in ``cache_dir``)."""
     import datasets
 
     path = Path(path)
@@ -178,8 +183,7 @@ def load_file(path, cache_dir=None):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return datasets.load_dataset(builder, data_files={"rows": str(path)}, split="rows",
-                                     cache_dir=str(writable_cache(Path(cache_dir) if cache_dir
-                                                                  else path.parent / CACHE_DIR)), **extra)
+                                     cache_dir=str(writable_cache(Path(cache_dir))), **extra)
     except (ValueError, datasets.exceptions.DatasetGenerationError) as exc:
         cause = exc.__cause__ or exc
         raise UserError(f"{str(path)!r} could not be read as {builder}: {str(cause).splitlines()[0]}") from None
