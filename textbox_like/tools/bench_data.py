@@ -13,7 +13,9 @@ round runs, as subprocesses with one thread, in an order that alternates:
   row, position ids restarting per sample), the same model, data, batch,
   optimizer (AdamW, constant lr) and steps;
 
-and reads real (non-padding) tokens per second after the warm-up. Then the
+and reads real (non-padding) tokens per second after the warm-up. Both read
+the corpus in its order (ours --no-shuffle, the Trainer a sequential
+sampler), so the padded sides train the same batches. Then the
 time to resume a streamed run at update 10 and at update --resume-at (1,000)
 (the whole ``--resume`` command of one more update, from its start to its
 exit), alternating. The report gives the medians and their ratios against
@@ -72,7 +74,10 @@ args = TrainingArguments(output_dir=s["out"], per_device_train_batch_size=s["bat
                          learning_rate=1e-4, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
                          max_grad_norm=1.0, logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
                          dataloader_num_workers=0, disable_tqdm=True, seed=1, data_seed=1)
-Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Window()]).train()
+class InOrder(Trainer):   # the corpus in its order, as ours reads it under --no-shuffle: the same padded batches
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+InOrder(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Window()]).train()
 tokens = sum(real[s["warmup"]:s["warmup"] + s["updates"]])
 print(json.dumps({"tokens_per_s": tokens / (marks[s["warmup"] + s["updates"]] - marks[s["warmup"]])}))
 '''
@@ -85,6 +90,7 @@ def add_arguments(p):
                                                   "sample)")
     p.add_argument("--layers", type=int, default=2, help="--packing/--streaming: GPT-2 layers (default 2)")
     p.add_argument("--hidden", type=int, default=256, help="--packing/--streaming: GPT-2 width (default 256)")
+    p.add_argument("--vocab", type=int, default=8000, help="--packing/--streaming: the word vocabulary (8000)")
     p.add_argument("--resume-at", type=int, default=1000, help="--streaming: the late resume's update (1000)")
 
 
@@ -97,7 +103,7 @@ def write_model_and_data(root: Path, args):
     if not source.is_file():
         raise SystemExit(f"no corpus: {source} is not there; give --corpus FILE (one sample a line)")
     lines = [line.strip() for line in source.read_text(errors="replace").splitlines() if line.strip()]
-    data, fast = text_and_tokenizer(root, lines, 20000)
+    data, fast = text_and_tokenizer(root, lines, args.vocab)
     model_dir = root / "gpt2"
     torch.manual_seed(0)
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=4, n_positions=args.max_length,
@@ -112,13 +118,13 @@ def env_of(args):
     return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TEXTBOX_LIKE_CURVES": "0"}
 
 
-def ours_argv(model_dir, data, args, extra, save_dir, max_update, log_interval):
+def ours_argv(model_dir, data, args, extra, save_dir, max_update, log_interval, batch=None):
     return [sys.executable, "-m", "textbox_like", "train", "--task", "hf", "--model_name_or_path", str(model_dir),
-            "--data", str(data), "--max_length", str(args.max_length), "--max-sentences", str(args.max_sentences),
+            "--data", str(data), "--max_length", str(args.max_length), "--max-sentences", str(batch or args.max_sentences),
             "--optimizer", "adam", "--lr", "1e-4", "--lr-scheduler", "constant", "--clip-norm", "1.0",
             "--max-update", str(max_update), "--max-epoch", "0", "--log-interval", str(log_interval),
             "--log-format", "simple", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(save_dir),
-            "--threads", str(args.threads), "--cache-dir", str(Path(save_dir).parent / "cache"), *extra]
+            "--threads", str(args.threads), "--cache-dir", str(Path(save_dir).parent / "cache"), "--no-shuffle", *extra]
 
 
 def run_ours(model_dir, data, args, side, scratch):
@@ -150,7 +156,7 @@ def resume_seconds(model_dir, data, args, saved, update, scratch):
     run = Path(scratch) / f"resume_{update}"
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(saved, run)
-    argv = ours_argv(model_dir, data, args, ("--streaming", "--resume"), run, update + 1, 0)
+    argv = ours_argv(model_dir, data, args, ("--streaming", "--resume"), run, update + 1, 0, batch=1)
     start = time.perf_counter()
     done = subprocess.run(argv, env=env_of(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
@@ -162,7 +168,7 @@ def resume_seconds(model_dir, data, args, saved, update, scratch):
 
 def streamed_run_to(model_dir, data, args, update, scratch):
     out = Path(scratch) / f"streamed_to_{update}"
-    done = subprocess.run(ours_argv(model_dir, data, args, ("--streaming",), out, update, 0), env=env_of(args),
+    done = subprocess.run(ours_argv(model_dir, data, args, ("--streaming",), out, update, 0, batch=1), env=env_of(args),
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
