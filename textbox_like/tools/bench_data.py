@@ -20,7 +20,8 @@ time to resume a streamed run at update 10 and at update --resume-at (1,000)
 (the whole ``--resume`` command of one more update, from its start to its
 exit), alternating. The report gives the medians and their ratios against
 the goals: packed / padded >= 1.5, streamed / held whole >= 0.9, ours /
-Trainer's best >= 1.0 (padded and packed), resume at 1,000 / at 10 <= 2.
+the Trainer >= 1.0 padded, packed, and best against best; resume at 1,000 /
+at 10 <= 2.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from textbox_like.tools.bench_records import steady_rate, train_records
 
 GOALS = {"packed_over_padded": (">=", 1.5), "streamed_over_held": (">=", 0.9),
          "ours_over_trainer_padded": (">=", 1.0), "ours_over_trainer_packed": (">=", 1.0),
-         "resume_late_over_early": ("<=", 2.0)}
+         "ours_best_over_trainer_best": (">=", 1.0), "resume_late_over_early": ("<=", 2.0)}
 OURS = {"padded": (), "packed": ("--packing",), "streamed": ("--streaming",),
         "streamed_packed": ("--streaming", "--packing")}
 TRAINERS = ("trainer_padded", "trainer_packed")
@@ -211,11 +212,13 @@ def data_main(args, rest):
 
     def ratio(a, b):
         return round(statistics.median(x / y for x, y in zip(a, b)), 3)
-    best_trainer = [max(p, q) for p, q in zip(rates["trainer_padded"], rates["trainer_packed"])]
+    ours_best = [max(p, q) for p, q in zip(rates["padded"], rates["packed"])]
+    trainer_best = [max(p, q) for p, q in zip(rates["trainer_padded"], rates["trainer_packed"])]
     ratios = {"packed_over_padded": ratio(rates["packed"], rates["padded"]),
               "streamed_over_held": ratio(rates["streamed"], rates["padded"]),
-              "ours_over_trainer_padded": ratio(rates["padded"], best_trainer),
-              "ours_over_trainer_packed": ratio(rates["packed"], best_trainer),
+              "ours_over_trainer_padded": ratio(rates["padded"], rates["trainer_padded"]),
+              "ours_over_trainer_packed": ratio(rates["packed"], rates["trainer_packed"]),
+              "ours_best_over_trainer_best": ratio(ours_best, trainer_best),
               "resume_late_over_early": ratio(resumes[args.resume_at], resumes[10])}
     met = {k: (ratios[k] >= goal if how == ">=" else ratios[k] <= goal) for k, (how, goal) in GOALS.items()}
     print("medians: " + ", ".join(f"{k} {v:.3f} (goal {GOALS[k][0]} {GOALS[k][1]}: {'met' if met[k] else 'NOT met'})"
