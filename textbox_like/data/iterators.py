@@ -28,6 +28,7 @@ import threading
 import numpy as np
 
 from textbox_like.core.errors import UserError
+from textbox_like.core.threads import start_thread
 
 
 def round_batch_size(size: int, multiple: int) -> int:
@@ -273,8 +274,7 @@ class EpochBatchIterator:
             except BaseException as exc:  # handed to the consumer
                 q.put(exc)
 
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
+        thread = start_thread(threading.Thread(target=work, daemon=True))
         try:
             while True:
                 item = q.get()

@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from textbox_like.core.threads import start_thread
 from textbox_like.storage.fileio import atomic_write_text, remove
 from textbox_like.storage.savelock import check_owner, owner_token
 from textbox_like.core.torchrun_env import HANDOFF_NAME, Agent, read_handoff  # noqa: F401  (elastic's names)
@@ -135,7 +136,7 @@ class Claim:
             os.close(fd)
             self.held = True
             self._thread = threading.Thread(target=self._keep_fresh, name="textbox_like-claim", daemon=True)
-            self._thread.start()
+            start_thread(self._thread)
             return self
         return self
 

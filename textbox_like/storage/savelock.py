@@ -39,6 +39,7 @@ from pathlib import Path
 
 from textbox_like.core.errors import UserError, note
 from textbox_like.core.faults import SaveFailed, Superseded
+from textbox_like.core.threads import start_thread
 
 LOCK_NAME = "run.lock"
 REFRESH_S = 30.0
@@ -171,7 +172,7 @@ class SaveDirLock:
         self._thread = threading.Thread(target=self._refresh, name="textbox_like-save-lock", daemon=True)
         self._thread.safe_to_fork = True  # what processes.children.can_fork asks: it pauses across a fork
         _REFRESHING.add(self)
-        self._thread.start()
+        start_thread(self._thread)
 
     def _acquire(self):
         for _ in range(5):
