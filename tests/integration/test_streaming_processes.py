@@ -30,6 +30,7 @@ from conftest import REPO, clean_env
 from test_fsdp import PY, assert_close, checkpoint, in_process, train_records
 from test_hf_task import hf_args, write_model, write_text_data
 from _fsdp_runs import Plan, by_rank, one_rank
+from _runs_runs import in_process as run_in_process, ok_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -194,3 +195,50 @@ def test_two_runs_at_once_on_one_data_directory_both_train_and_write_nothing_bes
     assert len(tokenised) == 1, [err[-2000:] for _, err in outs]         # one tokenised, the other read it
     assert {p: p.stat().st_mtime_ns for p in data.rglob("*")} == before  # nothing written beside the data
     assert list(cache.glob("tokenized-*.arrow")) and not (data / ".hf_cache").exists()
+
+
+def test_a_shard_gone_mid_run_saves_the_update_before_exits_75_and_resume_skips_nothing(stream_models, tmp_path,
+                                                                                       monkeypatch, capfd):
+    """The second shard is renamed away as the stream comes to open it (updates in): the OS answers ENOENT, the
+    run saves the state before the update it was reading for, exits 75 with one line, and --resume, once the
+    file is back, trains the uninterrupted run's losses (in this process: the fault is the file system's, its
+    moment the test's)."""
+    from textbox_like.data import streams
+    data = write_text_data(tmp_path / "data", n_train=600, n_valid=8)
+    lines = (data / "train.jsonl").read_text().splitlines(keepends=True)
+    (data / "train.jsonl").unlink()
+    shards = [data / "train-00000.jsonl", data / "train-00001.jsonl"]
+    shards[0].write_text("".join(lines[:300]))
+    shards[1].write_text("".join(lines[300:]))
+    read, moved = {}, []
+    read_json = streams.READERS["json"]
+
+    def reader(path, offset):
+        """The first shard read as it is; the other one renamed away once 100 records of the first were read
+        (before then it is only looked at: its columns, or the epoch's order putting it first)."""
+        if not moved and any(count >= 100 for other, count in read.items() if other != path):
+            moved.append(path.rename(path.with_name(path.name + ".gone")))
+        read.setdefault(path, 0)
+        for item in read_json(path, offset):
+            read[path] += 1
+            yield item
+
+    monkeypatch.setitem(streams.READERS, "json", reader)
+    run = ["--max-sentences", 8, *STREAMING]
+    cut = run_in_process([*args_of(stream_models, data, tmp_path / "cut", "causal_lm", *run,
+                                                    max_update=40)], capfd)
+    assert moved, "the stream never came to its second shard"
+    moved[0].rename(moved[0].with_name(moved[0].name[:-len(".gone")]))
+    errors = [line for line in cut.stderr.splitlines() if line.startswith("error") or "can no longer" in line]
+    assert cut.returncode == 75, cut.stderr[-3000:]
+    assert len(errors) == 1 and "can no longer be read" in errors[0] and "--resume" in errors[0], errors
+    assert "Traceback" not in cut.stderr
+    saved = checkpoint(tmp_path / "cut")["train"]["num_updates"]
+    assert 10 < saved < 40, saved  # mid-run: the first shard's records trained, the second's not yet
+    monkeypatch.setitem(streams.READERS, "json", read_json)
+    ok_in_process(args_of(stream_models, data, tmp_path / "cut", "causal_lm", *run, "--resume", max_update=40), capfd)
+    ok_in_process(args_of(stream_models, data, tmp_path / "whole", "causal_lm", *run, max_update=40), capfd)
+    losses = {r["update"]: r["loss"] for r in train_records(tmp_path / "cut")}  # the resumed run's last
+    expected = {r["update"]: r["loss"] for r in train_records(tmp_path / "whole")}
+    assert sorted(losses) == sorted(expected) == list(range(1, 41))
+    assert max(abs(losses[u] - expected[u]) for u in losses) <= 1e-6, (losses, expected)

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from textbox_like.core.errors import UserError
+from textbox_like.core.faults import DataUnavailable, os_reason
 
 #: file suffix -> reader
 STREAM_FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv",
@@ -168,10 +169,12 @@ class FileSource:
     def __init__(self, files, seed: int, shuffle: bool):
         self.files = [Path(f) for f in files]
         self.seed, self.shuffle = int(seed), bool(shuffle)
+        # taken as the run starts: the save after a file went away mid-run still names the data it trained on
+        self._identity = [[f.name, f.stat().st_size] for f in self.files]
 
     def identity(self) -> list:
         """What a checkpoint's position refers to: the files' names and sizes."""
-        return [[f.name, f.stat().st_size] for f in self.files]
+        return self._identity
 
     def order(self, epoch: int) -> list:
         if not self.shuffle:
@@ -194,7 +197,9 @@ class FileSource:
                     yield record, index * ID_STRIDE + row, {"shard": shard, "offset": end, "row": row + 1}
                     row += 1
             except OSError as exc:
-                raise UserError(f"{path} cannot be read ({exc.strerror or exc})") from None
+                # a file gone or unreadable mid-run (a shared file system's outage, maybe on this node only):
+                # the ranks agree on it (Feed), save the state before this update and exit 75 for a retry
+                raise DataUnavailable(f"{path} can no longer be read ({os_reason(exc)})") from None
             shard, offset, row = shard + 1, 0, 0
 
 

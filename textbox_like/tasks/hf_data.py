@@ -18,11 +18,10 @@ def check_streaming_and_packing(cfg):
     if options.hf_head == "sequence_classification":
         raise UserError("--streaming is for the text heads (causal_lm, masked_lm, seq2seq): a classification "
                         "head's classes come from a pass over all labels; drop --streaming")
-    from textbox_like.data.streams import sniff_columns, stream_files
-    named = data.training_data if data.training_data and Path(data.training_data).is_file() else None
-    if not named and not Path(data.data).exists():
+    from textbox_like.data.streams import sniff_columns
+    if not named_training_file(data) and not Path(data.data).exists():
         raise UserError(f"--streaming reads local files: --data {data.data} is not a file or directory")
-    first = stream_files(named or data.data, data.train_subset)[0]
+    first = training_files(data, data.train_subset)[0]
     columns = sniff_columns(first)
     wanted = [options.text_column] + ([options.target_column] if options.hf_head == "seq2seq" else [])
     for name in wanted:
@@ -31,15 +30,25 @@ def check_streaming_and_packing(cfg):
                             f"--text_column / --target_column)")
 
 
+def named_training_file(data):
+    """--training-data where it names one file (else the split is found in --data)."""
+    return data.training_data if data.training_data and Path(data.training_data).is_file() else None
+
+
+def training_files(data, split) -> list:
+    """The files of the streamed split ``split``: the one --training-data names, or those found in --data."""
+    from textbox_like.data.streams import stream_files
+    return stream_files(named_training_file(data) or data.data, split)
+
+
 def streamed_split(cfg, split, tokenizer, columns, batcher):
     """The training split's files as a stream: tokenised as read (in --num-workers processes), shuffled by a
     seeded buffer, packed where --packing; a rank's units batched by ``batcher`` (data/text_batches.py)."""
     from textbox_like.data.hf_text import StreamEncoder, sample_tokens
     from textbox_like.data.stream_batches import StreamedData
-    from textbox_like.data.streams import FileSource, SampleStream, stream_files
+    from textbox_like.data.streams import FileSource, SampleStream
     data, options = cfg.data, cfg.task_options
-    named = data.training_data if data.training_data and Path(data.training_data).is_file() else None
-    files = stream_files(named or data.data, split)
+    files = training_files(data, split)
     source = FileSource(files, cfg.numerics.seed, shuffle=not data.no_shuffle)
     stream = SampleStream(source, seed=cfg.numerics.seed, encode=StreamEncoder(tokenizer, columns),
                           tokens=sample_tokens, shuffle_buffer=1 if data.no_shuffle else options.shuffle_buffer,
