@@ -30,6 +30,7 @@ from the epoch's start to the position (its time grows with the position).
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from collections import deque
 from pathlib import Path
@@ -327,12 +328,17 @@ class SampleStream:
 
     def peek(self, count: int) -> list:
         """The next ``count`` units (fewer at the epoch's end), left in place."""
+        self._fill(count)
+        return list(itertools.islice(self.lookahead, count))
+
+    def _fill(self, count: int) -> int:
+        """Read units into the lookahead until it holds ``count`` (or the epoch ends); how many it holds."""
         while len(self.lookahead) < count:
             unit = self._next_unit()
             if unit is None:
                 break
             self.lookahead.append(unit)
-        return list(self.lookahead)[:count]
+        return len(self.lookahead)
 
     def peek_tokens(self, budget: int) -> list:
         """The next units until they hold more than ``budget`` tokens (or the epoch ends)."""
@@ -346,11 +352,11 @@ class SampleStream:
         return list(self.lookahead)
 
     def take(self, count: int) -> list:
-        self.peek(count)
+        self._fill(count)
         return [self.lookahead.popleft() for _ in range(min(count, len(self.lookahead)))]
 
     def exhausted(self) -> bool:
-        return not self.peek(1)
+        return self._fill(1) == 0
 
     def _next_unit(self):
         if self.packer is None:
