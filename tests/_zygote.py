@@ -308,35 +308,45 @@ def zygote():
     return _ZYGOTE if _ZYGOTE.alive else None
 
 
+def refused(args, why):
+    """None (the child starts by exec), and why in $TEXTBOX_LIKE_TEST_ZYGOTE_LOG where set: the list of what
+    the zygote could not serve, to keep it serving what it can."""
+    log = os.environ.get("TEXTBOX_LIKE_TEST_ZYGOTE_LOG")
+    if log:
+        with open(log, "a") as out:
+            out.write(f"{why}\t{' '.join(map(str, args if isinstance(args, (list, tuple)) else [args]))[:300]}\n")
+    return None
+
+
 def request_for(args, executable, shell, preexec_fn, pass_fds, cwd, env, gid, gids, uid, umask, close_fds,
                 start_new_session, process_group):
     """What the zygote needs to start ``args`` as a fresh interpreter would, or None where it cannot."""
     if shell or preexec_fn is not None or pass_fds or uid is not None or gid is not None or gids is not None \
             or umask != -1 or not close_fds or isinstance(args, (str, bytes)):
-        return None
+        return refused(args, "shell, preexec_fn, pass_fds, ids, umask, close_fds=False or a string command")
     args = [os.fsdecode(a) if isinstance(a, bytes) else os.fspath(a) for a in args]
     if not args or args[0] != sys.executable or executable not in (None, sys.executable):
-        return None
+        return refused(args, "not this interpreter")
     opts, i = [], 1
     while i < len(args) and args[i] in ("-u", "-B"):
         opts.append(args[i])
         i += 1
     if i >= len(args):
-        return None
+        return refused(args, "no program")
     if args[i] in ("-c", "-m"):
         if i + 1 >= len(args):
-            return None
+            return refused(args, "no program")
         kind, target = args[i][1], args[i + 1]
         argv = (["-c"] if kind == "c" else [target]) + args[i + 2:]
     elif args[i].startswith("-"):
-        return None
+        return refused(args, f"interpreter option {args[i]}")
     else:
         kind, target, argv = "path", args[i], args[i:]
     env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
     base = zygote_env()
     for key in set(env) | set(base):
         if key.startswith(UNSAFE_PREFIXES) and env.get(key) != base.get(key):
-            return None
+            return refused(args, f"environment {key}={env.get(key)!r}, the zygote's {base.get(key)!r}")
     ignored = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                and signal.getsignal(s) == signal.SIG_IGN]
     return {"kind": kind, "target": target, "argv": argv, "opts": opts, "args": args,
@@ -364,10 +374,16 @@ class ZygotePopen(_REAL_POPEN):
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group):
         request = None
-        if os.environ.get("TEXTBOX_LIKE_TEST_ZYGOTE", "1") != "0" and subprocess._fork_exec is _REAL_FORK_EXEC:
+        if os.environ.get("TEXTBOX_LIKE_TEST_ZYGOTE", "1") == "0":
+            refused(args, "TEXTBOX_LIKE_TEST_ZYGOTE=0 (a fresh_interpreter test)")
+        elif subprocess._fork_exec is not _REAL_FORK_EXEC:
+            refused(args, "subprocess._fork_exec is replaced")
+        else:
             request = request_for(args, executable, shell, preexec_fn, pass_fds, cwd, env, gid, gids, uid, umask,
                                   close_fds, start_new_session, process_group)
         server = zygote() if request is not None else None
+        if request is not None and server is None:
+            refused(args, "no zygote in this process")
         if server is None:
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,

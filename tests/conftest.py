@@ -53,6 +53,11 @@ def pytest_configure(config):
     # likewise platform.processor() runs `uname -p` once and caches it: h5py's first import asks it
     import platform
     platform.processor()
+    # torch._dynamo's import (a run's, a launcher's prepare_forks) publishes TORCHINDUCTOR_CACHE_DIR in
+    # os.environ; published mid-session it made every later child's environment differ from the zygote's, and
+    # the zygote refused them all (a whole slow tier started its Python processes by exec): set once, here
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     # the Python processes tests start are forks of a process that imported torch once (tests/_zygote.py;
     # a suite copied without it, as test_tiers copies this file, starts them as before)
     try:
