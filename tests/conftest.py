@@ -245,9 +245,20 @@ _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
               "TEXTBOX_LIKE_INIT_METHOD", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+#: what the trainer publishes, as the session found it (a test's own changes are undone at its end)
+_SESSION_RANK_VARS = {key: os.environ.get(key) for key in _RANK_VARS}
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ():
-    """The trainer publishes RANK/WORLD_SIZE etc. in os.environ; undo that per test."""
+    """The trainer publishes RANK/WORLD_SIZE etc. in os.environ; undo that per test. A module fixture's run
+    published them before this test began (so not undone at its end): put back as the session began, or its
+    OMP_NUM_THREADS would make the zygote start every later child by exec."""
+    for key, value in _SESSION_RANK_VARS.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     before = dict(os.environ)
     yield
     for key in list(os.environ):

@@ -18,8 +18,10 @@ def request(env=None):
 def test_a_child_is_served_after_torch_dynamo_was_imported():
     import torch._dynamo  # noqa: F401  (what a run's launcher imports)
     assert subprocess.Popen is _zygote.ZygotePopen
-    assert request() is not None, "the zygote would refuse this process's children: an environment variable " \
-                                  "it compares changed (run with TEXTBOX_LIKE_TEST_ZYGOTE_LOG=FILE to see which)"
+    base = _zygote.zygote_env()
+    changed = {key: (base.get(key), os.environ.get(key)) for key in set(base) | set(os.environ)
+               if key.startswith(_zygote.UNSAFE_PREFIXES) and base.get(key) != os.environ.get(key)}
+    assert request() is not None, f"the zygote would refuse this process's children: {changed}"
 
 
 def test_a_child_whose_environment_changes_what_torch_read_at_import_is_started_by_exec():
