@@ -270,10 +270,25 @@ def _restore_environ():
 
 
 def free_port():
+    """A port no one listens on, chosen BELOW the kernel's ephemeral range. A port the kernel hands out
+    for bind(0) is one it hands out again as the local end of any outgoing connection, and a gloo
+    mesh of a run beside makes hundreds: a CI run lost that race (EADDRINUSE at the rendezvous)."""
+    import random
     import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    try:
+        lowest_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        lowest_ephemeral = 32768
+    choose = random.SystemRandom()
+    for _ in range(200):
+        port = choose.randrange(max(1024, lowest_ephemeral - 2700), lowest_ephemeral)  # above torch's 29400, 29500
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {lowest_ephemeral}")
 
 
 def _reset_accelerate():

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from _runs_runs import Ranks, nodes, run_plan, spawned
-from conftest import write_mnist
+from conftest import free_port, write_mnist
 
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.no_process_started)
 
@@ -217,10 +217,7 @@ def test_accelerate_launch_multi_gpu_on_cpu_gives_world_size_2(data, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_torchrun_gives_world_size_2(data, tmp_path):
-    import socket
-    with socket.socket() as sock:  # torchrun's --master_port 0 hangs its workers (torch 2.14)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # torchrun's --master_port 0 hangs its workers (torch 2.14)
     out = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
                "run_hetseq.py", *base(data, tmp_path / "out", "--max-sentences", "16", "--max-update", "6")])
     assert "world size 2" in out.stderr

@@ -108,11 +108,20 @@ class notes_muted:
         _muted.pop()
 
 
+def say(line):
+    """``line`` and its newline on stderr in ONE write, flushed. ``print``
+    writes the text and the newline apart, and a signal handler that prints
+    (Ctrl-C's announcement) runs between any two bytecodes: its line landed
+    inside a progress line (``... wall 0.9285interrupted (Ctrl-C)...``)."""
+    import sys
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
 def note(message):
     """One line on stderr, from the first process only."""
     import os
-    import sys
     if _muted:
         return
     if os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"note: {message}", file=sys.stderr, flush=True)
+        say(f"note: {message}")

@@ -12,6 +12,8 @@ import math
 import sys
 import time
 
+from textbox_like.core.errors import say
+
 
 class StatSums:
     """Running sums of a task's stats; a state_dict of floats."""
@@ -118,7 +120,7 @@ class Logger:
             if self.bar is not None:
                 self.bar.write(message, file=sys.stderr)
             else:
-                print(message, file=sys.stderr, flush=True)
+                say(message)
 
     def start_epoch(self, epoch, total_steps, done_steps):
         if self.is_main and self.format == "tqdm":

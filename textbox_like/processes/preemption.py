@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import signal
 
+from textbox_like.core.errors import say
 from textbox_like.core.faults import StoppedEarly
 
 PREEMPTED_EXIT_CODE = 75
@@ -149,7 +150,6 @@ class Preemption:
             self.signal = signal.Signals(signum).name
 
     def _on_ctrl_c(self, signum, frame):
-        import sys
         import time
         now = time.monotonic()
         if not self.started:
@@ -159,8 +159,8 @@ class Preemption:
             if not self.requested:
                 self.requested, self.signal = True, "SIGINT"
                 if self.announce:
-                    print("interrupted (Ctrl-C): finishing this update, saving it and stopping; Ctrl-C again to "
-                          "abort at once without saving", file=sys.stderr, flush=True)
+                    say("interrupted (Ctrl-C): finishing this update, saving it and stopping; Ctrl-C again to "
+                        "abort at once without saving")
             else:
                 self.absorbed += 1
         elif now - self._first_ctrl_c < SAME_CTRL_C_S:
