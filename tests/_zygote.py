@@ -18,14 +18,29 @@ It is a real process: its pid takes signals, its group can be killed, it opens f
 as a node dies. The zygote reaps it and reports its exit status, which the Popen's poll and wait read. Nothing
 of ours is imported in the zygote (a module that reads the environment at import reads the child's), and a
 Popen it cannot serve exactly (a shell, preexec_fn, pass_fds, another interpreter, options other than -c, -m,
--u, -B, an environment that changes what torch read at import: LD_*, MALLOC_*, OMP_*, TORCH* ...) starts as
+-u, -B, an environment that changes what torch read at import: LD_*, MALLOC_*, TORCH* ...) starts as
 before. ``TEXTBOX_LIKE_TEST_ZYGOTE=0`` turns it off.
+
+Two flavours, each its own zygote, started at its first use:
+
+- ``torch``: numpy, torch, torch.distributed: every child but those below (not torch._dynamo: that a one-process
+  run never loads it is tested);
+- ``hf``: that and transformers (its model and tokenizer modules, GPT-2, BART, BERT), datasets, accelerate and
+  peft, whose import costs a ``--task hf`` child ~5 CPU-s more than torch's: a child whose command line names
+  ``hf``, ``peft``, ``transformers`` or ``model_name_or_path``. Those libraries read the Hugging Face
+  variables (HF_*, TRANSFORMERS_*, HOME, XDG_*...) at import: a child whose environment changes one of them
+  starts by exec.
+
+A thread count in OMP_NUM_THREADS / MKL_NUM_THREADS (a positive number, the trials' and benchmarks' one
+thread) is what ``torch.set_num_threads`` sets in the child: the zygote has run no parallel region, so its
+OpenMP pool is still unmade, and the child's is made at that count as an exec'd one's would be.
 """
 from __future__ import annotations
 
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -38,13 +53,27 @@ UNSAFE_PREFIXES = ("LD_", "MALLOC_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS"
                    "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONIOENCODING", "PYTHONDEVMODE",
                    "PYTHONTRACEMALLOC", "PYTHONPROFILEIMPORTTIME", "PYTHONUTF8", "PYTHONINSPECT", "PYTHONOPTIMIZE",
                    "PYTHONVERBOSE", "PYTHONSTARTUP", "PYTHONPLATLIBDIR", "PYTHONEXECUTABLE")
+#: what the hf zygote's libraries also read at import (their caches, offline modes, verbosity, backends)
+HF_UNSAFE_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "ACCELERATE", "PEFT", "TOKENIZERS",
+                      "SAFETENSORS", "HOME", "XDG_", "USE_TORCH", "USE_TF", "USE_JAX", "USE_FLAX", "TQDM",
+                      "DISABLE_", "TRUST_REMOTE_CODE", "BITSANDBYTES", "WANDB", "MLFLOW", "COMET", "NEPTUNE")
+#: the thread counts a child may set (torch.set_num_threads in it)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: what each flavour's zygote imports before it forks
+FLAVOURS = {"torch": ("numpy", "torch", "torch.distributed"),
+            "hf": ("numpy", "torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+                   "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+                   "transformers.models.gpt2.modeling_gpt2", "transformers.models.bart.modeling_bart",
+                   "transformers.models.bert.modeling_bert", "datasets", "accelerate", "peft")}
 
 ZYGOTE_SCRIPT = r'''
 import json, os, select, signal, socket, sys
 sock = socket.socket(fileno=int(sys.argv[1]))
 signal.signal(signal.SIGINT, signal.SIG_IGN)   # pytest's Ctrl-C is pytest's; the zygote ends with its socket
-import numpy, torch, torch.distributed   # noqa: F401  (what every child would import first; not torch._dynamo:
-                                         # that a one-process run never loads it is tested)
+import importlib
+for name in sys.argv[2].split(","):   # the flavour's modules: what its children would import first
+    importlib.import_module(name)
+import numpy, torch   # noqa: E401
 own_path = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
 BASE_PATH = [p for p in sys.path[1:] if os.path.abspath(p) not in own_path]
 
@@ -85,6 +114,8 @@ def child(req, fds, ready):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     random.seed()
     numpy.random.seed()
+    if req["threads"]:
+        torch.set_num_threads(req["threads"])
     env = req["env"]
     unbuffered = "-u" in req["opts"] or bool(env.get("PYTHONUNBUFFERED"))
     sys.dont_write_bytecode = "-B" in req["opts"] or bool(env.get("PYTHONDONTWRITEBYTECODE"))
@@ -227,10 +258,11 @@ while True:
 class Zygote:
     """The forking process of this pytest process, and what it reports."""
 
-    def __init__(self):
+    def __init__(self, flavour):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = dict(os.environ)
-        self.proc = _REAL_POPEN([sys.executable, "-c", ZYGOTE_SCRIPT, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+        self.proc = _REAL_POPEN([sys.executable, "-c", ZYGOTE_SCRIPT, str(theirs.fileno()), ",".join(FLAVOURS[flavour])],
+                                pass_fds=(theirs.fileno(),),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True, env=zygote_env())
         theirs.close()
         self.sock = ours
@@ -296,16 +328,25 @@ class Zygote:
 
 
 _REAL_POPEN = subprocess.Popen
-_ZYGOTE = None
-_ZYGOTE_PID = None
+_ZYGOTES = {}
+_ZYGOTES_PID = None
 
 
-def zygote():
-    """This process's zygote (started at its first use; a forked pytest helper gets none)."""
-    global _ZYGOTE, _ZYGOTE_PID
-    if _ZYGOTE_PID != os.getpid():
-        _ZYGOTE, _ZYGOTE_PID = Zygote(), os.getpid()
-    return _ZYGOTE if _ZYGOTE.alive else None
+def zygote(flavour):
+    """This process's zygote of ``flavour`` (started at its first use; a forked pytest helper gets its own)."""
+    global _ZYGOTES, _ZYGOTES_PID
+    if _ZYGOTES_PID != os.getpid():
+        _ZYGOTES, _ZYGOTES_PID = {}, os.getpid()
+    if flavour not in _ZYGOTES:
+        _ZYGOTES[flavour] = Zygote(flavour)
+    return _ZYGOTES[flavour] if _ZYGOTES[flavour].alive else None
+
+
+def flavour_of(args) -> str:
+    """``hf`` for a child whose command line names the Hugging Face side, else ``torch``."""
+    line = " ".join(args)
+    return "hf" if set(re.findall(r"[A-Za-z_]+", line)) & {"hf", "peft", "transformers", "model_name_or_path"} or \
+        "model-name-or-path" in line else "torch"
 
 
 def refused(args, why):
@@ -344,12 +385,22 @@ def request_for(args, executable, shell, preexec_fn, pass_fds, cwd, env, gid, gi
         kind, target, argv = "path", args[i], args[i:]
     env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
     base = zygote_env()
+    flavour = flavour_of(args)
+    unsafe = UNSAFE_PREFIXES + (HF_UNSAFE_PREFIXES if flavour == "hf" else ())
+    counts = {env.get(key) for key in THREAD_VARIABLES if env.get(key) != base.get(key)}
+    threads = None
+    if counts:
+        given = [env[key] for key in THREAD_VARIABLES if key in env]
+        if len(set(given)) != 1 or not given[0].isdigit() or int(given[0]) < 1:
+            return refused(args, f"thread counts {[env.get(key) for key in THREAD_VARIABLES]}")
+        threads = int(given[0])
     for key in set(env) | set(base):
-        if key.startswith(UNSAFE_PREFIXES) and env.get(key) != base.get(key):
+        if key.startswith(unsafe) and key not in THREAD_VARIABLES and env.get(key) != base.get(key):
             return refused(args, f"environment {key}={env.get(key)!r}, the zygote's {base.get(key)!r}")
     ignored = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                and signal.getsignal(s) == signal.SIG_IGN]
-    return {"kind": kind, "target": target, "argv": argv, "opts": opts, "args": args,
+    return {"kind": kind, "target": target, "argv": argv, "opts": opts, "args": args, "flavour": flavour,
+            "threads": threads,
             "cwd": os.path.abspath(os.fspath(cwd)) if cwd else os.getcwd(), "env": env,
             "new_session": bool(start_new_session), "process_group": -1 if process_group in (None, -1)
             else int(process_group), "ignored": ignored}
@@ -381,7 +432,7 @@ class ZygotePopen(_REAL_POPEN):
         else:
             request = request_for(args, executable, shell, preexec_fn, pass_fds, cwd, env, gid, gids, uid, umask,
                                   close_fds, start_new_session, process_group)
-        server = zygote() if request is not None else None
+        server = zygote(request["flavour"]) if request is not None else None
         if request is not None and server is None:
             refused(args, "no zygote in this process")
         if server is None:
@@ -426,5 +477,6 @@ def install():
 
 def uninstall():
     subprocess.Popen = _REAL_POPEN
-    if _ZYGOTE is not None and _ZYGOTE_PID == os.getpid():
-        _ZYGOTE.close()
+    if _ZYGOTES_PID == os.getpid():
+        for server in _ZYGOTES.values():
+            server.close()
