@@ -119,3 +119,24 @@ def test_no_module_of_the_package_hides_its_api_functions():
             importlib.import_module(module.name)
     for name, function in api.items():
         assert getattr(textbox_like, name) is function and callable(function), name
+
+
+def test_a_run_from_python_leaves_the_callers_thread_variables_as_they_were(small_mnist_dir, monkeypatch):
+    """The run publishes OMP_NUM_THREADS/MKL_NUM_THREADS for what it loads (Accelerate would set its own count);
+    a notebook's environment after the run is its own again: a later process it starts is not held to the
+    run's count, and a value it had set stays."""
+    import os
+
+    import textbox_like
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "5")
+    seen = {}
+
+    class Watch(textbox_like.Callback):
+        def on_train_start(self, run):
+            seen.update({key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+
+    textbox_like.train({"task": "mnist", "data": str(small_mnist_dir), "max_sentences": 32, "max_update": 1,
+                        "threads": 1, "log_format": "none", "no_save": True}, callbacks=[Watch()])
+    assert seen == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "5"}, seen
+    assert "OMP_NUM_THREADS" not in os.environ and os.environ["MKL_NUM_THREADS"] == "5"

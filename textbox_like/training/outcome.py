@@ -60,6 +60,7 @@ def run(trainer) -> int:
         return peer_lost(trainer, exc)
     finally:
         trainer.preemption.hand_back_interrupt()
+        trainer.hand_back_environment()
         trainer.lifecycle.release_save_dir()
         close = getattr(getattr(trainer, "train_data", None), "close", None)
         if close is not None:  # a stream's tokenising worker processes

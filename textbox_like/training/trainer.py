@@ -64,6 +64,10 @@ from textbox_like.training.step import ForwardBackward, InFlight, ToDevice, Upda
 from textbox_like.training.validation import Validation
 
 
+#: what a run publishes for the libraries it loads later (Accelerate would set 2 threads a process otherwise)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 class Trainer:
     """Built in the order a run needs: processes and Accelerate, data, model
     and optimizer, batch plan, then the components that watch over them."""
@@ -94,7 +98,17 @@ class Trainer:
                 build()
         except BaseException:
             self.save_dir.release()
+            self.hand_back_environment()
             raise
+
+    def hand_back_environment(self):
+        """The thread variables as they were before this run: a caller from Python (a notebook, a search's
+        process) keeps its own environment, and its next processes are not held to this run's threads."""
+        for key, value in getattr(self, "environment_before", {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     # one view of the processes (state.Ranks), which every component is given
     @property
@@ -127,8 +141,9 @@ class Trainer:
         # processes sharing a node share its cores; Accelerate would otherwise
         # set 2 threads each, whatever the machine
         threads = cfg.runtime.threads or max(1, distributed.usable_cpus() // max(placement.local_world_size, 1))
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+        self.environment_before = {key: os.environ.get(key) for key in THREAD_VARIABLES}
+        for key in THREAD_VARIABLES:
+            os.environ.setdefault(key, str(threads))
         # before any data or model is allocated: updates reuse freed heap
         # instead of faulting fresh pages in; under --fsdp on CPU ranks large
         # chunks are unmapped when freed (malloc.py says why). uses_cuda asks
