@@ -57,6 +57,9 @@ UNSAFE_PREFIXES = ("LD_", "MALLOC_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS"
 HF_UNSAFE_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "ACCELERATE", "PEFT", "TOKENIZERS",
                       "SAFETENSORS", "HOME", "XDG_", "USE_TORCH", "USE_TF", "USE_JAX", "USE_FLAX", "TQDM",
                       "DISABLE_", "TRUST_REMOTE_CODE", "BITSANDBYTES", "WANDB", "MLFLOW", "COMET", "NEPTUNE")
+#: read where they are used, never at import: a child may change them (a test's torchrun nodes; an in-process
+#: prepare_bert publishes TOKENIZERS_PARALLELISM, and every later hf child was refused)
+READ_WHEN_USED = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TOKENIZERS_PARALLELISM")
 #: the thread counts a child may set (torch.set_num_threads in it)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: what each flavour's zygote imports before it forks
@@ -395,7 +398,7 @@ def request_for(args, executable, shell, preexec_fn, pass_fds, cwd, env, gid, gi
             return refused(args, f"thread counts {[env.get(key) for key in THREAD_VARIABLES]}")
         threads = int(given[0])
     for key in set(env) | set(base):
-        if key.startswith(unsafe) and key not in THREAD_VARIABLES and env.get(key) != base.get(key):
+        if key.startswith(unsafe) and key not in THREAD_VARIABLES + READ_WHEN_USED and env.get(key) != base.get(key):
             return refused(args, f"environment {key}={env.get(key)!r}, the zygote's {base.get(key)!r}")
     ignored = [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                and signal.getsignal(s) == signal.SIG_IGN]

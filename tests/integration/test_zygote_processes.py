@@ -26,8 +26,10 @@ def probe(flavour, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_child_gets_its_flavours_imports_and_its_thread_count(threads):
+def test_a_child_gets_its_flavours_imports_and_its_thread_count(threads, monkeypatch):
     _zygote = pytest.importorskip("_zygote")
+    # what an in-process prepare_bert leaves behind: read when used, so every hf child is still served
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     assert subprocess.Popen is _zygote.ZygotePopen
     torch_side, hf_side = probe("torch", threads), probe("transformers", threads)
     zygotes = {name: server.proc.pid for name, server in _zygote._ZYGOTES.items()}

@@ -45,3 +45,5 @@ def test_a_hugging_face_child_goes_to_the_hf_zygote_and_is_exec_d_where_it_chang
     cache = {**os.environ, "HF_HUB_CACHE": "/elsewhere"}
     assert request(cache, args=hf) is None
     assert request(cache, args=("run_hetseq.py", "--task", "mnist"))["flavour"] == "torch"
+    read_when_used = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert request(read_when_used, args=hf)["flavour"] == "hf"
