@@ -14,8 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
+# before torch (and numpy) first load OpenMP: its threads sleep when they wait instead of spinning. Two xdist
+# workers each start processes sized for the whole machine (a run's threads are the cores divided among its own
+# ranks), so the cores are oversubscribed and a spinning thread burns the time slice its peer needs: two
+# 2-thread MNIST loops side by side took 16.6 s each spinning, 6.0 s passive (docs/testing.md)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
