@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,28 @@ def test_lock_of_another_host_refused_while_fresh_taken_over_when_stale(tmp_path
     lock_file.write_bytes(b"\xff\x00garbage")
     with pytest.raises(UserError, match="unknown run"):
         savelock.SaveDirLock.acquire(tmp_path)
+
+
+def test_a_lock_takers_passing_files_are_named_as_temporary_files(tmp_path, monkeypatch):
+    """What a taker of the lock writes on its way (its new lock before the link, a stale lock moved aside) is
+    a ``.tmp`` file: a taker killed between writing and removing one leaves what a killed save leaves, never
+    a name of its own (test_resume_processes' kill -9 at a resume's start found a ``.run.lock.stale.*``)."""
+    from textbox_like.storage import savelock
+    lock_file = tmp_path / savelock.LOCK_NAME
+    lock_file.write_text(json.dumps({"host": "other-node-17", "pid": 4242, "started": 0, "token": "x"}))
+    old = time.time() - 2 * savelock.STALE_AFTER_S
+    os.utime(lock_file, (old, old))
+    passing = []
+    for name in ("link", "rename"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda src, dst, real=real: (passing.append(Path(src).name if
+                                                                      Path(dst).name == savelock.LOCK_NAME
+                                                                      else Path(dst).name), real(src, dst))[1])
+    lock = savelock.SaveDirLock.acquire(tmp_path)
+    lock.release()
+    assert len(set(passing)) == 2 and all(name.startswith(".run.lock.") and name.endswith(".tmp") for name in passing), \
+        passing
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_a_signal_while_the_lock_starts_its_refresh_thread_still_releases_it(tmp_path, monkeypatch):

@@ -196,7 +196,8 @@ class SaveDirLock:
         """Make the lock file with our content, atomically; False if it exists.
         A hard link is atomic on NFS; its reply may be lost, so the link count
         of our own temporary file says whether it took."""
-        tmp = self.dir / f".{self.name}.{self.holder['host']}.{os.getpid()}.{self.token[:8]}"
+        # named as a temporary file (``.tmp``): a taker killed before its unlink leaves one, as a killed save does
+        tmp = self.dir / f".{self.name}.{self.holder['host']}.{os.getpid()}.{self.token[:8]}.tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as handle:
                 json.dump(self.holder, handle)
@@ -221,7 +222,7 @@ class SaveDirLock:
     def _break(self, holder, mtime) -> bool:
         """Remove a stale lock file, unless another taker was faster (then the
         file moved aside is not the one judged stale, and goes back)."""
-        aside = self.dir / f".{self.name}.stale.{os.getpid()}.{self.token[:8]}"
+        aside = self.dir / f".{self.name}.stale.{os.getpid()}.{self.token[:8]}.tmp"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
