@@ -62,9 +62,12 @@ HF_UNSAFE_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "ACCELER
 READ_WHEN_USED = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TOKENIZERS_PARALLELISM")
 #: the thread counts a child may set (torch.set_num_threads in it)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-#: what each flavour's zygote imports before it forks
-FLAVOURS = {"torch": ("numpy", "torch", "torch.distributed"),
-            "hf": ("numpy", "torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+#: what each flavour's zygote imports before it forks. torch._dynamo (2.3 CPU-s to import) is imported by every
+#: rank of two or more (DDP's constructor), every --fsdp and every --compile run; a one-process run does not
+#: import it (textbox_like.core.internals), and with it loaded runs torch's own code instead, bitwise the same
+#: (tests/integration/test_internals_processes.py holds both, in a fresh interpreter)
+FLAVOURS = {"torch": ("numpy", "torch", "torch.distributed", "torch._dynamo"),
+            "hf": ("numpy", "torch", "torch.distributed", "torch._dynamo", "transformers", "transformers.modeling_utils",
                    "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
                    "transformers.models.gpt2.modeling_gpt2", "transformers.models.bart.modeling_bart",
                    "transformers.models.bert.modeling_bert", "datasets", "accelerate", "peft")}

@@ -41,6 +41,7 @@ print("adam", p.detach().tolist())
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_interpreter   # the suite's zygote imported torch._dynamo
 def test_a_one_process_run_loads_no_compiler_or_sharding_and_steps_as_torch_does(small_mnist_dir, tmp_path):
     """A fresh interpreter (torch._dynamo is long imported in this one): the
     launcher's checks, then a one-process run that trains and saves, import
