@@ -86,12 +86,15 @@ def test_a_lock_takers_passing_files_are_named_as_temporary_files(tmp_path, monk
     lock_file.write_text(json.dumps({"host": "other-node-17", "pid": 4242, "started": 0, "token": "x"}))
     old = time.time() - 2 * savelock.STALE_AFTER_S
     os.utime(lock_file, (old, old))
-    passing = []
-    for name in ("link", "rename"):
-        real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda src, dst, real=real: (passing.append(Path(src).name if
-                                                                      Path(dst).name == savelock.LOCK_NAME
-                                                                      else Path(dst).name), real(src, dst))[1])
+    passing = []   # the name of each passing file: a link's source (to the lock) or a rename's target (aside)
+
+    def recorded(real):
+        def call(src, dst):
+            passing.append(Path(src).name if Path(dst).name == savelock.LOCK_NAME else Path(dst).name)
+            return real(src, dst)
+        return call
+    monkeypatch.setattr(os, "link", recorded(os.link))
+    monkeypatch.setattr(os, "rename", recorded(os.rename))
     lock = savelock.SaveDirLock.acquire(tmp_path)
     lock.release()
     assert len(set(passing)) == 2 and all(name.startswith(".run.lock.") and name.endswith(".tmp") for name in passing), \
